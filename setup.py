@@ -1,0 +1,37 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_ext",
+    version="0.1.0",
+    description="Training that does not stand still: live resharding, dynamic pipelines, "
+    "elastic submodels and packed LoRA sweeps on NVIDIA Megatron-Core.",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    package_data={"megatron_ext": ["configs/**/*.yaml", "configs/*.yaml"]},
+    python_requires=">=3.11",
+    install_requires=[
+        "megatron-core>=0.16.1,<0.17",
+        # CPU machines: install torch==2.13.0 first (the README does); GPU machines get CUDA torch.
+        "torch>=2.6",
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3",
+        "numpy",
+        "psutil",  # dist_checkpointing's async writer imports it; megatron-core does not declare it
+        "tokenizers>=0.19",
+        "tensorboard",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "slurm": ["hydra-submitit-launcher>=1.2", "submitit"],
+        "wandb": ["wandb"],
+        # Apex is optional and comes from NVIDIA's containers or a source build; the PyPI package
+        # named `apex` is an unrelated project and must never be installed.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-ext-train=megatron_ext.train:main",
+            "megatron-ext-pretrain-gpt=megatron_ext.pretrain_gpt:main",
+        ]
+    },
+)

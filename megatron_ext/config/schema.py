@@ -1,0 +1,156 @@
+"""Typed configuration tree of a training run.
+
+Every section is a dataclass registered in Hydra's ConfigStore (see `store.py`), so YAML presets
+and command-line overrides (`parallel.tp=2`, `model=llama_tiny`) are type-checked by OmegaConf.
+Field comments say what a field means; the rules that tie fields together live in `validate.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA-style decoder (RMSNorm, SwiGLU, RoPE, GQA), optionally with MoE MLPs."""
+
+    name: str = "llama_tiny"
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 352
+    num_attention_heads: int = 4
+    # Key/value heads for grouped-query attention; None means one per attention head (MHA).
+    num_query_groups: Optional[int] = None
+    seq_length: int = 128
+    # None: taken from the tokenizer. The embedding is padded to a multiple of
+    # `make_vocab_size_divisible_by * tp` so every TP rank holds an equal slice.
+    vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    tie_embeddings: bool = True
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    # Mixture of experts: None means dense MLPs in every layer.
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_aux_loss_coeff: float = 0.0
+    # allgather works everywhere; alltoall needs CUDA streams in megatron-core 0.16.
+    moe_token_dispatcher: str = "allgather"
+    # Pretrained weights to start from (GGUF / HF import); None trains from scratch.
+    pretrained: Optional[str] = None
+    # fp32 | bf16 | fp16. CPU runs are fp32.
+    precision: str = "fp32"
+    # Layer implementation: auto (Transformer Engine when installed and on CUDA) | local | te.
+    spec: str = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is cut. world = tp * pp * dp * cp; ep divides dp * cp (megatron's rule)."""
+
+    tp: int = 1
+    pp: int = 1
+    # None: whatever is left of the world after tp * pp * cp.
+    dp: Optional[int] = None
+    ep: int = 1
+    cp: int = 1
+    # Virtual pipeline stages per rank (interleaved 1F1B); None disables interleaving.
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+
+
+@dataclass
+class DataConfig:
+    # Megatron indexed-dataset prefixes (without .bin/.idx), optionally weighted like megatron's
+    # --data-path ("0.7 a 0.3 b"). Empty: the default corpus, built on first use and cached.
+    data_path: list[str] = field(default_factory=list)
+    # Which text the default corpus is made of: "stdlib" (the Python standard library's sources
+    # and docs, present on every machine) or a path to a text file / directory of text files.
+    corpus: str = "stdlib"
+    # "byte" (256 symbols + specials, no training needed) or a path to a Hugging Face
+    # tokenizer.json / a GGUF file whose vocabulary defines the BPE tokenizer.
+    tokenizer: str = "byte"
+    split: str = "969,30,1"
+    cache_dir: str = "~/.cache/megatron_ext"
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adam"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # None: 5% of train.iters.
+    lr_warmup_iters: Optional[int] = None
+    # None: train.iters.
+    lr_decay_iters: Optional[int] = None
+    lr_decay_style: str = "cosine"
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 200
+    micro_batch_size: int = 4
+    # None: micro_batch_size * dp (one micro-batch per data-parallel rank per step).
+    global_batch_size: Optional[int] = 16
+    seed: int = 1234
+    eval_interval: int = 50
+    eval_iters: int = 4
+    # Stop after this many iterations of this invocation (for tests and preemption drills).
+    exit_interval: Optional[int] = None
+
+
+@dataclass
+class CheckpointConfig:
+    # Directory to save to (megatron layout: iter_0000100/ + latest_checkpointed_iteration.txt).
+    save: Optional[str] = None
+    # Directory to resume from; the usual idiom is save == load.
+    load: Optional[str] = None
+    # Save every N iterations; None saves only at the end.
+    interval: Optional[int] = None
+    # Keep this many most recent checkpoints; None keeps all.
+    keep_last: Optional[int] = 2
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    progress_bar: bool = True
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+
+
+@dataclass
+class LauncherConfig:
+    # Local worker processes to start when not already under torchrun/srun (1 = this process).
+    nproc: int = 1
+    master_addr: str = "127.0.0.1"
+    # 0: pick a free port.
+    master_port: int = 0
+    # auto (cuda if available) | cpu | cuda
+    device: str = "auto"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # Names of registered plugins to switch on (see megatron_ext.plugin). Each registered plugin
+    # with a config class also gets its own top-level section (`reshard.schedule=...`), added by
+    # `store.config_schema()`.
+    plugins: list[str] = field(default_factory=list)

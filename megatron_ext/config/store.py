@@ -1,0 +1,109 @@
+"""Hydra ConfigStore registration: the schema and the typed presets of each config group.
+
+Groups and what they hold:
+  model/     architecture presets (ModelConfig)
+  parallel/  layout presets (ParallelConfig)
+  data/      corpus and tokenizer presets (DataConfig)
+  optim/     optimizer presets (OptimConfig)
+  plugin/    plugin presets (YAML under megatron_ext/configs/plugin/, `@package _global_`)
+  experiment/ whole-run presets (YAML under megatron_ext/configs/experiment/)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Sequence
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from megatron_ext.config.schema import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
+from megatron_ext.plugin import registered_plugins
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+MODEL_PRESETS = {
+    # ~1M parameters: the default experiment and most tests.
+    "llama_tiny": ModelConfig(name="llama_tiny"),
+    # GQA with two KV groups; tied embeddings off, to exercise the untied output layer.
+    "llama_tiny_gqa": ModelConfig(
+        name="llama_tiny_gqa", num_attention_heads=8, num_query_groups=2, tie_embeddings=False
+    ),
+    "llama_small": ModelConfig(
+        name="llama_small",
+        num_layers=8,
+        hidden_size=512,
+        ffn_hidden_size=1408,
+        num_attention_heads=8,
+        num_query_groups=4,
+        seq_length=512,
+    ),
+    "llama_moe_tiny": ModelConfig(
+        name="llama_moe_tiny", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176
+    ),
+}
+
+PARALLEL_PRESETS = {
+    "single": ParallelConfig(),
+    "tp2": ParallelConfig(tp=2),
+    "pp2": ParallelConfig(pp=2),
+    "dp2": ParallelConfig(dp=2),
+    "tp2pp2": ParallelConfig(tp=2, pp=2),
+    "pp2dp2": ParallelConfig(pp=2, dp=2),
+    "ep2": ParallelConfig(dp=2, ep=2),
+}
+
+DATA_PRESETS = {
+    "stdlib": DataConfig(),
+}
+
+OPTIM_PRESETS = {
+    "adam": OptimConfig(),
+}
+
+
+@functools.cache
+def config_schema() -> type:
+    """`Config` plus one top-level section per registered plugin that has a config class."""
+    extra = [
+        (name, cls.config_class, dataclasses.field(default_factory=cls.config_class))
+        for name, cls in sorted(registered_plugins().items())
+        if cls.config_class is not None
+    ]
+    if not extra:
+        return Config
+    return dataclasses.make_dataclass("Config", extra, bases=(Config,))
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=config_schema())
+    for group, presets in (
+        ("model", MODEL_PRESETS),
+        ("parallel", PARALLEL_PRESETS),
+        ("data", DATA_PRESETS),
+        ("optim", OPTIM_PRESETS),
+    ):
+        for name, node in presets.items():
+            cs.store(group=group, name=name, node=node)
+
+
+def compose_config(overrides: Sequence[str] = ()) -> Config:
+    """The run's config from the packaged `train.yaml` and Hydra overrides, as a typed object.
+
+    Used by entrypoints that do not go through `@hydra.main` (pretrain_gpt, tests, notebooks).
+    """
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    return to_object(cfg)
+
+
+def to_object(cfg) -> Config:
+    """DictConfig -> the schema's dataclass instance (drops Hydra's own `hydra` node)."""
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config_schema()), cfg))

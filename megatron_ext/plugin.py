@@ -1,0 +1,105 @@
+"""The plugin protocol: the only thing the Trainer knows about plugins.
+
+A plugin is a class with a `name`, an optional `config_class` (a dataclass that becomes the
+top-level config section `<name>`), and any of the hooks below. The Trainer calls the hooks of
+the plugins listed in `cfg.plugins`, in that order. Hooks are small and named; plugins never
+reach into each other.
+
+    @register_plugin
+    class MyPlugin(Plugin):
+        name = "mine"
+        config_class = MyConfig
+
+        def on_step_end(self, trainer, step, metrics): ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_ext.training.trainer import Trainer
+
+HOOKS = (
+    "setup",
+    "layer_spec",
+    "after_model_built",
+    "forward_backward_func",
+    "on_step_begin",
+    "on_step_end",
+    "state_dict",
+    "load_state_dict",
+    "on_train_end",
+)
+
+
+class Plugin:
+    """Base class with no-op hooks; override the ones you need."""
+
+    name: str = ""
+    config_class: Optional[type] = None
+
+    def __init__(self, cfg: Any = None) -> None:
+        # The plugin's own config section (an instance of `config_class`), or None.
+        self.cfg = cfg
+
+    def setup(self, trainer: Trainer) -> None:
+        """After the world exists, before the model is built."""
+
+    def layer_spec(self, spec: ModuleSpec, trainer: Trainer) -> ModuleSpec:
+        """Swap layers through megatron's ModuleSpec (elastic modules, LoRA linears)."""
+        return spec
+
+    def after_model_built(self, model_chunks: list, trainer: Trainer) -> list:
+        """Before DDP wrapping: freeze, wrap or replace modules. Return the chunks to use."""
+        return model_chunks
+
+    def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
+        """Supply the forward/backward function of a step (same signature as megatron's
+        `get_forward_backward_func()` result), or None to keep megatron's schedule."""
+        return None
+
+    def on_step_begin(self, trainer: Trainer, step: int) -> None:
+        """Between steps, before step `step` runs (grads are zero: a safe point to reshard)."""
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+        """After the optimizer step of `step`."""
+
+    def state_dict(self) -> dict:
+        """Extra state saved with every checkpoint (plain, picklable, the same on all ranks)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """After the last step and the final checkpoint."""
+
+
+_REGISTRY: dict[str, type[Plugin]] = {}
+
+
+def register_plugin(cls: type[Plugin]) -> type[Plugin]:
+    """Class decorator: make a plugin selectable with `plugins=[<cls.name>]`."""
+    if not cls.name:
+        raise ValueError(f"plugin class {cls.__qualname__} has no `name`")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"two plugins are named {cls.name!r}: {_REGISTRY[cls.name]} and {cls}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_plugins() -> dict[str, type[Plugin]]:
+    return dict(_REGISTRY)
+
+
+def build_plugins(names: list[str], cfg: Any) -> list[Plugin]:
+    """Instantiate the plugins named in the config, each with its own config section."""
+    unknown = [n for n in names if n not in _REGISTRY]
+    if unknown:
+        raise ValueError(
+            f"plugins: unknown plugin(s) {unknown}; registered: {sorted(_REGISTRY) or 'none'}"
+        )
+    return [_REGISTRY[n](getattr(cfg, n, None)) for n in names]

@@ -1,0 +1,349 @@
+"""The rules that tie config fields together, checked before any process group exists.
+
+Megatron-Core finds most of these problems too, but only after `init_process_group`, on every
+rank at once, as an assertion deep inside model construction. Checking them here turns a hung or
+crashed N-process launch into one line that names the field to change:
+
+    parallel.tp: model.num_attention_heads (6) must be divisible by parallel.tp (4)
+
+Every rule is a small function `(cfg, world_size, device) -> None | str | list[str]` returning the
+broken rule's text; `RULES` below lists them all with the field each one blames.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence, Union
+
+from megatron_ext.config.schema import Config
+from megatron_ext.plugin import registered_plugins
+
+
+class ConfigError(ValueError):
+    """A broken rule. `field`/`rule` name the first one; `violations` holds all of them."""
+
+    def __init__(
+        self, field: str, rule: str, others: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        self.field = field
+        self.rule = rule
+        self.violations = [(field, rule), *others]
+        super().__init__("\n".join(f"{f}: {r}" for f, r in self.violations))
+
+
+def _get(cfg: Config, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: sizes. Every other rule divides by these, so they are checked first and alone.
+
+# Sizes that must always be positive integers.
+SIZES = (
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.ep",
+    "parallel.cp",
+    "launcher.nproc",
+    "train.iters",
+    "train.micro_batch_size",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.ffn_hidden_size",
+    "model.num_attention_heads",
+    "model.seq_length",
+    "model.moe_router_topk",
+)
+# Sizes that may be None ("derive it" / "off") but must be positive when given.
+OPTIONAL_SIZES = (
+    "parallel.dp",
+    "parallel.vpp",
+    "train.global_batch_size",
+    "model.num_query_groups",
+    "model.num_experts",
+    "model.moe_ffn_hidden_size",
+    "optim.lr_decay_iters",
+    "checkpoint.interval",
+    "checkpoint.keep_last",
+)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _size_violations(cfg: Config, world_size: int) -> list[tuple[str, str]]:
+    found = [
+        (path, f"must be a positive integer, got {_get(cfg, path)!r}")
+        for path in SIZES
+        if not _is_positive_int(_get(cfg, path))
+    ]
+    found += [
+        (path, f"must be a positive integer or null, got {_get(cfg, path)!r}")
+        for path in OPTIONAL_SIZES
+        if _get(cfg, path) is not None and not _is_positive_int(_get(cfg, path))
+    ]
+    if not _is_positive_int(world_size):
+        found.append(("launcher.nproc", f"world size must be a positive integer, got {world_size!r}"))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: relations between fields. Sizes are known to be positive here.
+
+Rule = Callable[[Config, int, str], Union[None, str, list[str]]]
+
+
+def _dp_or_none(cfg: Config, world_size: int) -> Optional[int]:
+    """dp as the launch will have it, or None when the world cannot be cut (reported elsewhere)."""
+    p = cfg.parallel
+    if p.dp is not None:
+        return p.dp if p.tp * p.pp * p.dp * p.cp == world_size else None
+    model = p.tp * p.pp * p.cp
+    return world_size // model if world_size % model == 0 else None
+
+
+def heads_divisible_by_tp(cfg: Config, world: int, device: str) -> Optional[str]:
+    heads, tp = cfg.model.num_attention_heads, cfg.parallel.tp
+    if heads % tp:
+        return f"model.num_attention_heads ({heads}) must be divisible by parallel.tp ({tp})"
+    return None
+
+
+def query_groups_fit(cfg: Config, world: int, device: str) -> list[str]:
+    groups, heads, tp = cfg.model.num_query_groups, cfg.model.num_attention_heads, cfg.parallel.tp
+    if groups is None:
+        return []
+    found = []
+    if heads % groups:
+        found.append(
+            f"model.num_query_groups ({groups}) must divide model.num_attention_heads ({heads})"
+        )
+    # Stricter than megatron-core 0.16, which also lets tp be a multiple of the groups by
+    # all-gathering QKV in every layer; we keep whole KV heads per TP rank.
+    if groups % tp:
+        found.append(f"model.num_query_groups ({groups}) must be divisible by parallel.tp ({tp})")
+    return found
+
+
+def hidden_divisible_by_heads(cfg: Config, world: int, device: str) -> Optional[str]:
+    hidden, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
+    if hidden % heads:
+        return f"model.hidden_size ({hidden}) must be divisible by model.num_attention_heads ({heads})"
+    return None
+
+
+def layers_divisible_by_stages(cfg: Config, world: int, device: str) -> Optional[str]:
+    layers, pp, vpp = cfg.model.num_layers, cfg.parallel.pp, cfg.parallel.vpp
+    if vpp is None and layers % pp:
+        return f"model.num_layers ({layers}) must be divisible by parallel.pp ({pp})"
+    if vpp is not None and layers % (pp * vpp):
+        return (
+            f"model.num_layers ({layers}) must be divisible by parallel.pp * parallel.vpp "
+            f"({pp} * {vpp} = {pp * vpp})"
+        )
+    return None
+
+
+def vpp_needs_pipeline(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.parallel.vpp is not None and cfg.parallel.pp == 1:
+        return "parallel.vpp (interleaved pipeline) requires parallel.pp > 1"
+    return None
+
+
+def world_matches_layout(cfg: Config, world: int, device: str) -> Optional[str]:
+    p = cfg.parallel
+    if p.dp is not None and p.tp * p.pp * p.dp * p.cp != world:
+        return (
+            f"world size ({world}) must equal tp * pp * dp * cp "
+            f"({p.tp} * {p.pp} * {p.dp} * {p.cp} = {p.tp * p.pp * p.dp * p.cp})"
+        )
+    return None
+
+
+def world_divisible_by_model(cfg: Config, world: int, device: str) -> Optional[str]:
+    p = cfg.parallel
+    if p.dp is None and world % (p.tp * p.pp * p.cp):
+        return (
+            f"world size ({world}, from launcher.nproc or WORLD_SIZE/SLURM under torchrun/srun) "
+            f"must be divisible by tp * pp * cp ({p.tp} * {p.pp} * {p.cp} = {p.tp * p.pp * p.cp})"
+        )
+    return None
+
+
+def experts_divisible_by_ep(cfg: Config, world: int, device: str) -> Optional[str]:
+    experts, ep = cfg.model.num_experts, cfg.parallel.ep
+    if experts is not None and experts % ep:
+        return f"model.num_experts ({experts}) must be divisible by parallel.ep ({ep})"
+    return None
+
+
+def ep_needs_experts(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.parallel.ep > 1 and cfg.model.num_experts is None:
+        return f"parallel.ep ({cfg.parallel.ep}) > 1 requires model.num_experts"
+    return None
+
+
+def ep_divides_dp_cp(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron-core 0.16 initialize_model_parallel: expert ranks are cut as etp * ep * pp with
+    # etp = tp, so world = tp * pp * dp * cp must be divisible by tp * ep * pp, i.e. ep | dp * cp.
+    dp, ep, cp = _dp_or_none(cfg, world), cfg.parallel.ep, cfg.parallel.cp
+    if dp is not None and (dp * cp) % ep:
+        return f"parallel.ep ({ep}) must divide dp * cp ({dp} * {cp} = {dp * cp})"
+    return None
+
+
+def topk_within_experts(cfg: Config, world: int, device: str) -> Optional[str]:
+    experts, topk = cfg.model.num_experts, cfg.model.moe_router_topk
+    if experts is not None and topk > experts:
+        return f"model.moe_router_topk ({topk}) must be <= model.num_experts ({experts})"
+    return None
+
+
+def global_batch_divisible(cfg: Config, world: int, device: str) -> Optional[str]:
+    gbs, mbs, dp = cfg.train.global_batch_size, cfg.train.micro_batch_size, _dp_or_none(cfg, world)
+    if gbs is not None and dp is not None and gbs % (mbs * dp):
+        return (
+            f"train.global_batch_size ({gbs}) must be divisible by train.micro_batch_size * dp "
+            f"({mbs} * {dp} = {mbs * dp})"
+        )
+    return None
+
+
+def sequence_parallel_needs_tp(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        return "parallel.sequence_parallel requires parallel.tp > 1"
+    return None
+
+
+def seq_length_fits_cp(cfg: Config, world: int, device: str) -> Optional[str]:
+    # Megatron's load-balanced context parallelism gives each CP rank two chunks of the sequence.
+    seq, cp = cfg.model.seq_length, cfg.parallel.cp
+    if cp > 1 and seq % (2 * cp):
+        return f"model.seq_length ({seq}) must be divisible by 2 * parallel.cp ({2 * cp})"
+    return None
+
+
+def warmup_before_decay_end(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps.
+    warmup = cfg.optim.lr_warmup_iters
+    decay = cfg.optim.lr_decay_iters or cfg.train.iters
+    if warmup is not None and not 0 <= warmup < decay:
+        return f"optim.lr_warmup_iters ({warmup}) must be >= 0 and < the lr decay iters ({decay})"
+    return None
+
+
+def one_of(path: str, allowed: Sequence[str]) -> Rule:
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        value = _get(cfg, path)
+        if value not in allowed:
+            return f"{path} must be one of {', '.join(allowed)}; got {value!r}"
+        return None
+
+    rule.__name__ = f"one_of({path})"
+    return rule
+
+
+def alltoall_needs_cuda(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.model.moe_token_dispatcher == "alltoall" and device == "cpu":
+        return (
+            "model.moe_token_dispatcher=alltoall needs CUDA streams in megatron-core 0.16; "
+            "use allgather on CPU"
+        )
+    return None
+
+
+def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
+    known = registered_plugins()
+    return [
+        f"unknown plugin {name!r}; registered: {', '.join(sorted(known)) or 'none'}"
+        for name in cfg.plugins
+        if name not in known
+    ]
+
+
+# (blamed field, rule): the field is what a user changes to fix it.
+RULES: tuple[tuple[str, Rule], ...] = (
+    ("parallel.tp", heads_divisible_by_tp),
+    ("model.num_query_groups", query_groups_fit),
+    ("model.hidden_size", hidden_divisible_by_heads),
+    ("model.num_layers", layers_divisible_by_stages),
+    ("parallel.vpp", vpp_needs_pipeline),
+    ("parallel.dp", world_matches_layout),
+    ("launcher.nproc", world_divisible_by_model),
+    ("model.num_experts", experts_divisible_by_ep),
+    ("parallel.ep", ep_needs_experts),
+    ("parallel.ep", ep_divides_dp_cp),
+    ("model.moe_router_topk", topk_within_experts),
+    ("train.global_batch_size", global_batch_divisible),
+    ("parallel.sequence_parallel", sequence_parallel_needs_tp),
+    ("model.seq_length", seq_length_fits_cp),
+    ("optim.lr_warmup_iters", warmup_before_decay_end),
+    ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
+    ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
+    ("launcher.device", one_of("launcher.device", ("auto", "cpu", "cuda"))),
+    # The names megatron's OptimizerParamScheduler accepts.
+    (
+        "optim.lr_decay_style",
+        one_of("optim.lr_decay_style", ("constant", "linear", "cosine", "inverse-square-root", "WSD")),
+    ),
+    ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
+    ("model.moe_token_dispatcher", alltoall_needs_cuda),
+    ("plugins", plugins_registered),
+)
+
+
+def _device_of(cfg: Config) -> str:
+    if cfg.launcher.device != "auto":
+        return cfg.launcher.device
+    import torch  # late: validating a config should not pay for torch unless it must
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def violations(cfg: Config, world_size: int, device: Optional[str] = None) -> list[tuple[str, str]]:
+    """Every broken rule as (field, rule text), in `RULES` order; [] for a valid config."""
+    found = _size_violations(cfg, world_size)
+    if found:
+        return found
+    device = device or _device_of(cfg)
+    for field, rule in RULES:
+        result = rule(cfg, world_size, device)
+        found += [(field, text) for text in ([result] if isinstance(result, str) else result or [])]
+    return found
+
+
+def validate(cfg: Config, world_size: int, device: Optional[str] = None) -> None:
+    """Raise ConfigError naming every broken rule. `device` defaults to launcher.device, with
+    auto meaning cuda when torch sees a GPU."""
+    found = violations(cfg, world_size, device)
+    if found:
+        (field, rule), *others = found
+        raise ConfigError(field, rule, others)
+
+
+def resolve_dp(cfg: Config, world_size: int) -> int:
+    """The data-parallel size of a launch with `world_size` processes."""
+    dp = _dp_or_none(cfg, world_size)
+    if dp is None:
+        field = "parallel.dp" if cfg.parallel.dp is not None else "launcher.nproc"
+        rule = world_matches_layout(cfg, world_size, "") or world_divisible_by_model(cfg, world_size, "")
+        raise ConfigError(field, rule)
+    return dp
+
+
+def world_size_of(cfg: Config) -> int:
+    """The number of processes the launch will have.
+
+    torchrun sets WORLD_SIZE. Tasks of an srun step see SLURM_STEP_NUM_TASKS, the size of their
+    own step (SLURM_NTASKS is the allocation, which a batch script running python directly also
+    sees while being one process). A step of one task is a plain process that may start
+    launcher.nproc local workers itself, like a process outside Slurm.
+    """
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    return step_tasks if step_tasks > 1 else cfg.launcher.nproc

@@ -1,0 +1,168 @@
+"""GPT datasets from Megatron indexed datasets, and the resumable per-rank batch iterator."""
+
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence
+from unittest import mock
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import Split, get_blend_from_list
+
+from megatron_ext.data.tokenizers import Tokenizer
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def _always() -> bool:
+    return True
+
+
+@contextlib.contextmanager
+def _single_process_is_rank_zero() -> Iterator[None]:
+    # megatron-core 0.16's BlendedDataset._build_indices calls torch.distributed.get_rank() on a
+    # cache miss without checking is_initialized() (GPTDataset does check), so a weighted blend
+    # crashes in a plain single process. There the only rank is 0; say so for this build only.
+    if torch.distributed.is_initialized():
+        yield
+        return
+    with mock.patch.object(torch.distributed, "get_rank", lambda group=None: 0):
+        yield
+
+
+def _check_split_coverage(
+    prefixes: Sequence[str], config: GPTDatasetConfig, num_samples: Sequence[int]
+) -> None:
+    # Megatron loops forever drawing samples from a split that owns no tokens; fail instead.
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise FileNotFoundError(f"data.data_path: no {prefix}.bin/.idx")
+        num_documents = IndexedDataset(prefix).sequence_lengths.shape[0]
+        for split in Split:
+            bounds = config.split_matrix[split.value]
+            if num_samples[split.value] == 0:
+                continue
+            # the same rounding BlendedMegatronDatasetBuilder uses to cut the documents
+            if bounds is None or round(bounds[1] * num_documents) <= round(
+                bounds[0] * num_documents
+            ):
+                raise ValueError(
+                    f"data.split={config.split!r} leaves the {split.name} split no documents of "
+                    f"{prefix} ({num_documents} documents), but {num_samples[split.value]} "
+                    f"{split.name} samples were requested"
+                )
+
+
+def build_gpt_datasets(
+    data_path: list[str],
+    tokenizer: Tokenizer,
+    seq_length: int,
+    split: str,
+    num_samples: tuple[int, int, int],
+    seed: int,
+    cache_dir: str,
+    is_built_on_rank: Callable[[], bool] = _always,
+) -> tuple[Optional[GPTDataset], Optional[GPTDataset], Optional[GPTDataset]]:
+    """Train/valid/test GPT datasets, each with at least the requested number of samples.
+
+    data_path follows megatron's --data-path: prefixes, optionally as weight/prefix pairs
+    ("0.7", "a", "0.3", "b"). A split with 0 requested samples is not built and comes back None,
+    as does every split on ranks where is_built_on_rank() is False (megatron's convention; it
+    must be True on global rank 0). Index caches go to cache_dir; with torch.distributed
+    initialized, all ranks must call this: rank 0 builds the caches, then the others read them.
+    """
+    if not data_path:
+        raise ValueError("data.data_path is empty: give at least one dataset prefix")
+    blend = get_blend_from_list(list(data_path))
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # GPTModel with a causal mask type builds the mask itself; a [1, s, s] mask per sample
+        # would dominate batch memory at long sequence lengths.
+        create_attention_mask=False,
+    )
+    _check_split_coverage(blend[0], config, num_samples)
+    for split_kind in Split:
+        if num_samples[split_kind.value] == 0:
+            config.split_matrix[split_kind.value] = None
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config)
+    with _single_process_is_rank_zero():
+        train, valid, test = builder.build()
+    return train, valid, test
+
+
+class PretrainingSampler:
+    """Micro-batches of sample indices for one data-parallel rank, in one fixed global order.
+
+    Global step k covers samples [consumed + k*mbs*dp, consumed + (k+1)*mbs*dp); rank r takes
+    the r-th contiguous slice of mbs. Everything is a function of the global sample count, so
+    resuming at `consumed_samples`, with the same or another dp size, continues the same order
+    with nothing skipped or repeated. A trailing partial global batch is dropped so all ranks
+    take the same number of steps.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ) -> None:
+        if micro_batch_size <= 0 or data_parallel_size <= 0:
+            raise ValueError("micro_batch_size and data_parallel_size must be positive")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} not in [0, {total_samples}]")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.global_micro_batch = micro_batch_size * data_parallel_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // self.global_micro_batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        first = self.consumed_samples + self.data_parallel_rank * self.micro_batch_size
+        for step in range(len(self)):
+            begin = first + step * self.global_micro_batch
+            yield list(range(begin, begin + self.micro_batch_size))
+
+
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    # Only the GPT keys: a blend adds "dataset_id", and the batch layout must not depend on it.
+    return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
+
+
+def build_data_iterator(
+    dataset: torch.utils.data.Dataset,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    consumed_samples: int,
+    num_workers: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Iterate this rank's micro-batches from `consumed_samples` on.
+
+    Batches are dicts of [micro_batch_size, seq_length] tensors: tokens, labels, position_ids
+    (long) and loss_mask (float).
+    """
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        persistent_workers=num_workers > 0,
+    )
+    return iter(loader)

@@ -1,0 +1,172 @@
+"""Tokenizers that megatron-core's GPT datasets accept.
+
+GPTDatasetConfig is typed on `megatron.core.tokenizers.MegatronTokenizerBase` and reads `eod`,
+`pad`, `vocab_size` and `unique_identifiers` (the latter goes into the hash that names the
+dataset index caches), so both tokenizers subclass that base and provide those members.
+"""
+
+import hashlib
+import os
+from collections import OrderedDict
+from typing import Optional, Union
+
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+_HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>")
+_HF_PAD_CANDIDATES = ("<pad>", "<|padding|>", "[PAD]")
+
+
+class ByteTokenizer(MegatronTokenizerBase):
+    """UTF-8 bytes are the ids 0..255; `<eod>` is 256 and `<pad>` 257.
+
+    Needs no training and no files, so every machine can build the default corpus with it.
+    """
+
+    _NUM_BYTES = 256
+
+    def __init__(self) -> None:
+        super().__init__(path="byte", config={})
+        self._special = {"<eod>": self._NUM_BYTES, "<pad>": self._NUM_BYTES + 1}
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        # Special ids are dropped, as Hugging Face's decode does by default.
+        data = bytes(int(i) for i in ids if int(i) < self._NUM_BYTES)
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        # latin-1 maps each byte to one distinct character, so the byte vocab is printable
+        vocab = {bytes([i]).decode("latin-1"): i for i in range(self._NUM_BYTES)}
+        vocab.update(self._special)
+        return vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: t for t, i in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._NUM_BYTES + len(self._special)
+
+    @property
+    def eod(self) -> int:
+        return self._special["<eod>"]
+
+    @property
+    def pad(self) -> int:
+        return self._special["<pad>"]
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(
+            [("class", f"{__name__}.ByteTokenizer"), ("vocab_size", self.vocab_size)]
+        )
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError("ByteTokenizer has no chat template")
+
+
+class HFTokenizer(MegatronTokenizerBase):
+    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file."""
+
+    def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
+        from tokenizers import Tokenizer
+
+        super().__init__(path=path, config={})
+        self._tokenizer = Tokenizer.from_file(path)
+        with open(path, "rb") as f:
+            # The content, not the path, identifies the tokenizer: a retrained tokenizer.json at
+            # the same path must not reuse token ids cached for the old one.
+            self._sha256 = hashlib.sha256(f.read()).hexdigest()
+        self._eod_token = eod_token or self._first_present(_HF_EOD_CANDIDATES, "eod")
+        self._eod = self._token_id(self._eod_token)
+
+    def _first_present(self, candidates: tuple[str, ...], role: str) -> str:
+        for token in candidates:
+            if self._tokenizer.token_to_id(token) is not None:
+                return token
+        raise ValueError(
+            f"{self.path} has none of the {role} tokens {list(candidates)}; "
+            f"name the {role} token explicitly"
+        )
+
+    def _token_id(self, token: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"token {token!r} is not in the vocabulary of {self.path}")
+        return token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        # No post-processor specials (BOS etc.): documents are separated by eod alone.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: t for t, i in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        # AttributeError, not a made-up id: megatron's datasets then fall back to a pad id that
+        # cannot occur in the data, and getattr(tokenizer, "pad", None) works for callers.
+        for token in _HF_PAD_CANDIDATES:
+            token_id = self._tokenizer.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        raise AttributeError(f"{self.path} has none of the pad tokens {list(_HF_PAD_CANDIDATES)}")
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(
+            [
+                ("class", f"{__name__}.HFTokenizer"),
+                ("sha256", self._sha256),
+                ("eod_token", self._eod_token),
+            ]
+        )
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError("HFTokenizer has no chat template")
+
+
+Tokenizer = Union[ByteTokenizer, HFTokenizer]
+
+
+def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
+    """Build the tokenizer named by the `data.tokenizer` setting.
+
+    spec: "byte", or a path to a Hugging Face tokenizer.json (or a folder holding one).
+    eod_token: for tokenizer.json only; defaults to `<|endoftext|>` or `</s>`.
+    """
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.expanduser(spec)
+    if path.endswith(".gguf"):
+        raise NotImplementedError(
+            f"data.tokenizer={spec!r}: GGUF tokenizers come with the model-import feature"
+        )
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        path = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(path) and path.endswith(".json"):
+        return HFTokenizer(path, eod_token=eod_token)
+    raise ValueError(
+        f"data.tokenizer={spec!r} is not a tokenizer: use 'byte' or the path to a Hugging Face "
+        "tokenizer.json (or a folder holding one)"
+    )

@@ -1,0 +1,123 @@
+"""LLaMA-style GPT (RMSNorm, SwiGLU, RoPE, GQA, optional MoE) on megatron-core's GPTModel.
+
+The architecture is fixed here; sizes come from `ModelConfig`, the layout from `ParallelConfig`.
+Plugins change layers through the ModuleSpec (`layer_spec` hook), never by editing this file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.platform import optional
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, model: ModelConfig, tp: int) -> int:
+    """Megatron pads the embedding so each TP rank holds an equal, aligned slice. The padding
+    depends on tp, so checkpoints store the padded size of the layout that wrote them."""
+    multiple = model.make_vocab_size_divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: bool) -> TransformerConfig:
+    dtype = DTYPES[model.precision]
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        sequence_parallel=parallel.sequence_parallel,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size if model.num_experts else None,
+        moe_token_dispatcher_type=model.moe_token_dispatcher,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=model.precision == "bf16",
+        fp16=model.precision == "fp16",
+        # CPU initialisation draws the full master weight from one seeded generator and slices
+        # it, so every TP/PP layout starts from the same weights (and CPU equals GPU).
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        # Fusions that need apex/TE kernels.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=not on_cpu,
+    )
+
+
+def use_transformer_engine(model: ModelConfig, on_cpu: bool) -> bool:
+    if model.spec == "te":
+        if on_cpu or not optional.HAVE_TE:
+            raise RuntimeError("model.spec=te needs Transformer Engine and a CUDA device")
+        return True
+    return model.spec == "auto" and optional.HAVE_TE and not on_cpu
+
+
+def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts)
+    return get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    config: TransformerConfig,
+    spec: ModuleSpec,
+    vocab_size: int,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: Optional[int] = None,
+    pg_collection=None,
+) -> GPTModel:
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base),
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+ModelProvider = Callable[[bool, bool, Optional[int]], GPTModel]

@@ -1,0 +1,346 @@
+"""Megatron-Core 0.16 on CPU: the CUDA assumptions it makes, mapped to CPU.
+
+Megatron-Core writes `torch.cuda.current_device()`, `device="cuda"`, CUDA streams/events and the
+CUDA RNG into code that is otherwise device-agnostic. On a machine without CUDA those calls can
+only raise, so redirecting them to the CPU changes nothing that worked: every fix here applies
+only when `torch.cuda.is_available()` is False, and `apply()` is a no-op otherwise.
+
+Each fix is a named entry of `FIXES` with the upstream diff that would make it unnecessary
+(`patches/<name>.diff`, checked against megatron-core 0.16.1 in CI). The mechanism of most fixes
+is the same: megatron modules that touch CUDA get a module-local `torch` (`TorchOnCPU`) whose
+`cuda` namespace and tensor factories resolve to the CPU; the real `torch` module is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)  # a bare int is a CUDA ordinal in torch's factories
+
+
+def _on_cpu(fn: Callable) -> Callable:
+    """A tensor factory whose `device="cuda"` means the CPU and whose pinning is dropped."""
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = CPU
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args) -> None:
+        pass
+
+    def wait_event(self, *args) -> None:
+        pass
+
+    def record_event(self, *args):
+        return _NullStream()
+
+    def record(self, *args) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _make_cuda_on_cpu() -> types.SimpleNamespace:
+    """The parts of `torch.cuda` megatron-core calls, answered for the CPU."""
+    return types.SimpleNamespace(
+        is_available=torch.cuda.is_available,
+        device_count=lambda: 0,
+        current_device=lambda: CPU,
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        reset_peak_memory_stats=lambda *a, **k: None,
+        Stream=_NullStream,
+        Event=_NullStream,
+        stream=lambda s=None: contextlib.nullcontext(),
+        current_stream=lambda *a, **k: _NullStream(),
+        default_stream=lambda *a, **k: _NullStream(),
+        get_rng_state=lambda *a, **k: torch.get_rng_state(),
+        set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+        manual_seed=torch.manual_seed,
+        manual_seed_all=torch.manual_seed,
+        FloatTensor=torch.FloatTensor,
+        HalfTensor=torch.HalfTensor,
+        BFloat16Tensor=torch.BFloat16Tensor,
+        nvtx=types.SimpleNamespace(
+            range_push=lambda *a, **k: None,
+            range_pop=lambda *a, **k: None,
+            range=lambda *a, **k: contextlib.nullcontext(),
+        ),
+        amp=torch.amp,
+    )
+
+
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "as_tensor",
+)
+
+
+class TorchOnCPU(types.ModuleType):
+    """A module-local `torch` for megatron modules: everything is the real torch, except that
+    `torch.cuda.*` and `device="cuda"` in tensor factories mean the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _make_cuda_on_cpu()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+TORCH_ON_CPU = TorchOnCPU()
+
+
+def _redirect_torch(*module_names: str) -> None:
+    for name in module_names:
+        module = importlib.import_module(name)
+        if module.__dict__.get("torch") is torch:
+            module.torch = TORCH_ON_CPU
+
+
+# --- the fixes -------------------------------------------------------------------------------
+
+
+def _fix_device_literals() -> None:
+    """`torch.cuda.current_device()`, `device="cuda"`, streams, events and synchronize in the
+    modules a GPT/MoE training step goes through (buffers, DDP, attention, RoPE, router, MoE
+    dispatch, optimizer, grad clipping, rerun machine, checkpoint exchange)."""
+    _redirect_torch(
+        "megatron.core.utils",
+        "megatron.core.rerun_state_machine",
+        "megatron.core.tensor_parallel.layers",
+        "megatron.core.tensor_parallel.mappings",
+        "megatron.core.tensor_parallel.data",
+        "megatron.core.tensor_parallel.utils",
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.language_module.language_module",
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.transformer.dot_product_attention",
+        "megatron.core.transformer.attention",
+        "megatron.core.transformer.transformer_layer",
+        "megatron.core.transformer.utils",
+        "megatron.core.transformer.moe.router",
+        "megatron.core.transformer.moe.moe_utils",
+        "megatron.core.transformer.moe.experts",
+        "megatron.core.transformer.moe.token_dispatcher",
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron.core.distributed.distributed_data_parallel",
+        "megatron.core.distributed.finalize_model_grads",
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.distrib_optimizer",
+        "megatron.core.optimizer.clip_grads",
+        "megatron.core.optimizer.grad_scaler",
+    )
+
+
+def _fix_dist_checkpointing() -> None:
+    """dist_checkpointing's torch_dist save/load synchronizes CUDA before writing, stages
+    tensors through CUDA in the exchange of fully-parallel load, and moves loaded tensors with
+    `.cuda()`."""
+    _redirect_torch(
+        "megatron.core.dist_checkpointing.exchange_utils",
+        "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "megatron.core.dist_checkpointing.strategies.fully_parallel",
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "megatron.core.dist_checkpointing.strategies.torch",
+    )
+
+
+def _fix_pipeline_schedules() -> None:
+    """`device="cuda"` token counters in the schedules and CUDA receive buffers + synchronize in
+    the point-to-point layer."""
+    _redirect_torch(
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.pipeline_parallel.p2p_communication",
+    )
+
+
+def _fix_rng_tracker() -> None:
+    """The CUDA RNG tracker forks/gets/sets the CUDA generator; on CPU the CPU generator plays
+    its part (model-parallel seeds, dropout in TP regions, expert-parallel RNG)."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+    random._lazy_call = lambda fn, **kwargs: fn()
+    random.torch = TORCH_ON_CPU
+
+
+_REAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type_with_cuda_names(self, *args, **kwargs):
+    name = _REAL_TENSOR_TYPE(self, *args, **kwargs)
+    if not args and not kwargs and isinstance(name, str) and self.device.type == "cpu":
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
+
+
+@contextlib.contextmanager
+def _cpu_tensors_report_cuda_types():
+    """Inside megatron's optimizer set-up, `param.type()` of a CPU tensor reads as its CUDA
+    twin: the optimizers sort params by comparing against 'torch.cuda.FloatTensor' etc."""
+    if torch.Tensor.type is _tensor_type_with_cuda_names:  # re-entered from a nested call
+        yield
+        return
+    torch.Tensor.type = _tensor_type_with_cuda_names
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _REAL_TENSOR_TYPE
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _cpu_tensors_report_cuda_types():
+            return fn(*args, **kwargs)
+
+    wrapped.__wrapped_for_cpu__ = True
+    return wrapped
+
+
+def _fix_optimizer_type_checks() -> None:
+    """`Tensor.type() == 'torch.cuda.FloatTensor'` in Float16/Distributed optimizers and
+    grad clipping."""
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    clip = importlib.import_module("megatron.core.optimizer.clip_grads")
+    for owner, attr in (
+        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
+        (distrib.DistributedOptimizer, "__init__"),
+        (distrib.DistributedOptimizer, "_build_model_and_main_param_groups"),
+        (clip, "clip_grad_by_total_norm_fp32"),
+    ):
+        fn = owner.__dict__[attr]
+        raw = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+        if getattr(raw, "__wrapped_for_cpu__", False):
+            continue
+        wrapped = _with_cuda_type_names(raw)
+        if isinstance(fn, staticmethod):
+            wrapped = staticmethod(wrapped)
+        elif isinstance(fn, classmethod):
+            wrapped = classmethod(wrapped)
+        setattr(owner, attr, wrapped)
+    # Callers bound the function by name at import time.
+    for module in (optimizer, distrib):
+        if hasattr(module, "clip_grad_by_total_norm_fp32"):
+            module.clip_grad_by_total_norm_fp32 = clip.clip_grad_by_total_norm_fp32
+
+
+def _fix_tensor_cuda_method() -> None:
+    """`tensor.cuda()` (tied-embedding set-up under PP, optimizer state loading, batch
+    broadcast): on a machine without CUDA the only tensors are CPU tensors, so `.cuda()` keeps
+    them where they are. The one global change: `Tensor.cuda` can only raise without CUDA."""
+    if not getattr(torch.Tensor.cuda, "__cpu_identity__", False):
+
+        def cuda(self, *args, **kwargs):
+            return self
+
+        cuda.__cpu_identity__ = True
+        torch.Tensor.cuda = cuda
+
+
+def _fix_te_general_gemm() -> None:
+    """moe_utils reads `te_general_gemm` unconditionally but defines it only when Transformer
+    Engine imports: without TE the MoE router GEMM raises NameError. Not CPU-specific."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    apply: Callable[[], None]
+    # Needed on CPU only (False: a plain bug, fixed on every device).
+    cpu_only: bool = True
+
+
+FIXES: tuple[Fix, ...] = (
+    Fix("device_literals", _fix_device_literals),
+    Fix("pipeline_schedules", _fix_pipeline_schedules),
+    Fix("dist_checkpointing", _fix_dist_checkpointing),
+    Fix("tensor_cuda_method", _fix_tensor_cuda_method),
+    Fix("rng_tracker", _fix_rng_tracker),
+    Fix("optimizer_type_checks", _fix_optimizer_type_checks),
+    Fix("te_general_gemm", _fix_te_general_gemm, cpu_only=False),
+)
+
+_applied: list[str] = []
+
+
+def apply(on_cpu: bool | None = None) -> list[str]:
+    """Apply the fixes this process needs (idempotent); returns the names applied so far.
+
+    `on_cpu` defaults to "CUDA is not available"; passing True on a CUDA machine is refused,
+    because the redirections would send megatron's CUDA tensors to the CPU.
+    """
+    if on_cpu is None:
+        on_cpu = not torch.cuda.is_available()
+    if on_cpu and torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_ext's CPU compatibility layer is for machines without CUDA; "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES='') to train on the CPU here"
+        )
+    for fix in FIXES:
+        if fix.name in _applied or (fix.cpu_only and not on_cpu):
+            continue
+        fix.apply()
+        _applied.append(fix.name)
+    return list(_applied)
+
+
+def applied() -> list[str]:
+    return list(_applied)

@@ -1,0 +1,17 @@
+"""Optional accelerator libraries: found or not, never required."""
+
+import importlib.util
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# Transformer Engine: `pip install megatron_ext[gpu]`, or NVIDIA's PyTorch containers.
+HAVE_TE = _importable("transformer_engine")
+# NVIDIA Apex (fused kernels): only from NVIDIA's containers or a source build. The PyPI package
+# named `apex` is an unrelated project; this checks for NVIDIA's module, not that name.
+HAVE_APEX = _importable("apex") and _importable("amp_C")

@@ -1,0 +1,100 @@
+"""Tokenizers: byte ids are the UTF-8 bytes; tokenizer.json tokenizers round-trip and find eod."""
+
+import json
+
+import pytest
+from megatron.core.tokenizers import MegatronTokenizerBase
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from megatron_ext.data import ByteTokenizer, HFTokenizer, build_tokenizer
+
+TEXT = "Grüße, 世界! naïve café — ∑ x² 🙂\n\ttabs"
+
+LINES = [
+    "the quick brown fox jumps over the lazy dog",
+    "pack my box with five dozen liquor jugs",
+    "how vexingly quick daft zebras jump",
+    "sphinx of black quartz, judge my vow",
+] * 5
+
+
+def _train_bpe(tmp_path, special_tokens=("<|endoftext|>", "<pad>")):
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(LINES, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_byte_ids_are_utf8_bytes_and_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.tokenize(TEXT)
+    assert ids == list(TEXT.encode("utf-8"))  # independent reference: Python's own encoder
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.detokenize(ids) == TEXT
+    assert (tok.eod, tok.pad, tok.vocab_size) == (256, 257, 258)
+    assert len(tok.vocab) == tok.vocab_size and tok.inv_vocab[256] == "<eod>"
+
+
+def test_byte_detokenize_drops_specials_and_replaces_broken_utf8():
+    tok = ByteTokenizer()
+    assert tok.detokenize([104, 256, 105, 257]) == "hi"
+    assert tok.detokenize(list("é".encode())[:1]) == "\ufffd"
+
+
+def test_tokenizers_are_what_gpt_dataset_config_is_typed_on(tmp_path):
+    assert isinstance(ByteTokenizer(), MegatronTokenizerBase)
+    assert isinstance(HFTokenizer(str(_train_bpe(tmp_path))), MegatronTokenizerBase)
+    json.dumps(ByteTokenizer().unique_identifiers)  # megatron hashes this into cache names
+
+
+def test_hf_round_trip_and_eod(tmp_path):
+    path = _train_bpe(tmp_path)
+    tok = build_tokenizer(str(path))
+    reference = Tokenizer.from_file(str(path))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.eod == reference.token_to_id("<|endoftext|>")
+    assert tok.pad == reference.token_to_id("<pad>")
+    assert tok.vocab_size == reference.get_vocab_size()
+    for text in [LINES[0], "jumps over zebras", TEXT]:
+        ids = tok.tokenize(text)
+        assert tok.eod not in ids
+        assert tok.detokenize(ids) == text
+    assert len(tok.tokenize(LINES[0])) < len(LINES[0])  # merges were learned and used
+    assert build_tokenizer(str(tmp_path)).eod == tok.eod  # a folder holding tokenizer.json
+
+
+def test_hf_eod_fallback_explicit_and_missing(tmp_path):
+    path = _train_bpe(tmp_path, special_tokens=("</s>", "<unk>"))
+    tok = HFTokenizer(str(path))
+    assert tok.eod == Tokenizer.from_file(str(path)).token_to_id("</s>")
+    assert HFTokenizer(str(path), eod_token="<unk>").eod == tok.eod + 1
+    with pytest.raises(AttributeError, match="pad"):
+        tok.pad
+    bare = _train_bpe(tmp_path / "..", special_tokens=("<unk>",))
+    with pytest.raises(ValueError, match=r"<\|endoftext\|>.*</s>"):
+        HFTokenizer(str(bare))
+
+
+def test_hf_identity_is_the_file_content(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = HFTokenizer(str(_train_bpe(tmp_path / "a")))
+    same = HFTokenizer(str(_train_bpe(tmp_path / "b")))
+    other = HFTokenizer(str(_train_bpe(tmp_path / "b", special_tokens=("<|endoftext|>",))))
+    assert first.unique_identifiers == same.unique_identifiers
+    assert first.unique_identifiers != other.unique_identifiers
+
+
+def test_build_tokenizer_errors(tmp_path):
+    with pytest.raises(NotImplementedError, match="model-import feature"):
+        build_tokenizer(str(tmp_path / "model.gguf"))
+    with pytest.raises(ValueError, match="data.tokenizer.*'byte'.*tokenizer.json"):
+        build_tokenizer("gpt2")

@@ -1,0 +1,14 @@
+"""megatron_ext: training on NVIDIA Megatron-Core that does not stand still."""
+
+import warnings
+
+# Known, harmless notices megatron-core and torch print on every rank on a CPU machine; they
+# would bury the progress bar. Anything else still shows.
+for _message in (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor",
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+):
+    warnings.filterwarnings("ignore", message=_message)

@@ -12,7 +12,6 @@ broken rule's text; `RULES` below lists them all with the field each one blames.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Sequence, Union
 
 from megatron_ext.config.schema import Config
@@ -336,14 +335,9 @@ def resolve_dp(cfg: Config, world_size: int) -> int:
 
 
 def world_size_of(cfg: Config) -> int:
-    """The number of processes the launch will have.
+    """The number of processes the launch will have: what torchrun (WORLD_SIZE) or srun
+    (SLURM_NTASKS) set up, else the launcher.nproc local workers the trainer starts itself."""
+    from megatron_ext.platform.launch import detect_launch  # late: it imports torch
 
-    torchrun sets WORLD_SIZE. Tasks of an srun step see SLURM_STEP_NUM_TASKS, the size of their
-    own step (SLURM_NTASKS is the allocation, which a batch script running python directly also
-    sees while being one process). A step of one task is a plain process that may start
-    launcher.nproc local workers itself, like a process outside Slurm.
-    """
-    if os.environ.get("WORLD_SIZE"):
-        return int(os.environ["WORLD_SIZE"])
-    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
-    return step_tasks if step_tasks > 1 else cfg.launcher.nproc
+    launch = detect_launch()
+    return launch.world_size if launch else cfg.launcher.nproc

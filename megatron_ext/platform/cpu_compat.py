@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -334,6 +335,9 @@ def apply(on_cpu: bool | None = None) -> list[str]:
             "megatron_ext's CPU compatibility layer is for machines without CUDA; "
             "hide the GPUs (CUDA_VISIBLE_DEVICES='') to train on the CPU here"
         )
+    if on_cpu:
+        # Advice for CUDA's connection scheduling, printed by every TP layer; moot on the CPU.
+        warnings.filterwarnings("ignore", message=r"When using async grad allreduce")
     for fix in FIXES:
         if fix.name in _applied or (fix.cpu_only and not on_cpu):
             continue

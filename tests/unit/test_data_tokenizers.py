@@ -73,12 +73,14 @@ def test_hf_round_trip_and_eod(tmp_path):
 
 def test_hf_eod_fallback_explicit_and_missing(tmp_path):
     path = _train_bpe(tmp_path, special_tokens=("</s>", "<unk>"))
+    reference = Tokenizer.from_file(str(path))
     tok = HFTokenizer(str(path))
-    assert tok.eod == Tokenizer.from_file(str(path)).token_to_id("</s>")
-    assert HFTokenizer(str(path), eod_token="<unk>").eod == tok.eod + 1
+    assert tok.eod == reference.token_to_id("</s>")
+    assert HFTokenizer(str(path), eod_token="<unk>").eod == reference.token_to_id("<unk>")
     with pytest.raises(AttributeError, match="pad"):
         tok.pad
-    bare = _train_bpe(tmp_path / "..", special_tokens=("<unk>",))
+    (tmp_path / "bare").mkdir()
+    bare = _train_bpe(tmp_path / "bare", special_tokens=("<unk>",))
     with pytest.raises(ValueError, match=r"<\|endoftext\|>.*</s>"):
         HFTokenizer(str(bare))
 

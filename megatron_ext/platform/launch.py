@@ -1,0 +1,127 @@
+"""Where the processes come from: torchrun, SLURM `srun`, or N local workers started here.
+
+The trainer always runs inside an initialised torch.distributed world. `detect_launch()` reads
+what an outside launcher set; when there is none, `launch_local()` starts `nproc` workers itself
+with torch's elastic agent (the machinery behind torchrun) so failures propagate the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    # torchrun | slurm | local
+    source: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_master_port(job_id: str) -> int:
+    """A port every task of a SLURM job derives alike without talking to the others."""
+    return 15000 + int(job_id) % 20000
+
+
+def slurm_master_addr(nodelist: str) -> str:
+    """The first host of the job's node list (`scontrol` expands ranges like node[01-04])."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        ).stdout
+        return out.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        # No scontrol: a single host name, or the first entry of a plain comma list.
+        return nodelist.split(",")[0].split("[")[0]
+
+
+def detect_launch(environ: Optional[dict] = None) -> Optional[LaunchEnv]:
+    """The world an outside launcher made, or None when this process was started on its own."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or anything that exports its variables
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun, one task per rank
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or slurm_master_addr(env["SLURM_JOB_NODELIST"]),
+            master_port=int(env.get("MASTER_PORT") or slurm_master_port(env["SLURM_JOB_ID"])),
+            source="slurm",
+        )
+    return None
+
+
+def export_env(launch: LaunchEnv) -> None:
+    """torch.distributed's env:// rendezvous reads these."""
+    os.environ.update(
+        RANK=str(launch.rank),
+        WORLD_SIZE=str(launch.world_size),
+        LOCAL_RANK=str(launch.local_rank),
+        MASTER_ADDR=launch.master_addr,
+        MASTER_PORT=str(launch.master_port),
+    )
+
+
+def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
+    """Join the world described by the environment (gloo on CPU, NCCL on GPU)."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def limit_cpu_threads(nproc_on_host: int) -> None:
+    """Workers sharing a few cores oversubscribe them with one OpenMP pool each."""
+    if "OMP_NUM_THREADS" not in os.environ and nproc_on_host > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def launch_local(
+    nproc: int, worker: Callable[..., Any], args: tuple, master_addr: str, master_port: int
+) -> dict[int, Any]:
+    """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
+    returns each rank's return value."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    limit_cpu_threads(nproc)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"megatron_ext_{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{master_addr}:{master_port or free_port()}",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
+    return elastic_launch(config, worker)(*args)

@@ -1,0 +1,115 @@
+"""Entrypoint: `python -m megatron_ext.train [key=value ...]`.
+
+    python -m megatron_ext.train                          # the default experiment (4 CPU workers)
+    python -m megatron_ext.train parallel.tp=2 launcher.nproc=2 train.iters=50
+    torchrun --nproc-per-node 8 -m megatron_ext.train parallel.tp=8   # launched from outside
+    python -m megatron_ext.train -m hydra/launcher=slurm ...          # Hydra multirun / SLURM
+
+A plain run composes the config with Hydra's compose API, so every bad input (an unknown key, a
+wrong type, a broken rule between fields) ends as one `error: ...` line and exit code 2 before
+anything is written. Runs with Hydra's own flags (`-m`, `--cfg`, `--help`, ...) go through
+`@hydra.main`, which owns multirun sweeps and launcher plugins.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+import hydra
+from omegaconf import DictConfig
+
+from megatron_ext.config import Config, compose_config, register_configs, to_object
+from megatron_ext.config.validate import ConfigError, validate, world_size_of
+from megatron_ext.platform import cpu_compat
+from megatron_ext.platform.device import resolve_device
+from megatron_ext.platform.launch import (
+    LaunchEnv,
+    detect_launch,
+    export_env,
+    free_port,
+    init_distributed,
+    launch_local,
+    limit_cpu_threads,
+)
+
+register_configs()
+
+
+def run(cfg: Config) -> Optional[dict]:
+    """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
+    run summary (from the reporting rank when workers were started here)."""
+    validate(cfg, world_size_of(cfg))
+    if detect_launch() is None and cfg.launcher.nproc > 1:
+        results = launch_local(
+            cfg.launcher.nproc, worker, (cfg,), cfg.launcher.master_addr, cfg.launcher.master_port
+        )
+        return results[cfg.launcher.nproc - 1]
+    return worker(cfg)
+
+
+def worker(cfg: Config) -> dict:
+    """One rank: join the world, train, leave."""
+    import torch.distributed as dist
+
+    from megatron_ext.plugin import build_plugins
+    from megatron_ext.training.trainer import Trainer
+
+    launch = detect_launch()
+    if launch is None:  # a single process: a world of one
+        launch = LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
+    export_env(launch)
+    device = resolve_device(cfg.launcher.device)
+    if device.type == "cpu":
+        limit_cpu_threads(launch.world_size)
+    cpu_compat.apply(on_cpu=device.type == "cpu")
+    init_distributed(device)
+    trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()
+        dist.destroy_process_group()
+
+
+def run_from_overrides(overrides: Sequence[str]) -> Optional[dict]:
+    return run(compose_config(overrides))
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> Optional[dict]:
+    try:
+        return run(to_object(cfg))
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith("-") for a in argv):
+        sys.argv = [sys.argv[0], *argv]
+        _hydra_main()
+        return
+    try:
+        cfg = compose_config(argv)
+    except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
+        _fail(_first_line(e))
+    try:
+        run(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " ".join(text.split("\n")[:2])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Checkpoints in megatron's torch_dist format, saved atomically, loadable in any layout.
+
+Layout on disk (megatron's, so its tools find the checkpoints):
+    <dir>/iter_0000100/                     one dist_checkpointing checkpoint
+    <dir>/latest_checkpointed_iteration.txt the tracker: the newest complete iteration
+
+A save writes into `<dir>/.iter_0000100.tmp/`, and only when every rank has finished does rank 0
+rename it into place and then replace the tracker. A crash at any point before the rename leaves
+the tracker pointing at the previous checkpoint, which stays loadable; leftovers of a broken save
+are removed by the next save.
+
+Where each tensor lives comes from megatron's own metadata: the model's and the optimizer's
+`sharded_state_dict()`. The distributed optimizer's state is saved "fully reshardable", so a
+checkpoint written at TP2 x PP2 resumes at PP2 x DP2.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | os.PathLike) -> Optional[int]:
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"checkpoint.load: {tracker} does not hold an iteration number: {text!r}")
+    return int(text)
+
+
+def _model_sharded_state_dict(model_chunks: list) -> dict:
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model_chunks)}
+
+
+def _rng_sharded_object(layout_key: tuple[int, int]) -> ShardedObject:
+    """Each (pp, tp) position keeps its own RNG states; data-parallel replicas share them."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = layout_key
+    return ShardedObject(
+        "rng_state",
+        state,
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        (pp, tp),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def _layout_key() -> tuple[int, int]:
+    return (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
+def sharded_state_dict(model_chunks: list, optimizer, is_loading: bool = False) -> dict:
+    state = _model_sharded_state_dict(model_chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            _model_sharded_state_dict(model_chunks) if len(model_chunks) > 1 else state["model"],
+            is_loading=is_loading,
+            metadata=OPTIMIZER_METADATA,
+        )
+    state["rng_state"] = _rng_sharded_object(_layout_key())
+    return state
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    iteration: int,
+    model_chunks: list,
+    optimizer,
+    common: dict[str, Any],
+    keep_last: Optional[int] = None,
+) -> Path:
+    """Write checkpoint `iteration` under `root`; `common` is plain state (same on all ranks)."""
+    root = Path(root)
+    final = iteration_dir(root, iteration)
+    staging = root / f".{final.name}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(root)
+        staging.mkdir()
+    dist.barrier()
+    state = sharded_state_dict(model_chunks, optimizer)
+    state["common"] = common
+    dist_checkpointing.save(state, str(staging))
+    dist.barrier()
+    if rank == 0:
+        if final.exists():  # a re-save of the same iteration replaces it
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _write_tracker(root, iteration)
+        if keep_last:
+            _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _write_tracker(root: Path, iteration: int) -> None:
+    tmp = root / f".{TRACKER}.tmp"
+    tmp.write_text(f"{iteration}\n")
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, root / TRACKER)
+
+
+def _remove_stale_staging(root: Path) -> None:
+    for stale in root.glob(".iter_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    iterations = sorted(
+        int(m.group(1)) for p in root.iterdir() if (m := re.fullmatch(r"iter_(\d{7})", p.name))
+    )
+    for it in iterations[:-keep_last]:
+        shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+def load_common(root: str | os.PathLike, iteration: int) -> dict[str, Any]:
+    """The plain (non-sharded) state of a checkpoint: counters, scheduler, config, vocab size."""
+    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
+    return common["common"]
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    iteration: int,
+    model_chunks: list,
+    optimizer,
+    load_rng: bool,
+) -> dict[str, Any]:
+    """Load model (and optimizer) state of `iteration` into the current layout; returns the
+    common state. RNG states are restored only when `load_rng` (same TP x PP layout)."""
+    path = str(iteration_dir(root, iteration))
+    template = sharded_state_dict(model_chunks, optimizer, is_loading=True)
+    if not load_rng:
+        template.pop("rng_state")
+    state = dist_checkpointing.load(template, path)
+    if len(model_chunks) == 1:
+        model_chunks[0].load_state_dict(state["model"])
+    else:
+        for i, m in enumerate(model_chunks):
+            m.load_state_dict(state[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if load_rng:
+        _restore_rng(state["rng_state"])
+    return load_common(root, iteration)
+
+
+def _restore_rng(rng: dict) -> None:
+    random.setstate(rng["random"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])

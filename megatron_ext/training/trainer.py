@@ -1,0 +1,398 @@
+"""The Trainer: megatron-core's model, DDP, optimizer, scheduler and schedules in one loop.
+
+    trainer = Trainer(cfg, plugins)   # inside an initialised torch.distributed world
+    trainer.setup()                   # layout, data, model, optimizer, checkpoint resume
+    summary = trainer.train()
+
+Everything that is megatron's stays megatron's: `GPTModel`, `DistributedDataParallel`,
+`get_megatron_optimizer` (Adam, DistributedOptimizer, grad clipping), `OptimizerParamScheduler`,
+`get_forward_backward_func` (1F1B / interleaved), `finalize_model_grads`, dist_checkpointing.
+The Trainer only wires them together and calls the plugins' hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron_ext.config.schema import Config
+from megatron_ext.config.validate import resolve_dp
+from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
+from megatron_ext.models.gpt import (
+    build_gpt_model,
+    layer_spec,
+    padded_vocab_size,
+    transformer_config,
+    use_transformer_engine,
+)
+from megatron_ext.platform.device import current_device
+from megatron_ext.plugin import Plugin
+from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.metrics import MetricsReporter
+from megatron_ext.training.step import forward_step, reduce_loss
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The counters a checkpoint carries besides tensors."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, plugins: list[Plugin] = ()) -> None:
+        self.cfg = cfg
+        self.plugins = list(plugins)
+        self.state = TrainState()
+        self.on_cpu = not torch.cuda.is_available()
+        self.world_size = dist.get_world_size()
+        self.dp = resolve_dp(cfg, self.world_size)
+        self.model: list = []
+        self.optimizer = None
+        self.scheduler: Optional[OptimizerParamScheduler] = None
+        self.vocab_size: Optional[int] = None
+
+    # --- set-up ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self._init_layout()
+        for p in self.plugins:
+            p.setup(self)
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        resume = self._resume_point()
+        self.vocab_size = self._vocab_size(resume)
+        self.model = self._build_model()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler()
+        if resume is not None:
+            self._load(*resume)
+        self._build_data()
+
+    def _init_layout(self) -> None:
+        p = self.cfg.parallel
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp,
+            context_parallel_size=p.cp,
+            expert_model_parallel_size=p.ep,
+        )
+        # Same seed on every rank: with CPU initialisation each layer's full weight is drawn
+        # from it and then sliced, so every layout starts from identical weights.
+        torch.manual_seed(self.cfg.train.seed)
+        model_parallel_cuda_manual_seed(self.cfg.train.seed)
+        init_num_microbatches_calculator(
+            dist.get_rank(),
+            None,
+            self._global_batch_size(),
+            self.cfg.train.micro_batch_size,
+            self.dp,
+        )
+
+    def _global_batch_size(self) -> int:
+        t = self.cfg.train
+        return t.global_batch_size or t.micro_batch_size * self.dp
+
+    def _resume_point(self) -> Optional[tuple[str, int, dict]]:
+        """(directory, iteration, common state) of the checkpoint to resume from, if any."""
+        load = self.cfg.checkpoint.load
+        if not load:
+            return None
+        iteration = ckpt.latest_iteration(load)
+        if iteration is None:
+            if os.path.isdir(load) and any(os.scandir(load)):
+                raise ValueError(f"checkpoint.load: {load} has no {ckpt.TRACKER}")
+            return None  # `save == load` on a first run: start fresh
+        return load, iteration, ckpt.load_common(load, iteration)
+
+    def _vocab_size(self, resume: Optional[tuple[str, int, dict]]) -> int:
+        """The padded vocabulary is fixed for the run: a resumed run keeps its checkpoint's."""
+        if resume is not None:
+            saved = resume[2]["padded_vocab_size"]
+            if saved % self.cfg.parallel.tp:
+                raise ValueError(
+                    f"parallel.tp: the checkpoint's padded vocabulary ({saved}) is not divisible "
+                    f"by tp={self.cfg.parallel.tp}"
+                )
+            return saved
+        vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
+        return padded_vocab_size(vocab, self.cfg.model, self.cfg.parallel.tp)
+
+    def _build_model(self) -> list:
+        cfg = self.cfg
+        config = transformer_config(cfg.model, cfg.parallel, self.on_cpu)
+        config.calculate_per_token_loss = True
+        spec = layer_spec(cfg.model, use_transformer_engine(cfg.model, self.on_cpu))
+        for p in self.plugins:
+            spec = p.layer_spec(spec, self)
+        vpp = cfg.parallel.vpp
+        chunks = []
+        for vp_stage in range(vpp or 1):
+            stage = vp_stage if vpp else None
+            model = build_gpt_model(
+                cfg.model,
+                config,
+                spec,
+                self.vocab_size,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+            )
+            chunks.append(model.to(current_device()))
+        for p in self.plugins:
+            chunks = p.after_model_built(chunks, self)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        )
+        wrapped = [
+            DistributedDataParallel(
+                config, ddp_config, chunk, disable_bucketing=(i > 0) or not cfg.parallel.overlap_grad_reduce
+            )
+            for i, chunk in enumerate(chunks)
+        ]
+        self._wire_schedule_hooks(config, wrapped)
+        self.model_config = config
+        return wrapped
+
+    def _wire_schedule_hooks(self, config, model: list) -> None:
+        """What megatron's schedules call around a step: DP grad sync and its deferral."""
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+        if self.cfg.parallel.overlap_grad_reduce:
+            config.grad_sync_func = (
+                [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
+            )
+
+    def _build_optimizer(self):
+        o, cfg = self.cfg.optim, self.cfg
+        config = OptimizerConfig(
+            optimizer=o.optimizer,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=cfg.model.precision == "bf16",
+            fp16=cfg.model.precision == "fp16",
+            params_dtype=self.model_config.params_dtype,
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        )
+        optimizer = get_megatron_optimizer(config, self.model)
+        self.model_config.grad_scale_func = optimizer.scale_loss
+        return optimizer
+
+    def _build_scheduler(self) -> OptimizerParamScheduler:
+        o, iters = self.cfg.optim, self.cfg.train.iters
+        warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None else max(1, iters // 20)
+        return OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=o.lr_decay_iters or iters,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=iters,
+            wd_incr_style="constant",
+        )
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        data_path = list(cfg.data.data_path) or [
+            default_corpus_prefix(self._cache_dir(), cfg.data.corpus, cfg.data.tokenizer)
+        ]
+        gbs = self._global_batch_size()
+        # Every evaluation reads the same held-out batches, so one round of them is enough.
+        eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
+        num_samples = (cfg.train.iters * gbs, eval_samples, 0)
+        self.train_ds, self.valid_ds, _ = build_gpt_datasets(
+            data_path,
+            self.tokenizer,
+            cfg.model.seq_length,
+            cfg.data.split,
+            num_samples,
+            cfg.train.seed,
+            os.path.join(self._cache_dir(), "index"),
+        )
+        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+
+    def _cache_dir(self) -> str:
+        return os.path.expanduser(self.cfg.data.cache_dir)
+
+    def _iterator(self, dataset, consumed_samples: int):
+        return build_data_iterator(
+            dataset,
+            self.cfg.train.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+            consumed_samples,
+            self.cfg.data.num_workers,
+        )
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def forward_backward_func(self) -> Callable:
+        for p in self.plugins:
+            func = p.forward_backward_func(self)
+            if func is not None:
+                return func
+        return get_forward_backward_func()
+
+    def train_step(self) -> dict[str, Any]:
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=self._iterators(self.train_iter),
+            model=self.model,
+            num_microbatches=get_num_microbatches(),
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=False,
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"iteration {self.state.iteration + 1}: optimizer step skipped")
+        self.scheduler.step(increment=1)
+        self.state.iteration += 1
+        self.state.consumed_samples += self._global_batch_size()
+        return {
+            "loss": self._broadcast_from_last_stage(reduce_loss(losses)),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+        }
+
+    def _iterators(self, iterator):
+        """Interleaved schedules take one iterator per model chunk; all chunks read the same
+        micro-batches, so they share one."""
+        return [iterator] * len(self.model) if len(self.model) > 1 else iterator
+
+    def _broadcast_from_last_stage(self, value: Optional[float]) -> float:
+        """Every rank learns the loss, so plugins and the summary see the same number."""
+        t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=current_device())
+        dist.broadcast(t, src=self.world_size - 1)
+        return t.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        if self.valid_ds is None or not self.cfg.train.eval_iters:
+            return None
+        for m in self.model:
+            m.eval()
+        iterator = self._iterator(self.valid_ds, 0)  # the same held-out batches every time
+        losses = []
+        for _ in range(self.cfg.train.eval_iters):
+            losses += self.forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=self._iterators(iterator),
+                model=self.model,
+                num_microbatches=get_num_microbatches(),
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.train.micro_batch_size,
+                forward_only=True,
+            )
+        for m in self.model:
+            m.train()
+        return self._broadcast_from_last_stage(reduce_loss(losses))
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        reporter = MetricsReporter(
+            cfg.logging, cfg.train.iters, self.state.iteration, dist.get_rank() == self.world_size - 1
+        )
+        stop_at = cfg.train.iters
+        if cfg.train.exit_interval:
+            stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
+        metrics: dict = {}
+        eval_loss = None
+        tokens_per_step = self._global_batch_size() * cfg.model.seq_length
+        while self.state.iteration < stop_at:
+            for p in self.plugins:
+                p.on_step_begin(self, self.state.iteration + 1)
+            start = time.perf_counter()
+            metrics = self.train_step()
+            reporter.step(self.state.iteration, metrics, tokens_per_step, time.perf_counter() - start)
+            for p in self.plugins:
+                p.on_step_end(self, self.state.iteration, metrics)
+            if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
+                eval_loss = self.evaluate()
+                reporter.eval(self.state.iteration, eval_loss)
+            if self._due_for_checkpoint():
+                self.save()
+        if cfg.checkpoint.save and not self._saved_at_current_iteration():
+            self.save()
+        for p in self.plugins:
+            p.on_train_end(self)
+        return reporter.summary(metrics.get("loss"), eval_loss)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def _due_for_checkpoint(self) -> bool:
+        c = self.cfg.checkpoint
+        return bool(c.save and c.interval and self.state.iteration % c.interval == 0)
+
+    def _saved_at_current_iteration(self) -> bool:
+        return ckpt.latest_iteration(self.cfg.checkpoint.save) == self.state.iteration
+
+    def common_state(self) -> dict[str, Any]:
+        return {
+            "iteration": self.state.iteration,
+            "consumed_samples": self.state.consumed_samples,
+            "scheduler": self.scheduler.state_dict(),
+            "padded_vocab_size": self.vocab_size,
+            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "vpp": self.cfg.parallel.vpp},
+            "plugins": {p.name: p.state_dict() for p in self.plugins},
+            "config": dataclasses.asdict(self.cfg),
+        }
+
+    def save(self) -> None:
+        ckpt.save_checkpoint(
+            self.cfg.checkpoint.save,
+            self.state.iteration,
+            self.model,
+            self.optimizer,
+            self.common_state(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+    def _load(self, root: str, iteration: int, common: dict) -> None:
+        # RNG policy: restored when the TP x PP layout is the one that saved it (bitwise
+        # continuation); in another layout the per-rank streams do not correspond, so they keep
+        # the fresh seeding of this run.
+        p = self.cfg.parallel
+        same_layout = common["layout"] == {"tp": p.tp, "pp": p.pp, "vpp": p.vpp}
+        ckpt.load_checkpoint(root, iteration, self.model, self.optimizer, load_rng=same_layout)
+        self.state = TrainState(common["iteration"], common["consumed_samples"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        for plugin in self.plugins:
+            plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
+
+    def close(self) -> None:
+        destroy_num_microbatches_calculator()
+        parallel_state.destroy_model_parallel()

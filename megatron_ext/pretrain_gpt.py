@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from hydra.errors import HydraException
+
 from megatron_ext.config.mlm_args import MlmArgsError, mlm_args_to_overrides
 from megatron_ext.config.validate import ConfigError
 
@@ -22,8 +24,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from megatron_ext.train import run_from_overrides
 
         run_from_overrides(overrides)
-    except (MlmArgsError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    # Bad flags, broken rules between fields, and Hydra's refusals of a passed-through override
+    # (unknown key, wrong type) all happen before anything is written: one line, exit code 2.
+    except (MlmArgsError, ConfigError, HydraException) as error:
+        message = str(error) if isinstance(error, ConfigError) else " ".join(str(error).split())
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

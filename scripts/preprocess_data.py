@@ -7,8 +7,12 @@ import argparse
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.data import DEFAULT_MAX_BYTES, build_indexed_dataset, build_tokenizer
-from megatron_ext.data import iter_documents
+from megatron_ext.data import (
+    DEFAULT_MAX_BYTES,
+    build_indexed_dataset,
+    build_tokenizer,
+    iter_documents,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

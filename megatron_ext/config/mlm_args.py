@@ -63,13 +63,15 @@ def value(name: str, key: str, type: Callable = str, megatron_default: Any = _UN
     return Flag(name, key, type, megatron_default=megatron_default)
 
 
-def switch(name: str, key: Optional[str] = None, const: Any = True, megatron_default: Any = _UNSET) -> Flag:
+def switch(
+    name: str, key: Optional[str] = None, const: Any = True, megatron_default: Any = _UNSET
+) -> Flag:
     return Flag(name, key, None, const=const, megatron_default=megatron_default)
 
 
-def read(name: str, type: Callable = str, nargs: Optional[str] = None) -> Flag:
+def read(name: str, type: Callable = str) -> Flag:
     """A flag whose override depends on other flags (see `_derived`)."""
-    return Flag(name, None, type, nargs=nargs)
+    return Flag(name, None, type)
 
 
 def fixed(name: str, *values: Any, type: Optional[Callable] = str, why: str) -> Flag:
@@ -86,7 +88,9 @@ FLAGS: tuple[Flag, ...] = (
     value("--context-parallel-size", "parallel.cp", int),
     value("--expert-model-parallel-size", "parallel.ep", int),
     switch("--sequence-parallel", "parallel.sequence_parallel"),
-    switch("--use-distributed-optimizer", "parallel.use_distributed_optimizer", megatron_default=False),
+    switch(
+        "--use-distributed-optimizer", "parallel.use_distributed_optimizer", megatron_default=False
+    ),
     value("--nproc", "launcher.nproc", int),  # ours: local workers when not under torchrun/srun
     # Model.
     value("--num-layers", "model.num_layers", int),
@@ -188,10 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         if flag.type is None:
             parser.add_argument(flag.name, dest=_dest(flag.name), action="store_true", help=help)
         else:
-            metavar = getattr(flag.type, "__name__", "value").upper()
             parser.add_argument(
                 flag.name, dest=_dest(flag.name), type=flag.type, nargs=flag.nargs, help=help,
-                metavar=metavar,
+                metavar=flag.type.__name__.upper(),
             )
     return parser
 
@@ -217,7 +220,7 @@ def _hydra_value(v: Any) -> str:
 def _check_fixed(args: argparse.Namespace) -> None:
     for flag in FLAGS:
         given = getattr(args, _dest(flag.name))
-        if flag.only is None or given in (None, False):
+        if flag.only is None or given is None or given is False:  # absent (0.0 == False)
             continue
         if flag.type is not None and given not in flag.only:
             raise MlmArgsError(f"{flag.name} {given} is not supported: {flag.why}")
@@ -259,7 +262,9 @@ def _derived(a: argparse.Namespace) -> dict[str, Any]:
             "--hidden-size / --num-attention-heads (give both)"
         )
     if a.num_query_groups is not None and not a.group_query_attention:
-        raise MlmArgsError("--num-query-groups needs --group-query-attention (Megatron-LM ignores it)")
+        raise MlmArgsError(
+            "--num-query-groups needs --group-query-attention (Megatron-LM ignores it without)"
+        )
     if a.group_query_attention:
         out["model.num_query_groups"] = a.num_query_groups or 1  # Megatron-LM's default is 1
     if (
@@ -324,7 +329,7 @@ def _tokenizer(a: argparse.Namespace) -> dict[str, Any]:
         )
     if kind == "NullTokenizer":
         if model is not None:
-            raise MlmArgsError("--tokenizer-model is meaningless with --tokenizer-type NullTokenizer")
+            raise MlmArgsError("--tokenizer-model does not go with --tokenizer-type NullTokenizer")
         return {"data.tokenizer": "byte"}
     if kind is not None and model is None:
         raise MlmArgsError(f"--tokenizer-type {kind} needs --tokenizer-model <tokenizer.json>")
@@ -348,4 +353,5 @@ def mlm_args_to_overrides(argv: Sequence[str]) -> list[str]:
     _check_fixed(args)
     values = {**_direct(args), **_derived(args)}
     # Hydra applies overrides in order, so a passed-through `experiment=...` replaces ours.
-    return ["experiment=none", *(f"{key}={_hydra_value(v)}" for key, v in values.items()), *passthrough]
+    mapped = [f"{key}={_hydra_value(v)}" for key, v in values.items()]
+    return ["experiment=none", *mapped, *passthrough]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Union
 
 from megatron_ext.config.schema import Config
+from megatron_ext.platform import optional
 from megatron_ext.plugin import registered_plugins
 
 
@@ -86,7 +87,9 @@ def _size_violations(cfg: Config, world_size: int) -> list[tuple[str, str]]:
         if _get(cfg, path) is not None and not _is_positive_int(_get(cfg, path))
     ]
     if not _is_positive_int(world_size):
-        found.append(("launcher.nproc", f"world size must be a positive integer, got {world_size!r}"))
+        found.append(
+            ("launcher.nproc", f"world size must be a positive integer, got {world_size!r}")
+        )
     return found
 
 
@@ -131,7 +134,10 @@ def query_groups_fit(cfg: Config, world: int, device: str) -> list[str]:
 def hidden_divisible_by_heads(cfg: Config, world: int, device: str) -> Optional[str]:
     hidden, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
     if hidden % heads:
-        return f"model.hidden_size ({hidden}) must be divisible by model.num_attention_heads ({heads})"
+        return (
+            f"model.hidden_size ({hidden}) must be divisible by "
+            f"model.num_attention_heads ({heads})"
+        )
     return None
 
 
@@ -218,6 +224,29 @@ def sequence_parallel_needs_tp(cfg: Config, world: int, device: str) -> Optional
     return None
 
 
+def _uses_te(cfg: Config, device: str) -> bool:
+    # Which layers models.gpt builds (use_transformer_engine), without importing megatron-core.
+    auto_te = cfg.model.spec == "auto" and optional.HAVE_TE and device == "cuda"
+    return cfg.model.spec == "te" or auto_te
+
+
+def te_spec_available(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.model.spec == "te" and (device != "cuda" or not optional.HAVE_TE):
+        return "model.spec=te needs Transformer Engine and a CUDA device; use auto or local"
+    return None
+
+
+def sequence_parallel_needs_te(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron-core 0.16's local spec builds RMSNorm as WrappedTorchNorm, which asserts
+    # `not sequence_parallel`.
+    if cfg.parallel.sequence_parallel and not _uses_te(cfg, device):
+        return (
+            "parallel.sequence_parallel needs Transformer Engine layers (CUDA, model.spec=te or "
+            "auto): megatron-core 0.16's local RMSNorm does not support it"
+        )
+    return None
+
+
 def seq_length_fits_cp(cfg: Config, world: int, device: str) -> Optional[str]:
     # Megatron's load-balanced context parallelism gives each CP rank two chunks of the sequence.
     seq, cp = cfg.model.seq_length, cfg.parallel.cp
@@ -242,7 +271,6 @@ def one_of(path: str, allowed: Sequence[str]) -> Rule:
             return f"{path} must be one of {', '.join(allowed)}; got {value!r}"
         return None
 
-    rule.__name__ = f"one_of({path})"
     return rule
 
 
@@ -264,6 +292,9 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
     ]
 
 
+# The names megatron-core 0.16's OptimizerParamScheduler accepts.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
 # (blamed field, rule): the field is what a user changes to fix it.
 RULES: tuple[tuple[str, Rule], ...] = (
     ("parallel.tp", heads_divisible_by_tp),
@@ -279,16 +310,14 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.moe_router_topk", topk_within_experts),
     ("train.global_batch_size", global_batch_divisible),
     ("parallel.sequence_parallel", sequence_parallel_needs_tp),
+    ("parallel.sequence_parallel", sequence_parallel_needs_te),
     ("model.seq_length", seq_length_fits_cp),
     ("optim.lr_warmup_iters", warmup_before_decay_end),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
+    ("model.spec", te_spec_available),
     ("launcher.device", one_of("launcher.device", ("auto", "cpu", "cuda"))),
-    # The names megatron's OptimizerParamScheduler accepts.
-    (
-        "optim.lr_decay_style",
-        one_of("optim.lr_decay_style", ("constant", "linear", "cosine", "inverse-square-root", "WSD")),
-    ),
+    ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
     ("model.moe_token_dispatcher", alltoall_needs_cuda),
     ("plugins", plugins_registered),
@@ -328,9 +357,9 @@ def resolve_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel size of a launch with `world_size` processes."""
     dp = _dp_or_none(cfg, world_size)
     if dp is None:
-        field = "parallel.dp" if cfg.parallel.dp is not None else "launcher.nproc"
-        rule = world_matches_layout(cfg, world_size, "") or world_divisible_by_model(cfg, world_size, "")
-        raise ConfigError(field, rule)
+        if cfg.parallel.dp is not None:
+            raise ConfigError("parallel.dp", world_matches_layout(cfg, world_size, ""))
+        raise ConfigError("launcher.nproc", world_divisible_by_model(cfg, world_size, ""))
     return dp
 
 

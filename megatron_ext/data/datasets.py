@@ -120,7 +120,9 @@ class PretrainingSampler:
         if micro_batch_size <= 0 or data_parallel_size <= 0:
             raise ValueError("micro_batch_size and data_parallel_size must be positive")
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
         if not 0 <= consumed_samples <= total_samples:
             raise ValueError(f"consumed_samples {consumed_samples} not in [0, {total_samples}]")
         self.total_samples = total_samples

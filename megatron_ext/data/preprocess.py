@@ -37,7 +37,9 @@ def _remove_if_present(*paths: str) -> None:
             os.remove(path)
 
 
-def build_indexed_dataset(documents: Iterable[str], tokenizer: Tokenizer, output_prefix: str) -> str:
+def build_indexed_dataset(
+    documents: Iterable[str], tokenizer: Tokenizer, output_prefix: str
+) -> str:
     """Write `<output_prefix>.bin/.idx`: one sequence per non-empty document, eod appended.
 
     The files are written under temporary names and renamed into place at the end (.idx last,

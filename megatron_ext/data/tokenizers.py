@@ -8,7 +8,7 @@ dataset index caches), so both tokenizers subclass that base and provide those m
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
@@ -31,7 +31,7 @@ class ByteTokenizer(MegatronTokenizerBase):
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids: Iterable[int]) -> str:
         # Special ids are dropped, as Hugging Face's decode does by default.
         data = bytes(int(i) for i in ids if int(i) < self._NUM_BYTES)
         return data.decode("utf-8", errors="replace")
@@ -65,7 +65,7 @@ class ByteTokenizer(MegatronTokenizerBase):
             [("class", f"{__name__}.ByteTokenizer"), ("vocab_size", self.vocab_size)]
         )
 
-    def apply_chat_template(self, *args, **kwargs):
+    def apply_chat_template(self, *args, **kwargs) -> None:
         raise NotImplementedError("ByteTokenizer has no chat template")
 
 
@@ -103,7 +103,7 @@ class HFTokenizer(MegatronTokenizerBase):
         # No post-processor specials (BOS etc.): documents are separated by eod alone.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def detokenize(self, ids) -> str:
+    def detokenize(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
 
     @property
@@ -142,7 +142,7 @@ class HFTokenizer(MegatronTokenizerBase):
             ]
         )
 
-    def apply_chat_template(self, *args, **kwargs):
+    def apply_chat_template(self, *args, **kwargs) -> None:
         raise NotImplementedError("HFTokenizer has no chat template")
 
 

@@ -26,9 +26,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def padded_vocab_size(vocab_size: int, model: ModelConfig, tp: int) -> int:
-    """Megatron pads the embedding so each TP rank holds an equal, aligned slice. The padding
-    depends on tp, so checkpoints store the padded size of the layout that wrote them."""
-    multiple = model.make_vocab_size_divisible_by * tp
+    """The embedding rows, padded so each TP rank holds an equal, aligned slice.
+
+    Megatron-LM pads to a multiple of `make_vocab_size_divisible_by * tp`, so the padded size
+    (and, through the softmax over padding rows, the loss) changes with tp. The least common
+    multiple gives the same size for every tp that divides the alignment (all powers of two up
+    to it for the default 128), so layouts stay interchangeable; checkpoints keep the size too.
+    """
+    multiple = math.lcm(model.make_vocab_size_divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

@@ -64,10 +64,12 @@ def detect_launch(environ: Optional[dict] = None) -> Optional[LaunchEnv]:
             master_port=int(env.get("MASTER_PORT", 29500)),
             source="torchrun",
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun, one task per rank
+    # srun, one task per rank. SLURM_STEP_NUM_TASKS is set inside an srun step only; the batch
+    # script itself also sees SLURM_NTASKS and must not mistake itself for one of N ranks.
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         return LaunchEnv(
             rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=int(env["SLURM_STEP_NUM_TASKS"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             master_addr=env.get("MASTER_ADDR") or slurm_master_addr(env["SLURM_JOB_NODELIST"]),
             master_port=int(env.get("MASTER_PORT") or slurm_master_port(env["SLURM_JOB_ID"])),

@@ -42,6 +42,7 @@ from megatron_ext.models.gpt import (
     transformer_config,
     use_transformer_engine,
 )
+from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
@@ -158,6 +159,7 @@ class Trainer:
                 vp_stage=stage,
             )
             chunks.append(model.to(current_device()))
+        init_weights_layout_independent(chunks, config, cfg.train.seed)
         for p in self.plugins:
             chunks = p.after_model_built(chunks, self)
         ddp_config = DistributedDataParallelConfig(

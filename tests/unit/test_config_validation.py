@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config import Config
+from megatron_ext.platform import optional
 from megatron_ext.config.validate import (
     ConfigError,
     resolve_dp,
@@ -31,81 +32,75 @@ def make(**fields) -> Config:
     return cfg
 
 
-# (id, fields, world size, device, blamed field, key phrase of the rule)
+# (id, fields, world size, device,
+#  blamed field, key phrase of the rule)
 BAD = [
-    ("tp_zero", {"parallel.tp": 0}, 1, "cpu", "parallel.tp", "positive integer"),
-    ("gbs_zero", {"train.global_batch_size": 0}, 1, "cpu", "train.global_batch_size", "positive"),
-    ("world_zero", {}, 0, "cpu", "launcher.nproc", "world size must be a positive"),
-    (
-        "heads_vs_tp",
-        {"parallel.tp": 4, "model.num_attention_heads": 6, "model.hidden_size": 48},
-        4, "cpu", "parallel.tp",
-        "model.num_attention_heads (6) must be divisible by parallel.tp (4)",
-    ),
-    (
-        "groups_vs_heads",
-        {"model.num_attention_heads": 8, "model.num_query_groups": 3},
-        1, "cpu", "model.num_query_groups", "must divide model.num_attention_heads (8)",
-    ),
-    (
-        "groups_vs_tp",
-        {"parallel.tp": 4, "model.num_attention_heads": 8, "model.num_query_groups": 2},
-        4, "cpu", "model.num_query_groups", "(2) must be divisible by parallel.tp (4)",
-    ),
-    ("hidden_vs_heads", {"model.hidden_size": 130}, 1, "cpu", "model.hidden_size", "divisible by model.num_attention_heads"),
-    ("layers_vs_pp", {"model.num_layers": 5, "parallel.pp": 2}, 2, "cpu", "model.num_layers", "divisible by parallel.pp (2)"),
-    (
-        "layers_vs_vpp",
-        {"model.num_layers": 4, "parallel.pp": 2, "parallel.vpp": 4},
-        2, "cpu", "model.num_layers", "parallel.pp * parallel.vpp (2 * 4 = 8)",
-    ),
-    ("vpp_without_pp", {"parallel.vpp": 2}, 1, "cpu", "parallel.vpp", "requires parallel.pp > 1"),
-    ("world_vs_dp", {"parallel.dp": 2}, 4, "cpu", "parallel.dp", "must equal tp * pp * dp * cp"),
-    (
-        "world_vs_model",
-        {"parallel.tp": 2, "parallel.pp": 2},
-        6, "cpu", "launcher.nproc", "world size (6",
-    ),
-    (
-        "experts_vs_ep",
-        {"model.num_experts": 6, "parallel.ep": 4},
-        4, "cpu", "model.num_experts", "(6) must be divisible by parallel.ep (4)",
-    ),
-    ("ep_without_experts", {"parallel.ep": 2}, 2, "cpu", "parallel.ep", "requires model.num_experts"),
-    (
-        "ep_vs_dp_cp",
-        {"model.num_experts": 4, "parallel.ep": 4, "parallel.tp": 2},
-        4, "cpu", "parallel.ep", "must divide dp * cp (2 * 1 = 2)",
-    ),
-    (
-        "topk_vs_experts",
-        {"model.num_experts": 2, "model.moe_router_topk": 4},
-        1, "cpu", "model.moe_router_topk", "must be <= model.num_experts (2)",
-    ),
-    (
-        "gbs_vs_mbs_dp",
-        {"train.global_batch_size": 30, "train.micro_batch_size": 4},
-        2, "cpu", "train.global_batch_size", "micro_batch_size * dp (4 * 2 = 8)",
-    ),
-    ("sp_without_tp", {"parallel.sequence_parallel": True}, 1, "cpu", "parallel.sequence_parallel", "requires parallel.tp > 1"),
-    ("seq_vs_cp", {"parallel.cp": 2, "model.seq_length": 130}, 2, "cpu", "model.seq_length", "2 * parallel.cp (4)"),
-    ("warmup_vs_decay", {"optim.lr_warmup_iters": 300}, 1, "cpu", "optim.lr_warmup_iters", "< the lr decay iters (200)"),
-    ("precision", {"model.precision": "fp8"}, 1, "cpu", "model.precision", "one of fp32, bf16, fp16"),
-    ("spec", {"model.spec": "mcore"}, 1, "cpu", "model.spec", "one of auto, local, te"),
-    ("device", {"launcher.device": "tpu"}, 1, "cpu", "launcher.device", "one of auto, cpu, cuda"),
-    ("decay_style", {"optim.lr_decay_style": "step"}, 1, "cpu", "optim.lr_decay_style", "inverse-square-root"),
-    ("dispatcher", {"model.moe_token_dispatcher": "flex"}, 1, "cpu", "model.moe_token_dispatcher", "one of allgather, alltoall"),
-    (
-        "alltoall_on_cpu",
-        {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
-        1, "cpu", "model.moe_token_dispatcher", "needs CUDA streams",
-    ),
-    ("unknown_plugin", {"plugins": ["nope"]}, 1, "cpu", "plugins", "unknown plugin 'nope'"),
+    ("tp_zero", {"parallel.tp": 0}, 1, "cpu",
+     "parallel.tp", "positive integer"),
+    ("gbs_zero", {"train.global_batch_size": 0}, 1, "cpu",
+     "train.global_batch_size", "positive"),
+    ("world_zero", {}, 0, "cpu",
+     "launcher.nproc", "world size must be a positive"),
+    ("heads_vs_tp", {"parallel.tp": 4, "model.num_attention_heads": 6, "model.hidden_size": 48},
+     4, "cpu",
+     "parallel.tp", "model.num_attention_heads (6) must be divisible by parallel.tp (4)"),
+    ("groups_vs_heads", {"model.num_attention_heads": 8, "model.num_query_groups": 3}, 1, "cpu",
+     "model.num_query_groups", "must divide model.num_attention_heads (8)"),
+    ("groups_vs_tp", {"parallel.tp": 4, "model.num_attention_heads": 8,
+                      "model.num_query_groups": 2}, 4, "cpu",
+     "model.num_query_groups", "(2) must be divisible by parallel.tp (4)"),
+    ("hidden_vs_heads", {"model.hidden_size": 130}, 1, "cpu",
+     "model.hidden_size", "divisible by model.num_attention_heads"),
+    ("layers_vs_pp", {"model.num_layers": 5, "parallel.pp": 2}, 2, "cpu",
+     "model.num_layers", "divisible by parallel.pp (2)"),
+    ("layers_vs_vpp", {"model.num_layers": 4, "parallel.pp": 2, "parallel.vpp": 4}, 2, "cpu",
+     "model.num_layers", "parallel.pp * parallel.vpp (2 * 4 = 8)"),
+    ("vpp_without_pp", {"parallel.vpp": 2}, 1, "cpu",
+     "parallel.vpp", "requires parallel.pp > 1"),
+    ("world_vs_dp", {"parallel.dp": 2}, 4, "cpu",
+     "parallel.dp", "must equal tp * pp * dp * cp"),
+    ("world_vs_model", {"parallel.tp": 2, "parallel.pp": 2}, 6, "cpu",
+     "launcher.nproc", "world size (6"),
+    ("experts_vs_ep", {"model.num_experts": 6, "parallel.ep": 4}, 4, "cpu",
+     "model.num_experts", "(6) must be divisible by parallel.ep (4)"),
+    ("ep_without_experts", {"parallel.ep": 2}, 2, "cpu",
+     "parallel.ep", "requires model.num_experts"),
+    ("ep_vs_dp_cp", {"model.num_experts": 4, "parallel.ep": 4, "parallel.tp": 2}, 4, "cpu",
+     "parallel.ep", "must divide dp * cp (2 * 1 = 2)"),
+    ("topk_vs_experts", {"model.num_experts": 2, "model.moe_router_topk": 4}, 1, "cpu",
+     "model.moe_router_topk", "must be <= model.num_experts (2)"),
+    ("gbs_vs_mbs_dp", {"train.global_batch_size": 30, "train.micro_batch_size": 4}, 2, "cpu",
+     "train.global_batch_size", "micro_batch_size * dp (4 * 2 = 8)"),
+    ("sp_without_tp", {"parallel.sequence_parallel": True}, 1, "cpu",
+     "parallel.sequence_parallel", "requires parallel.tp > 1"),
+    ("sp_on_local_layers", {"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu",
+     "parallel.sequence_parallel", "needs Transformer Engine layers"),
+    ("seq_vs_cp", {"parallel.cp": 2, "model.seq_length": 130}, 2, "cpu",
+     "model.seq_length", "2 * parallel.cp (4)"),
+    ("warmup_vs_decay", {"optim.lr_warmup_iters": 300}, 1, "cpu",
+     "optim.lr_warmup_iters", "< the lr decay iters (200)"),
+    ("precision", {"model.precision": "fp8"}, 1, "cpu",
+     "model.precision", "one of fp32, bf16, fp16"),
+    ("spec", {"model.spec": "mcore"}, 1, "cpu",
+     "model.spec", "one of auto, local, te"),
+    ("te_on_cpu", {"model.spec": "te"}, 1, "cpu",
+     "model.spec", "needs Transformer Engine and a CUDA device"),
+    ("device", {"launcher.device": "tpu"}, 1, "cpu",
+     "launcher.device", "one of auto, cpu, cuda"),
+    ("decay_style", {"optim.lr_decay_style": "step"}, 1, "cpu",
+     "optim.lr_decay_style", "inverse-square-root"),
+    ("dispatcher", {"model.moe_token_dispatcher": "flex"}, 1, "cpu",
+     "model.moe_token_dispatcher", "one of allgather, alltoall"),
+    ("alltoall_on_cpu", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
+     1, "cpu",
+     "model.moe_token_dispatcher", "needs CUDA streams"),
+    ("unknown_plugin", {"plugins": ["nope"]}, 1, "cpu",
+     "plugins", "unknown plugin 'nope'"),
 ]
 
 
 @pytest.mark.parametrize(
-    "fields, world, device, field, phrase", [case[1:] for case in BAD], ids=[case[0] for case in BAD]
+    "fields, world, device, field, phrase", [c[1:] for c in BAD], ids=[c[0] for c in BAD]
 )
 def test_bad_config_names_field_and_rule(fields, world, device, field, phrase):
     with pytest.raises(ConfigError) as info:
@@ -119,21 +114,19 @@ def test_bad_config_names_field_and_rule(fields, world, device, field, phrase):
 GOOD = [
     ("defaults", {}, 1, "cpu"),
     ("dp4", {}, 4, "cpu"),
-    ("tp3_heads6", {"parallel.tp": 3, "model.num_attention_heads": 6, "model.hidden_size": 96}, 3, "cpu"),
+    ("tp3_heads6", {"parallel.tp": 3, "model.num_attention_heads": 6, "model.hidden_size": 96},
+     3, "cpu"),
     ("pp3_layers3", {"parallel.pp": 3, "model.num_layers": 3}, 3, "cpu"),
     ("tp2pp2dp2", {"parallel.tp": 2, "parallel.pp": 2}, 8, "cpu"),
     ("explicit_dp", {"parallel.tp": 2, "parallel.dp": 2, "train.global_batch_size": 8}, 4, "cpu"),
     ("vpp", {"parallel.pp": 2, "parallel.vpp": 2, "model.num_layers": 8}, 2, "cpu"),
-    ("sequence_parallel", {"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu"),
     ("moe_ep2", {"model.num_experts": 4, "parallel.ep": 2}, 2, "cpu"),
     ("moe_ep_over_dp_cp", {"model.num_experts": 4, "parallel.ep": 4, "parallel.cp": 2}, 4, "cpu"),
-    (
-        "gqa_smollm_like",
-        {"parallel.tp": 3, "model.num_attention_heads": 9, "model.num_query_groups": 3, "model.hidden_size": 576},
-        3, "cpu",
-    ),
+    ("gqa_smollm_like", {"parallel.tp": 3, "model.num_attention_heads": 9,
+                         "model.num_query_groups": 3, "model.hidden_size": 576}, 3, "cpu"),
     ("gbs_derived", {"train.global_batch_size": None}, 3, "cpu"),
-    ("alltoall_on_cuda", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"}, 1, "cuda"),
+    ("alltoall_on_cuda", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
+     1, "cuda"),
     ("wsd", {"optim.lr_decay_style": "WSD"}, 1, "cpu"),
 ]
 
@@ -145,10 +138,17 @@ def test_good_config_passes(fields, world, device):
     validate(make(**fields), world, device)
 
 
+@pytest.mark.parametrize("spec", ["te", "auto"])
+def test_sequence_parallel_on_te_layers(monkeypatch, spec):
+    monkeypatch.setattr(optional, "HAVE_TE", True)
+    cfg = make(**{"parallel.tp": 2, "parallel.sequence_parallel": True, "model.spec": spec})
+    validate(cfg, 2, "cuda")
+
+
 def test_all_violations_reported_one_per_line():
-    cfg = make(**{"parallel.sequence_parallel": True, "model.precision": "fp8"})
+    cfg = make(**{"parallel.vpp": 2, "model.precision": "fp8"})
     found = violations(cfg, 1, "cpu")
-    assert [f for f, _ in found] == ["parallel.sequence_parallel", "model.precision"]
+    assert [f for f, _ in found] == ["parallel.vpp", "model.precision"]
     with pytest.raises(ConfigError) as info:
         validate(cfg, 1, "cpu")
     assert str(info.value).splitlines() == [f"{f}: {r}" for f, r in found]

@@ -43,7 +43,7 @@ def test_default_cap_is_about_8_mb():
 
 def test_folder_corpus_takes_text_files_whole_and_cuts_at_the_cap(tmp_path):
     (tmp_path / "sub").mkdir()
-    texts = {"a.txt": "alpha " * 10, "b.md": "# beta\n", "sub/c.py": "x = 'γ'\n", "sub/d.rst": "δ"}
+    texts = {"a.txt": "alpha " * 9, "b.md": "# beta\n", "sub/c.py": "x = 'γ'\n", "sub/d.rst": "δ"}
     for name, text in texts.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
     (tmp_path / "skip.bin").write_bytes(b"\x00\x01")

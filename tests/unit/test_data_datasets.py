@@ -17,8 +17,12 @@ from megatron_ext.data import (
 SEQ = 32
 
 
+def _words(i: int) -> str:
+    return " ".join(f"w{i}x{j}" for j in range(i % 7 + 3))
+
+
 def _documents(count: int, letter: str = "") -> list[str]:
-    return [f"{letter}doc {i} " + " ".join(f"w{i}x{j}" for j in range(i % 7 + 3)) for i in range(count)]
+    return [f"{letter}doc {i} {_words(i)}" for i in range(count)]
 
 
 @pytest.fixture
@@ -28,7 +32,9 @@ def prefix(tmp_path):
 
 def _build(prefix_or_blend, cache_dir, seed=7, num_samples=(200, 20, 5), split="80,15,5"):
     data_path = prefix_or_blend if isinstance(prefix_or_blend, list) else [prefix_or_blend]
-    return build_gpt_datasets(data_path, ByteTokenizer(), SEQ, split, num_samples, seed, str(cache_dir))
+    return build_gpt_datasets(
+        data_path, ByteTokenizer(), SEQ, split, num_samples, seed, str(cache_dir)
+    )
 
 
 def _all_tokens(dataset) -> numpy.ndarray:

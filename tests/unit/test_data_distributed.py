@@ -49,7 +49,9 @@ def test_two_ranks_build_once_and_split_the_global_order(tmp_path, monkeypatch):
 
     monkeypatch.setattr(preprocess, "build_indexed_dataset", logged_build)
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank_main, args=(r, tmp_path, str(corpus))) for r in range(WORLD)]
+    ranks = [
+        context.Process(target=_rank_main, args=(r, tmp_path, str(corpus))) for r in range(WORLD)
+    ]
     for process in ranks:
         process.start()
     for process in ranks:

@@ -142,7 +142,8 @@ CASES = [
     ("bf16", "--bf16", {"model.precision": "bf16"}, {"model.precision": "bf16"}),
     ("fp16", "--fp16", {"model.precision": "fp16"}, {"model.precision": "fp16"}),
     ("impl_local", "--transformer-impl local", {"model.spec": "local"}, {"model.spec": "local"}),
-    ("impl_te", "--transformer-impl transformer_engine", {"model.spec": "te"}, {"model.spec": "te"}),
+    ("impl_te", "--transformer-impl transformer_engine", {"model.spec": "te"},
+     {"model.spec": "te"}),
     (
         "what_we_always_do",
         "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
@@ -169,7 +170,9 @@ def test_flags_map_to_overrides(command, overrides):
     assert as_dict(out) == {**BASE, **overrides}
 
 
-@pytest.mark.parametrize("command, fields", [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "command, fields", [(c[1], c[3]) for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_overrides_compose(command, fields):
     cfg = compose_config(mlm_args_to_overrides(shlex.split(command)))
     assert {path: field(cfg, path) for path in fields} == fields
@@ -208,14 +211,16 @@ def test_megatron_gpt3_example_maps_cleanly():
     """
     cfg = compose_config(mlm_args_to_overrides(shlex.split(command)))
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.model.num_layers) == (2, 2, 4)
-    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters) == (1, 16, 500)
+    train = cfg.train
+    assert (train.micro_batch_size, train.global_batch_size, train.iters) == (1, 16, 500)
     assert cfg.model.precision == "fp16"
     assert cfg.model.ffn_hidden_size == 320  # Megatron-LM's SwiGLU default for hidden 128
     assert cfg.optim.lr_warmup_iters == 0  # round(0.001 * 430)
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_decay_iters) == (6e-5, 6e-6, 430)
     assert cfg.data.data_path == ["/data/gpt_text_document"]
     assert cfg.data.tokenizer == "/data/gpt2/tokenizer.json"
-    assert (cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.interval) == ("/ckpt", "/ckpt", 10000)
+    ckpt = cfg.checkpoint
+    assert (ckpt.save, ckpt.load, ckpt.interval) == ("/ckpt", "/ckpt", 10000)
 
 
 def test_megatron_llama_example_maps_cleanly():
@@ -229,8 +234,9 @@ def test_megatron_llama_example_maps_cleanly():
         --normalization RMSNorm --disable-bias-linear --bf16 --transformer-impl local
     """
     cfg = compose_config(mlm_args_to_overrides(shlex.split(command)))
-    assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_query_groups) == (256, 896, 2)
-    assert (cfg.model.rotary_base, cfg.model.tie_embeddings, cfg.model.spec) == (1e6, False, "local")
+    model = cfg.model
+    assert (model.hidden_size, model.ffn_hidden_size, model.num_query_groups) == (256, 896, 2)
+    assert (model.rotary_base, model.tie_embeddings, model.spec) == (1e6, False, "local")
 
 
 BAD = [
@@ -238,19 +244,28 @@ BAD = [
     ("unknown_flag_equals", "--num-layers 2 --foo=3", "unknown Megatron-LM flag --foo"),
     ("stray_positional", "stray", "unexpected argument 'stray'"),
     ("bad_type", "--num-layers four", "--num-layers: invalid int value"),
-    ("layernorm", "--normalization LayerNorm", "--normalization LayerNorm is not supported: megatron_ext models use RMSNorm"),
-    ("learned_positions", "--position-embedding-type learned_absolute", "megatron_ext models use RoPE"),
+    ("layernorm", "--normalization LayerNorm",
+     "--normalization LayerNorm is not supported: megatron_ext models use RMSNorm"),
+    ("learned_positions", "--position-embedding-type learned_absolute",
+     "megatron_ext models use RoPE"),
     ("dropout", "--hidden-dropout 0.1", "--hidden-dropout 0.1 is not supported"),
+    ("partial_rope", "--rotary-percent 0", "--rotary-percent 0.0 is not supported"),
     ("vocab_file", "--vocab-file v.json", "use --tokenizer-model"),
     ("bf16_and_fp16", "--bf16 --fp16", "exclusive"),
-    ("two_vpp_flags", "--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --virtual-pipeline-model-parallel-size 2", "exclusive"),
+    ("two_vpp_flags", "--num-layers 8 --pipeline-model-parallel-size 2 "
+     "--num-layers-per-virtual-pipeline-stage 2 --virtual-pipeline-model-parallel-size 2",
+     "exclusive"),
     ("vpp_without_layers", "--num-layers-per-virtual-pipeline-stage 2", "needs --num-layers"),
     ("groups_without_gqa", "--num-query-groups 2", "needs --group-query-attention"),
-    ("kv_channels", "--hidden-size 256 --num-attention-heads 8 --kv-channels 64", "--kv-channels 64 is not supported"),
-    ("short_positions", "--seq-length 256 --max-position-embeddings 128", "must be >= --seq-length"),
+    ("kv_channels", "--hidden-size 256 --num-attention-heads 8 --kv-channels 64",
+     "--kv-channels 64 is not supported"),
+    ("short_positions", "--seq-length 256 --max-position-embeddings 128",
+     "must be >= --seq-length"),
     ("warmup_both", "--train-iters 10 --lr-warmup-iters 1 --lr-warmup-fraction 0.1", "exclusive"),
-    ("warmup_fraction_alone", "--lr-warmup-fraction 0.1", "needs --lr-decay-iters or --train-iters"),
-    ("sentencepiece", "--tokenizer-type SentencePieceTokenizer", "--tokenizer-type SentencePieceTokenizer is not supported"),
+    ("warmup_fraction_alone", "--lr-warmup-fraction 0.1",
+     "needs --lr-decay-iters or --train-iters"),
+    ("sentencepiece", "--tokenizer-type SentencePieceTokenizer",
+     "--tokenizer-type SentencePieceTokenizer is not supported"),
     ("hf_without_model", "--tokenizer-type HuggingFaceTokenizer", "needs --tokenizer-model"),
     ("impl", "--transformer-impl inference_optimized", "use local or transformer_engine"),
 ]

@@ -26,7 +26,6 @@ from megatron_ext.platform.device import resolve_device
 from megatron_ext.platform.launch import (
     LaunchEnv,
     detect_launch,
-    export_env,
     free_port,
     init_distributed,
     launch_local,
@@ -58,12 +57,11 @@ def worker(cfg: Config) -> dict:
     launch = detect_launch()
     if launch is None:  # a single process: a world of one
         launch = LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
-    export_env(launch)
-    device = resolve_device(cfg.launcher.device)
+    device = resolve_device(cfg.launcher.device, launch.local_rank)
     if device.type == "cpu":
         limit_cpu_threads(launch.world_size)
     cpu_compat.apply(on_cpu=device.type == "cpu")
-    init_distributed(device)
+    init_distributed(launch, device)
     trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
     try:
         trainer.setup()

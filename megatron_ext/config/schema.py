@@ -115,6 +115,8 @@ class CheckpointConfig:
     save: Optional[str] = None
     # Directory to resume from; the usual idiom is save == load.
     load: Optional[str] = None
+    # Resume from this iteration of `load` instead of the latest (megatron's --ckpt-step).
+    step: Optional[int] = None
     # Save every N iterations; None saves only at the end.
     interval: Optional[int] = None
     # Keep this many most recent checkpoints; None keeps all.

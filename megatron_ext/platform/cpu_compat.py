@@ -301,6 +301,62 @@ def _fix_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _fix_torch_adam_checkpointing() -> None:
+    """Without TE/Apex the distributed optimizer wraps torch's Adam, whose `step` lives in the
+    per-parameter state, and two of its checkpoint paths trip over that. Not CPU-specific.
+
+    - `state_dict()` of a fresh optimizer (the template of a resume) asserts on an empty step
+      set, because torch creates Adam's state only in the first step. Materialise torch's own
+      initial state (step 0, zero moments) first: the next step runs exactly as from empty.
+    - Loading a "fully reshardable" checkpoint copies every per-parameter state key from the
+      saved tensors, but `step` is saved per param group (and restored from there): copy the
+      keys that were saved.
+    - That restore puts one `step` tensor object into every parameter's state, and torch's
+      Adam increments each parameter's step in place, so a shared tensor would count once per
+      parameter: give each parameter its own.
+    """
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    cls = distrib.DistributedOptimizer
+    if distrib.HAVE_APEX_OR_TE or getattr(cls.state_dict, "__torch_adam_fix__", False):
+        return
+    original_state_dict = cls.state_dict
+    original_set_states = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_state_dict)
+    def state_dict(self):
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            _materialise_initial_adam_state(self.optimizer)
+        return original_state_dict(self)
+
+    @functools.wraps(original_set_states)
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        if "step" in state:
+            state["step"] = state["step"].clone()
+        destination = {"param": main_param, **state}
+        for key, saved in tensors.items():
+            destination[key].copy_(saved)
+
+    state_dict.__torch_adam_fix__ = True
+    cls.state_dict = state_dict
+    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
+def _materialise_initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if len(optimizer.state[p]) == 0:
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
 @dataclass(frozen=True)
 class Fix:
     name: str
@@ -317,6 +373,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("rng_tracker", _fix_rng_tracker),
     Fix("optimizer_type_checks", _fix_optimizer_type_checks),
     Fix("te_general_gemm", _fix_te_general_gemm, cpu_only=False),
+    Fix("torch_adam_checkpointing", _fix_torch_adam_checkpointing, cpu_only=False),
 )
 
 _applied: list[str] = []

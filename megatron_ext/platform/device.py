@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 
-def resolve_device(requested: str) -> torch.device:
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """`launcher.device`: auto (CUDA when available) | cpu | cuda."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("launcher.device=cuda, but CUDA is not available on this machine")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cuda", local_rank)
 
 
 def current_device() -> torch.device:

@@ -78,25 +78,19 @@ def detect_launch(environ: Optional[dict] = None) -> Optional[LaunchEnv]:
     return None
 
 
-def export_env(launch: LaunchEnv) -> None:
-    """torch.distributed's env:// rendezvous reads these."""
-    os.environ.update(
-        RANK=str(launch.rank),
-        WORLD_SIZE=str(launch.world_size),
-        LOCAL_RANK=str(launch.local_rank),
-        MASTER_ADDR=launch.master_addr,
-        MASTER_PORT=str(launch.master_port),
-    )
-
-
-def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
-    """Join the world described by the environment (gloo on CPU, NCCL on GPU)."""
+def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: int = 600) -> None:
+    """Join the world `launch` describes (gloo on CPU, NCCL on GPU). The rendezvous is passed
+    explicitly rather than through os.environ, so a process that trains in-process (tests,
+    notebooks) keeps its environment as it was."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        rank=launch.rank,
+        world_size=launch.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
 

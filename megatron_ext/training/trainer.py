@@ -118,11 +118,13 @@ class Trainer:
         load = self.cfg.checkpoint.load
         if not load:
             return None
-        iteration = ckpt.latest_iteration(load)
+        iteration = self.cfg.checkpoint.step or ckpt.latest_iteration(load)
         if iteration is None:
             if os.path.isdir(load) and any(os.scandir(load)):
                 raise ValueError(f"checkpoint.load: {load} has no {ckpt.TRACKER}")
             return None  # `save == load` on a first run: start fresh
+        if not ckpt.iteration_dir(load, iteration).is_dir():
+            raise ValueError(f"checkpoint.step: {load} has no checkpoint of iteration {iteration}")
         return load, iteration, ckpt.load_common(load, iteration)
 
     def _vocab_size(self, resume: Optional[tuple[str, int, dict]]) -> int:
@@ -247,14 +249,20 @@ class Trainer:
         return os.path.expanduser(self.cfg.data.cache_dir)
 
     def _iterator(self, dataset, consumed_samples: int):
-        return build_data_iterator(
-            dataset,
-            self.cfg.train.micro_batch_size,
-            parallel_state.get_data_parallel_rank(),
-            parallel_state.get_data_parallel_world_size(),
-            consumed_samples,
-            self.cfg.data.num_workers,
-        )
+        """This rank's micro-batches from `consumed_samples` on. Interleaved schedules advance
+        one iterator per model chunk, each over the same micro-batches."""
+        iterators = [
+            build_data_iterator(
+                dataset,
+                self.cfg.train.micro_batch_size,
+                parallel_state.get_data_parallel_rank(),
+                parallel_state.get_data_parallel_world_size(),
+                consumed_samples,
+                self.cfg.data.num_workers,
+            )
+            for _ in self.model
+        ]
+        return iterators if len(iterators) > 1 else iterators[0]
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -271,7 +279,7 @@ class Trainer:
         self.optimizer.zero_grad()
         losses = self.forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=self._iterators(self.train_iter),
+            data_iterator=self.train_iter,
             model=self.model,
             num_microbatches=get_num_microbatches(),
             seq_length=self.cfg.model.seq_length,
@@ -290,11 +298,6 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
         }
 
-    def _iterators(self, iterator):
-        """Interleaved schedules take one iterator per model chunk; all chunks read the same
-        micro-batches, so they share one."""
-        return [iterator] * len(self.model) if len(self.model) > 1 else iterator
-
     def _broadcast_from_last_stage(self, value: Optional[float]) -> float:
         """Every rank learns the loss, so plugins and the summary see the same number."""
         t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=current_device())
@@ -312,7 +315,7 @@ class Trainer:
         for _ in range(self.cfg.train.eval_iters):
             losses += self.forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=self._iterators(iterator),
+                data_iterator=iterator,
                 model=self.model,
                 num_microbatches=get_num_microbatches(),
                 seq_length=self.cfg.model.seq_length,

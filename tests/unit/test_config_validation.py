@@ -127,7 +127,6 @@ GOOD = [
     ("gbs_derived", {"train.global_batch_size": None}, 3, "cpu"),
     ("alltoall_on_cuda", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
      1, "cuda"),
-    ("wsd", {"optim.lr_decay_style": "WSD"}, 1, "cpu"),
 ]
 
 

@@ -1,0 +1,129 @@
+"""Training across layouts, checked against a single-rank run of the same model and data.
+
+Every layout starts from the same weights (layout-independent init), reads the same global
+batches (one sample order for every dp) and averages the loss per token over the whole global
+batch, so the loss curves may differ only by fp32 reduction order.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.train import run_from_overrides
+
+pytestmark = pytest.mark.distributed
+
+ITERS = 8
+COMMON = [
+    "experiment=none",
+    f"train.iters={ITERS}",
+    "train.eval_interval=0",
+    "logging.progress_bar=false",
+    "model.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+]
+# fp32 runs that differ only in the order of reductions.
+LOSS_ATOL = 2e-4
+
+# name -> (overrides, workers)
+LAYOUTS = {
+    "tp2": (["parallel.tp=2"], 2),
+    "pp2": (["parallel.pp=2"], 2),
+    "dp2": (["parallel.dp=2"], 2),
+    "tp2_pp2": (["parallel.tp=2", "parallel.pp=2"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+def train(data_cache: str, *overrides: str, nproc: int = 1) -> dict:
+    return run_from_overrides([*COMMON, f"data.cache_dir={data_cache}", f"launcher.nproc={nproc}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def reference(data_cache) -> list[float]:
+    """TP=1, PP=1, DP=1: the run every layout is compared with."""
+    losses = train(data_cache)["losses"]
+    assert len(losses) == ITERS and losses[-1] < losses[0] - 0.5, losses
+    return losses
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_rank(name, reference, data_cache):
+    overrides, nproc = LAYOUTS[name]
+    losses = train(data_cache, *overrides, nproc=nproc)["losses"]
+    assert losses == pytest.approx(reference, abs=LOSS_ATOL)
+
+
+def test_moe_expert_parallel_matches_single_rank(data_cache):
+    moe = ["model=llama_moe_tiny"]
+    single = train(data_cache, *moe)["losses"]
+    ep2 = train(data_cache, *moe, "parallel.ep=2", "parallel.dp=2", nproc=2)["losses"]
+    assert ep2 == pytest.approx(single, abs=LOSS_ATOL)
+
+
+@pytest.fixture(scope="module")
+def tp2pp2_run(data_cache, tmp_path_factory):
+    """TP2 x PP2 for ITERS steps, checkpointing halfway and at the end."""
+    ckpt = tmp_path_factory.mktemp("tp2pp2_ckpt")
+    summary = train(
+        data_cache,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        f"checkpoint.save={ckpt}",
+        f"checkpoint.interval={ITERS // 2}",
+        nproc=4,
+    )
+    return ckpt, summary["losses"]
+
+
+def test_resume_same_layout_is_bitwise(tp2pp2_run, data_cache, tmp_path):
+    ckpt, losses = tp2pp2_run
+    resumed = train(
+        data_cache,
+        "parallel.tp=2",
+        "parallel.pp=2",
+        f"checkpoint.load={ckpt}",
+        f"checkpoint.step={ITERS // 2}",
+        f"checkpoint.save={tmp_path}",
+        nproc=4,
+    )["losses"]
+    assert resumed == losses[ITERS // 2 :]  # exact float equality: bitwise continuation
+
+
+def test_resume_in_another_layout(tp2pp2_run, data_cache, tmp_path):
+    """Saved at TP2 x PP2, resumed at PP2 x DP2: model, distributed-optimizer state, scheduler
+    and data position all carry over."""
+    ckpt, losses = tp2pp2_run
+    resumed = train(
+        data_cache,
+        "parallel.pp=2",
+        "parallel.dp=2",
+        f"checkpoint.load={ckpt}",
+        f"checkpoint.step={ITERS // 2}",
+        f"checkpoint.save={tmp_path}",
+        nproc=4,
+    )["losses"]
+    assert resumed == pytest.approx(losses[ITERS // 2 :], abs=LOSS_ATOL)
+
+
+def test_torchrun_launch(reference, data_cache):
+    """`torchrun ... -m megatron_ext.train` forms the world from torchrun's environment."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatron_ext.train", *COMMON, f"data.cache_dir={data_cache}", "parallel.tp=2",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = next(line for line in out.stdout.splitlines() if line.startswith("summary |"))
+    final = float(summary.split("final_loss ")[1].split()[0])
+    assert final == pytest.approx(reference[-1], abs=LOSS_ATOL)

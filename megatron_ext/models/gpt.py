@@ -83,6 +83,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=not on_cpu,
+        # gloo has no grouped point-to-point: a "batched" send/recv list is just isend/irecv
+        # matched per peer in posting order, and megatron's batched order differs between the
+        # two sides when both pipeline neighbours are the same rank (interleaved PP=2), which
+        # silently swaps activations and gradients. The unbatched path posts in matching order.
+        batch_p2p_comm=not on_cpu,
     )
 
 

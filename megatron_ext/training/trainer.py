@@ -210,7 +210,7 @@ class Trainer:
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
         o, iters = self.cfg.optim, self.cfg.train.iters
-        warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None else max(1, iters // 20)
+        warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None else iters // 20
         return OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,

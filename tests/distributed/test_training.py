@@ -35,6 +35,8 @@ LAYOUTS = {
     "tp2": (["parallel.tp=2"], 2),
     "pp2": (["parallel.pp=2"], 2),
     "dp2": (["parallel.dp=2"], 2),
+    # Both pipeline neighbours are the same rank: catches mismatched point-to-point ordering.
+    "pp2_vpp2": (["parallel.pp=2", "parallel.vpp=2"], 2),
     "tp2_pp2": (["parallel.tp=2", "parallel.pp=2"], 4),
 }
 

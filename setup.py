@@ -21,7 +21,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "hydra-submitit-launcher>=1.2"],
         "slurm": ["hydra-submitit-launcher>=1.2", "submitit"],
         "wandb": ["wandb"],
         # Apex is optional and comes from NVIDIA's containers or a source build; the PyPI package

@@ -67,6 +67,10 @@ class MetricsReporter:
         self._print(f"eval  iter {iteration:6d} | loss {loss:.4f}")
         self._scalars("eval", iteration, {"loss": loss})
 
+    def note(self, line: str) -> None:
+        if self.active:
+            self._print(line)
+
     def _write_line(self, iteration: int, m: dict) -> None:
         now = time.perf_counter()
         tps = self._window_tokens / max(now - self._window_start, 1e-9)

@@ -8,6 +8,7 @@ with torch's elastic agent (the machinery behind torchrun) so failures propagate
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ def slurm_master_addr(nodelist: str) -> str:
         ).stdout
         return out.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
-        # No scontrol: a single host name, or the first entry of a plain comma list.
-        return nodelist.split(",")[0].split("[")[0]
+        # No scontrol: the first host of "a,b" or "gpu[01-04,07],cpu3" read by hand.
+        prefix, ranges = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist).groups()
+        return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
 
 
 def detect_launch(environ: Optional[dict] = None) -> Optional[LaunchEnv]:

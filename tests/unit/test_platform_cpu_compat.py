@@ -318,43 +318,50 @@ def report(out: str, unpatched: bool) -> None:
     Path(out).write_text(json.dumps(outcomes))
 
 
-def run_report(tmp: Path, megatron_root: str | None) -> dict:
-    out = tmp / "report.json"
-    path = [str(REPO), str(Path(__file__).parent)] + ([megatron_root] if megatron_root else [])
+def start_report(out: Path, megatron_root: Path | None) -> tuple[subprocess.Popen, Path]:
+    """`report()` in a fresh process, on the installed megatron-core or on the one under
+    `megatron_root`."""
+    path = [str(REPO), str(Path(__file__).parent)] + ([str(megatron_root)] if megatron_root else [])
     code = (
         f"import sys; sys.path[:0] = {path!r}; import {Path(__file__).stem} as t; "
         f"t.report({str(out)!r}, unpatched={megatron_root is None})"
     )
-    done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-c", code],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return process, out
+
+
+def finish_report(started: tuple[subprocess.Popen, Path]) -> dict:
+    process, out = started
+    assert process.wait(timeout=180) == 0, out.with_suffix(".log").read_text()[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def unpatched(tmp_path_factory) -> dict:
-    return run_report(tmp_path_factory.mktemp("unpatched"), None)
-
-
-@pytest.fixture(scope="module")
-def with_upstream_diffs(tmp_path_factory) -> dict:
-    """The scenarios on megatron-core with patches/*.diff applied, without the runtime layer."""
-    tmp = tmp_path_factory.mktemp("patched")
-    done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "check_patches.py"), "--keep", str(tmp / "tree")],
+def reports(tmp_path_factory) -> dict:
+    """Outcomes of the scenarios on unpatched megatron-core and on megatron-core with
+    patches/*.diff applied, both without the runtime layer (run side by side: they spend much
+    of their time starting dist_checkpointing's writer processes)."""
+    tmp = tmp_path_factory.mktemp("reports")
+    unpatched = start_report(tmp / "unpatched.json", None)
+    tree = tmp / "patched"
+    built = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_patches.py"), "--keep", str(tree)],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    outcome = run_report(tmp, str(tmp / "tree"))
-    assert outcome["megatron_core"].startswith(str(tmp / "tree"))
-    return outcome
+    patched = start_report(tmp / "patched.json", tree) if built.returncode == 0 else None
+    outcomes = {"unpatched": finish_report(unpatched)}
+    assert patched, built.stdout + built.stderr
+    outcomes["patched"] = finish_report(patched)
+    assert outcomes["patched"]["megatron_core"].startswith(str(tree))
+    return outcomes
 
 
 # --- this process, with the runtime layer ----------------------------------------------------
@@ -375,13 +382,13 @@ def test_every_fix_has_a_case():
 
 
 @pytest.mark.parametrize("fix", list(CASES))
-def test_fix_is_needed_and_works(fix, unpatched, with_upstream_diffs, applied):
+def test_fix_is_needed_and_works(fix, reports, applied):
     case = CASES[fix]
-    failure = unpatched[fix]
+    failure = reports["unpatched"][fix]
     assert failure is not None, f"{case.scenario.__name__} passed on unpatched megatron-core"
     assert failure["file"].endswith(case.raises_in) and case.raises_at in failure["line"], failure
     case.scenario()  # with the runtime fix (raises on a wrong answer)
-    assert with_upstream_diffs[fix] is None, with_upstream_diffs[fix]
+    assert reports["patched"][fix] is None, reports["patched"][fix]  # the upstream diffs suffice
 
 
 def test_apply_names_every_fix_once_and_is_idempotent(applied):

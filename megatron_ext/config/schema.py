@@ -38,8 +38,6 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     # allgather works everywhere; alltoall needs CUDA streams in megatron-core 0.16.
     moe_token_dispatcher: str = "allgather"
-    # Pretrained weights to start from (GGUF / HF import); None trains from scratch.
-    pretrained: Optional[str] = None
     # fp32 | bf16 | fp16. CPU runs are fp32.
     precision: str = "fp32"
     # Layer implementation: auto (Transformer Engine when installed and on CUDA) | local | te.

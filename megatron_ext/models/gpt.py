@@ -82,6 +82,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         apply_rope_fusion=False,
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
+        # The loss is a sum over tokens; megatron divides gradients by the token count of the
+        # whole global batch, which makes it the same per-token mean under every layout.
+        calculate_per_token_loss=True,
         deallocate_pipeline_outputs=not on_cpu,
         # gloo has no grouped point-to-point: a "batched" send/recv list is just isend/irecv
         # matched per peer in posting order, and megatron's batched order differs between the

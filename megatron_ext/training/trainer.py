@@ -64,7 +64,7 @@ class Trainer:
         self.cfg = cfg
         self.plugins = list(plugins)
         self.state = TrainState()
-        self.on_cpu = not torch.cuda.is_available()
+        self.on_cpu = current_device().type == "cpu"
         self.world_size = dist.get_world_size()
         self.dp = resolve_dp(cfg, self.world_size)
         self.model: list = []
@@ -144,7 +144,6 @@ class Trainer:
     def _build_model(self) -> list:
         cfg = self.cfg
         config = transformer_config(cfg.model, cfg.parallel, self.on_cpu)
-        config.calculate_per_token_loss = True
         spec = layer_spec(cfg.model, use_transformer_engine(cfg.model, self.on_cpu))
         for p in self.plugins:
             spec = p.layer_spec(spec, self)
@@ -171,9 +170,8 @@ class Trainer:
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         )
         wrapped = [
-            DistributedDataParallel(
-                config, ddp_config, chunk, disable_bucketing=(i > 0) or not cfg.parallel.overlap_grad_reduce
-            )
+            # Megatron-LM's rule: only the first chunk buckets its grads (overlap happens there).
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)
         ]
         self._wire_schedule_hooks(config, wrapped)

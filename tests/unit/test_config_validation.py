@@ -165,14 +165,14 @@ def test_resolve_dp():
     [
         ({}, 4),
         ({"RANK": "0", "WORLD_SIZE": "8"}, 8),
-        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "MASTER_ADDR": "n1", "MASTER_PORT": "1"}, 16),
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "16", "MASTER_ADDR": "n1", "MASTER_PORT": "1"}, 16),
         # One Slurm task (python run directly in a batch script) starts its own local workers.
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, 4),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, 4),
     ],
     ids=["local", "torchrun", "srun", "single_slurm_task"],
 )
 def test_world_size_of(monkeypatch, env, expected):
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)

@@ -71,7 +71,8 @@ def import_modules(root: Path, files: list[str]) -> tuple[bool, str]:
         f"assert megatron.core.__file__.startswith({str(root)!r}), megatron.core.__file__\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    pythonpath = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True
     )

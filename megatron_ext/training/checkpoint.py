@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.utils import unwrap_model
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
@@ -49,15 +50,10 @@ def latest_iteration(root: str | os.PathLike) -> Optional[int]:
     return int(text)
 
 
-def _unwrap(model):
-    """The GPTModel inside megatron's DDP wrapper, whose state-dict keys have no `module.`."""
-    return getattr(model, "module", model)
-
-
 def _model_sharded_state_dict(model_chunks: list) -> dict:
     if len(model_chunks) == 1:
-        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
+        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap_model(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
 
 
 def _rng_sharded_object(layout_key: tuple[int, int]) -> ShardedObject:
@@ -176,10 +172,10 @@ def load_checkpoint(
         template.pop("rng_state")
     state = dist_checkpointing.load(template, path)
     if len(model_chunks) == 1:
-        _unwrap(model_chunks[0]).load_state_dict(state["model"])
+        unwrap_model(model_chunks[0]).load_state_dict(state["model"])
     else:
         for i, m in enumerate(model_chunks):
-            _unwrap(m).load_state_dict(state[f"model{i}"])
+            unwrap_model(m).load_state_dict(state[f"model{i}"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if load_rng:

@@ -119,13 +119,10 @@ def pipeline_check() -> dict:
     dist.all_reduce(
         part.shared_embedding_or_output_weight().grad, group=parallel_state.get_embedding_group()
     )
-    grad_diffs = {  # keyed by the name in the whole model
-        name_in_whole_model(name, stage): (p.grad - whole_params[name_in_whole_model(name, stage)].grad)
-        .abs()
-        .max()
-        .item()
-        for name, p in part.named_parameters()
-    }
+    grad_diffs = {}  # keyed by the name in the whole model
+    for name, p in part.named_parameters():
+        whole_name = name_in_whole_model(name, stage)
+        grad_diffs[whole_name] = (p.grad - whole_params[whole_name].grad).abs().max().item()
     parallel_state.destroy_model_parallel()
     return {
         "stage": stage,

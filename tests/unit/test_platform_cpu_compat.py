@@ -81,7 +81,11 @@ def megatron_adam(model: GPTModel, distributed: bool = True):
     module = Float16Module(model.config, model) if bf16 else model
     ddp = DistributedDataParallel(model.config, ddp_config, module)
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.1, bf16=bf16, use_distributed_optimizer=distributed
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.1,
+        bf16=bf16,
+        use_distributed_optimizer=distributed,
     )
     # {}: one parameter group (no weight-decay exemptions), like a plain torch optimizer.
     return ddp, config, get_megatron_optimizer(config, [ddp], config_overrides={})
@@ -185,25 +189,28 @@ def scenario_te_general_gemm():
     logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
     logits.sum().backward()
     assert torch.allclose(logits, x @ w.t())
-    assert torch.allclose(x.grad, torch.ones(5, 4) @ w) and torch.allclose(w.grad, torch.ones(4, 5) @ x)
+    assert torch.allclose(x.grad, torch.ones(5, 4) @ w)
+    assert torch.allclose(w.grad, torch.ones(4, 5) @ x)
 
 
 def adam_checkpoint(ddp, optimizer, is_loading: bool = False) -> dict:
     """Model and distributed-optimizer state as megatron_ext checkpoints them."""
     model = ddp.module.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-    return {"model": model, "optimizer": optimizer.sharded_state_dict(model, is_loading, metadata=metadata)}
+    optimizer_state = optimizer.sharded_state_dict(model, is_loading, metadata=metadata)
+    return {"model": model, "optimizer": optimizer_state}
 
 
 def scenario_torch_adam_checkpointing():
     """Resuming the distributed optimizer over torch's AdamW from a checkpoint into a fresh one
     (whose state dict is the load template) continues exactly: the next step equals that of
     the optimizer that was saved."""
-    (ddp, _, saved), (resumed_ddp, _, resumed) = [megatron_adam(tiny_gpt(seed)) for seed in (0, 1)]
+    (ddp, _, saved), (resumed_ddp, _, resumed) = [megatron_adam(tiny_gpt(s)) for s in (0, 1)]
     train_step(ddp, saved, batch(0))
     with tempfile.TemporaryDirectory() as ckpt:
         dist_checkpointing.save(adam_checkpoint(ddp, saved), ckpt)
-        loaded = dist_checkpointing.load(adam_checkpoint(resumed_ddp, resumed, is_loading=True), ckpt)
+        template = adam_checkpoint(resumed_ddp, resumed, is_loading=True)
+        loaded = dist_checkpointing.load(template, ckpt)
     resumed_ddp.module.load_state_dict(loaded["model"])
     resumed.load_state_dict(loaded["optimizer"])
     train_step(ddp, saved, batch(1))
@@ -401,17 +408,14 @@ def test_apply_names_every_fix_once_and_is_idempotent(applied):
 
 
 def test_redirection_is_local_to_megatron_modules(applied):
-    assert megatron_utils_torch() is cpu_compat.TORCH_ON_CPU
-    assert megatron_utils_torch().cuda.current_device() == torch.device("cpu")
+    megatron_torch = sys.modules["megatron.core.utils"].torch
+    assert megatron_torch is cpu_compat.TORCH_ON_CPU
+    assert megatron_torch.cuda.current_device() == torch.device("cpu")
     assert torch.cuda.current_device is REAL_CURRENT_DEVICE
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA here, and torch still says so
         torch.cuda.current_device()
     tensor = torch.arange(3.0)
     assert tensor.cuda() is tensor  # the one global change: `.cuda()` could only raise here
-
-
-def megatron_utils_torch():
-    return sys.modules["megatron.core.utils"].torch
 
 
 def test_apply_refuses_cpu_mode_where_cuda_is_available(applied, monkeypatch):
@@ -424,12 +428,25 @@ def test_with_cuda_only_the_plain_bug_fixes_apply(monkeypatch):
     """Which fixes apply() runs where CUDA is available (recorded, not run: this process has
     applied them all already)."""
     ran = []
-    recorded = [replace(fix, apply=lambda name=fix.name: ran.append(name)) for fix in cpu_compat.FIXES]
-    monkeypatch.setattr(cpu_compat, "FIXES", tuple(recorded))
+    recorded = tuple(
+        replace(fix, apply=lambda name=fix.name: ran.append(name)) for fix in cpu_compat.FIXES
+    )
+    monkeypatch.setattr(cpu_compat, "FIXES", recorded)
     monkeypatch.setattr(cpu_compat, "_applied", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.apply() == ran == ["te_general_gemm", "torch_adam_checkpointing"]
     assert cpu_compat.apply(on_cpu=False) == ran  # idempotent here too
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cpu_compat's rng_tracker fix keeps fork()'s check that the CPU RNG is untouched; "
+    "on CPU the CPU generator is the forked one (fix proposed for cpu_compat.py)",
+)
+def test_fork_does_not_warn_that_the_cpu_rng_changed(applied, caplog):
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        torch.rand(1)  # e.g. dropout in a tensor-parallel region
+    assert "CPU RNG state changed" not in caplog.text
 
 
 # --- whole training pieces, with the runtime layer -------------------------------------------

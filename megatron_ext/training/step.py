@@ -46,3 +46,10 @@ def reduce_loss(losses: list[dict]) -> float | None:
         dist.all_reduce(total_dev, group=dp_group)
         total = total_dev.cpu()
     return (total[0] / total[1].clamp(min=1)).item()
+
+
+def broadcast_from_last_rank(value: float | None) -> float:
+    """Every rank learns a value only the last pipeline stage has (the last rank is on it)."""
+    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=current_device())
+    dist.broadcast(t, src=dist.get_world_size() - 1)
+    return t.item()

@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ext.config.schema import Config
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
+from megatron_ext.evaluation.loss import forward_only_loss
 from megatron_ext.models.gpt import (
     build_gpt_model,
     layer_spec,
@@ -48,7 +49,7 @@ from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.preemption import StopRequest
-from megatron_ext.training.step import forward_step, reduce_loss
+from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 
 
 @dataclasses.dataclass
@@ -292,38 +293,23 @@ class Trainer:
         self.state.iteration += 1
         self.state.consumed_samples += self._global_batch_size()
         return {
-            "loss": self._broadcast_from_last_stage(reduce_loss(losses)),
+            "loss": broadcast_from_last_rank(reduce_loss(losses)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
         }
 
-    def _broadcast_from_last_stage(self, value: Optional[float]) -> float:
-        """Every rank learns the loss, so plugins and the summary see the same number."""
-        t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=current_device())
-        dist.broadcast(t, src=self.world_size - 1)
-        return t.item()
-
-    @torch.no_grad()
     def evaluate(self) -> Optional[float]:
+        """Loss on the held-out split: the same `eval_iters` global batches every time."""
         if self.valid_ds is None or not self.cfg.train.eval_iters:
             return None
-        for m in self.model:
-            m.eval()
-        iterator = self._iterator(self.valid_ds, 0)  # the same held-out batches every time
-        losses = []
-        for _ in range(self.cfg.train.eval_iters):
-            losses += self.forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterator,
-                model=self.model,
-                num_microbatches=get_num_microbatches(),
-                seq_length=self.cfg.model.seq_length,
-                micro_batch_size=self.cfg.train.micro_batch_size,
-                forward_only=True,
-            )
-        for m in self.model:
-            m.train()
-        return self._broadcast_from_last_stage(reduce_loss(losses))
+        return forward_only_loss(
+            self.model,
+            self._iterator(self.valid_ds, 0),
+            get_num_microbatches() * self.cfg.train.eval_iters,
+            self.cfg.model.seq_length,
+            self.cfg.train.micro_batch_size,
+            self.forward_backward_func(),
+        )
 
     def train(self) -> dict:
         cfg = self.cfg

@@ -2,11 +2,12 @@
 
 Megatron-Core writes `torch.cuda.current_device()`, `device="cuda"`, CUDA streams/events and the
 CUDA RNG into code that is otherwise device-agnostic. On a machine without CUDA those calls can
-only raise, so redirecting them to the CPU changes nothing that worked: every fix here applies
-only when `torch.cuda.is_available()` is False, and `apply()` is a no-op otherwise.
+only raise, so redirecting them to the CPU changes nothing that worked: the CPU fixes apply only
+when `torch.cuda.is_available()` is False. Two fixes are plain bugs of megatron-core without
+Transformer Engine/Apex and apply on every device (`cpu_only=False`).
 
 Each fix is a named entry of `FIXES` with the upstream diff that would make it unnecessary
-(`patches/<name>.diff`, checked against megatron-core 0.16.1 in CI). The mechanism of most fixes
+(`patches/NNNN-<name>.diff`, checked against megatron-core 0.16.1 by scripts/check_patches.py). The mechanism of most fixes
 is the same: megatron modules that touch CUDA get a module-local `torch` (`TorchOnCPU`) whose
 `cuda` namespace and tensor factories resolve to the CPU; the real `torch` module is untouched.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import types
 import warnings
 from dataclasses import dataclass
@@ -164,7 +166,6 @@ def _fix_device_literals() -> None:
         "megatron.core.tensor_parallel.data",
         "megatron.core.tensor_parallel.utils",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
-        "megatron.core.models.common.language_module.language_module",
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.transformer.dot_product_attention",
         "megatron.core.transformer.attention",
@@ -176,7 +177,6 @@ def _fix_device_literals() -> None:
         "megatron.core.transformer.moe.token_dispatcher",
         "megatron.core.distributed.param_and_grad_buffer",
         "megatron.core.distributed.distributed_data_parallel",
-        "megatron.core.distributed.finalize_model_grads",
         "megatron.core.optimizer.optimizer",
         "megatron.core.optimizer.distrib_optimizer",
         "megatron.core.optimizer.clip_grads",
@@ -185,9 +185,8 @@ def _fix_device_literals() -> None:
 
 
 def _fix_dist_checkpointing() -> None:
-    """dist_checkpointing's torch_dist save/load synchronizes CUDA before writing, stages
-    tensors through CUDA in the exchange of fully-parallel load, and moves loaded tensors with
-    `.cuda()`."""
+    """dist_checkpointing's torch_dist save/load synchronizes CUDA before writing and stages
+    tensors through CUDA in the exchange of fully-parallel load."""
     _redirect_torch(
         "megatron.core.dist_checkpointing.exchange_utils",
         "megatron.core.dist_checkpointing.tensor_aware_state_dict",
@@ -216,6 +215,13 @@ def _fix_rng_tracker() -> None:
     random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
     random._lazy_call = lambda fn, **kwargs: fn()
     random.torch = TORCH_ON_CPU
+    # fork() warns when the CPU generator moved inside a forked region, to catch CPU draws in
+    # GPU code; on the CPU the forked generator *is* the CPU one, so every draw would warn.
+    logging.getLogger(random.__name__).addFilter(_drop_cpu_rng_warning)
+
+
+def _drop_cpu_rng_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
 _REAL_TENSOR_TYPE = torch.Tensor.type
@@ -320,6 +326,7 @@ def _fix_torch_adam_checkpointing() -> None:
     if distrib.HAVE_APEX_OR_TE or getattr(cls.state_dict, "__torch_adam_fix__", False):
         return
     original_state_dict = cls.state_dict
+    original_load_state_dict = cls.load_state_dict
     original_set_states = cls._set_main_param_and_optimizer_states
 
     @functools.wraps(original_state_dict)
@@ -334,15 +341,20 @@ def _fix_torch_adam_checkpointing() -> None:
             return original_set_states(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        state = self.optimizer.state[main_param]
-        if "step" in state:
-            state["step"] = state["step"].clone()
-        destination = {"param": main_param, **state}
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
         for key, saved in tensors.items():
             destination[key].copy_(saved)
 
+    @functools.wraps(original_load_state_dict)
+    def load_state_dict(self, state_dict):
+        original_load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
     state_dict.__torch_adam_fix__ = True
     cls.state_dict = state_dict
+    cls.load_state_dict = load_state_dict
     cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 

@@ -438,11 +438,6 @@ def test_with_cuda_only_the_plain_bug_fixes_apply(monkeypatch):
     assert cpu_compat.apply(on_cpu=False) == ran  # idempotent here too
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cpu_compat's rng_tracker fix keeps fork()'s check that the CPU RNG is untouched; "
-    "on CPU the CPU generator is the forked one (fix proposed for cpu_compat.py)",
-)
 def test_fork_does_not_warn_that_the_cpu_rng_changed(applied, caplog):
     with tensor_parallel.get_cuda_rng_tracker().fork():
         torch.rand(1)  # e.g. dropout in a tensor-parallel region

@@ -75,8 +75,8 @@ BAD = [
      "parallel.sequence_parallel", "requires parallel.tp > 1"),
     ("sp_on_local_layers", {"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu",
      "parallel.sequence_parallel", "needs Transformer Engine layers"),
-    ("seq_vs_cp", {"parallel.cp": 2, "model.seq_length": 130}, 2, "cpu",
-     "model.seq_length", "2 * parallel.cp (4)"),
+    ("cp_on_local_layers", {"parallel.cp": 2}, 2, "cpu",
+     "parallel.cp", "needs Transformer Engine attention"),
     ("warmup_vs_decay", {"optim.lr_warmup_iters": 300}, 1, "cpu",
      "optim.lr_warmup_iters", "< the lr decay iters (200)"),
     ("precision", {"model.precision": "fp8"}, 1, "cpu",
@@ -121,7 +121,6 @@ GOOD = [
     ("explicit_dp", {"parallel.tp": 2, "parallel.dp": 2, "train.global_batch_size": 8}, 4, "cpu"),
     ("vpp", {"parallel.pp": 2, "parallel.vpp": 2, "model.num_layers": 8}, 2, "cpu"),
     ("moe_ep2", {"model.num_experts": 4, "parallel.ep": 2}, 2, "cpu"),
-    ("moe_ep_over_dp_cp", {"model.num_experts": 4, "parallel.ep": 4, "parallel.cp": 2}, 4, "cpu"),
     ("gqa_smollm_like", {"parallel.tp": 3, "model.num_attention_heads": 9,
                          "model.num_query_groups": 3, "model.hidden_size": 576}, 3, "cpu"),
     ("gbs_derived", {"train.global_batch_size": None}, 3, "cpu"),
@@ -142,6 +141,26 @@ def test_sequence_parallel_on_te_layers(monkeypatch, spec):
     monkeypatch.setattr(optional, "HAVE_TE", True)
     cfg = make(**{"parallel.tp": 2, "parallel.sequence_parallel": True, "model.spec": spec})
     validate(cfg, 2, "cuda")
+
+
+# Context parallelism runs on Transformer Engine attention only (CUDA).
+TE_GOOD = [
+    ("cp2", {"parallel.cp": 2}, 2),
+    ("moe_ep_over_dp_cp", {"model.num_experts": 4, "parallel.ep": 4, "parallel.cp": 2}, 4),
+]
+
+
+@pytest.mark.parametrize("fields, world", [c[1:] for c in TE_GOOD], ids=[c[0] for c in TE_GOOD])
+def test_context_parallel_on_te_layers(monkeypatch, fields, world):
+    monkeypatch.setattr(optional, "HAVE_TE", True)
+    validate(make(**fields), world, "cuda")
+
+
+def test_seq_length_vs_cp(monkeypatch):
+    monkeypatch.setattr(optional, "HAVE_TE", True)
+    with pytest.raises(ConfigError) as err:
+        validate(make(**{"parallel.cp": 2, "model.seq_length": 130}), 2, "cuda")
+    assert err.value.field == "model.seq_length" and "2 * parallel.cp (4)" in err.value.rule
 
 
 def test_all_violations_reported_one_per_line():

@@ -148,18 +148,16 @@ def read_gguf(path: str, max_seq_length: int = 2048) -> Pretrained:
             raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; supported: {supported}")
     shapes = {name: _torch_shape(t) for name, t in by_hf.items()}
     llama.check_hf_shapes(shapes, cfg, path, label=lambda name: f"{gguf_name(name)} ({name})")
-    rope_heads = {
-        llama.HF_Q: cfg.num_attention_heads,
-        llama.HF_K: llama.query_groups(cfg),
-    }
+    # Rows of Q and K heads come in llama.cpp's RoPE order.
+    rope_heads = {}
+    for i in range(cfg.num_layers):
+        rope_heads[llama.HF_Q.format(i=i)] = cfg.num_attention_heads
+        rope_heads[llama.HF_K.format(i=i)] = llama.query_groups(cfg)
 
     def read(name: str) -> torch.Tensor:
         t = by_hf[name]
         values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(values.reshape(_torch_shape(t)))
-        for pattern, heads in rope_heads.items():
-            if re.fullmatch(pattern.format(i=r"\d+"), name):
-                weight = unpermute_rope_rows(weight, heads)
-        return weight
+        return unpermute_rope_rows(weight, rope_heads[name]) if name in rope_heads else weight
 
     return Pretrained(cfg, LazyTensors(shapes, read, path), path)

@@ -43,6 +43,10 @@ _LAYER_NAMES = {
     "ffn_norm": llama.HF_MLP_NORM,
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# The same tables read the other way.
+_GLOBAL_GGUF_NAMES = {hf: name for name, hf in _GLOBAL_NAMES.items()}
+_LAYER_GGUF_PARTS = {hf.split("{i}.")[1]: part for part, hf in _LAYER_NAMES.items()}
+_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def hf_name(gguf_name: str) -> str:
@@ -57,13 +61,11 @@ def hf_name(gguf_name: str) -> str:
 
 def gguf_name(hf: str) -> str:
     """The inverse of `hf_name` (for messages that name what the GGUF file should contain)."""
-    for name, mapped in _GLOBAL_NAMES.items():
-        if mapped == hf:
-            return name
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
-    for part, pattern in _LAYER_NAMES.items():
-        if match and pattern == "model.layers.{i}." + match.group(2):
-            return f"blk.{match.group(1)}.{part}.weight"
+    if hf in _GLOBAL_GGUF_NAMES:
+        return _GLOBAL_GGUF_NAMES[hf]
+    match = _HF_LAYER_NAME.fullmatch(hf)
+    if match and match.group(2) in _LAYER_GGUF_PARTS:
+        return f"blk.{match.group(1)}.{_LAYER_GGUF_PARTS[match.group(2)]}.weight"
     return hf
 
 
@@ -95,10 +97,8 @@ def model_config(reader: GGUFReader, path: str, max_seq_length: int = 2048) -> M
     heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
     if int(meta("rope.dimension_count", hidden // heads)) != hidden // heads:
         raise ValueError(f"{path}: RoPE on part of each head (llama.rope.dimension_count) is not supported")
-    if _field(reader, "llama.rope.scaling.type", "none") not in ("none", "linear") or _field(
-        reader, "llama.rope.scaling.factor", 1.0
-    ) != 1.0:
-        raise ValueError(f"{path}: RoPE scaling (llama.rope.scaling.*) is not supported")
+    if _field(reader, "llama.rope.scaling.type", "none") != "none":
+        raise ValueError(f"{path}: RoPE scaling (llama.rope.scaling.type) is not supported")
     names = {t.name for t in reader.tensors}
     return ModelConfig(
         name=str(_field(reader, "general.basename") or _field(reader, "general.name") or "llama"),
@@ -110,9 +110,15 @@ def model_config(reader: GGUFReader, path: str, max_seq_length: int = 2048) -> M
         seq_length=min(int(meta("context_length", max_seq_length)), max_seq_length),
         vocab_size=_vocab_size(reader, path),
         tie_embeddings="output.weight" not in names,
-        rotary_base=float(meta("rope.freq_base", 10000.0)),
-        norm_epsilon=float(meta("attention.layer_norm_rms_epsilon")),
+        rotary_base=_decimal(meta("rope.freq_base", 10000.0)),
+        norm_epsilon=_decimal(meta("attention.layer_norm_rms_epsilon")),
     )
+
+
+def _decimal(value: float) -> float:
+    """GGUF stores these as float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal
+    that rounds to the same float32 is the number the model's authors wrote."""
+    return float(str(np.float32(value)))
 
 
 def _vocab_size(reader: GGUFReader, path: str) -> int:
@@ -160,4 +166,13 @@ def read_gguf(path: str, max_seq_length: int = 2048) -> Pretrained:
         weight = torch.from_numpy(values.reshape(_torch_shape(t)))
         return unpermute_rope_rows(weight, rope_heads[name]) if name in rope_heads else weight
 
-    return Pretrained(cfg, LazyTensors(shapes, read, path), path)
+    return Pretrained(cfg, LazyTensors(shapes, read, path), path, _token_ids(reader))
+
+
+def _token_ids(reader: GGUFReader) -> dict:
+    ids = {
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    return {k: int(v) for k, v in ids.items() if v is not None}

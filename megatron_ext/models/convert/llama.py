@@ -9,7 +9,7 @@ embedding and output layer padded to the padded vocabulary. Placing them into a 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -106,6 +106,35 @@ def hf_to_logical(
     raise KeyError(f"megatron tensor {name.key} (layer {i}) has no Hugging Face LLaMA counterpart")
 
 
+def logical_names(cfg: ModelConfig) -> list[LogicalName]:
+    """Every logical tensor of a LLaMA GPTModel of this config (a tied output layer is the
+    word embedding itself)."""
+    names = [LogicalName(EMBEDDING), LogicalName(FINAL_NORM)]
+    if not cfg.tie_embeddings:
+        names.append(LogicalName(OUTPUT))
+    per_layer = (ATTN_NORM, QKV, PROJ, MLP_NORM, FC1, FC2)
+    return names + [LogicalName(key, (i,)) for i in range(cfg.num_layers) for key in per_layer]
+
+
+class HFAsLogical(Mapping[LogicalName, torch.Tensor]):
+    """Hugging Face tensors seen as megatron's logical tensors, each computed when looked up."""
+
+    def __init__(self, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int) -> None:
+        self._hf, self._cfg, self._padded_vocab = hf, cfg, padded_vocab
+        self._names = logical_names(cfg)
+
+    def __getitem__(self, name: LogicalName) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return hf_to_logical(name, self._hf, self._cfg, self._padded_vocab)
+
+    def __iter__(self) -> Iterator[LogicalName]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 # --- logical -> Hugging Face ----------------------------------------------------------------
 
 
@@ -120,11 +149,10 @@ def logical_to_hf(
     if not cfg.tie_embeddings:
         hf[HF_OUTPUT] = tensors[LogicalName(OUTPUT)][:vocab_size]
     for i in range(cfg.num_layers):
-        layer = lambda key: tensors[LogicalName(key, (i,))]  # noqa: E731
         for key, hf_name in _LAYER_COPIES.items():
-            hf[hf_name.format(i=i)] = layer(key)
-        q, k, v = split_qkv(layer(QKV), cfg)
-        gate, up = layer(FC1).chunk(2)
+            hf[hf_name.format(i=i)] = tensors[LogicalName(key, (i,))]
+        q, k, v = split_qkv(tensors[LogicalName(QKV, (i,))], cfg)
+        gate, up = tensors[LogicalName(FC1, (i,))].chunk(2)
         hf.update(
             {
                 HF_Q.format(i=i): q,

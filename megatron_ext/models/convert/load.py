@@ -12,6 +12,8 @@ from typing import Mapping
 import torch
 from megatron.core import parallel_state
 
+from megatron_ext.models.convert.llama import HFAsLogical
+from megatron_ext.models.convert.source import Pretrained
 from megatron_ext.models.logical import LogicalName, fill_from_logical, local_box, local_shards
 
 
@@ -28,9 +30,10 @@ def load_logical(model_chunks: list, tensors: Mapping[LogicalName, torch.Tensor]
     for name, shape, _ in local_shards(model_chunks):
         if name in sources:
             continue
-        if name not in tensors:
-            raise KeyError(f"no source tensor for megatron's {_describe(name)}")
-        sources[name] = tensors[name]
+        try:
+            sources[name] = tensors[name]  # one lookup: lazy sources read the file here
+        except KeyError:
+            raise KeyError(f"no source tensor for megatron's {_describe(name)}") from None
         if sources[name].shape != shape:
             raise ValueError(
                 f"source tensor for megatron's {_describe(name)} has shape "
@@ -51,3 +54,8 @@ def gather_logical(model_chunks: list) -> dict[LogicalName, torch.Tensor]:
         whole = tensors.setdefault(name, torch.empty(shape, dtype=sh.data.dtype))
         whole[local_box(sh)] = sh.data.detach().cpu().view(sh.local_shape)
     return tensors
+
+
+def load_pretrained(model_chunks: list, pretrained: Pretrained, padded_vocab: int) -> None:
+    """Put a pretrained model's weights into this rank's stage (any layout)."""
+    load_logical(model_chunks, HFAsLogical(pretrained.tensors, pretrained.config, padded_vocab))

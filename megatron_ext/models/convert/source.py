@@ -7,7 +7,7 @@ reads only the tensors its pipeline stage holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -44,6 +44,8 @@ class Pretrained:
     config: ModelConfig
     tensors: LazyTensors
     path: str
+    # Token ids for an exported config.json (bos_token_id, eos_token_id, pad_token_id).
+    token_ids: dict = field(default_factory=dict)
 
 
 def open_pretrained(path: str, max_seq_length: int = 2048) -> Pretrained:

@@ -1,0 +1,120 @@
+"""Pretrained model files <-> megatron dist checkpoints (torch_dist, any layout).
+
+    import_checkpoint("SmolLM2.gguf" or "hf_folder/", "ckpt/", tp=2, pp=2)
+    export_checkpoint("ckpt/", "hf_out/")
+
+Import starts tp*pp local workers; each builds its stage of megatron's GPTModel, loads its part
+of the weights and joins one `dist_checkpointing.save`. The checkpoint is model-only (no
+optimizer state) at iteration 0: training starts from it through `model.pretrained`, which loads
+the weights and nothing else (no optimizer, scheduler, counters or RNG), in any layout.
+
+Export loads a checkpoint of any layout (dist_checkpointing reshards) into a TP1/PP1 model in
+this process and writes a LlamaForCausalLM folder.
+
+Both write atomically: the result is assembled under a temporary name beside the destination and
+renamed into place, and every input problem is raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ext.config.schema import Config, LauncherConfig, ModelConfig, ParallelConfig
+from megatron_ext.config.validate import validate
+from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, publish, staging_dir, write_hf
+from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+from megatron_ext.models.convert.load import gather_logical, load_pretrained
+from megatron_ext.models.convert.source import Pretrained, open_pretrained
+from megatron_ext.models.convert.world import build_model, model_parallel_world
+from megatron_ext.models.gpt import padded_vocab_size
+from megatron_ext.platform.launch import launch_local
+from megatron_ext.training import checkpoint as ckpt
+
+# Beside iter_*/: the Hugging Face tokenizer files of the imported model, for the export.
+TOKENIZER_DIR = "tokenizer"
+
+
+def common_state(model: ModelConfig, padded_vocab: int, tp: int, pp: int, token_ids: dict) -> dict[str, Any]:
+    """The plain state of an imported checkpoint, shaped like the Trainer's."""
+    return {
+        "iteration": 0,
+        "consumed_samples": 0,
+        "padded_vocab_size": padded_vocab,
+        "layout": {"tp": tp, "pp": pp, "vpp": None},
+        "config": {"model": dataclasses.asdict(model)},
+        "plugins": {},
+        "token_ids": token_ids,
+    }
+
+
+def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
+    """The training config's own rules (heads, query groups, layers vs tp/pp)."""
+    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=1), launcher=LauncherConfig(nproc=tp * pp))
+    validate(cfg, tp * pp)
+
+
+def import_checkpoint(source: str, out: str, tp: int = 1, pp: int = 1, max_seq_length: int = 2048) -> Path:
+    """Convert a `.gguf` file or a Hugging Face folder into a megatron checkpoint at `out`."""
+    pretrained = open_pretrained(source, max_seq_length)  # every problem with the file is raised here
+    _check_layout(pretrained.config, tp, pp)
+    out_path = Path(out)
+    staging = staging_dir(out_path)
+    try:
+        launch_local(tp * pp, _import_worker, (source, str(staging), tp, pp, max_seq_length), "127.0.0.1", 0)
+        _write_tokenizer(pretrained, staging / TOKENIZER_DIR)
+        publish(staging, out_path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_path
+
+
+def _import_worker(source: str, out: str, tp: int, pp: int, max_seq_length: int) -> None:
+    with model_parallel_world(tp, pp):
+        pretrained = open_pretrained(source, max_seq_length)
+        padded = padded_vocab_size(pretrained.config.vocab_size, pretrained.config, tp)
+        chunks = build_model(pretrained.config, padded)
+        load_pretrained(chunks, pretrained, padded)
+        common = common_state(pretrained.config, padded, tp, pp, pretrained.token_ids)
+        ckpt.save_checkpoint(out, 0, chunks, None, common)
+
+
+def _write_tokenizer(pretrained: Pretrained, folder: Path) -> None:
+    folder.mkdir()
+    if Path(pretrained.path).is_dir():
+        copy_tokenizer_files(pretrained.path, folder)
+        return
+    from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
+
+    try:
+        GGUFTokenizer(pretrained.path).save_pretrained(str(folder))
+    except ValueError as e:  # e.g. a sentencepiece vocabulary: the weights still convert
+        warnings.warn(f"no tokenizer exported: {e}")
+
+
+def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> Path:
+    """Write checkpoint `iteration` (default: the latest) of `load` as a Hugging Face folder."""
+    iteration = ckpt.latest_iteration(load) if iteration is None else iteration
+    if iteration is None or not ckpt.iteration_dir(load, iteration).is_dir():
+        raise FileNotFoundError(f"{load}: no checkpoint" + (f" of iteration {iteration}" if iteration is not None else ""))
+    common = ckpt.load_common(load, iteration)
+    model = _model_config(common["config"]["model"])
+    padded = common["padded_vocab_size"]
+    vocab = model.vocab_size or padded
+    check_free(Path(out))  # before the slow part
+    with model_parallel_world():
+        chunks = build_model(model, padded)
+        ckpt.load_checkpoint(load, iteration, chunks, None, load_rng=False)
+        tensors = logical_to_hf(gather_logical(chunks), model, vocab)
+    tokenizer = Path(load, TOKENIZER_DIR)
+    config = hf_config_from_model(model, vocab, common.get("token_ids"))
+    return write_hf(out, tensors, config, tokenizer if tokenizer.is_dir() else None)
+
+
+def _model_config(saved: dict) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known})

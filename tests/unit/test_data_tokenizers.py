@@ -96,7 +96,7 @@ def test_hf_identity_is_the_file_content(tmp_path):
 
 
 def test_build_tokenizer_errors(tmp_path):
-    with pytest.raises(NotImplementedError, match="model-import feature"):
+    with pytest.raises(FileNotFoundError):
         build_tokenizer(str(tmp_path / "model.gguf"))
     with pytest.raises(ValueError, match="data.tokenizer.*'byte'.*tokenizer.json"):
         build_tokenizer("gpt2")

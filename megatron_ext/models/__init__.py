@@ -1,0 +1,1 @@
+"""Model builders on megatron-core, initialisation, and pretrained weights in and out."""

@@ -1,0 +1,1 @@
+"""The Trainer, its step, checkpoints, metrics and preemption handling."""

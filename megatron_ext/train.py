@@ -21,16 +21,7 @@ from omegaconf import DictConfig
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
-from megatron_ext.platform import cpu_compat
-from megatron_ext.platform.device import resolve_device
-from megatron_ext.platform.launch import (
-    LaunchEnv,
-    detect_launch,
-    free_port,
-    init_distributed,
-    launch_local,
-    limit_cpu_threads,
-)
+from megatron_ext.platform.launch import detect_launch, join_world, launch_local
 
 register_configs()
 
@@ -54,14 +45,7 @@ def worker(cfg: Config) -> dict:
     from megatron_ext.plugin import build_plugins
     from megatron_ext.training.trainer import Trainer
 
-    launch = detect_launch()
-    if launch is None:  # a single process: a world of one
-        launch = LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
-    device = resolve_device(cfg.launcher.device, launch.local_rank)
-    if device.type == "cpu":
-        limit_cpu_threads(launch.world_size)
-    cpu_compat.apply(on_cpu=device.type == "cpu")
-    init_distributed(launch, device)
+    join_world(cfg.launcher.device)
     trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
     try:
         trainer.setup()

@@ -97,6 +97,21 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: int = 6
     )
 
 
+def join_world(device_request: str = "auto", timeout_s: int = 600) -> tuple[LaunchEnv, torch.device]:
+    """Join the world an outside launcher made, or form a world of one: pick the device,
+    apply the CPU compatibility layer when it is the CPU, and initialise torch.distributed."""
+    from megatron_ext.platform import cpu_compat
+    from megatron_ext.platform.device import resolve_device
+
+    launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
+    device = resolve_device(device_request, launch.local_rank)
+    if device.type == "cpu":
+        limit_cpu_threads(launch.world_size)
+    cpu_compat.apply(on_cpu=device.type == "cpu")
+    init_distributed(launch, device, timeout_s)
+    return launch, device
+
+
 def limit_cpu_threads(nproc_on_host: int) -> None:
     """Workers sharing a few cores oversubscribe them with one OpenMP pool each."""
     if "OMP_NUM_THREADS" not in os.environ and nproc_on_host > 1:

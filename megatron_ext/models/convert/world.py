@@ -16,9 +16,8 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.gpt import build_gpt_model, layer_spec, transformer_config, use_transformer_engine
-from megatron_ext.platform import cpu_compat
-from megatron_ext.platform.device import current_device, resolve_device
-from megatron_ext.platform.launch import LaunchEnv, detect_launch, free_port, init_distributed, limit_cpu_threads
+from megatron_ext.platform.device import current_device
+from megatron_ext.platform.launch import join_world
 
 
 @contextmanager
@@ -30,12 +29,7 @@ def model_parallel_world(tp: int = 1, pp: int = 1) -> Iterator[None]:
         raise RuntimeError("megatron's parallel state is already initialised in this process")
     owns_world = not dist.is_initialized()
     if owns_world:
-        launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
-        device = resolve_device("auto", launch.local_rank)
-        if device.type == "cpu":
-            limit_cpu_threads(launch.world_size)
-        cpu_compat.apply(on_cpu=device.type == "cpu")
-        init_distributed(launch, device)
+        join_world()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     # Megatron's attention and dropout fork this tracker even when nothing is random.
     model_parallel_cuda_manual_seed(0)

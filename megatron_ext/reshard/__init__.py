@@ -1,0 +1,13 @@
+"""Live reshard (DynaTrain's Virtual Parameter Space): change TP / PP / DP / EP / CP of a running
+job with every training state carried over.
+
+    layout.py    ParallelLayout: a layout as a value, validated by the runtime's rules
+    boxes.py     box geometry: intersection, subtraction, flat range -> contiguous boxes
+    skeleton.py  megatron's model + DDP for any rank of any layout, on fake tensors and groups
+    vps.py       every rank's pieces of every training state, from megatron's own metadata
+    plan.py      plan(model, A, B): the minimal transfer plan by box intersection (pure, cached)
+
+    from megatron_ext.reshard.layout import ParallelLayout
+    from megatron_ext.reshard.plan import plan
+    print(plan(model, ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, dp=2)).summary())
+"""

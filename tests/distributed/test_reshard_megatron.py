@@ -1,0 +1,157 @@
+"""The Virtual Parameter Space against real megatron: pieces computed in one process, without the
+ranks, equal what real models and distributed optimizers report inside a 4-rank gloo world.
+
+Each worker builds, layout after layout, the trainer's own model, DDP and DistributedOptimizer,
+and reports for every tensor it holds: the box (megatron's sharded state dict), where it sits in
+its parameter, and the flat range megatron's optimizer gave this rank. It also reports its
+megatron coordinates, and the pieces the VPS computes for another layout while this one is live
+(the ambient parallel state must not leak into the VPS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.config.store import MODEL_PRESETS
+from megatron_ext.reshard.layout import ParallelLayout as L
+from megatron_ext.reshard.vps import rank_pieces
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 4
+TINY = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)
+MOE = dataclasses.replace(MODEL_PRESETS["llama_moe_tiny"], vocab_size=256)
+# (model, layout) pairs the 4 ranks build in turn: both ends of tp1->tp2 and tp2pp2->pp2dp2,
+# interleaved pipeline, and experts (with expert-TP = TP).
+LAYOUTS = [
+    (TINY, L(dp=4)),
+    (TINY, L(tp=2, dp=2)),
+    (TINY, L(tp=2, pp=2)),
+    (TINY, L(pp=2, dp=2)),
+    (TINY, L(pp=2, vpp=2, dp=2)),
+    (MOE, L(dp=4, ep=2)),
+    (MOE, L(tp=2, dp=2, ep=2)),
+]
+# While (TINY, tp2·pp2) is live, each rank also computes its VPS pieces for this layout.
+PROBE = (2, L(pp=2, dp=2))
+# Adam's two moments share their boxes; fp32 models have no separate main params.
+STATES = ("param", "exp_avg")
+
+
+def rows(pieces) -> list:
+    """Pieces as JSON-comparable rows, whichever side of the process boundary they come from."""
+    kept = [p for p in pieces if p.state in STATES]
+    fields = [[p.name.key, p.name.index, p.state, p.box, p.chunk, p.param, p.offset] for p in kept]
+    return sorted(json.loads(json.dumps(fields)))
+
+
+# --- the worker: one rank of a torchrun world ------------------------------------------------
+
+
+def real_pieces(trainer) -> list:
+    from megatron.core.utils import unwrap_model
+
+    from megatron_ext.models.logical import local_box, local_shards
+    from megatron_ext.reshard.boxes import flat_range_boxes, numel
+    from megatron_ext.reshard.vps import Piece, tensor_holder
+
+    optimizers = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+    found = []
+    for i, chunk in enumerate(trainer.model):
+        module = unwrap_model(chunk)
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        for name, shape, sh in local_shards([chunk]):
+            param, tensor, start = tensor_holder(tensors, sh.data)
+            box = tuple((s.start, s.stop) for s in local_box(sh))
+            found.append(Piece(0, name, "param", box, tuple(shape), "", i, param, start))
+            for opt in optimizers:
+                if tensor not in opt.model_param_gbuf_map:
+                    continue
+                owned = opt._get_model_param_range_map(tensor)["param"]  # megatron's own
+                a, b = owned.start, owned.end
+                lo, hi = max(a, start), min(b, start + numel(box))
+                for sub, pos in flat_range_boxes(box, lo - start, hi - start):
+                    offset = start + pos - a
+                    found.append(Piece(0, name, "exp_avg", sub, tuple(shape), "", i, param, offset))
+    return rows(found)
+
+
+def coords() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp_cp": ps.get_data_parallel_rank(with_context_parallel=True),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_rank(),
+    }
+
+
+def worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_ext.config.schema import Config
+    from megatron_ext.platform import cpu_compat
+    from megatron_ext.training.trainer import Trainer
+
+    cpu_compat.apply()
+    dist.init_process_group("gloo")
+    rank, report = dist.get_rank(), []
+    for i, (model, layout) in enumerate(LAYOUTS):
+        trainer = Trainer(Config(model=model, parallel=layout.to_config()))
+        trainer._init_layout()
+        trainer.vocab_size = model.vocab_size
+        trainer.model = trainer._build_model()
+        trainer.optimizer = trainer._build_optimizer()
+        entry = {"coords": coords(), "pieces": real_pieces(trainer)}
+        if i == PROBE[0]:
+            entry["probe"] = rows(rank_pieces(model, PROBE[1], rank))
+        report.append(entry)
+        trainer.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
+
+
+# --- the test --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list:
+    out = tmp_path_factory.mktemp("reshard_real")
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(WORLD), __file__, str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(layout) for _, layout in LAYOUTS])
+def test_vps_pieces_equal_real_megatron(reports, index):
+    model, layout = LAYOUTS[index]
+    for rank in range(WORLD):
+        real = reports[rank][index]
+        assert layout.rank_coords(rank) == real["coords"]
+        assert rows(rank_pieces(model, layout, rank)) == real["pieces"]
+
+
+@pytest.mark.distributed
+def test_vps_does_not_depend_on_the_live_parallel_state(reports):
+    model, live = LAYOUTS[PROBE[0]]
+    for rank in range(WORLD):
+        assert reports[rank][PROBE[0]]["probe"] == rows(rank_pieces(model, PROBE[1], rank))

@@ -31,10 +31,13 @@ class LogicalName:
         return self.index[0] if self.index else None
 
 
-def local_shards(model_chunks: list) -> Iterator[tuple[LogicalName, torch.Size, ShardedTensor]]:
-    """Every tensor shard this rank holds: (logical name, logical shape, shard)."""
+def local_shards(
+    model_chunks: list, metadata: Optional[dict] = None
+) -> Iterator[tuple[LogicalName, torch.Size, ShardedTensor]]:
+    """Every tensor shard this rank holds: (logical name, logical shape, shard). `metadata` goes
+    to megatron's `sharded_state_dict` (e.g. explicit groups of a layout that is not running)."""
     for chunk in model_chunks:
-        state = unwrap_model(chunk).sharded_state_dict()
+        state = unwrap_model(chunk).sharded_state_dict(metadata=metadata)
         apply_factories(state)  # e.g. SwiGLU's fc1 becomes its two halves
         for sh in nested_values(state):
             if isinstance(sh, ShardedTensor) and sh.data is not None:

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch._C._distributed_c10d import FakeProcessGroup
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -36,6 +36,7 @@ from megatron_ext.models.gpt import (
 from megatron_ext.platform import cpu_compat
 from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.training.trainer import ddp_config
 
 # ProcessGroupCollection field -> (megatron group token, from the expert rank generator?).
 GROUPS = {
@@ -83,15 +84,6 @@ def process_groups(layout: ParallelLayout, rank: int) -> ProcessGroupCollection:
     groups.embd = None
     groups.pos_embd = None
     return groups
-
-
-def ddp_config(layout: ParallelLayout) -> DistributedDataParallelConfig:
-    # The trainer's DDP settings (training/trainer.py, _build_model).
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=layout.overlap_grad_reduce,
-        use_distributed_optimizer=layout.distributed_optimizer,
-    )
 
 
 @contextlib.contextmanager
@@ -154,7 +146,7 @@ def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Ske
         ddp = [
             # Like the trainer: only the first chunk buckets its grads.
             DistributedDataParallel(
-                config, ddp_config(layout), chunk, disable_bucketing=i > 0, pg_collection=groups
+                config, ddp_config(layout.to_config()), chunk, disable_bucketing=i > 0, pg_collection=groups
             )
             for i, chunk in enumerate(chunks)
         ]

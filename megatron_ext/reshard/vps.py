@@ -156,22 +156,13 @@ def read_skeleton(skeleton: Skeleton) -> tuple[_Shard, ...]:
         )
 
 
-class _WithMetadata:
-    """A chunk whose `sharded_state_dict()` uses the skeleton's DP group: megatron 0.16 falls back
-    to the global parallel state, which belongs to the running layout, not this one."""
-
-    def __init__(self, chunk, groups) -> None:
-        self.chunk, self.groups = chunk, groups
-
-    def sharded_state_dict(self) -> dict:
-        return self.chunk.sharded_state_dict(metadata={"dp_cp_group": self.groups.dp_cp})
-
-
 def _chunk_shards(index: int, chunk, ddp, groups) -> list[_Shard]:
     owned = owned_ranges(ddp)
     tensors = [*chunk.named_parameters(), *chunk.named_buffers()]
     shards = []
-    for name, shape, sh in local_shards([_WithMetadata(chunk, groups)]):
+    # The skeleton's DP group: without it megatron 0.16 falls back to the global parallel state,
+    # which belongs to the running layout, not this one.
+    for name, shape, sh in local_shards([chunk], metadata={"dp_cp_group": groups.dp_cp}):
         param_name, tensor, start = tensor_holder(tensors, sh.data)
         expert, ranges = owned.get(tensor, (False, None))
         box = tuple((s.start, s.stop) for s in local_box(sh))

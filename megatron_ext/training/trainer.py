@@ -32,7 +32,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron_ext.config.schema import Config
+from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.evaluation.loss import forward_only_loss
@@ -51,6 +51,15 @@ from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.preemption import StopRequest
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
+
+
+def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
+    """Megatron DDP settings of a layout (the reshard planner lays out buffers with them too)."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
+    )
 
 
 @dataclasses.dataclass
@@ -177,14 +186,9 @@ class Trainer:
             pretrained.load_into(chunks, cfg.model, self.vocab_size)
         for p in self.plugins:
             chunks = p.after_model_built(chunks, self)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        )
         wrapped = [
             # Megatron-LM's rule: only the first chunk buckets its grads (overlap happens there).
-            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            DistributedDataParallel(config, ddp_config(cfg.parallel), chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)
         ]
         self._wire_schedule_hooks(config, wrapped)

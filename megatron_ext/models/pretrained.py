@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.convert.checkpoint import TOKENIZER_DIR
 from megatron_ext.models.convert.load import load_pretrained
 from megatron_ext.models.convert.source import open_pretrained
 from megatron_ext.training import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from megatron_ext.data.tokenizers import Tokenizer
 
 # The fields that make two configs the same network (sizes that only matter to training, like
 # seq_length, may differ).
@@ -102,3 +106,22 @@ def load_into(model_chunks: list, model: ModelConfig, padded_vocab: int) -> None
             f"this run's is {padded_vocab}"
         )
     ckpt.load_checkpoint(path, iteration, model_chunks, None, load_rng=False)
+
+
+def build_from_source(spec: str) -> tuple[list, ModelConfig, "Tokenizer", int]:
+    """This rank's stage of the source's model with its weights, for inference and evaluation:
+    (model chunks, model config, tokenizer, real vocabulary size). Call it inside a world with
+    megatron's parallel state set (e.g. `convert.world.model_parallel_world`)."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.data import build_tokenizer
+    from megatron_ext.models.convert.world import build_model
+    from megatron_ext.models.gpt import padded_vocab_size
+
+    model = dataclasses.replace(source_config(spec), pretrained=spec)
+    tokenizer = build_tokenizer(tokenizer_spec(spec))
+    vocab = model.vocab_size or tokenizer.vocab_size
+    padded = padded_vocab_size(vocab, model, parallel_state.get_tensor_model_parallel_world_size())
+    chunks = build_model(model, padded)
+    load_into(chunks, model, padded)
+    return chunks, model, tokenizer, vocab

@@ -6,6 +6,12 @@ job with every training state carried over.
     skeleton.py  megatron's model + DDP for any rank of any layout, on fake tensors and groups
     vps.py       every rank's pieces of every training state, from megatron's own metadata
     plan.py      plan(model, A, B): the minimal transfer plan by box intersection (pure, cached)
+    execute.py   rounds(plan, budget): memory-budgeted rounds; execute(): one packed message per
+                 peer per round over point-to-point
+    state_access.py  read/write a piece in megatron's params and distributed-optimizer states
+
+The live switch of a running trainer (groups of both layouts alive, counters, sampler, grad
+buffers) is the next step; today the pieces above are tested against real megatron state.
 
     from megatron_ext.reshard.layout import ParallelLayout
     from megatron_ext.reshard.plan import plan

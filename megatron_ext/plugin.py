@@ -15,6 +15,7 @@ reach into each other.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ class Plugin:
 
 
 _REGISTRY: dict[str, type[Plugin]] = {}
+# The plugins that ship with megatron_ext, registered on first use of the registry.
+BUILTIN = ("megatron_ext.reshard.plugin",)
 
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
@@ -92,14 +95,15 @@ def register_plugin(cls: type[Plugin]) -> type[Plugin]:
 
 
 def registered_plugins() -> dict[str, type[Plugin]]:
+    for module in BUILTIN:
+        importlib.import_module(module)
     return dict(_REGISTRY)
 
 
 def build_plugins(names: list[str], cfg: Any) -> list[Plugin]:
     """Instantiate the plugins named in the config, each with its own config section."""
-    unknown = [n for n in names if n not in _REGISTRY]
+    registry = registered_plugins()
+    unknown = [n for n in names if n not in registry]
     if unknown:
-        raise ValueError(
-            f"plugins: unknown plugin(s) {unknown}; registered: {sorted(_REGISTRY) or 'none'}"
-        )
-    return [_REGISTRY[n](getattr(cfg, n, None)) for n in names]
+        raise ValueError(f"plugins: unknown plugin(s) {unknown}; registered: {sorted(registry) or 'none'}")
+    return [registry[n](getattr(cfg, n, None)) for n in names]

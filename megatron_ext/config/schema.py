@@ -60,6 +60,11 @@ class ParallelConfig:
     cp: int = 1
     # Virtual pipeline stages per rank (interleaved 1F1B); None disables interleaving.
     vpp: Optional[int] = None
+    # Uneven pipeline stages (megatron's num_layers_in_first/last_pipeline_stage): transformer
+    # layers on the first / last stage, e.g. fewer where the embedding or the loss already costs
+    # time. None: that stage gets an even share; the other stages split the rest evenly.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False

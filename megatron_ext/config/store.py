@@ -90,7 +90,11 @@ def config_schema() -> type:
     ]
     if not extra:
         return Config
-    return dataclasses.make_dataclass("Config", extra, bases=(Config,))
+    schema = dataclasses.make_dataclass("ConfigWithPlugins", extra, bases=(Config,))
+    # Worker processes receive the config by pickle, which finds classes by module attribute.
+    schema.__module__ = __name__
+    globals()["ConfigWithPlugins"] = schema
+    return schema
 
 
 def register_configs() -> None:

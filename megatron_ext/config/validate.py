@@ -61,6 +61,8 @@ SIZES = (
 OPTIONAL_SIZES = (
     "parallel.dp",
     "parallel.vpp",
+    "parallel.first_stage_layers",
+    "parallel.last_stage_layers",
     "train.global_batch_size",
     "model.num_query_groups",
     "model.num_experts",
@@ -141,14 +143,67 @@ def hidden_divisible_by_heads(cfg: Config, world: int, device: str) -> Optional[
     return None
 
 
+STAGE_LAYERS = ("parallel.first_stage_layers", "parallel.last_stage_layers")
+
+
 def layers_divisible_by_stages(cfg: Config, world: int, device: str) -> Optional[str]:
     layers, pp, vpp = cfg.model.num_layers, cfg.parallel.pp, cfg.parallel.vpp
-    if vpp is None and layers % pp:
-        return f"model.num_layers ({layers}) must be divisible by parallel.pp ({pp})"
-    if vpp is not None and layers % (pp * vpp):
+    fixed = [(path, _get(cfg, path)) for path in STAGE_LAYERS if _get(cfg, path) is not None]
+    if not fixed:
+        if vpp is None and layers % pp:
+            return f"model.num_layers ({layers}) must be divisible by parallel.pp ({pp})"
+        if vpp is not None and layers % (pp * vpp):
+            return (
+                f"model.num_layers ({layers}) must be divisible by parallel.pp * parallel.vpp "
+                f"({pp} * {vpp} = {pp * vpp})"
+            )
+        return None
+    if pp == 1:
+        return None  # stage_layers_need_pipeline reports it
+    # megatron-core 0.16 (TransformerConfig, get_num_layers_to_build): the stages without a
+    # fixed count share what is left evenly, and each of their shares splits evenly over vpp.
+    rest, stages = layers - sum(v for _, v in fixed), pp - len(fixed)
+    left = (
+        f"{' - '.join(['model.num_layers', *(p for p, _ in fixed)])} "
+        f"({' - '.join(str(v) for v in [layers, *(v for _, v in fixed)])} = {rest})"
+    )
+    if stages == 0 and rest:
+        return f"{left} must be 0: parallel.pp ({pp}) has no stage besides the first and last"
+    if stages and (rest < stages or rest % stages):
+        return f"{left} must be a positive multiple of the other pipeline stages ({stages})"
+    if stages and vpp is not None and (rest // stages) % vpp:
         return (
-            f"model.num_layers ({layers}) must be divisible by parallel.pp * parallel.vpp "
-            f"({pp} * {vpp} = {pp * vpp})"
+            f"the layers of each other pipeline stage ({left} / {stages} = {rest // stages}) "
+            f"must be divisible by parallel.vpp ({vpp})"
+        )
+    return None
+
+
+def stage_layers_need_pipeline(path: str) -> Rule:
+    """A fixed first/last stage needs stages to be uneven with, and an even share per virtual
+    stage (megatron gives each of the stage's model chunks the same number of layers)."""
+
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        value, pp, vpp = _get(cfg, path), cfg.parallel.pp, cfg.parallel.vpp
+        if value is not None and pp == 1:
+            return f"{path} (uneven pipeline stages) requires parallel.pp > 1"
+        if value is not None and vpp is not None and value % vpp:
+            return f"{path} ({value}) must be divisible by parallel.vpp ({vpp})"
+        return None
+
+    return rule
+
+
+def vpp_with_uneven_stages(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron-core 0.16 get_transformer_layer_offset divides by the number of middle stages
+    # for interleaved uneven pipelines: with both ends fixed and pp = 2 that is zero.
+    p = cfg.parallel
+    both = p.first_stage_layers is not None and p.last_stage_layers is not None
+    if p.vpp is not None and both and p.pp == 2:
+        return (
+            "parallel.vpp with both parallel.first_stage_layers and parallel.last_stage_layers "
+            "needs parallel.pp > 2 (megatron-core 0.16 has no interleaved offsets without a "
+            "middle stage); set only one of them"
         )
     return None
 
@@ -313,6 +368,9 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.hidden_size", hidden_divisible_by_heads),
     ("model.num_layers", layers_divisible_by_stages),
     ("parallel.vpp", vpp_needs_pipeline),
+    ("parallel.first_stage_layers", stage_layers_need_pipeline("parallel.first_stage_layers")),
+    ("parallel.last_stage_layers", stage_layers_need_pipeline("parallel.last_stage_layers")),
+    ("parallel.vpp", vpp_with_uneven_stages),
     ("parallel.dp", world_matches_layout),
     ("launcher.nproc", world_divisible_by_model),
     ("model.num_experts", experts_divisible_by_ep),

@@ -332,7 +332,7 @@ def _fix_torch_adam_checkpointing() -> None:
     @functools.wraps(original_state_dict)
     def state_dict(self):
         if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            _materialise_initial_adam_state(self.optimizer)
+            materialise_initial_adam_state(self.optimizer)
         return original_state_dict(self)
 
     @functools.wraps(original_set_states)
@@ -358,7 +358,9 @@ def _fix_torch_adam_checkpointing() -> None:
     cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 
-def _materialise_initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
+def materialise_initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter without state torch's own initial Adam state (step 0, zero
+    moments), which torch would create lazily in the first step: the next step is unchanged."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if len(optimizer.state[p]) == 0:

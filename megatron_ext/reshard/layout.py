@@ -37,6 +37,10 @@ class ParallelLayout:
     ep: int = 1
     cp: int = 1
     vpp: Optional[int] = None
+    # Uneven pipeline stages: layers on the first / last stage (None: an even share). Part of
+    # the layout's identity, since they move layers between pipeline ranks.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
     world: Optional[int] = None
     # These two change where optimizer state lives (sharded or not; bucket boundaries).
     distributed_optimizer: bool = True
@@ -71,6 +75,8 @@ class ParallelLayout:
             ep=parallel.ep,
             cp=parallel.cp,
             vpp=parallel.vpp,
+            first_stage_layers=parallel.first_stage_layers,
+            last_stage_layers=parallel.last_stage_layers,
             world=world,
             distributed_optimizer=parallel.use_distributed_optimizer,
             overlap_grad_reduce=parallel.overlap_grad_reduce,
@@ -86,6 +92,8 @@ class ParallelLayout:
             ep=self.ep,
             cp=self.cp,
             vpp=self.vpp,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
             use_distributed_optimizer=self.distributed_optimizer,
             overlap_grad_reduce=self.overlap_grad_reduce,
         )
@@ -135,6 +143,10 @@ class ParallelLayout:
         parts += [f"{k}{getattr(self, k)}" for k in ("ep", "cp") if getattr(self, k) > 1]
         if self.vpp:
             parts.append(f"vpp{self.vpp}")
+        if self.first_stage_layers:
+            parts.append(f"first{self.first_stage_layers}")
+        if self.last_stage_layers:
+            parts.append(f"last{self.last_stage_layers}")
         if self.world > self.active:
             parts.append(f"+{self.world - self.active} standby")
         return "·".join(parts)

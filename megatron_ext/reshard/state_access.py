@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from megatron.core.utils import unwrap_model
 
+from megatron_ext.platform.cpu_compat import materialise_initial_adam_state
 from megatron_ext.reshard.boxes import Box, box_shape, numel
 from megatron_ext.reshard.vps import Piece
 
@@ -75,12 +76,11 @@ class MegatronState:
 
 
 def ensure_optimizer_states(optimizer) -> None:
-    """Create the Adam states of a freshly built destination optimizer (torch creates them
-    lazily at the first step). Megatron does the same before loading a checkpoint: one step
-    with zero grads; the values it leaves are placeholders the reshard overwrites."""
+    """Create the Adam states torch creates lazily at the first step (step 0, zero moments),
+    so that a reshard can read them from an optimizer that has not stepped yet and write them
+    into a fresh one. Unlike megatron's dummy step this changes no parameter."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
+        materialise_initial_adam_state(opt.optimizer)
 
 
 def _sub_box(run: torch.Tensor, outer: Box, box: Box) -> torch.Tensor:

@@ -93,9 +93,8 @@ class Trainer:
         self.tokenizer_spec = self._tokenizer_spec()
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
         resume = self._resume_point()
-        self._resuming = resume is not None
         self.vocab_size = self._vocab_size(resume)
-        self.model = self._build_model()
+        self.model = self._build_model(load_pretrained=resume is None)
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         if resume is not None:
@@ -160,7 +159,7 @@ class Trainer:
         vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
         return padded_vocab_size(vocab, self.cfg.model, self.cfg.parallel.tp)
 
-    def _build_model(self) -> list:
+    def _build_model(self, load_pretrained: bool) -> list:
         cfg = self.cfg
         config = transformer_config(cfg.model, cfg.parallel, self.on_cpu)
         spec = layer_spec(cfg.model, use_transformer_engine(cfg.model, self.on_cpu))
@@ -182,7 +181,7 @@ class Trainer:
             chunks.append(model.to(current_device()))
         init_weights_layout_independent(chunks, config, cfg.train.seed)
         # Before the optimizer exists: with bf16 params it copies them into fp32 main params.
-        if cfg.model.pretrained and not self._resuming:
+        if cfg.model.pretrained and load_pretrained:
             pretrained.load_into(chunks, cfg.model, self.vocab_size)
         for p in self.plugins:
             chunks = p.after_model_built(chunks, self)
@@ -329,7 +328,7 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        reporter = MetricsReporter(
+        self.reporter = reporter = MetricsReporter(
             cfg.logging, cfg.train.iters, self.state.iteration, dist.get_rank() == self.world_size - 1
         )
         stop_at = cfg.train.iters
@@ -406,6 +405,29 @@ class Trainer:
         self.scheduler.load_state_dict(common["scheduler"])
         for plugin in self.plugins:
             plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
+
+    def note(self, line: str) -> None:
+        """A line in the run's log, printed once (for plugins)."""
+        self.reporter.note(line)
+
+    # --- a new layout ---------------------------------------------------------------------------
+
+    def switch_layout(self, parallel: ParallelConfig) -> None:
+        """Leave this layout and build `parallel`'s: process groups, model, DDP, optimizer; the
+        scheduler, counters and data position carry over. The new model's weights and optimizer
+        states are placeholders until the caller fills them (the reshard plugin moves them from
+        the old layout, whose objects it holds on to). Only at a step boundary: the grad buffers
+        are built anew, so no gradient may be mid-accumulation."""
+        scheduler_state = self.scheduler.state_dict()
+        self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
+        self.dp = resolve_dp(self.cfg, self.world_size)
+        self.close()
+        self._init_layout()
+        self.model = self._build_model(load_pretrained=False)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler()
+        self.scheduler.load_state_dict(scheduler_state)
+        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
     def close(self) -> None:
         destroy_num_microbatches_calculator()

@@ -161,7 +161,7 @@ def build(model, layout):
     trainer = Trainer(Config(model=model, parallel=layout.to_config()))
     trainer._init_layout()
     trainer.vocab_size = model.vocab_size
-    trainer.model = trainer._build_model()
+    trainer.model = trainer._build_model(load_pretrained=False)
     trainer.optimizer = trainer._build_optimizer()
     return trainer
 

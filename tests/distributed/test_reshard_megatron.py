@@ -110,7 +110,7 @@ def worker(out_dir: str) -> None:
         trainer = Trainer(Config(model=model, parallel=layout.to_config()))
         trainer._init_layout()
         trainer.vocab_size = model.vocab_size
-        trainer.model = trainer._build_model()
+        trainer.model = trainer._build_model(load_pretrained=False)
         trainer.optimizer = trainer._build_optimizer()
         entry = {"coords": coords(), "pieces": real_pieces(trainer)}
         if i == PROBE[0]:

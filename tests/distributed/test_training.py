@@ -38,6 +38,11 @@ LAYOUTS = {
     # Both pipeline neighbours are the same rank: catches mismatched point-to-point ordering.
     "pp2_vpp2": (["parallel.pp=2", "parallel.vpp=2"], 2),
     "tp2_pp2": (["parallel.tp=2", "parallel.pp=2"], 4),
+    # Uneven stages (1 + 2 + 1 layers): wrong layer offsets would change the weights each
+    # stage starts from, hence the loss.
+    "pp3_uneven": (
+        ["parallel.pp=3", "parallel.first_stage_layers=1", "parallel.last_stage_layers=1"], 3
+    ),
 }
 
 

@@ -51,6 +51,11 @@ PAIRS = {
     "tp3->tp2 (6 heads)": (SIX_HEADS, L(tp=3, dp=2), L(tp=2, dp=3)),
     "ep2->ep1 (moe)": (MOE, L(dp=2, ep=2), L(dp=2)),
     "pp2->pp2vpp2": (TINY, L(pp=2), L(pp=2, vpp=2)),
+    # Same sizes, layers moved between stages: 4 = 2 + 2 -> 1 + 3 -> 1 + 2 + 1 (world grows).
+    "pp2->pp2 first1 (uneven)": (TINY, L(pp=2), L(pp=2, first_stage_layers=1)),
+    "pp2 first1->pp3 first1 last1 (uneven)": (
+        TINY, L(pp=2, first_stage_layers=1), L(pp=3, first_stage_layers=1, last_stage_layers=1)
+    ),
 }
 
 

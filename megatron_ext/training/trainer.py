@@ -379,9 +379,20 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "padded_vocab_size": self.vocab_size,
             "tokenizer": self.tokenizer_spec,
-            "layout": {"tp": self.cfg.parallel.tp, "pp": self.cfg.parallel.pp, "vpp": self.cfg.parallel.vpp},
+            "layout": self._layout_key(),
             "plugins": {p.name: p.state_dict() for p in self.plugins},
             "config": dataclasses.asdict(self.cfg),
+        }
+
+    def _layout_key(self) -> dict:
+        """What decides which model-parallel RNG stream each rank has."""
+        p = self.cfg.parallel
+        return {
+            "tp": p.tp,
+            "pp": p.pp,
+            "vpp": p.vpp,
+            "first_stage_layers": p.first_stage_layers,
+            "last_stage_layers": p.last_stage_layers,
         }
 
     def save(self) -> None:
@@ -398,8 +409,7 @@ class Trainer:
         # RNG policy: restored when the TP x PP layout is the one that saved it (bitwise
         # continuation); in another layout the per-rank streams do not correspond, so they keep
         # the fresh seeding of this run.
-        p = self.cfg.parallel
-        same_layout = common["layout"] == {"tp": p.tp, "pp": p.pp, "vpp": p.vpp}
+        same_layout = common["layout"] == self._layout_key()
         ckpt.load_checkpoint(root, iteration, self.model, self.optimizer, load_rng=same_layout)
         self.state = TrainState(common["iteration"], common["consumed_samples"])
         self.scheduler.load_state_dict(common["scheduler"])

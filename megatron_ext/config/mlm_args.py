@@ -85,6 +85,8 @@ FLAGS: tuple[Flag, ...] = (
     value("--pipeline-model-parallel-size", "parallel.pp", int),
     value("--virtual-pipeline-model-parallel-size", "parallel.vpp", int),
     read("--num-layers-per-virtual-pipeline-stage", int),
+    value("--decoder-first-pipeline-num-layers", "parallel.first_stage_layers", int),
+    value("--decoder-last-pipeline-num-layers", "parallel.last_stage_layers", int),
     value("--context-parallel-size", "parallel.cp", int),
     value("--expert-model-parallel-size", "parallel.ep", int),
     switch("--sequence-parallel", "parallel.sequence_parallel"),

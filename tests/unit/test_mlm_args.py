@@ -54,6 +54,14 @@ CASES = [
         {"parallel.vpp": 2, "model.num_layers": 8},
     ),
     (
+        "uneven_stages",
+        "--num-layers 6 --pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1 "
+        "--decoder-last-pipeline-num-layers 1",
+        {"model.num_layers": "6", "parallel.pp": "3", "parallel.first_stage_layers": "1",
+         "parallel.last_stage_layers": "1"},
+        {"parallel.first_stage_layers": 1, "parallel.last_stage_layers": 1},
+    ),
+    (
         "vpp_direct",
         "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2",
         {"parallel.pp": "2", "parallel.vpp": "2"},

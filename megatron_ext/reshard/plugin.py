@@ -28,7 +28,8 @@ class ReshardConfig:
     schedule: list[Any] = field(default_factory=list)
     # A JSON file {"layout": {...}} polled between steps (None: no polling).
     request_file: Optional[str] = None
-    # Staging memory per rank per transfer round.
+    # Staging memory per rank per transfer round, for what a rank sends and, separately, for
+    # what it receives: the staging peak is at most twice this (printed in the reshard line).
     memory_budget_mb: float = 64.0
 
 

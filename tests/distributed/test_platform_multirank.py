@@ -17,7 +17,6 @@ imported inside the worker because dist_checkpointing's spawned writer re-import
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -222,18 +221,12 @@ def patched_megatron(tmp: Path) -> Path:
 @pytest.mark.parametrize("runtime_layer", [True, False], ids=["runtime-layer", "upstream-diffs"])
 def test_two_ranks(runtime_layer, tmp_path):
     megatron_root = None if runtime_layer else patched_megatron(tmp_path)
-    path = [str(megatron_root)] if megatron_root else []
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(path + [str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", __file__, str(tmp_path), "yes" if runtime_layer else "no"]
+    from _torchrun import rank_reports, torchrun
+
     (tmp_path / "ckpt").mkdir()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    extra = [str(megatron_root)] if megatron_root else []
+    torchrun(__file__, 2, str(tmp_path), "yes" if runtime_layer else "no", extra_path=extra, timeout=300)
+    ranks = rank_reports(tmp_path, 2)
 
     for rank in ranks:
         if megatron_root:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +22,6 @@ from megatron_ext.config.schema import ModelConfig
 
 pytestmark = pytest.mark.model
 
-REPO = Path(__file__).resolve().parents[2]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (
     "Water is a chemical compound made of hydrogen and oxygen. At room temperature it is a clear "
@@ -161,11 +158,9 @@ def test_tp1_logits_perplexity_and_hf_export(one_rank_world, gguf_path, tokenize
 def test_tp3_pp2_logits_match_transformers(gguf_path, reference, tmp_path):
     ids_file = tmp_path / "ids.json"
     ids_file.write_text(json.dumps(reference["ids"]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6"]
-    command += [__file__, str(gguf_path), str(ids_file), str(tmp_path)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    from _torchrun import torchrun
+
+    torchrun(__file__, 6, str(gguf_path), str(ids_file), str(tmp_path), timeout=400)
     result = torch.load(tmp_path / "result.pt")
     diff = assert_same_predictions(result["logits"], reference)
     print(f"\nSmolLM2 TP3xPP2: max |logit diff| {diff:.2e}, perplexity {result['perplexity']:.3f}")

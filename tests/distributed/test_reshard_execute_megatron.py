@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -34,7 +32,6 @@ import pytest
 
 from megatron_ext.reshard.layout import ParallelLayout as L
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 SMALL_BUDGET = 16 << 10
 SUBGROUP = [1, 2, 3]
@@ -313,14 +310,11 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list:
+    from _torchrun import rank_reports, torchrun
+
     out = tmp_path_factory.mktemp("reshard_execute")
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(WORLD), __file__, str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    torchrun(__file__, WORLD, str(out))
+    return rank_reports(out, WORLD)
 
 
 @pytest.mark.distributed

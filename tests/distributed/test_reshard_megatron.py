@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,6 @@ from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.reshard.layout import ParallelLayout as L
 from megatron_ext.reshard.vps import rank_pieces
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 TINY = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)
 MOE = dataclasses.replace(MODEL_PRESETS["llama_moe_tiny"], vocab_size=256)
@@ -130,14 +127,11 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list:
+    from _torchrun import rank_reports, torchrun
+
     out = tmp_path_factory.mktemp("reshard_real")
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(WORLD), __file__, str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    torchrun(__file__, WORLD, str(out))
+    return rank_reports(out, WORLD)
 
 
 @pytest.mark.distributed

@@ -94,10 +94,12 @@ def load_into(model_chunks: list, model: ModelConfig, padded_vocab: int) -> None
     """Put the source's weights into this rank's model chunks (any layout), after checking that
     the source is the architecture the run was configured with."""
     path = resolve(model.pretrained)
-    check_architecture(model, source_config(model.pretrained), model.pretrained)
     if not _is_megatron_checkpoint(path):
-        load_pretrained(model_chunks, open_pretrained(path, max_seq_length=model.seq_length), padded_vocab)
+        source = open_pretrained(path, max_seq_length=model.seq_length)  # read the file once
+        check_architecture(model, source.config, model.pretrained)
+        load_pretrained(model_chunks, source, padded_vocab)
         return
+    check_architecture(model, source_config(model.pretrained), model.pretrained)
     iteration = ckpt.latest_iteration(path)
     saved = ckpt.load_common(path, iteration)["padded_vocab_size"]
     if saved != padded_vocab:

@@ -33,17 +33,18 @@ from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_st
 class ReshardReport:
     source: str
     target: str
-    network_bytes: int
+    network_bytes: int  # the plan's, summed over ranks: the minimum (see plan.py)
     rounds: int
-    peak_staging_bytes: int
-    plan_seconds: float
-    stall_seconds: float
+    peak_bound_bytes: int  # the largest staging any rank may need, from the plan
+    peak_extra_bytes: int  # the staging this rank held at most, measured
+    prepare_seconds: float  # plan and rounds (and, later, groups): before the stall
+    stall_seconds: float  # build the new layout and move the state: training stands still
 
     def __str__(self) -> str:
         return (
             f"reshard {self.source} -> {self.target}: {self.network_bytes / 2**20:.1f} MiB over the "
-            f"network in {self.rounds} rounds (staging peak {self.peak_staging_bytes / 2**20:.1f} MiB), "
-            f"plan {self.plan_seconds:.2f} s, stall {self.stall_seconds:.2f} s"
+            f"network in {self.rounds} rounds (staging peak {self.peak_bound_bytes / 2**20:.1f} MiB), "
+            f"prepare {self.prepare_seconds:.2f} s, stall {self.stall_seconds:.2f} s"
         )
 
 
@@ -65,14 +66,15 @@ def reshard(trainer, target: ParallelConfig, budget_mb: float = 64.0) -> Reshard
     source = MegatronState(trainer.model, trainer.optimizer)
     trainer.switch_layout(target)
     ensure_optimizer_states(trainer.optimizer)
-    execute(transfer, steps, source.read, MegatronState(trainer.model, trainer.optimizer).write)
+    staged = execute(transfer, steps, source.read, MegatronState(trainer.model, trainer.optimizer).write)
     dist.barrier()
     return ReshardReport(
         source=str(a),
         target=str(b),
         network_bytes=transfer.network_bytes,
         rounds=len(steps),
-        peak_staging_bytes=max(peak_bytes(transfer, steps).values(), default=0),
-        plan_seconds=planned - start,
+        peak_bound_bytes=max(peak_bytes(transfer, steps).values(), default=0),
+        peak_extra_bytes=staged,
+        prepare_seconds=planned - start,
         stall_seconds=time.perf_counter() - planned,
     )

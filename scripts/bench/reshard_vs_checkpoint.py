@@ -168,7 +168,7 @@ def trial(cfg, target, args, ckpt_root: Path) -> dict:
             "ckpt_sync": t_sync,
             "ckpt_build": t_build,
             "ckpt_load": t_load,
-            "live_plan": report.plan_seconds,
+            "live_plan": report.prepare_seconds,
             "live_stall": report.stall_seconds,
             "live_build": build_live[0],
         }
@@ -185,7 +185,7 @@ def trial(cfg, target, args, ckpt_root: Path) -> dict:
         "times": times,
         "network_bytes": report.network_bytes,
         "rounds": report.rounds,
-        "peak_staging_bytes": report.peak_staging_bytes,
+        "peak_staging_bytes": report.peak_bound_bytes,
         "checkpoint_bytes": int(w.item()),
         "loss_live": loss_live,
         "loss_ckpt": loss_ckpt,

@@ -31,8 +31,9 @@ def run(cfg: Config) -> Optional[dict]:
     run summary (from the reporting rank when workers were started here)."""
     validate(cfg, world_size_of(cfg))
     if detect_launch() is None and cfg.launcher.nproc > 1:
+        launcher = cfg.launcher
         results = launch_local(
-            cfg.launcher.nproc, worker, (cfg,), cfg.launcher.master_addr, cfg.launcher.master_port
+            launcher.nproc, worker, (cfg,), launcher.master_addr, launcher.master_port, launcher.max_restarts
         )
         return results[cfg.launcher.nproc - 1]
     return worker(cfg)

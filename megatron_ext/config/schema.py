@@ -148,6 +148,9 @@ class LauncherConfig:
     master_port: int = 0
     # auto (cuda if available) | cpu | cuda
     device: str = "auto"
+    # Times the local workers are restarted after one fails (torchrun's --max-restarts). A
+    # restarted job resumes from `checkpoint.load`.
+    max_restarts: int = 0
 
 
 @dataclass

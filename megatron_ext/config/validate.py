@@ -339,6 +339,12 @@ def one_of(path: str, allowed: Sequence[str]) -> Rule:
     return rule
 
 
+def restarts_not_negative(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.launcher.max_restarts < 0:
+        return f"launcher.max_restarts must be >= 0, got {cfg.launcher.max_restarts}"
+    return None
+
+
 def alltoall_needs_cuda(cfg: Config, world: int, device: str) -> Optional[str]:
     if cfg.model.moe_token_dispatcher == "alltoall" and device == "cpu":
         return (
@@ -387,6 +393,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
     ("model.spec", te_spec_available),
     ("launcher.device", one_of("launcher.device", ("auto", "cpu", "cuda"))),
+    ("launcher.max_restarts", restarts_not_negative),
     ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
     ("model.moe_token_dispatcher", alltoall_needs_cuda),

@@ -28,6 +28,10 @@ class LaunchEnv:
     master_port: int
     # torchrun | slurm | local
     source: str
+    # torchrun's elastic agent hosts the rendezvous store (else rank 0 does) and restarts
+    # failed jobs: this is the attempt's number.
+    agent_store: bool = False
+    restart: int = 0
 
 
 def free_port() -> int:
@@ -65,6 +69,8 @@ def detect_launch(environ: Optional[dict] = None) -> Optional[LaunchEnv]:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             source="torchrun",
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
     # srun, one task per rank. SLURM_STEP_NUM_TASKS is set inside an srun step only; the batch
     # script itself also sees SLURM_NTASKS and must not mistake itself for one of N ranks.
@@ -88,13 +94,28 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: int = 6
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+        store=rendezvous_store(launch, timeout),
         rank=launch.rank,
         world_size=launch.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
+
+
+def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The key-value store the world meets in. An agent-hosted store outlives a restart of the
+    job, so each attempt works under its own prefix: a restarted job must not read the
+    addresses its dead predecessors left there."""
+    store = dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=launch.rank == 0 and not launch.agent_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"megatron_ext/attempt_{launch.restart}", store)
 
 
 def join_world(device_request: str = "auto", timeout_s: int = 600) -> tuple[LaunchEnv, torch.device]:
@@ -119,10 +140,16 @@ def limit_cpu_threads(nproc_on_host: int) -> None:
 
 
 def launch_local(
-    nproc: int, worker: Callable[..., Any], args: tuple, master_addr: str, master_port: int
+    nproc: int,
+    worker: Callable[..., Any],
+    args: tuple,
+    master_addr: str,
+    master_port: int,
+    max_restarts: int = 0,
 ) -> dict[int, Any]:
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
-    returns each rank's return value."""
+    returns each rank's return value. When a worker fails, all are restarted, up to
+    `max_restarts` times."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     limit_cpu_threads(nproc)
@@ -133,7 +160,7 @@ def launch_local(
         run_id=f"megatron_ext_{os.getpid()}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"{master_addr}:{master_port or free_port()}",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",
     )

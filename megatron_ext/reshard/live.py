@@ -2,12 +2,27 @@
 
     report = reshard(trainer, ParallelConfig(pp=2, dp=2), budget_mb=64)
 
+    prepared = Preparation(trainer, ParallelConfig(pp=2, dp=2), budget_mb=64)  # plans in a thread
+    ...                                                 # training goes on meanwhile
+    report = reshard(trainer, prepared.target, prepared=prepared)
+
 1. Check the new layout against the model (the runtime's rules) before anything changes.
-2. Plan the move (pure, identical on every rank) and cut it into memory-budgeted rounds.
-3. Keep the old model and optimizer objects, build the new layout (`Trainer.switch_layout`:
-   groups, model, DDP, optimizer; scheduler, counters and data position carried).
-4. Move every param, fp32 main param, Adam moment and the step from the old objects into the
-   new ones with the point-to-point executor; then drop the old ones.
+2. Prepare: plan the move (pure, identical on every rank) and cut it into memory-budgeted
+   rounds. This is most of the work and needs no communication, so `Preparation` runs it in a
+   background thread while the current layout keeps training.
+3. The stall: keep the old model and optimizer objects, build the new layout
+   (`Trainer.switch_layout`: groups, model, DDP, optimizer; scheduler, counters and data position
+   carried), and move every param, fp32 main param, Adam moment and the step from the old
+   objects into the new ones with the point-to-point executor; then drop the old ones.
+
+Never losing state: the old objects are only read until every rank reports success. Every rank
+reports after the build and after the transfer (one small all-gather each). A local failure
+(an exception while building or while reading or writing a piece) does not leave peers waiting:
+the failing rank keeps sending what the plan says (zeros in place of what it could not read), so
+every round completes. If any rank failed, all ranks move back to the old layout from the
+untouched old objects (a plan with local copies only) and `ReshardFailed` says what happened.
+A worker that dies mid-transfer breaks the world itself: the others get a communication error,
+the launcher restarts the job (`launcher.max_restarts`) and it resumes from the last checkpoint.
 
 RNG policy: the default (data-parallel) generator and the model-parallel streams are re-seeded
 from `train.seed` by the new layout, as at start-up; megatron_ext's models have no dropout, so
@@ -18,15 +33,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
-from megatron_ext.config.schema import ParallelConfig
+from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
-from megatron_ext.reshard.execute import execute, peak_bytes, rounds
+from megatron_ext.reshard.boxes import Box
+from megatron_ext.reshard.execute import Round, execute, peak_bytes, rounds
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.plan import plan
+from megatron_ext.reshard.plan import TransferPlan, plan
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
+from megatron_ext.reshard.vps import Piece
+
+
+class ReshardFailed(RuntimeError):
+    """A reshard failed on some rank and every rank is back in the old layout, state intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +61,7 @@ class ReshardReport:
     rounds: int
     peak_bound_bytes: int  # the largest staging any rank may need, from the plan
     peak_extra_bytes: int  # the staging this rank held at most, measured
-    prepare_seconds: float  # plan and rounds (and, later, groups): before the stall
+    prepare_seconds: float  # plan and rounds: before the stall, in the background if prepared
     stall_seconds: float  # build the new layout and move the state: training stands still
 
     def __str__(self) -> str:
@@ -48,33 +72,148 @@ class ReshardReport:
         )
 
 
-def reshard(trainer, target: ParallelConfig, budget_mb: float = 64.0) -> ReshardReport:
-    """Move `trainer` (at a step boundary) to the layout `target` of the same world."""
-    world = dist.get_world_size()
-    validate(dataclasses.replace(trainer.cfg, parallel=target), world)
-    # The planner sees the run's padded vocabulary, which stays fixed for the run.
-    model = dataclasses.replace(trainer.cfg.model, vocab_size=trainer.vocab_size)
-    a = ParallelLayout.from_config(trainer.cfg.parallel, world)
-    b = ParallelLayout.from_config(target, world)
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """A planned move of the trainer's state to `target`."""
 
+    target: ParallelConfig
+    transfer: TransferPlan
+    steps: list[Round]
+    seconds: float  # planning time
+
+
+def plan_move(trainer, target: ParallelConfig, budget_mb: float) -> Move:
+    """Check `target` and plan the move to it. Raises ValueError (a ConfigError for a layout the
+    model cannot run, or a budget below one element) before anything changes."""
     start = time.perf_counter()
+    model, a, b = _layouts(trainer, target)
     transfer = plan(model, a, b)
-    steps = rounds(transfer, int(budget_mb * 2**20))
-    planned = time.perf_counter()
+    return Move(target, transfer, rounds(transfer, int(budget_mb * 2**20)), time.perf_counter() - start)
 
+
+class Preparation:
+    """`plan_move` in a background thread, so that the current layout keeps training while it
+    runs. The layout is checked at once, in the caller's thread."""
+
+    def __init__(self, trainer, target: ParallelConfig, budget_mb: float) -> None:
+        self.target = target
+        _layouts(trainer, target)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-plan")
+        self._future: Future = pool.submit(plan_move, trainer, target, budget_mb)
+        pool.shutdown(wait=False)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def move(self) -> Move:
+        """The planned move (waits for it); re-raises what planning raised."""
+        return self._future.result()
+
+
+def reshard(
+    trainer,
+    target: ParallelConfig,
+    budget_mb: float = 64.0,
+    prepared: Optional[Preparation] = None,
+) -> ReshardReport:
+    """Move `trainer` (at a step boundary) to the layout `target` of the same world."""
+    move = prepared.move() if prepared is not None else plan_move(trainer, target, budget_mb)
+    if move.target != target:
+        raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
+    source_parallel = trainer.cfg.parallel
     ensure_optimizer_states(trainer.optimizer)  # a job that has not stepped yet has none
     source = MegatronState(trainer.model, trainer.optimizer)
-    trainer.switch_layout(target)
-    ensure_optimizer_states(trainer.optimizer)
-    staged = execute(transfer, steps, source.read, MegatronState(trainer.model, trainer.optimizer).write)
-    dist.barrier()
+    start = time.perf_counter()
+    errors, staged = _switch_and_move(trainer, move, source)
+    if errors:
+        _roll_back(trainer, source_parallel, source, errors)
     return ReshardReport(
-        source=str(a),
-        target=str(b),
-        network_bytes=transfer.network_bytes,
-        rounds=len(steps),
-        peak_bound_bytes=max(peak_bytes(transfer, steps).values(), default=0),
+        source=str(move.transfer.a),
+        target=str(move.transfer.b),
+        network_bytes=move.transfer.network_bytes,
+        rounds=len(move.steps),
+        peak_bound_bytes=max(peak_bytes(move.transfer, move.steps).values(), default=0),
         peak_extra_bytes=staged,
-        prepare_seconds=planned - start,
-        stall_seconds=time.perf_counter() - planned,
+        prepare_seconds=move.seconds,
+        stall_seconds=time.perf_counter() - start,
     )
+
+
+def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:
+    """(the planner's model, the layout now, the layout `target`), after checking `target`."""
+    validate(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size())
+    return _planner_model(trainer), _layout(trainer.cfg.parallel), _layout(target)
+
+
+def _planner_model(trainer) -> ModelConfig:
+    # The planner sees the run's padded vocabulary, which stays fixed for the run.
+    return dataclasses.replace(trainer.cfg.model, vocab_size=trainer.vocab_size)
+
+
+def _layout(parallel: ParallelConfig) -> ParallelLayout:
+    return ParallelLayout.from_config(parallel, dist.get_world_size())
+
+
+def _switch_and_move(trainer, move: Move, source: MegatronState) -> tuple[dict[int, str], int]:
+    """Build `move.target` and fill it from `source`. Returns (failures by rank, staged bytes);
+    every rank returns the same failures."""
+    try:
+        trainer.switch_layout(move.target)
+        ensure_optimizer_states(trainer.optimizer)
+        error = None
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then rolled back
+        error = e
+    errors = _gather_errors(error)
+    if errors:
+        return errors, 0
+    guarded = _Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
+    staged = execute(move.transfer, move.steps, guarded.read, guarded.write)
+    return _gather_errors(guarded.error), staged
+
+
+def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors: dict[int, str]) -> None:
+    """Back to layout `parallel` from the untouched old objects, then raise ReshardFailed."""
+    what = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(errors.items()))
+    a = _layout(parallel)
+    stay = plan(_planner_model(trainer), a, a)  # local copies only: every rank holds its part
+    again, _ = _switch_and_move(trainer, Move(parallel, stay, rounds(stay, 1 << 62), 0.0), source)
+    if again:
+        raise RuntimeError(
+            f"reshard: moving back to {a} failed too ({again}) after: {what}; restart from the "
+            "last checkpoint"
+        )
+    raise ReshardFailed(f"reshard failed ({what}); rolled back to {a}, no state lost")
+
+
+def _gather_errors(error: Optional[BaseException]) -> dict[int, str]:
+    """Every rank's failure (rank -> message), on every rank."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {rank: message for rank, message in enumerate(everyone) if message is not None}
+
+
+class _Guarded:
+    """read/write functions for the executor that record the first exception instead of
+    raising it, so that this rank still sends and receives what the plan says and no peer
+    waits for a message that never comes. What could not be read is sent as zeros; the
+    transfer's result is then thrown away by the rollback."""
+
+    def __init__(self, read: Callable[[Piece, Box], torch.Tensor], write: Callable) -> None:
+        self._read, self._write = read, write
+        self.error: Optional[BaseException] = None
+
+    def read(self, piece: Piece, box: Box) -> torch.Tensor:
+        if self.error is None:
+            try:
+                return self._read(piece, box)
+            except Exception as e:  # noqa: BLE001
+                self.error = e
+        return torch.zeros(())
+
+    def write(self, piece: Piece, box: Box, values: torch.Tensor) -> None:
+        if self.error is None:
+            try:
+                self._write(piece, box, values)
+            except Exception as e:  # noqa: BLE001
+                self.error = e

@@ -16,9 +16,12 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ext.plugin import Plugin, register_plugin
+
+if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
+    from megatron_ext.reshard.live import Preparation
 
 
 @dataclass
@@ -58,21 +61,64 @@ class ReshardPlugin(Plugin):
         parallel = trainer.cfg.parallel
         for step in sorted(self._due):
             parallel = self._checked(trainer, parallel, self._due[step])
+        self._next: Optional[tuple[int, Preparation]] = None  # the next scheduled move, planning
+        self._requested_move: Optional[Preparation] = None
 
     def on_step_begin(self, trainer, step: int) -> None:
-        layout = self._due.get(step)
-        if layout is None:
-            layout = self._requested()
-            if layout is None:
-                return
-            try:
-                self._checked(trainer, trainer.cfg.parallel, layout)
-            except ValueError as e:  # a bad request must not stop a running job
-                trainer.note(f"step {step}: reshard request refused: {e}")
-                return
-        from megatron_ext.reshard.live import reshard
+        self._prepare_next(trainer, step - 1)  # at the first step (fresh or resumed)
+        if step in self._due:
+            self._apply(trainer, step, self._scheduled(trainer, step))
+        elif self._requested_move is not None:
+            if _everywhere(self._requested_move.done()):
+                prepared, self._requested_move = self._requested_move, None
+                self._apply(trainer, step, prepared)
+        else:
+            self._poll(trainer, step)
+        self._prepare_next(trainer, step)
 
-        report = reshard(trainer, target_config(trainer.cfg.parallel, layout), self.cfg.memory_budget_mb)
+    def _prepare_next(self, trainer, step: int) -> None:
+        """Plan the next scheduled move in the background, from the layout it will leave."""
+        upcoming = [s for s in sorted(self._due) if s > step]
+        if not upcoming or (self._next is not None and self._next[0] == upcoming[0]):
+            return
+        target = target_config(trainer.cfg.parallel, self._due[upcoming[0]])
+        self._next = (upcoming[0], self._prepare(trainer, target))
+
+    def _scheduled(self, trainer, step: int) -> Preparation:
+        target = target_config(trainer.cfg.parallel, self._due[step])
+        if self._next is not None and self._next[0] == step and self._next[1].target == target:
+            return self._next[1]
+        # Planned from another layout (a request came in between): plan again.
+        return self._prepare(trainer, target)
+
+    def _prepare(self, trainer, target) -> Preparation:
+        from megatron_ext.reshard.live import Preparation
+
+        return Preparation(trainer, target, self.cfg.memory_budget_mb)
+
+    def _poll(self, trainer, step: int) -> None:
+        layout = self._requested()
+        if layout is None:
+            return
+        try:
+            target = self._checked(trainer, trainer.cfg.parallel, layout)
+            self._requested_move = self._prepare(trainer, target)
+        except ValueError as e:  # a bad request must not stop a running job
+            trainer.note(f"step {step}: reshard request refused: {e}")
+            return
+        trainer.note(f"step {step}: reshard request to {layout} accepted; planning")
+
+    def _apply(self, trainer, step: int, prepared: Preparation) -> None:
+        from megatron_ext.reshard.live import ReshardFailed, reshard
+
+        try:
+            report = reshard(trainer, prepared.target, self.cfg.memory_budget_mb, prepared)
+        except ReshardFailed as e:
+            trainer.note(f"step {step}: {e}; training goes on")
+            return
+        except ValueError as e:  # planning refused it (e.g. a budget below one element)
+            trainer.note(f"step {step}: reshard refused: {e}")
+            return
         self.reports.append(report)
         trainer.note(f"step {step}: {report}")
 
@@ -99,3 +145,13 @@ class ReshardPlugin(Plugin):
             os.replace(self.cfg.request_file, self.cfg.request_file + ".done")
         dist.broadcast_object_list(message, src=0)
         return message[0]
+
+
+def _everywhere(flag: bool) -> bool:
+    """True when `flag` is true on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

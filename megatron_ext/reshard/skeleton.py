@@ -129,7 +129,7 @@ def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Ske
     spec = layer_spec(model, use_transformer_engine(model, on_cpu))
     pp_rank, pp, vpp = groups.pp.rank(), layout.pp, layout.vpp or 1
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.random.fork_rng(devices=[]), fake_mode:
+    with fake_mode:
         chunks = [
             build_gpt_model(
                 model,

@@ -26,6 +26,7 @@ class MetricsReporter:
         self.tokens_total = 0
         self.train_seconds = 0.0
         self.losses: list[float] = []
+        self.notes: list[str] = []
         if not self.active:
             return
         if cfg.progress_bar:
@@ -68,6 +69,7 @@ class MetricsReporter:
         self._scalars("eval", iteration, {"loss": loss})
 
     def note(self, line: str) -> None:
+        self.notes.append(line)
         if self.active:
             self._print(line)
 
@@ -111,5 +113,5 @@ class MetricsReporter:
                 self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
-        # Per-step losses of this invocation, for tests and scripts; not printed.
-        return {**result, "losses": self.losses}
+        # Per-step losses and notes of this invocation, for tests and scripts; not printed.
+        return {**result, "losses": self.losses, "notes": self.notes}

@@ -62,6 +62,10 @@ def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
     )
 
 
+def _leave_as_allocated(weight: torch.Tensor) -> None:
+    """An init method that draws nothing (for weights the caller fills)."""
+
+
 @dataclasses.dataclass
 class TrainState:
     """The counters a checkpoint carries besides tensors."""
@@ -82,6 +86,7 @@ class Trainer:
         self.optimizer = None
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
+        self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -93,6 +98,7 @@ class Trainer:
         self.tokenizer_spec = self._tokenizer_spec()
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
         resume = self._resume_point()
+        self.resumed_from = resume[1] if resume is not None else None
         self.vocab_size = self._vocab_size(resume)
         self.model = self._build_model(load_pretrained=resume is None)
         self.optimizer = self._build_optimizer()
@@ -159,9 +165,16 @@ class Trainer:
         vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
         return padded_vocab_size(vocab, self.cfg.model, self.cfg.parallel.tp)
 
-    def _build_model(self, load_pretrained: bool) -> list:
+    def _build_model(self, load_pretrained: bool, initialise: bool = True) -> list:
+        """The model chunks, DDP-wrapped. With `initialise=False` the weights are left as
+        allocated (for a caller that fills every one of them, like a reshard)."""
         cfg = self.cfg
         config = transformer_config(cfg.model, cfg.parallel, self.on_cpu)
+        if not initialise:
+            # Not `perform_initialization=False`: megatron then also skips marking weights as
+            # tensor-parallel, and the grad norm counts TP shards once instead of per rank.
+            config.init_method = config.output_layer_init_method = _leave_as_allocated
+            config.embedding_init_method = _leave_as_allocated
         spec = layer_spec(cfg.model, use_transformer_engine(cfg.model, self.on_cpu))
         for p in self.plugins:
             spec = p.layer_spec(spec, self)
@@ -179,7 +192,8 @@ class Trainer:
                 vp_stage=stage,
             )
             chunks.append(model.to(current_device()))
-        init_weights_layout_independent(chunks, config, cfg.train.seed)
+        if initialise:
+            init_weights_layout_independent(chunks, config, cfg.train.seed)
         # Before the optimizer exists: with bf16 params it copies them into fp32 main params.
         if cfg.model.pretrained and load_pretrained:
             pretrained.load_into(chunks, cfg.model, self.vocab_size)
@@ -331,6 +345,7 @@ class Trainer:
         self.reporter = reporter = MetricsReporter(
             cfg.logging, cfg.train.iters, self.state.iteration, dist.get_rank() == self.world_size - 1
         )
+        self._note_restart()
         stop_at = cfg.train.iters
         if cfg.train.exit_interval:
             stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
@@ -362,6 +377,17 @@ class Trainer:
             return reporter.summary(metrics.get("loss"), eval_loss)
         finally:
             stop.close()
+
+    def _note_restart(self) -> None:
+        """Say so when the launcher restarted the job after a worker failed."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts:
+            where = (
+                f"the checkpoint of iteration {self.resumed_from}"
+                if self.resumed_from is not None
+                else "the start: there was no checkpoint"
+            )
+            self.note(f"restart {restarts} of the job after a worker failed: resumed from {where}")
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -424,8 +450,8 @@ class Trainer:
 
     def switch_layout(self, parallel: ParallelConfig) -> None:
         """Leave this layout and build `parallel`'s: process groups, model, DDP, optimizer; the
-        scheduler, counters and data position carry over. The new model's weights and optimizer
-        states are placeholders until the caller fills them (the reshard plugin moves them from
+        scheduler, counters and data position carry over. The new model's weights (left
+        uninitialised) and optimizer states are placeholders until the caller fills them (the reshard plugin moves them from
         the old layout, whose objects it holds on to). Only at a step boundary: the grad buffers
         are built anew, so no gradient may be mid-accumulation."""
         scheduler_state = self.scheduler.state_dict()
@@ -433,7 +459,7 @@ class Trainer:
         self.dp = resolve_dp(self.cfg, self.world_size)
         self.close()
         self._init_layout()
-        self.model = self._build_model(load_pretrained=False)
+        self.model = self._build_model(load_pretrained=False, initialise=False)
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         self.scheduler.load_state_dict(scheduler_state)

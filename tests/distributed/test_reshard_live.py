@@ -1,4 +1,5 @@
-"""Live reshard of a running job: the loss curve continues as if the layout had never changed.
+"""Live reshard of a running job: the loss curve continues as if the layout had never changed,
+and a reshard that fails part-way (an exception, a killed worker) loses no state.
 
 Every layout computes the same per-token loss from the same weights and batches, so a run that
 switches layouts mid-way must follow the uninterrupted run (fp32 reduction order aside). That
@@ -9,6 +10,10 @@ data position carried over.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +77,43 @@ def test_bad_scheduled_layout_is_refused_before_training(cache):
         run_from_overrides(
             [*COMMON, cache, "parallel.tp=2", "reshard.schedule=[{step: 2, layout: {tp: 3}}]"]
         )
+
+
+# --- faults: a reshard that fails part-way loses nothing ---------------------------------------
+
+FAULTS = Path(__file__).with_name("_faults.py")
+SWITCH_AT_5 = "reshard.schedule=[{step: 5, layout: {tp: 1, pp: 2, dp: 2}}]"
+
+
+def run_with_fault(tmp_path, *overrides: str) -> dict:
+    """A run of COMMON with the `fault` plugin first, in a child process (it registers the
+    plugin before the config is composed)."""
+    out = tmp_path / "summary.json"
+    plugins = "plugins=[fault,reshard]"
+    cmd = [sys.executable, str(FAULTS), str(out), *COMMON[:-1], plugins, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULTS.parents[2])}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_exception_mid_transfer_rolls_back_and_training_goes_on(uninterrupted, cache, tmp_path):
+    summary = run_with_fault(
+        tmp_path, cache, "parallel.tp=2", "parallel.pp=2", SWITCH_AT_5, "fault.kind=raise"
+    )
+    (note,) = [n for n in summary["notes"] if "reshard" in n]
+    assert "rank 1: RuntimeError: injected fault" in note and "rolled back to tp2" in note
+    # Back in the old layout from the untouched old state: the very same losses.
+    assert summary["losses"] == uninterrupted
+
+
+def test_worker_killed_mid_transfer_restarts_from_the_last_checkpoint(uninterrupted, cache, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    summary = run_with_fault(
+        tmp_path, cache, "parallel.tp=2", "parallel.pp=2", SWITCH_AT_5, "fault.kind=kill",
+        "launcher.max_restarts=1", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
+        "checkpoint.interval=2",
+    )
+    assert any("restart 1 of the job" in n and "iteration 4" in n for n in summary["notes"])
+    assert any("reshard tp2" in n for n in summary["notes"])  # done again, this time through
+    assert summary["losses"] == pytest.approx(uninterrupted[4:], abs=LOSS_ATOL)

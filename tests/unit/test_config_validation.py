@@ -110,6 +110,8 @@ BAD = [
      "model.spec", "needs Transformer Engine and a CUDA device"),
     ("device", {"launcher.device": "tpu"}, 1, "cpu",
      "launcher.device", "one of auto, cpu, cuda"),
+    ("restarts", {"launcher.max_restarts": -1}, 1, "cpu",
+     "launcher.max_restarts", ">= 0"),
     ("decay_style", {"optim.lr_decay_style": "step"}, 1, "cpu",
      "optim.lr_decay_style", "inverse-square-root"),
     ("dispatcher", {"model.moe_token_dispatcher": "flex"}, 1, "cpu",

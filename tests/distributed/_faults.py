@@ -1,0 +1,59 @@
+"""A training run with a fault injected into the first live reshard, for test_reshard_live.py.
+
+    python tests/distributed/_faults.py SUMMARY.json fault.kind=raise fault.rank=1 ...overrides
+
+The `fault` plugin makes rank `fault.rank` fail at its `fault.after_writes`-th write of a
+destination piece during a reshard: `raise` raises an exception there, `kill` ends the process
+on the spot. Only in the job's first attempt: a job the launcher restarts runs clean. The run's
+summary (losses and notes of the last attempt) is written to SUMMARY.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from megatron_ext.plugin import Plugin, register_plugin
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "raise"  # raise | kill
+    rank: int = 1
+    after_writes: int = 3
+
+
+@register_plugin
+class FaultPlugin(Plugin):
+    name = "fault"
+    config_class = FaultConfig
+
+    def setup(self, trainer) -> None:
+        import torch.distributed as dist
+
+        from megatron_ext.reshard.state_access import MegatronState
+
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if not first_attempt or dist.get_rank() != self.cfg.rank:
+            return
+        write, cfg, writes = MegatronState.write, self.cfg, [0]
+
+        def failing_write(state, piece, box, values):
+            writes[0] += 1
+            if writes[0] == cfg.after_writes:
+                if cfg.kind == "kill":
+                    os._exit(1)
+                raise RuntimeError("injected fault")
+            write(state, piece, box, values)
+
+        MegatronState.write = failing_write
+
+
+if __name__ == "__main__":
+    from megatron_ext.train import run_from_overrides
+
+    summary = run_from_overrides(sys.argv[2:])
+    with open(sys.argv[1], "w") as f:
+        json.dump(summary, f)

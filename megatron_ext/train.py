@@ -28,24 +28,29 @@ register_configs()
 
 def run(cfg: Config) -> Optional[dict]:
     """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
-    run summary (from the reporting rank when workers were started here)."""
+    run summary (from rank 0, the reporting rank, when workers were started here)."""
     validate(cfg, world_size_of(cfg))
     if detect_launch() is None and cfg.launcher.nproc > 1:
         launcher = cfg.launcher
         results = launch_local(
             launcher.nproc, worker, (cfg,), launcher.master_addr, launcher.master_port, launcher.max_restarts
         )
-        return results[cfg.launcher.nproc - 1]
+        return results[0]
     return worker(cfg)
 
 
 def worker(cfg: Config) -> dict:
-    """One rank: join the world, train, leave."""
+    """One rank: join the world, train, leave. With the reshard plugin the job's processes form
+    a worker pool, so that the number of workers can change while it trains."""
     import torch.distributed as dist
 
     from megatron_ext.plugin import build_plugins
     from megatron_ext.training.trainer import Trainer
 
+    if "reshard" in cfg.plugins:
+        from megatron_ext.reshard.pool import pooled_worker
+
+        return pooled_worker(cfg)
     join_world(cfg.launcher.device)
     trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
     try:

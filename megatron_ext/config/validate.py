@@ -105,7 +105,7 @@ def _dp_or_none(cfg: Config, world_size: int) -> Optional[int]:
     """dp as the launch will have it, or None when the world cannot be cut (reported elsewhere)."""
     p = cfg.parallel
     if p.dp is not None:
-        return p.dp if p.tp * p.pp * p.dp * p.cp == world_size else None
+        return p.dp if _layout_fits(cfg, world_size) else None
     model = p.tp * p.pp * p.cp
     return world_size // model if world_size % model == 0 else None
 
@@ -214,12 +214,21 @@ def vpp_needs_pipeline(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+def _layout_fits(cfg: Config, world: int) -> bool:
+    """An explicit layout uses the whole world, or, with the reshard plugin, a part of it: the
+    other workers wait on standby for the layout to grow."""
+    p = cfg.parallel
+    active = p.tp * p.pp * p.dp * p.cp
+    return active == world or ("reshard" in cfg.plugins and active < world)
+
+
 def world_matches_layout(cfg: Config, world: int, device: str) -> Optional[str]:
     p = cfg.parallel
-    if p.dp is not None and p.tp * p.pp * p.dp * p.cp != world:
+    if p.dp is not None and not _layout_fits(cfg, world):
+        relation = "be at most" if "reshard" in cfg.plugins else "equal"
         return (
-            f"world size ({world}) must equal tp * pp * dp * cp "
-            f"({p.tp} * {p.pp} * {p.dp} * {p.cp} = {p.tp * p.pp * p.dp * p.cp})"
+            f"tp * pp * dp * cp ({p.tp} * {p.pp} * {p.dp} * {p.cp} = {p.tp * p.pp * p.dp * p.cp}) "
+            f"must {relation} the world size ({world})"
         )
     return None
 

@@ -119,8 +119,16 @@ def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
 
 
 def join_world(device_request: str = "auto", timeout_s: int = 600) -> tuple[LaunchEnv, torch.device]:
-    """Join the world an outside launcher made, or form a world of one: pick the device,
-    apply the CPU compatibility layer when it is the CPU, and initialise torch.distributed."""
+    """Join the world an outside launcher made, or form a world of one: `prepare_process`,
+    then initialise torch.distributed."""
+    launch, device = prepare_process(device_request)
+    init_distributed(launch, device, timeout_s)
+    return launch, device
+
+
+def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.device]:
+    """This process's place in the launch and its device, with CPU threads limited and the CPU
+    compatibility layer applied when the device is the CPU."""
     from megatron_ext.platform import cpu_compat
     from megatron_ext.platform.device import resolve_device
 
@@ -129,7 +137,6 @@ def join_world(device_request: str = "auto", timeout_s: int = 600) -> tuple[Laun
     if device.type == "cpu":
         limit_cpu_threads(launch.world_size)
     cpu_compat.apply(on_cpu=device.type == "cpu")
-    init_distributed(launch, device, timeout_s)
     return launch, device
 
 

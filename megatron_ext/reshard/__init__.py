@@ -9,9 +9,11 @@ job with every training state carried over.
     execute.py   rounds(plan, budget): memory-budgeted rounds; execute(): one packed message per
                  peer per round over point-to-point
     state_access.py  read/write a piece in megatron's params and distributed-optimizer states
-
-The live switch of a running trainer (groups of both layouts alive, counters, sampler, grad
-buffers) is the next step; today the pieces above are tested against real megatron state.
+    live.py      reshard(trainer, layout): plan (in the background), switch, move, roll back on
+                 failure, within the same workers
+    pool.py      the worker pool: moves to another number of workers (standby workers join,
+                 leaving workers hand over their state and wait)
+    plugin.py    `plugins=[reshard]`: a schedule, a polled request file
 
     from megatron_ext.reshard.layout import ParallelLayout
     from megatron_ext.reshard.plan import plan

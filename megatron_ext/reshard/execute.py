@@ -116,43 +116,56 @@ def _split_inner(row: Op, budget: int, itemsize: int) -> list[Op]:
     return [dataclasses.replace(p, box=(head,) + p.box) for p in _split(inner, budget, itemsize)]
 
 
+class GroupChannel:
+    """Point-to-point messages among the ranks of a torch.distributed group (default: the
+    world), numbered as the group numbers them."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+
+    def exchange(self, recv: dict[int, torch.Tensor], send: dict[int, torch.Tensor], tag: int) -> list:
+        """Post every receive and send at once; returns the requests to wait for."""
+        messages = [dist.P2POp(dist.irecv, b, self._peer(p), self.group, tag) for p, b in recv.items()]
+        messages += [dist.P2POp(dist.isend, b, self._peer(p), self.group, tag) for p, b in send.items()]
+        return dist.batch_isend_irecv(messages) if messages else []
+
+    def _peer(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
 def execute(
     plan: TransferPlan,
     steps: list[Round],
     read_local: ReadLocal,
     write_local: WriteLocal,
     group: Optional[dist.ProcessGroup] = None,
+    channel=None,
 ) -> int:
-    """Run `steps` of `plan` on this rank: plan rank r is rank r of `group` (default: the world).
+    """Run `steps` of `plan` on this rank: plan rank r is rank r of `channel` (default: of
+    `group`, default the world; the worker pool has its own channel, see pool.py).
 
     `read_local(source_piece, box)` returns this rank's values of `box` (⊆ the piece's box) in
     the source layout; `write_local(target_piece, box, values)` stores them in the destination
     layout. Returns the most staging bytes this rank held at once (what `peak_bytes` predicts).
     """
-    rank = dist.get_rank(group)
+    channel = channel or GroupChannel(group)
     peak = 0
     for index, step in enumerate(steps):
-        peak = max(peak, _run_round(plan, index, step, rank, read_local, write_local, group))
+        peak = max(peak, _run_round(plan, index, step, channel, read_local, write_local))
     return peak
 
 
 def _run_round(
-    plan: TransferPlan,
-    index: int,
-    step: Round,
-    rank: int,
-    read_local: ReadLocal,
-    write_local: WriteLocal,
-    group: Optional[dist.ProcessGroup],
+    plan: TransferPlan, index: int, step: Round, channel, read_local: ReadLocal, write_local: WriteLocal
 ) -> int:
-    """One round on `rank`: post every receive and send, copy the local ops meanwhile, wait,
+    """One round on this rank: post every receive and send, copy the local ops meanwhile, wait,
     unpack. Returns the bytes staged."""
+    rank = channel.rank
     outgoing, incoming = _by_peer(plan, step, rank)
     recv = {peer: torch.empty(_size(ops), dtype=torch.uint8) for peer, ops in incoming.items()}
     send = {peer: _pack(plan, ops, read_local) for peer, ops in outgoing.items()}
-    messages = [dist.P2POp(dist.irecv, buf, _peer(group, p), group, index) for p, buf in recv.items()]
-    messages += [dist.P2POp(dist.isend, buf, _peer(group, p), group, index) for p, buf in send.items()]
-    requests = dist.batch_isend_irecv(messages) if messages else []
+    requests = channel.exchange(recv, send, index)
     for op in step.ops:
         if op.local and op.dst == rank:
             write_local(plan.targets[op.target], op.box, read_local(plan.sources[op.source], op.box))
@@ -161,10 +174,6 @@ def _run_round(
     for peer, ops in incoming.items():
         _unpack(plan, ops, recv[peer], write_local)
     return sum(b.numel() for b in send.values()) + sum(b.numel() for b in recv.values())
-
-
-def _peer(group: Optional[dist.ProcessGroup], rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _by_peer(plan: TransferPlan, step: Round, rank: int) -> tuple[dict, dict]:

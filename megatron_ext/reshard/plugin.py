@@ -5,9 +5,14 @@ Triggers, checked before every step:
   - a request file, polled:     reshard.request_file=/path/req.json  containing
                                 {"layout": {"pp": 2, "dp": 2}}; it is renamed to *.done once
                                 applied, so a cluster scheduler or a person can ask again
-  - Python:                     megatron_ext.reshard.live.reshard(trainer, ParallelConfig(...))
+  - Python:                     trainer.reshard({"tp": 1, "dp": 4}) (e.g. RLHF phase switches)
 A layout names the sizes that change; the others keep the run's values (dp is derived when
 left out and tp/pp/cp change).
+
+A move within the same workers is planned in the background as soon as it is known (live.py)
+and rolls back if it fails. A move to another number of workers (dp named so that tp·pp·dp·cp
+changes) goes through the worker pool (pool.py): the job is launched with as many processes as
+its largest layout needs, and the ones a layout does not use wait on standby.
 """
 
 from __future__ import annotations
@@ -67,14 +72,21 @@ class ReshardPlugin(Plugin):
     def on_step_begin(self, trainer, step: int) -> None:
         self._prepare_next(trainer, step - 1)  # at the first step (fresh or resumed)
         if step in self._due:
-            self._apply(trainer, step, self._scheduled(trainer, step))
+            target = target_config(trainer.cfg.parallel, self._due[step])
+            if target == trainer.cfg.parallel:
+                return  # a rank that joined at this step: the move is done
+            if _changes_world(trainer, target):
+                self._resize(trainer, step, target)
+            else:
+                self._apply(trainer, step, self._scheduled(trainer, step))
         elif self._requested_move is not None:
             if _everywhere(self._requested_move.done()):
                 prepared, self._requested_move = self._requested_move, None
                 self._apply(trainer, step, prepared)
         else:
             self._poll(trainer, step)
-        self._prepare_next(trainer, step)
+        if not trainer.left:
+            self._prepare_next(trainer, step)
 
     def _prepare_next(self, trainer, step: int) -> None:
         """Plan the next scheduled move in the background, from the layout it will leave."""
@@ -82,6 +94,8 @@ class ReshardPlugin(Plugin):
         if not upcoming or (self._next is not None and self._next[0] == upcoming[0]):
             return
         target = target_config(trainer.cfg.parallel, self._due[upcoming[0]])
+        if target == trainer.cfg.parallel or _changes_world(trainer, target):
+            return  # nothing to plan, or planned by the whole pool at the switch
         self._next = (upcoming[0], self._prepare(trainer, target))
 
     def _scheduled(self, trainer, step: int) -> Preparation:
@@ -102,11 +116,21 @@ class ReshardPlugin(Plugin):
             return
         try:
             target = self._checked(trainer, trainer.cfg.parallel, layout)
+            if _changes_world(trainer, target):
+                self._resize(trainer, step, target)
+                return
             self._requested_move = self._prepare(trainer, target)
         except ValueError as e:  # a bad request must not stop a running job
             trainer.note(f"step {step}: reshard request refused: {e}")
             return
         trainer.note(f"step {step}: reshard request to {layout} accepted; planning")
+
+    def _resize(self, trainer, step: int, target) -> None:
+        from megatron_ext.reshard.pool import resize
+
+        report = resize(trainer, target, self.cfg.memory_budget_mb)
+        self.reports.append(report)
+        trainer.note(f"step {step}: {report}")
 
     def _apply(self, trainer, step: int, prepared: Preparation) -> None:
         from megatron_ext.reshard.live import ReshardFailed, reshard
@@ -128,8 +152,11 @@ class ReshardPlugin(Plugin):
 
         from megatron_ext.config.validate import validate
 
+        from megatron_ext.reshard.pool import current_pool
+
         target = target_config(current, layout)
-        validate(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size())
+        pool = current_pool()
+        validate(dataclasses.replace(trainer.cfg, parallel=target), pool.size if pool else dist.get_world_size())
         return target
 
     def _requested(self) -> Optional[dict]:
@@ -145,6 +172,25 @@ class ReshardPlugin(Plugin):
             os.replace(self.cfg.request_file, self.cfg.request_file + ".done")
         dist.broadcast_object_list(message, src=0)
         return message[0]
+
+
+def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):
+    """Move `trainer` to `layout` (the sizes that change) now, between two steps: within the
+    same workers (live.py) or to another number of them (pool.py). Returns the ReshardReport."""
+    target = target_config(trainer.cfg.parallel, layout)
+    if _changes_world(trainer, target):
+        from megatron_ext.reshard.pool import resize
+
+        return resize(trainer, target, budget_mb)
+    from megatron_ext.reshard.live import reshard
+
+    return reshard(trainer, target, budget_mb)
+
+
+def _changes_world(trainer, target) -> bool:
+    """Whether `target` needs another number of workers than the current world has."""
+    p = target
+    return p.dp is not None and p.tp * p.pp * p.dp * p.cp != trainer.world_size
 
 
 def _everywhere(flag: bool) -> bool:

@@ -87,24 +87,34 @@ class Trainer:
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
         self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
+        # Set when a shrinking reshard leaves this rank out of the new world: train() returns.
+        self.left = False
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def setup(self) -> None:
-        cfg = self.cfg
+    def setup(self, joining: Optional[dict] = None) -> None:
+        """Build everything. `joining`: the common state (`common_state()`) of a running job
+        this rank joins; its weights and optimizer states are then left for the caller to fill
+        (the reshard worker pool moves them in)."""
         self._init_layout()
         for p in self.plugins:
             p.setup(self)
         self.tokenizer_spec = self._tokenizer_spec()
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
-        resume = self._resume_point()
+        resume = self._resume_point() if joining is None else None
         self.resumed_from = resume[1] if resume is not None else None
-        self.vocab_size = self._vocab_size(resume)
-        self.model = self._build_model(load_pretrained=resume is None)
+        if joining is not None:
+            self.vocab_size = joining["padded_vocab_size"]
+        else:
+            self.vocab_size = self._vocab_size(resume)
+        fresh = resume is None and joining is None
+        self.model = self._build_model(load_pretrained=fresh, initialise=joining is None)
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         if resume is not None:
             self._load(*resume)
+        if joining is not None:
+            self._restore_common(joining)
         self._build_data()
 
     def _tokenizer_spec(self) -> str:
@@ -342,8 +352,9 @@ class Trainer:
 
     def train(self) -> dict:
         cfg = self.cfg
+        # Rank 0 reports: it is in every world a worker pool forms (the loss is on every rank).
         self.reporter = reporter = MetricsReporter(
-            cfg.logging, cfg.train.iters, self.state.iteration, dist.get_rank() == self.world_size - 1
+            cfg.logging, cfg.train.iters, self.state.iteration, dist.get_rank() == 0
         )
         self._note_restart()
         stop_at = cfg.train.iters
@@ -357,6 +368,8 @@ class Trainer:
             while self.state.iteration < stop_at:
                 for p in self.plugins:
                     p.on_step_begin(self, self.state.iteration + 1)
+                if self.left:
+                    return {}
                 start = time.perf_counter()
                 metrics = self.train_step()
                 reporter.step(self.state.iteration, metrics, tokens_per_step, time.perf_counter() - start)
@@ -437,6 +450,10 @@ class Trainer:
         # the fresh seeding of this run.
         same_layout = common["layout"] == self._layout_key()
         ckpt.load_checkpoint(root, iteration, self.model, self.optimizer, load_rng=same_layout)
+        self._restore_common(common)
+
+    def _restore_common(self, common: dict) -> None:
+        """Counters, scheduler and plugin states from `common_state()`."""
         self.state = TrainState(common["iteration"], common["consumed_samples"])
         self.scheduler.load_state_dict(common["scheduler"])
         for plugin in self.plugins:
@@ -448,14 +465,23 @@ class Trainer:
 
     # --- a new layout ---------------------------------------------------------------------------
 
-    def switch_layout(self, parallel: ParallelConfig) -> None:
+    def reshard(self, layout: dict, budget_mb: float = 64.0):
+        """Change the parallel layout now, between two steps, every training state carried over
+        (`layout`: the sizes that change, e.g. {"tp": 1, "dp": 4}). See megatron_ext/reshard."""
+        from megatron_ext.reshard.plugin import reshard_to
+
+        return reshard_to(self, layout, budget_mb)
+
+    def switch_layout(self, parallel: ParallelConfig, new_world: bool = False) -> None:
         """Leave this layout and build `parallel`'s: process groups, model, DDP, optimizer; the
         scheduler, counters and data position carry over. The new model's weights (left
         uninitialised) and optimizer states are placeholders until the caller fills them (the reshard plugin moves them from
         the old layout, whose objects it holds on to). Only at a step boundary: the grad buffers
-        are built anew, so no gradient may be mid-accumulation."""
+        are built anew, so no gradient may be mid-accumulation. `new_world`: torch's world was
+        formed anew (a worker pool changed the number of workers)."""
         scheduler_state = self.scheduler.state_dict()
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
+        self.world_size = dist.get_world_size()  # a worker pool may have formed a new world
         self.dp = resolve_dp(self.cfg, self.world_size)
         self.close()
         self._init_layout()
@@ -463,8 +489,18 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         self.scheduler.load_state_dict(scheduler_state)
-        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+        if new_world:  # opening the datasets is collective: with the ranks that join
+            self._build_data()
+        else:
+            self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
     def close(self) -> None:
+        """Leave this layout: megatron's globals and the process groups it created. Megatron
+        only forgets most of its groups, and each keeps its threads and sockets: a job that
+        changes layout many times would pile them up."""
+        groups = [g for g in parallel_state._global_process_group_list or () if g is not None]
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
+        for group in groups:
+            if group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo ones
+                dist.destroy_process_group(group)

@@ -1,5 +1,6 @@
 """Live reshard of a running job: the loss curve continues as if the layout had never changed,
-and a reshard that fails part-way (an exception, a killed worker) loses no state.
+also when workers join from standby or leave, and a reshard that fails part-way (an exception,
+a killed worker) loses no state.
 
 Every layout computes the same per-token loss from the same weights and batches, so a run that
 switches layouts mid-way must follow the uninterrupted run (fp32 reduction order aside). That
@@ -70,6 +71,16 @@ def test_request_file(uninterrupted, cache, tmp_path):
     )
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
     assert not request.exists() and (tmp_path / "request.json.done").exists()
+
+
+def test_workers_join_from_standby_and_leave_again(uninterrupted, cache):
+    # 2 of the 4 workers train at first; all 4 from step 3 (in another layout); 2 from step 6.
+    schedule = "[{step: 3, layout: {tp: 2, pp: 2, dp: 1}}, {step: 6, layout: {tp: 1, pp: 1, dp: 2}}]"
+    summary = run_from_overrides([*COMMON, cache, "parallel.dp=2", f"reshard.schedule={schedule}"])
+    moves = [n for n in summary["notes"] if "reshard" in n]
+    assert "tp1·pp1·dp2·+2 standby -> tp2·pp2·dp1:" in moves[0]
+    assert "tp2·pp2·dp1 -> tp1·pp1·dp2·+2 standby:" in moves[1]
+    assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
 
 
 def test_bad_scheduled_layout_is_refused_before_training(cache):

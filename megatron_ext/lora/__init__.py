@@ -1,0 +1,1 @@
+"""Packed multi-adapter LoRA fine-tuning on one frozen megatron-core base (PLoRA)."""

@@ -2,13 +2,13 @@
 
     report = reshard(trainer, ParallelConfig(pp=2, dp=2), budget_mb=64)
 
-    prepared = Preparation(trainer, ParallelConfig(pp=2, dp=2), budget_mb=64)  # plans in a thread
+    prepared = prepare(trainer, ParallelConfig(pp=2, dp=2), budget_mb=64)  # plans in a thread
     ...                                                 # training goes on meanwhile
     report = reshard(trainer, prepared.target, prepared=prepared)
 
 1. Check the new layout against the model (the runtime's rules) before anything changes.
 2. Prepare: plan the move (pure, identical on every rank) and cut it into memory-budgeted
-   rounds. This is most of the work and needs no communication, so `Preparation` runs it in a
+   rounds. This is most of the work and needs no communication, so `prepare` runs it in a
    background thread while the current layout keeps training.
 3. The stall: keep the old model and optimizer objects, build the new layout
    (`Trainer.switch_layout`: groups, model, DDP, optimizer; scheduler, counters and data position
@@ -32,6 +32,7 @@ no result depends on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
@@ -92,14 +93,13 @@ def plan_move(trainer, target: ParallelConfig, budget_mb: float) -> Move:
 
 
 class Preparation:
-    """`plan_move` in a background thread, so that the current layout keeps training while it
-    runs. The layout is checked at once, in the caller's thread."""
+    """A move planned in a background thread, so that the current layout keeps training while
+    the planner runs. Check the target first, in the caller's thread (`prepare` does)."""
 
-    def __init__(self, trainer, target: ParallelConfig, budget_mb: float) -> None:
+    def __init__(self, target: ParallelConfig, planner: Callable[[], Move]) -> None:
         self.target = target
-        _layouts(trainer, target)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-plan")
-        self._future: Future = pool.submit(plan_move, trainer, target, budget_mb)
+        self._future: Future = pool.submit(planner)
         pool.shutdown(wait=False)
 
     def done(self) -> bool:
@@ -108,6 +108,12 @@ class Preparation:
     def move(self) -> Move:
         """The planned move (waits for it); re-raises what planning raised."""
         return self._future.result()
+
+
+def prepare(trainer, target: ParallelConfig, budget_mb: float) -> Preparation:
+    """`plan_move` in the background, after checking `target` here."""
+    _layouts(trainer, target)
+    return Preparation(target, functools.partial(plan_move, trainer, target, budget_mb))
 
 
 def reshard(
@@ -142,10 +148,10 @@ def reshard(
 def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:
     """(the planner's model, the layout now, the layout `target`), after checking `target`."""
     validate(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size())
-    return _planner_model(trainer), _layout(trainer.cfg.parallel), _layout(target)
+    return planner_model(trainer), _layout(trainer.cfg.parallel), _layout(target)
 
 
-def _planner_model(trainer) -> ModelConfig:
+def planner_model(trainer) -> ModelConfig:
     # The planner sees the run's padded vocabulary, which stays fixed for the run.
     return dataclasses.replace(trainer.cfg.model, vocab_size=trainer.vocab_size)
 
@@ -175,7 +181,7 @@ def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors:
     """Back to layout `parallel` from the untouched old objects, then raise ReshardFailed."""
     what = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(errors.items()))
     a = _layout(parallel)
-    stay = plan(_planner_model(trainer), a, a)  # local copies only: every rank holds its part
+    stay = plan(planner_model(trainer), a, a)  # local copies only: every rank holds its part
     again, _ = _switch_and_move(trainer, Move(parallel, stay, rounds(stay, 1 << 62), 0.0), source)
     if again:
         raise RuntimeError(

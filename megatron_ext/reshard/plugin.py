@@ -9,8 +9,9 @@ Triggers, checked before every step:
 A layout names the sizes that change; the others keep the run's values (dp is derived when
 left out and tp/pp/cp change).
 
-A move within the same workers is planned in the background as soon as it is known (live.py)
-and rolls back if it fails. A move to another number of workers (dp named so that tp·pp·dp·cp
+Every move is planned in the background as soon as it is known, while training goes on; the
+stall is the build of the new layout and the transfer. A move within the same workers (live.py)
+rolls back if it fails. A move to another number of workers (dp named so that tp·pp·dp·cp
 changes) goes through the worker pool (pool.py): the job is launched with as many processes as
 its largest layout needs, and the ones a layout does not use wait on standby.
 """
@@ -54,6 +55,18 @@ def target_config(current, layout: dict):
     return dataclasses.replace(current, **changes)
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """A move being planned in the background. `prepared` is None on the ranks that do not plan
+    it (a move to another number of workers is planned on pool rank 0, which sends the plan)."""
+
+    target: Any  # ParallelConfig
+    prepared: Optional[Preparation]
+
+    def done(self) -> bool:
+        return self.prepared is None or self.prepared.done()
+
+
 @register_plugin
 class ReshardPlugin(Plugin):
     name = "reshard"
@@ -66,8 +79,8 @@ class ReshardPlugin(Plugin):
         parallel = trainer.cfg.parallel
         for step in sorted(self._due):
             parallel = self._checked(trainer, parallel, self._due[step])
-        self._next: Optional[tuple[int, Preparation]] = None  # the next scheduled move, planning
-        self._requested_move: Optional[Preparation] = None
+        self._next: Optional[tuple[int, _Planned]] = None  # the next scheduled move
+        self._requested_move: Optional[_Planned] = None
 
     def on_step_begin(self, trainer, step: int) -> None:
         self._prepare_next(trainer, step - 1)  # at the first step (fresh or resumed)
@@ -75,14 +88,11 @@ class ReshardPlugin(Plugin):
             target = target_config(trainer.cfg.parallel, self._due[step])
             if target == trainer.cfg.parallel:
                 return  # a rank that joined at this step: the move is done
-            if _changes_world(trainer, target):
-                self._resize(trainer, step, target)
-            else:
-                self._apply(trainer, step, self._scheduled(trainer, step))
+            self._apply(trainer, step, self._scheduled(trainer, step, target))
         elif self._requested_move is not None:
             if _everywhere(self._requested_move.done()):
-                prepared, self._requested_move = self._requested_move, None
-                self._apply(trainer, step, prepared)
+                planned, self._requested_move = self._requested_move, None
+                self._apply(trainer, step, planned)
         else:
             self._poll(trainer, step)
         if not trainer.left:
@@ -94,21 +104,28 @@ class ReshardPlugin(Plugin):
         if not upcoming or (self._next is not None and self._next[0] == upcoming[0]):
             return
         target = target_config(trainer.cfg.parallel, self._due[upcoming[0]])
-        if target == trainer.cfg.parallel or _changes_world(trainer, target):
-            return  # nothing to plan, or planned by the whole pool at the switch
-        self._next = (upcoming[0], self._prepare(trainer, target))
+        if target != trainer.cfg.parallel:
+            self._next = (upcoming[0], self._prepare(trainer, target))
 
-    def _scheduled(self, trainer, step: int) -> Preparation:
-        target = target_config(trainer.cfg.parallel, self._due[step])
+    def _scheduled(self, trainer, step: int, target) -> _Planned:
         if self._next is not None and self._next[0] == step and self._next[1].target == target:
             return self._next[1]
         # Planned from another layout (a request came in between): plan again.
         return self._prepare(trainer, target)
 
-    def _prepare(self, trainer, target) -> Preparation:
-        from megatron_ext.reshard.live import Preparation
+    def _prepare(self, trainer, target) -> _Planned:
+        budget = self.cfg.memory_budget_mb
+        if _changes_world(trainer, target):
+            from megatron_ext.reshard.pool import check_resize, current_pool, prepare_resize
 
-        return Preparation(trainer, target, self.cfg.memory_budget_mb)
+            pool = current_pool()
+            if pool.rank != 0:
+                check_resize(trainer.cfg, target, pool)
+                return _Planned(target, None)
+            return _Planned(target, prepare_resize(trainer, target, budget))
+        from megatron_ext.reshard.live import prepare
+
+        return _Planned(target, prepare(trainer, target, budget))
 
     def _poll(self, trainer, step: int) -> None:
         layout = self._requested()
@@ -116,27 +133,22 @@ class ReshardPlugin(Plugin):
             return
         try:
             target = self._checked(trainer, trainer.cfg.parallel, layout)
-            if _changes_world(trainer, target):
-                self._resize(trainer, step, target)
-                return
             self._requested_move = self._prepare(trainer, target)
         except ValueError as e:  # a bad request must not stop a running job
             trainer.note(f"step {step}: reshard request refused: {e}")
             return
         trainer.note(f"step {step}: reshard request to {layout} accepted; planning")
 
-    def _resize(self, trainer, step: int, target) -> None:
+    def _apply(self, trainer, step: int, planned: _Planned) -> None:
+        from megatron_ext.reshard.live import ReshardFailed, reshard
         from megatron_ext.reshard.pool import resize
 
-        report = resize(trainer, target, self.cfg.memory_budget_mb)
-        self.reports.append(report)
-        trainer.note(f"step {step}: {report}")
-
-    def _apply(self, trainer, step: int, prepared: Preparation) -> None:
-        from megatron_ext.reshard.live import ReshardFailed, reshard
-
+        budget = self.cfg.memory_budget_mb
         try:
-            report = reshard(trainer, prepared.target, self.cfg.memory_budget_mb, prepared)
+            if _changes_world(trainer, planned.target):
+                report = resize(trainer, planned.target, budget, planned.prepared)
+            else:
+                report = reshard(trainer, planned.target, budget, planned.prepared)
         except ReshardFailed as e:
             trainer.note(f"step {step}: {e}; training goes on")
             return
@@ -151,7 +163,6 @@ class ReshardPlugin(Plugin):
         import torch.distributed as dist
 
         from megatron_ext.config.validate import validate
-
         from megatron_ext.reshard.pool import current_pool
 
         target = target_config(current, layout)

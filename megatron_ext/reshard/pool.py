@@ -6,10 +6,11 @@
 All launched processes form the pool; the first tp·pp·dp·cp of them form megatron's world
 (torch's default group), the others wait on standby. When a reshard changes that number:
 
-1. pool rank 0 sends the command (new layout, the run's config and common state: counters,
-   scheduler, plugin states) to every pool rank, standby ones included;
-2. every pool rank plans the move over the pool (a pure function: the same plan everywhere;
-   ranks past the old or new layout hold nothing there);
+1. pool rank 0 plans the move over the pool (a pure function; ranks past the old or new layout
+   hold nothing there). A scheduled move is planned in the background while training goes on
+   (`prepare_resize`);
+2. pool rank 0 sends the command (new layout, the plan, the run's config and common state:
+   counters, scheduler, plugin states) to every pool rank, standby ones included;
 3. the old world's ranks keep their model and optimizer objects as the source and leave the
    old world; the new world's ranks form it, under a new store prefix: those that stay switch
    layout, those that join build a trainer from the common state;
@@ -24,6 +25,7 @@ Transfers go through host memory over gloo, on GPU too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import time
 from datetime import timedelta
@@ -37,6 +39,7 @@ from megatron_ext.config.validate import resolve_dp, validate
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
 from megatron_ext.reshard.execute import execute, peak_bytes, rounds
 from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.reshard.live import Move, Preparation, ReshardReport, planner_model
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 
@@ -115,7 +118,7 @@ class Resize:
     cfg: Config  # the run's config, in the layout being left
     target: ParallelConfig
     common: dict  # Trainer.common_state() of the old world
-    budget_mb: float
+    move: Move  # the plan over the pool, made on pool rank 0
 
 
 def active_workers(cfg: Config, pool_size: int) -> int:
@@ -134,29 +137,47 @@ def check_resize(cfg: Config, target: ParallelConfig, pool: WorkerPool) -> None:
     validate(dataclasses.replace(cfg, parallel=target), pool.size)
 
 
-def resize(trainer, target: ParallelConfig, budget_mb: float):
-    """On the old world's ranks, at a step boundary: move the job to `target`. Returns the
-    ReshardReport; afterwards `trainer` is in the new world, or has `left` it."""
+def plan_resize(trainer, target: ParallelConfig, budget_mb: float) -> Move:
+    """Plan the move of `trainer`'s state to `target` over the whole pool."""
+    start = time.perf_counter()
+    pool, cfg = current_pool(), trainer.cfg
+    a, b = pool_layout(cfg, cfg.parallel, pool.size), pool_layout(cfg, target, pool.size)
+    transfer = plan(planner_model(trainer), a, b)
+    return Move(target, transfer, rounds(transfer, int(budget_mb * 2**20)), time.perf_counter() - start)
+
+
+def prepare_resize(trainer, target: ParallelConfig, budget_mb: float) -> Preparation:
+    """`plan_resize` in the background (on pool rank 0, the one that sends the plan), after
+    checking `target` here."""
+    check_resize(trainer.cfg, target, current_pool())
+    return Preparation(target, functools.partial(plan_resize, trainer, target, budget_mb))
+
+
+def resize(trainer, target: ParallelConfig, budget_mb: float, prepared: Optional[Preparation] = None):
+    """On the old world's ranks, at a step boundary: move the job to `target`. `prepared`
+    matters on pool rank 0 only. Returns the ReshardReport; afterwards `trainer` is in the new
+    world, or has `left` it."""
+    start = time.perf_counter()
     pool = current_pool()
     check_resize(trainer.cfg, target, pool)
-    command = pool.broadcast(Resize(trainer.cfg, target, trainer.common_state(), budget_mb))
-    return carry_out(pool, command, trainer)[1]
+    command = None
+    if pool.rank == 0:
+        move = prepared.move() if prepared is not None else plan_resize(trainer, target, budget_mb)
+        if move.target != target:
+            raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
+        command = Resize(trainer.cfg, target, trainer.common_state(), move)
+    return carry_out(pool, pool.broadcast(command), trainer, started=start)[1]
 
 
-def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=()):
+def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=(), started: Optional[float] = None):
     """Every pool rank's part of `command`. `trainer`: this rank's, if it is in the old world;
-    `plugins`: for a trainer built here when this rank joins. Returns (the trainer of this rank
-    in the new world or None, the ReshardReport)."""
-    from megatron_ext.reshard.live import ReshardReport
+    `plugins`: for a trainer built here when this rank joins; `started`: when the stall began
+    (default: now). Returns (the trainer of this rank in the new world or None, the
+    ReshardReport)."""
     from megatron_ext.training.trainer import Trainer
 
-    start = time.perf_counter()
-    cfg = command.cfg
-    model = dataclasses.replace(cfg.model, vocab_size=command.common["padded_vocab_size"])
-    a, b = pool_layout(cfg, cfg.parallel, pool.size), pool_layout(cfg, command.target, pool.size)
-    transfer = plan(model, a, b)
-    steps = rounds(transfer, int(command.budget_mb * 2**20))
-    planned = time.perf_counter()
+    start = time.perf_counter() if started is None else started
+    cfg, move = command.cfg, command.move
 
     source = None
     if trainer is not None:
@@ -165,7 +186,7 @@ def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=()):
         trainer.close()
         dist.destroy_process_group()
     target = None
-    if pool.form_world(b.active):
+    if pool.form_world(move.transfer.b.active):
         if trainer is None:
             trainer = Trainer(dataclasses.replace(cfg, parallel=command.target), list(plugins))
             trainer.setup(joining=command.common)
@@ -176,22 +197,22 @@ def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=()):
     elif trainer is not None:
         trainer.left, trainer = True, None
     staged = execute(
-        transfer,
-        steps,
+        move.transfer,
+        move.steps,
         source.read if source else _holds_nothing,
         target.write if target else _holds_nothing,
         channel=pool,
     )
     pool.group.barrier().wait()
     report = ReshardReport(
-        source=str(a),
-        target=str(b),
-        network_bytes=transfer.network_bytes,
-        rounds=len(steps),
-        peak_bound_bytes=max(peak_bytes(transfer, steps).values(), default=0),
+        source=str(move.transfer.a),
+        target=str(move.transfer.b),
+        network_bytes=move.transfer.network_bytes,
+        rounds=len(move.steps),
+        peak_bound_bytes=max(peak_bytes(move.transfer, move.steps).values(), default=0),
         peak_extra_bytes=staged,
-        prepare_seconds=planned - start,
-        stall_seconds=time.perf_counter() - planned,
+        prepare_seconds=move.seconds,
+        stall_seconds=time.perf_counter() - start,
     )
     return trainer, report
 

@@ -1,0 +1,267 @@
+"""Multi-adapter LoRA on megatron-core's tensor-parallel linears.
+
+`MultiLoraLinear` wraps one frozen `ColumnParallelLinear` / `RowParallelLinear` and adds, for
+the batch columns of each active adapter slot i, `alpha_i/r_i * dropout_i(x_i) A_i^T B_i^T`.
+The base runs once over the whole packed batch; only the low-rank path is per adapter.
+
+Sharding under tensor parallelism (each rank holds the slice below of the logical A [r, in]
+and B [out, r]):
+  - column-parallel base (linear_qkv, linear_fc1): the input is replicated, the output split.
+    A is replicated, B split by output rows like the base weight. dS sums over the TP ranks'
+    output shards: one all-reduce in backward (identity forward).
+  - row-parallel base (linear_proj, linear_fc2): the input is split, the output reduced.
+    A is split by input columns, B replicated; the partial S is all-reduced in forward (identity
+    backward) and the adapter output is added after the base's own reduction.
+Neither layout constrains the rank by the TP size. All slots of a layer share one collective.
+
+Each slot holds its own-rank A and B as separate parameters: every job gets its own optimizer
+state, and a finished job's slot takes the next job's tensors without touching the others.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from torch import nn
+
+from megatron_ext.lora import kernels
+from megatron_ext.lora.job import TARGET_MODULES, LoraJob
+
+# Where each target lives in a megatron TransformerLayer.
+TARGET_PARENTS = {
+    "linear_qkv": "self_attention",
+    "linear_proj": "self_attention",
+    "linear_fc1": "mlp",
+    "linear_fc2": "mlp",
+}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Batch columns [start, stop) of the packed micro-batch belong to adapter `slot`."""
+
+    slot: int
+    start: int
+    stop: int
+
+
+@dataclass
+class Routing:
+    """Which batch columns each slot owns in the current forward, shared by all LoRA layers of a
+    model. `generators`: a slot's dropout RNG (its own stream: packing never changes a job's
+    dropout masks)."""
+
+    segments: list[Segment] = field(default_factory=list)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    kernel: str = "auto"
+
+
+class SlotAdapter(nn.Module):
+    """One adapter's A and B on this TP rank, with its scaling and dropout."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: float) -> None:
+        super().__init__()
+        self.a = nn.Parameter(a)
+        self.b = nn.Parameter(b)
+        self.scaling = scaling
+        self.dropout = dropout
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+class MultiLoraLinear(nn.Module):
+    def __init__(self, base: nn.Module, target: str, layer_number: int, routing: Routing) -> None:
+        super().__init__()
+        if isinstance(base, ColumnParallelLinear):
+            self.column = True
+            self.in_features, self.out_features = base.input_size, base.output_size
+        elif isinstance(base, RowParallelLinear):
+            self.column = False
+            self.in_features, self.out_features = base.input_size, base.output_size
+        else:
+            raise TypeError(
+                f"lora: {target} is a {type(base).__name__}; only megatron's ColumnParallelLinear / "
+                f"RowParallelLinear are supported (use model.spec=local)"
+            )
+        if base.sequence_parallel:
+            raise ValueError("lora: sequence parallelism is not supported; set parallel.sequence_parallel=false")
+        self.base = base
+        self.target = target
+        self.layer_number = layer_number
+        self.routing = routing
+        self.glu = target == "linear_fc1" and base.config.gated_linear_unit
+        self.adapters = nn.ModuleDict()
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+
+    # --- slots --------------------------------------------------------------------------------
+
+    def install(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: float) -> None:
+        """Put the logical (unsharded) A [r, in] and B [out, r] into `slot`; this rank keeps its shard."""
+        if a.shape[1] != self.in_features or b.shape[0] != self.out_features or a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"lora {self.target} (layer {self.layer_number}): A {tuple(a.shape)} / B {tuple(b.shape)} "
+                f"do not fit in={self.in_features}, out={self.out_features}"
+            )
+        dtype, device = self.base.weight.dtype, self.base.weight.device
+        a_local, b_local = (a, self._shard_rows(b)) if self.column else (a.chunk(self.tp, dim=1)[self.tp_rank], b)
+        self.adapters[str(slot)] = SlotAdapter(
+            a_local.to(device, dtype).contiguous().clone(), b_local.to(device, dtype).contiguous().clone(), scaling, dropout
+        )
+
+    def remove(self, slot: int) -> None:
+        if str(slot) in self.adapters:
+            del self.adapters[str(slot)]
+
+    def slot(self, slot: int) -> Optional[SlotAdapter]:
+        return self.adapters[str(slot)] if str(slot) in self.adapters else None
+
+    def logical(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's whole A and B, gathered over TP (collective on the TP group)."""
+        adapter = self.adapters[str(slot)]
+        a, b = adapter.a.detach(), adapter.b.detach()
+        if self.tp == 1:
+            return a.clone(), b.clone()
+        if self.column:
+            return a.clone(), self._unshard_rows(_all_gather(b, dim=0))
+        return _all_gather(a, dim=1), b.clone()
+
+    def sharded(self, slot: int) -> dict[str, bool]:
+        """Which of the slot's tensors are split over TP (the rest are replicated)."""
+        return {"a": not self.column and self.tp > 1, "b": self.column and self.tp > 1}
+
+    def _shard_rows(self, b: torch.Tensor) -> torch.Tensor:
+        if not self.glu:
+            return b.chunk(self.tp, dim=0)[self.tp_rank]
+        # fc1's local output is [gate shard; up shard] of megatron's logical [gate; up].
+        gate, up = b.chunk(2, dim=0)
+        return torch.cat([gate.chunk(self.tp)[self.tp_rank], up.chunk(self.tp)[self.tp_rank]])
+
+    def _unshard_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        if not self.glu:
+            return gathered
+        shards = [s.chunk(2, dim=0) for s in gathered.chunk(self.tp, dim=0)]
+        return torch.cat([s[0] for s in shards] + [s[1] for s in shards])
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out, bias = self.base(x, *args, **kwargs)
+        segments = [s for s in self.routing.segments if str(s.slot) in self.adapters]
+        if not segments:
+            return out, bias
+        return out + self._lora(x, segments, out), bias
+
+    def _lora(self, x: torch.Tensor, segments: list[Segment], out: torch.Tensor) -> torch.Tensor:
+        """The low-rank delta for the whole [s, b, out] output (zero for columns of no slot)."""
+        seq = x.shape[0]
+        adapters = [self.adapters[str(s.slot)] for s in segments]
+        # Rows of a segment in [b, s] order: one adapter's samples are then contiguous rows.
+        xs = [self._dropped(x[:, s.start : s.stop], s.slot, a.dropout).transpose(0, 1).reshape(-1, x.shape[-1]) for s, a in zip(segments, adapters)]
+        kernel = kernels.select(x.device, self.routing.kernel)
+        ss = kernel.shrink(xs, [a.a for a in adapters])
+        ss = self._tp_shrink_collective(ss)
+        ys = kernel.expand(ss, [a.b for a in adapters], [a.scaling for a in adapters])
+        pieces, column = [], 0
+        for s, y in zip(segments, ys):
+            if s.start > column:
+                pieces.append(out.new_zeros(seq, s.start - column, out.shape[-1]))
+            pieces.append(y.reshape(s.stop - s.start, seq, -1).transpose(0, 1))
+            column = s.stop
+        if column < out.shape[1]:
+            pieces.append(out.new_zeros(seq, out.shape[1] - column, out.shape[-1]))
+        return torch.cat(pieces, dim=1)
+
+    def _tp_shrink_collective(self, ss: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.tp == 1:
+            return ss
+        flat = torch.cat([s.reshape(-1) for s in ss])
+        mapped = copy_to_tensor_model_parallel_region(flat) if self.column else reduce_from_tensor_model_parallel_region(flat)
+        return [piece.view_as(s) for piece, s in zip(mapped.split([s.numel() for s in ss]), ss)]
+
+    def _dropped(self, x: torch.Tensor, slot: int, p: float) -> torch.Tensor:
+        if p == 0.0 or not self.training:
+            return x
+        # The mask is drawn over the logical input and sliced, so it does not depend on TP.
+        shape = (*x.shape[:-1], self.in_features)
+        keep = torch.rand(shape, generator=self.routing.generators[slot], dtype=torch.float32) >= p
+        if not self.column:
+            keep = keep.chunk(self.tp, dim=-1)[self.tp_rank]
+        return x * keep.to(x.device, x.dtype) / (1.0 - p)
+
+
+def _all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+# --- whole models -----------------------------------------------------------------------------
+
+
+def attach_lora(model: nn.Module, routing: Routing) -> dict[tuple[int, str], MultiLoraLinear]:
+    """Wrap every adaptable linear of a megatron GPTModel (this pipeline stage) in a
+    MultiLoraLinear and freeze the base. Returns the wrappers by (global layer number, target)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrappers = {}
+    for layer in model.decoder.layers:
+        for target in TARGET_MODULES:
+            parent = getattr(layer, TARGET_PARENTS[target])
+            base = getattr(parent, target)
+            wrapper = MultiLoraLinear(base, target, layer.layer_number, routing)
+            setattr(parent, target, wrapper)
+            wrappers[(layer.layer_number, target)] = wrapper
+    return wrappers
+
+
+def init_adapter(job: LoraJob, layer_number: int, target: str, in_features: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A job's fresh logical A and B for one linear, drawn at the job's own rank from a generator
+    seeded by (job seed, layer, target): the same in every pack, slot and TP layout. A is
+    uniform(±1/sqrt(in)) (PEFT's default kaiming-uniform), B is zero."""
+    seed = (job.seed * 1_000_003 + layer_number * len(TARGET_MODULES) + TARGET_MODULES.index(target)) % (2**63)
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(in_features)
+    a = (torch.rand(job.rank, in_features, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+    return a, torch.zeros(out_features, job.rank, dtype=torch.float64)
+
+
+def install_job(wrappers: dict[tuple[int, str], MultiLoraLinear], slot: int, job: LoraJob, weights: Optional[dict] = None) -> list[nn.Parameter]:
+    """Install `job` into `slot` of every wrapper it targets, fresh or from `weights`
+    ({(layer, target): (A, B)} logical tensors). Returns the slot's parameters."""
+    params = []
+    for (layer_number, target), wrapper in wrappers.items():
+        wrapper.remove(slot)
+        if target not in job.target_modules:
+            continue
+        if weights is not None:
+            a, b = weights[(layer_number, target)]
+        else:
+            a, b = init_adapter(job, layer_number, target, wrapper.in_features, wrapper.out_features)
+        wrapper.install(slot, a, b, job.scaling, job.dropout)
+        adapter = wrapper.slot(slot)
+        params += [adapter.a, adapter.b]
+    return params
+
+
+def remove_job(wrappers: dict[tuple[int, str], MultiLoraLinear], slot: int) -> None:
+    for wrapper in wrappers.values():
+        wrapper.remove(slot)
+
+
+def logical_weights(wrappers: dict[tuple[int, str], MultiLoraLinear], slot: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The slot's logical A and B per (layer, target), gathered over TP."""
+    return {key: w.logical(slot) for key, w in wrappers.items() if w.slot(slot) is not None}

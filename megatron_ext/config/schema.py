@@ -30,6 +30,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
+    # Channels per attention head; None: hidden_size // num_attention_heads. Set when the two
+    # are decoupled (e.g. a submodel sliced from an elastic parent keeps the parent's head size).
+    head_dim: Optional[int] = None
     init_method_std: float = 0.02
     # Mixture of experts: None means dense MLPs in every layer.
     num_experts: Optional[int] = None
@@ -45,7 +48,22 @@ class ModelConfig:
     # fp32 | bf16 | fp16. CPU runs are fp32.
     precision: str = "fp32"
     # Layer implementation: auto (Transformer Engine when installed and on CUDA) | local | te.
+    # For arch=hybrid, auto uses megatron's MambaMixer kernels when mamba_ssm is installed on
+    # CUDA, local always the pure-PyTorch mixer.
     spec: str = "auto"
+    # gpt: the LLaMA-style decoder above. hybrid: megatron's MambaModel with `hybrid_pattern`.
+    arch: str = "gpt"
+    # Hybrid layers, one symbol each (megatron's hybrid_override_pattern): M Mamba2,
+    # * attention, - MLP, E MoE (needs num_experts). Its length must equal num_layers.
+    hybrid_pattern: Optional[str] = None
+    # Mamba2 mixer sizes (hybrid): heads of mamba_head_dim channels in mamba_num_groups groups
+    # that share B/C of size mamba_state_dim. None heads: 2 * hidden_size / mamba_head_dim.
+    mamba_num_heads: Optional[int] = None
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_state_dim: int = 128
+    # Tokens per chunk of the chunked SSD scan.
+    mamba_chunk_size: int = 64
 
 
 @dataclass

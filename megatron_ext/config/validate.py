@@ -135,7 +135,7 @@ def query_groups_fit(cfg: Config, world: int, device: str) -> list[str]:
 
 def hidden_divisible_by_heads(cfg: Config, world: int, device: str) -> Optional[str]:
     hidden, heads = cfg.model.hidden_size, cfg.model.num_attention_heads
-    if hidden % heads:
+    if hidden % heads and cfg.model.head_dim is None:
         return (
             f"model.hidden_size ({hidden}) must be divisible by "
             f"model.num_attention_heads ({heads})"

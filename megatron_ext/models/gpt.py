@@ -45,7 +45,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
-        kv_channels=model.hidden_size // model.num_attention_heads,
+        kv_channels=model.head_dim or model.hidden_size // model.num_attention_heads,
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=True,

@@ -35,6 +35,7 @@ ARCHITECTURE = (
     "tie_embeddings",
     "rotary_base",
     "norm_epsilon",
+    "head_dim",
 )
 
 

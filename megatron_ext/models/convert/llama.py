@@ -40,7 +40,7 @@ _LAYER_COPIES = {ATTN_NORM: HF_ATTN_NORM, PROJ: HF_O, MLP_NORM: HF_MLP_NORM, FC2
 
 
 def head_dim(cfg: ModelConfig) -> int:
-    return cfg.hidden_size // cfg.num_attention_heads
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
 def query_groups(cfg: ModelConfig) -> int:
@@ -241,7 +241,6 @@ def model_config_from_hf(
     _require(hf_config, "attention_bias", lambda v: not v, False)
     _require(hf_config, "mlp_bias", lambda v: not v, False)
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    _require(hf_config, "head_dim", lambda v: v in (None, hidden // heads), None)
     return ModelConfig(
         name=name or hf_config.get("_name_or_path") or "llama",
         num_layers=hf_config["num_hidden_layers"],
@@ -254,6 +253,7 @@ def model_config_from_hf(
         tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         rotary_base=rope_theta(hf_config),
         norm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        head_dim=hf_config["head_dim"] if hf_config.get("head_dim") not in (None, hidden // heads) else None,
     )
 
 

@@ -1,0 +1,281 @@
+"""Width axes: the unit of elasticity. Every other part of `megatron_ext.elastic` works on axes.
+
+An axis is one width dimension of the parent model with a size that can shrink: the embedding
+channels (one global axis, "hidden"), the attention heads of one layer ("heads/3"), the FFN
+neurons of one layer ("ffn/3"); the hybrid model adds Mamba heads and head channels, MoE experts
+and expert FFN width (`mamba_axes.py`, `moe_axes.py`). An axis knows
+
+  * which tensors it cuts, and along which dimension (slicing rules on elastic modules,
+    `modules.py`), and which module attributes follow its size (e.g. megatron's
+    `num_attention_heads_per_partition`);
+  * how to score its units from a calibration forward (`observe()` installs hooks that
+    accumulate `score`);
+  * how to reorder its units once, function-preservingly, so that rank order equals index
+    order (`permute(order)`); every submodel is then a prefix (per group where the axis is
+    grouped: heads inside each query group, Mamba heads inside each Mamba group);
+  * how many parameters the tensors it owns hold at given sizes (`params(sizes)`, differentiable
+    in the sizes, so a router's expected cost has a gradient; `active_params` for MoE).
+
+Interface for a new axis (subclass `Axis`):
+
+    kind: str                   # "hidden", "heads", "ffn", "mamba_heads", "moe_experts", ...
+    layer: int | None           # global layer index (0-based); None for model-wide axes
+    full: int                   # the parent's size (global, i.e. over all TP ranks)
+    quantum: int                # sizes must be multiples of it (e.g. query groups for heads)
+    groups: int                 # units are ranked within `groups` equal contiguous blocks
+    attach()                    # add slicing rules / nothing else; called once
+    resize(size)                # set module attributes that follow the size (rules read `active`)
+    observe() -> list[handle]   # forward hooks adding per-unit importance into `self.score`
+    permute(order)              # reorder the parent's tensors in place (order: LongTensor[full])
+    params(sizes) -> number     # parameters of the tensors this axis owns (each tensor is owned
+                                #   by exactly one axis: the one that says so in its docstring)
+    active_params(sizes)        # the same, counting only what one token uses (MoE); default params
+    export_fields(size) -> dict # the model-config fields this axis sets in an exported submodel
+
+`sizes` maps axis names (`axis.name`) to sizes (ints or 0-d tensors). A model's axes come from
+`discover(model)`: the model-wide hidden axis plus, for each decoder layer, what the first
+registered layer adapter that recognises it returns (`register_layer_adapter`): the axes of that
+layer and the tensors in it that read or write the residual stream (`Touch`es of the hidden
+axis). The dense adapter (attention + SwiGLU MLP) lives in `dense_axes.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_ext.elastic.modules import SliceRule, add_rule, full_tensor
+
+Size = Union[int, torch.Tensor]
+
+
+class Axis:
+    kind: str = ""
+    layer: Optional[int] = None
+    full: int = 0
+    quantum: int = 1
+    groups: int = 1
+
+    def __init__(self) -> None:
+        self.active = self.full
+        self.score = torch.zeros(self.full, dtype=torch.float64)
+        # A 0-d tensor equal to 1.0 set by the router for the step (gradient path), or None.
+        self.gate: Optional[torch.Tensor] = None
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.layer is None else f"{self.kind}/{self.layer}"
+
+    # --- sizes -------------------------------------------------------------------------------
+
+    def check(self, size: int) -> None:
+        if not 0 < size <= self.full or size % self.quantum:
+            raise ValueError(
+                f"elastic axis {self.name}: size {size} is not a multiple of {self.quantum} "
+                f"in (0, {self.full}]"
+            )
+
+    def activate(self, size: int) -> None:
+        self.check(size)
+        self.active = size
+        self.resize(size)
+
+    def cut(self) -> Optional[int]:
+        """The prefix rule: None at the full size (the parent's own tensor is read)."""
+        return None if self.active == self.full else self.active
+
+    def gate_value(self) -> Optional[torch.Tensor]:
+        return self.gate
+
+    # --- to implement --------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        raise NotImplementedError
+
+    def resize(self, size: int) -> None:
+        pass
+
+    def observe(self) -> list:
+        raise NotImplementedError
+
+    def permute(self, order: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def params(self, sizes: Mapping[str, Size]) -> Size:
+        raise NotImplementedError
+
+    def active_params(self, sizes: Mapping[str, Size]) -> Size:
+        return self.params(sizes)
+
+    def export_fields(self, size: int) -> dict:
+        return {}
+
+    # --- ranking -----------------------------------------------------------------------------
+
+    def order(self) -> torch.Tensor:
+        """Units by falling importance, ranked within each of `groups` blocks (a stable sort:
+        ties keep their index order, so a unit-free score is the identity)."""
+        per = self.full // self.groups
+        blocks = self.score.view(self.groups, per)
+        within = torch.sort(-blocks, dim=1, stable=True).indices
+        return (within + torch.arange(self.groups).unsqueeze(1) * per).reshape(-1)
+
+
+@dataclass
+class Touch:
+    """A tensor that reads or writes the residual stream: the hidden axis cuts `dim` of it;
+    `resize(module, size)` updates the module's size attributes with it."""
+
+    module: nn.Module
+    param: str
+    dim: int
+    resize: Optional[Callable[[nn.Module, int], None]] = None
+    # The hidden axis counts this tensor's parameters (False where another axis owns it).
+    owned: bool = False
+
+
+@dataclass
+class LayerAxes:
+    axes: list[Axis]
+    hidden: list[Touch]
+    # Modules whose output is a normalized copy of the residual stream: the hidden axis's
+    # importance is the magnitude of their outputs per channel.
+    norms: list[nn.Module] = field(default_factory=list)
+
+
+def permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+    """Reorder `tensor` along `dim` in place (the Parameter object, its grad-buffer view and
+    the optimizer's reference to it stay the same)."""
+    with torch.no_grad():
+        tensor.copy_(tensor.index_select(dim, index.to(tensor.device)))
+
+
+def resize_norm(norm: nn.Module, size: int) -> None:
+    norm.normalized_shape = (size,)
+
+
+class HiddenAxis(Axis):
+    """The embedding channels (d_e): one size for the embedding, every layer's norms and
+    residual-stream projections, the final norm and the output layer. Owns the word embedding,
+    the output layer (when untied) and every norm weight it touches."""
+
+    kind = "hidden"
+
+    def __init__(self, full: int, touches: list[Touch], norms: list[nn.Module], vocab: int, tied: bool) -> None:
+        self.full = full
+        super().__init__()
+        self.touches, self.norms, self.vocab, self.tied = touches, norms, vocab, tied
+
+    def attach(self) -> None:
+        for i, t in enumerate(self.touches):
+            gated = i == len(self.touches) - 1  # one gate per axis is enough for a gradient
+            add_rule(t.module, t.param, SliceRule(t.dim, self.cut, self.gate_value if gated else None))
+
+    def resize(self, size: int) -> None:
+        for t in self.touches:
+            if t.resize is not None:
+                t.resize(t.module, size)
+
+    def observe(self) -> list:
+        def hook(module, inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            self.score[: out.shape[-1]] += out.detach().abs().double().reshape(-1, out.shape[-1]).sum(0).cpu()
+
+        return [n.register_forward_hook(hook) for n in self.norms]
+
+    def permute(self, order: torch.Tensor) -> None:
+        seen = set()
+        for t in self.touches:
+            tensor = full_tensor(t.module, t.param)
+            if id(tensor) in seen:  # a tied weight listed twice
+                continue
+            seen.add(id(tensor))
+            permute_(tensor, t.dim, order)
+
+    def params(self, sizes: Mapping[str, Size]) -> Size:
+        h = sizes[self.name]
+        owned = sum(
+            full_tensor(t.module, t.param).numel() // full_tensor(t.module, t.param).shape[t.dim]
+            for t in self.touches
+            if t.owned
+        )
+        return h * owned
+
+    def export_fields(self, size: int) -> dict:
+        return {"hidden_size": size}
+
+
+# --- discovery ------------------------------------------------------------------------------
+
+LayerAdapter = Callable[[nn.Module], Optional[LayerAxes]]
+_LAYER_ADAPTERS: list[LayerAdapter] = []
+
+
+def register_layer_adapter(adapter: LayerAdapter) -> LayerAdapter:
+    """Register a function that returns the `LayerAxes` of a decoder layer it recognises (or
+    None). Later registrations are tried first, so a specialised adapter can take over."""
+    _LAYER_ADAPTERS.insert(0, adapter)
+    return adapter
+
+
+def _layer_axes(layer: nn.Module) -> LayerAxes:
+    import megatron_ext.elastic.dense_axes  # noqa: F401  (registers the dense adapter)
+
+    for adapter in _LAYER_ADAPTERS:
+        found = adapter(layer)
+        if found is not None:
+            return found
+    raise ValueError(f"elastic: no axis adapter recognises the decoder layer {type(layer).__name__}")
+
+
+def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
+    """The embedding, the final norm and the output layer of a megatron LanguageModule."""
+    touches, norms = [], []
+    output = getattr(model, "output_layer", None) if getattr(model, "post_process", True) else None
+
+    def resize_output(_: nn.Module, size: int) -> None:
+        # ColumnParallelLinear checks a passed-in (tied) weight against `input_size`.
+        output.input_size = size
+
+    tied_output = output is not None and output.weight is None
+    if getattr(model, "pre_process", True):
+        touches.append(
+            Touch(model.embedding.word_embeddings, "weight", 1, resize_output if tied_output else None, owned=True)
+        )
+    final = getattr(model.decoder, "final_layernorm", None) or getattr(model.decoder, "final_norm", None)
+    if final is not None:
+        touches.append(Touch(final, "weight", 0, resize_norm, owned=True))
+        norms.append(final)
+    if output is not None and not tied_output:
+        touches.append(Touch(output, "weight", 1, resize_output, owned=True))
+    return touches, norms
+
+
+def discover(model: nn.Module) -> list[Axis]:
+    """Every axis of an (unwrapped) megatron GPTModel / MambaModel, hidden first, attached:
+    reads of the touched tensors now follow the axes' active sizes (all full)."""
+    touches, norms = _model_touches(model)
+    per_layer: list[Axis] = []
+    for layer in model.decoder.layers:
+        found = _layer_axes(layer)
+        per_layer += found.axes
+        touches += found.hidden
+        norms += found.norms
+    vocab = model.embedding.word_embeddings.weight.shape[0] if hasattr(model, "embedding") else 0
+    hidden = HiddenAxis(model.config.hidden_size, touches, norms, vocab, model.share_embeddings_and_output_weights)
+    axes = [hidden] + per_layer
+    for axis in axes:
+        axis.attach()
+    return axes
+
+
+def reduce_scores(axes: list[Axis], group=None) -> None:
+    """Sum calibration scores over the data-parallel replicas, so every replica permutes alike."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    for axis in axes:
+        dist.all_reduce(axis.score, group=group)

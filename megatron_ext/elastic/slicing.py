@@ -1,0 +1,154 @@
+"""Zero-shot export: any trained budget of an elastic model as a standalone model, and the one
+nested checkpoint that holds every budget.
+
+A submodel is the parent's tensors cut by the axes at its sizes (`sliced_state_dict`) loaded
+into a plain megatron GPTModel built from the parent's config with the submodel's sizes. No
+training, no calibration: the cut is a prefix (per group for heads) of the reordered parent.
+
+The nested checkpoint stores the reordered parent once (every budget is a prefix of it) plus the
+sizes of each trained budget: `model.safetensors` (megatron's tensor names) and `elastic.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from megatron_ext.config.schema import ModelConfig
+from megatron_ext.elastic.axes import Size
+from megatron_ext.elastic.space import ElasticSpace
+
+NESTED_MANIFEST = "elastic.json"
+NESTED_WEIGHTS = "model.safetensors"
+
+
+@torch.no_grad()
+def sliced_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as the submodel at the axes' active sizes holds it (copies)."""
+    state = model.state_dict()
+    for prefix, module in model.named_modules():
+        for name in module.__dict__.get("_elastic_rules", {}):
+            key = f"{prefix}.{name}" if prefix else name
+            if key in state:
+                state[key] = getattr(module, name).detach().clone()
+    return state
+
+
+def parent_head_dim(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def submodel_config(parent: ModelConfig, space: ElasticSpace, sizes: Mapping[str, Size], tag: str = "") -> ModelConfig:
+    """The parent's config with the submodel's sizes; the head size stays the parent's."""
+    fields = space.export_fields(sizes)
+    name = f"{parent.name}-{tag}" if tag else parent.name
+    return dataclasses.replace(parent, **fields, head_dim=parent_head_dim(parent), name=name, pretrained=None)
+
+
+def export_submodel(
+    model: nn.Module, parent: ModelConfig, space: ElasticSpace, sizes: Mapping[str, Size], padded_vocab: int, tag: str = ""
+) -> tuple[nn.Module, ModelConfig]:
+    """A standalone GPTModel (TP=1, PP=1, in this process) equal to `model` at `sizes`."""
+    from megatron_ext.models.convert.world import build_model
+
+    cfg = submodel_config(parent, space, sizes, tag)
+    space.clear_gates()
+    with space.at(sizes):
+        state = sliced_state_dict(model)
+    (sub,) = build_model(cfg, padded_vocab)
+    sub.load_state_dict(state, strict=True)
+    return sub, cfg
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+def save_megatron(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, padded_vocab: int) -> Path:
+    """A model-only megatron dist checkpoint (iteration 0), usable as `model.pretrained`."""
+    from megatron_ext.models.convert.checkpoint import common_state
+    from megatron_ext.training import checkpoint as ckpt
+
+    ckpt.save_checkpoint(str(out), 0, [sub], None, common_state(cfg, padded_vocab, 1, 1, {}))
+    return Path(out)
+
+
+def load_megatron(path: str | os.PathLike) -> tuple[nn.Module, ModelConfig]:
+    """A checkpoint written by `save_megatron`, rebuilt from its own config (TP=1, PP=1)."""
+    from megatron_ext.models.convert.world import build_model
+    from megatron_ext.models.pretrained import source_config
+    from megatron_ext.training import checkpoint as ckpt
+
+    cfg = source_config(str(path))
+    iteration = ckpt.latest_iteration(str(path))
+    padded = ckpt.load_common(str(path), iteration)["padded_vocab_size"]
+    (sub,) = build_model(cfg, padded)
+    ckpt.load_checkpoint(str(path), iteration, [sub], None, load_rng=False)
+    return sub, cfg
+
+
+def save_hf(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, vocab_size: int) -> Path:
+    """A Hugging Face LlamaForCausalLM folder of a dense submodel."""
+    from megatron_ext.models.convert.hf import write_hf
+    from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+    from megatron_ext.models.convert.load import gather_logical
+
+    tensors = logical_to_hf(gather_logical([sub]), cfg, vocab_size)
+    return write_hf(out, tensors, hf_config_from_model(cfg, vocab_size))
+
+
+def save_nested(
+    out: str | os.PathLike,
+    model: nn.Module,
+    parent: ModelConfig,
+    padded_vocab: int,
+    budgets: Mapping[str, Mapping[str, int]],
+    extra: Optional[dict] = None,
+) -> Path:
+    """One checkpoint for every budget: the reordered parent's tensors and each budget's sizes."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    save_file(state, str(out / NESTED_WEIGHTS))
+    manifest = {
+        "model": dataclasses.asdict(parent),
+        "padded_vocab_size": padded_vocab,
+        "budgets": {k: dict(v) for k, v in budgets.items()},
+        **(extra or {}),
+    }
+    (out / NESTED_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def load_nested(path: str | os.PathLike) -> tuple[nn.Module, ElasticSpace, ModelConfig, dict]:
+    """The elastic parent of a nested checkpoint: (model, space, config, manifest)."""
+    from megatron_ext.models.convert.world import build_model
+
+    manifest = json.loads(Path(path, NESTED_MANIFEST).read_text())
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in manifest["model"].items() if k in known})
+    (model,) = build_model(cfg, manifest["padded_vocab_size"])
+    result = model.load_state_dict(load_file(str(Path(path, NESTED_WEIGHTS))), strict=False)
+    # Only megatron's non-tensor `_extra_state` entries are not stored.
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{path}: tensors do not match the model: missing {missing}, unexpected {result.unexpected_keys}")
+    return model, ElasticSpace(model), cfg, manifest
+
+
+def slice_nested(path: str | os.PathLike, budget: str) -> tuple[nn.Module, ModelConfig]:
+    """The standalone submodel of one budget of a nested checkpoint."""
+    model, space, cfg, manifest = load_nested(path)
+    if budget not in manifest["budgets"]:
+        raise KeyError(f"{path}: no budget {budget!r}; it has {sorted(manifest['budgets'])}")
+    return export_submodel(model, cfg, space, manifest["budgets"][budget], manifest["padded_vocab_size"], budget)

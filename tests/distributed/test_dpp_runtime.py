@@ -1,0 +1,249 @@
+"""A DPP step equals a single-process reference step on the same global batch.
+
+Workers run one step of a hand-made plan (split slices, a hybrid chunk, packed chunks, one or
+two 1F1B groups, per-stage per-chunk recompute) with the DPP runtime on megatron's GPT model,
+DDP and p2p, and save every gradient (by global layer) and the step's loss. The reference is
+the trainer's model on one process, with megatron's own attention, each sequence forwarded
+whole; its summed token losses over the token count, one backward.
+
+The default run is PP=2 (recompute off and on, one and two groups); PP=3, PP=4 and PP=2 x DP=2
+are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.config.store import MODEL_PRESETS
+from megatron_ext.dpp.plan import Chunk, Group, Op, Segment as S, StepPlan
+
+VOCAB = 256
+# GQA (8 heads, 2 KV groups), untied output layer.
+MODEL = dataclasses.replace(MODEL_PRESETS["llama_tiny_gqa"], vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=96)
+# Sequence lengths of the global batch (positions; each document has one token more).
+LENGTHS = (37, 9, 14, 6, 5, 3, 11)
+# Chunks in forward order: sequence 0 in three slices, its tail packed with sequence 5
+# (hybrid); sequence 2 in two slices, its tail packed with sequence 4; sequences 1, 3 packed;
+# sequence 6 alone.
+CHUNKS = (
+    Chunk(0, "split", (S(0, 0, 14),)),
+    Chunk(1, "split", (S(0, 14, 12),)),
+    Chunk(2, "hybrid", (S(0, 26, 11), S(5, 0, 3))),
+    Chunk(3, "split", (S(2, 0, 8),)),
+    Chunk(4, "hybrid", (S(2, 8, 6), S(4, 0, 5))),
+    Chunk(5, "packed", (S(1, 0, 9), S(3, 0, 6))),
+    Chunk(6, "packed", (S(6, 0, 11),)),
+)
+UNITS = ((0, 1, 2), (3, 4), (5,), (6,))  # chunks chained by shared sequences
+
+
+def one_f_one_b(units, pp: int, recompute) -> Group:
+    """Non-interleaved 1F1B: forwards in unit order, backwards unit by unit with slices
+    reversed; stage s runs a backward once it is forwarded there and pp - 1 - s more are."""
+    fwd = [c for u in units for c in u]
+    bwd = [c for u in units for c in reversed(u)]
+    stages = []
+    for s in range(pp):
+        ops, f, done = [], 0, set()
+        for b in bwd:
+            while f < len(fwd) and (b not in done or f - len([o for o in ops if o.kind == "B"]) <= pp - 1 - s):
+                ops.append(Op("F", fwd[f], recompute(s, fwd[f])))
+                done.add(fwd[f])
+                f += 1
+            ops.append(Op("B", b))
+        stages.append(tuple(ops))
+    return Group(tuple(stages))
+
+
+def layers_per_stage(pp: int) -> int:
+    return 2
+
+
+def make_plan(pp: int, recompute: bool, groups: int) -> StepPlan:
+    def count(stage, chunk):
+        return (chunk + stage) % (layers_per_stage(pp) + 1) if recompute else 0
+
+    parts = [UNITS] if groups == 1 else [UNITS[:2], UNITS[2:]]
+    return StepPlan(pp, LENGTHS, CHUNKS, tuple(one_f_one_b(p, pp, count) for p in parts))
+
+
+def documents() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (n + 1,), generator=g) for n in LENGTHS]
+
+
+def model_config(pp: int):
+    return dataclasses.replace(MODEL, num_layers=layers_per_stage(pp) * pp)
+
+
+# (name, world size, pp, recompute, groups)
+CASES = [
+    ("pp2", 2, 2, False, 1),
+    ("pp2_recompute_two_groups", 2, 2, True, 2),
+    ("pp3_recompute", 3, 3, True, 1),
+    ("pp4_recompute_two_groups", 4, 4, True, 2),
+    ("pp4", 4, 4, False, 1),
+    ("pp2_dp2_recompute", 4, 2, True, 1),
+]
+SLOW_WORLDS = (3, 4)
+
+
+# --- the worker: one rank of a torchrun world ------------------------------------------------
+
+
+def global_grads(model_chunks) -> dict[str, torch.Tensor]:
+    """Every gradient this rank holds, keyed by its name in a one-stage model (megatron's global
+    layer number replaces the stage-local index)."""
+    from megatron.core.utils import unwrap_model
+
+    grads = {}
+    for chunk in model_chunks:
+        model = unwrap_model(chunk)
+        for name, param in model.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+            grads[".".join(parts)] = param.main_grad.detach().clone()
+    return grads
+
+
+def worker(out_dir: str, world: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext.config.schema import Config, ParallelConfig
+    from megatron_ext.dpp.batch import dp_share
+    from megatron_ext.dpp.plugin import DppPlugin
+    from megatron_ext.dpp.runtime import PlannedBatch, validate_plan
+    from megatron_ext.platform.launch import join_world
+    from megatron_ext.training.step import forward_step, reduce_loss
+    from megatron_ext.training.trainer import Trainer
+
+    join_world("cpu")
+    docs = documents()
+    for name, case_world, pp, recompute, groups in CASES:
+        if case_world != world:
+            continue
+        plugin = DppPlugin()
+        trainer = Trainer(Config(model=model_config(pp), parallel=ParallelConfig(pp=pp)), [plugin])
+        trainer._init_layout()
+        trainer.vocab_size = VOCAB
+        trainer.model = trainer._build_model(load_pretrained=False)
+        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        mine = dp_share(LENGTHS, dp, dp_rank) if dp > 1 else list(range(len(LENGTHS)))
+        plan = make_plan(pp, recompute, groups) if dp == 1 else share_plan(mine, pp, recompute)
+        validate_plan(plan, [layers_per_stage(pp)] * pp)
+        losses = plugin.step(PlannedBatch(plan, tuple(docs[i] for i in mine)), forward_step, trainer.model)
+        loss = reduce_loss(losses)
+        torch.save({"grads": global_grads(trainer.model), "loss": loss}, Path(out_dir, f"{name}_rank{dist.get_rank()}.pt"))
+        trainer.close()
+    dist.destroy_process_group()
+
+
+def share_plan(mine: list[int], pp: int, recompute: bool) -> StepPlan:
+    """A plan for a replica's share: each of its sequences whole, in its own chunk, except the
+    longest, split in two (its tail packed with the shortest, when there are three or more)."""
+    lengths = tuple(LENGTHS[i] for i in mine)
+    order = sorted(range(len(mine)), key=lambda i: -lengths[i])
+    longest, rest = order[0], order[1:]
+    half = lengths[longest] // 2
+    chunks = [Chunk(0, "split", (S(longest, 0, half),))]
+    tail = (S(longest, half, lengths[longest] - half),)
+    if len(rest) >= 2:
+        shortest = rest.pop()
+        tail += (S(shortest, 0, lengths[shortest]),)
+    chunks.append(Chunk(1, "hybrid" if len(tail) > 1 else "split", tail))
+    chunks += [Chunk(len(chunks) + j, "packed", (S(i, 0, lengths[i]),)) for j, i in enumerate(rest)]
+    units = [(0, 1)] + [(c.id,) for c in chunks[2:]]
+
+    def count(stage, chunk):
+        return (chunk + stage) % (layers_per_stage(pp) + 1) if recompute else 0
+
+    return StepPlan(pp, lengths, tuple(chunks), (one_f_one_b(units, pp, count),))
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))
+
+
+# --- the test --------------------------------------------------------------------------------
+
+
+def reference(pp: int) -> tuple[dict[str, torch.Tensor], float]:
+    """Gradients and loss of the whole batch on one process with megatron's own attention."""
+    import torch.distributed as dist
+
+    from megatron.core.utils import unwrap_model
+
+    from megatron_ext.config.schema import Config
+    from megatron_ext.dpp.batch import chunk_inputs
+    from megatron_ext.platform.launch import join_world
+    from megatron_ext.training.trainer import Trainer
+
+    join_world("cpu")
+    try:
+        trainer = Trainer(Config(model=model_config(pp)))
+        trainer._init_layout()
+        trainer.vocab_size = VOCAB
+        trainer.model = trainer._build_model(load_pretrained=False)
+        model = trainer.model[0]
+        docs, total, tokens = documents(), 0.0, sum(LENGTHS)
+        for i, n in enumerate(LENGTHS):
+            batch = chunk_inputs(Chunk(0, "packed", (S(i, 0, n),)), docs)
+            loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+            loss.backward()
+            total += loss.item()
+        grads = {name: p.main_grad.detach().clone() / tokens for name, p in unwrap_model(model).named_parameters()}
+        trainer.close()
+        return grads, total / tokens
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from _torchrun import torchrun
+
+    out = tmp_path_factory.mktemp("dpp_runtime")
+    return out, torchrun
+
+
+def _launch(runs, world: int) -> Path:
+    out, torchrun = runs
+    marker = out / f"world{world}.done"
+    if not marker.exists():
+        torchrun(__file__, world, str(out), str(world))
+        marker.touch()
+    return out
+
+
+def _check(out: Path, name: str, world: int, pp: int) -> None:
+    ref_grads, ref_loss = reference(pp)
+    seen = set()
+    for rank in range(world):
+        got = torch.load(out / f"{name}_rank{rank}.pt")
+        if got["loss"] is not None:
+            assert got["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        for key, grad in got["grads"].items():
+            torch.testing.assert_close(grad, ref_grads[key], rtol=1e-5, atol=1e-6, msg=f"{name}: grad of {key}")
+            seen.add(key)
+    assert seen == set(ref_grads), f"{name}: parameters without a checked gradient: {set(ref_grads) - seen}"
+
+
+def _params(world_filter):
+    return [
+        pytest.param(name, world, pp, marks=[pytest.mark.slow] if world in SLOW_WORLDS else [], id=name)
+        for name, world, pp, _, _ in CASES
+        if world_filter(world)
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,world,pp", _params(lambda w: True))
+def test_dpp_step_equals_single_process_reference(runs, name, world, pp):
+    _check(_launch(runs, world), name, world, pp)

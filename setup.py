@@ -34,7 +34,11 @@ setup(
             "hydra-submitit-launcher>=1.2",
             "transformers>=4.45",
             "accelerate",
+            # The LoRA planner's exact solver, checked against brute force.
+            "ortools>=9.10",
         ],
+        # The LoRA planner's exact solver (CP-SAT); without it small sweeps use brute force.
+        "lora": ["ortools>=9.10"],
         "slurm": ["hydra-submitit-launcher>=1.2", "submitit"],
         # scripts/bench/: the PNG plots.
         "bench": ["matplotlib"],

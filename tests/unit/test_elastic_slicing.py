@@ -20,6 +20,7 @@ from megatron_ext.platform.launch import join_world
 PARENT = ModelConfig(
     name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
     num_query_groups=2, seq_length=32, vocab_size=100, tie_embeddings=True, spec="local",
+    init_method_std=0.3,  # peaked output distributions: a teacher worth distilling from
 )
 PADDED = 128
 BUDGETS = {
@@ -77,7 +78,9 @@ def test_reorder_keeps_the_parents_logits(elastic):
     model, space, before = elastic
     moved = [a.name for a in space.axes if not torch.equal(a.order(), torch.arange(a.full))]
     assert moved, "calibration ranked nothing out of index order: the check would be vacuous"
-    assert torch.allclose(logits(model), before, atol=1e-5, rtol=0)
+    # Permuted channels reassociate fp32 sums: equal up to rounding at the logits' own scale.
+    scale = before.abs().max().item()
+    torch.testing.assert_close(logits(model), before, atol=1e-5 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))

@@ -1,0 +1,174 @@
+"""Curriculum distillation of the nested submodels from the frozen parent.
+
+Every micro-batch draws one budget (stage 1: uniform over the budgets; stage 2: skewed toward
+the full model, e.g. 0.5 / 0.3 / 0.2 from largest to smallest), the router picks that budget's
+sizes, the student runs at them and learns the teacher's distribution: forward KL(teacher ||
+student) at temperature T (times T^2), optionally plus `ce_weight` times the next-token loss.
+The draw depends only on (seed, step, global micro-batch index), so any data-parallel layout
+draws the same budgets for the same samples.
+
+`Distiller.forward_step` has megatron's `forward_step(data_iterator, model)` contract, so the
+Trainer runs it through megatron's own schedules (the `elastic` plugin), and `train_plain` runs
+the same step on one process without megatron's DDP (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, apply_choice, cost_gap_loss, cost_of
+from megatron_ext.elastic.space import ElasticSpace
+from megatron_ext.training.step import loss_func
+
+
+@dataclass
+class CurriculumConfig:
+    # Fractions of the parent's cost, largest first.
+    budgets: list[float] = field(default_factory=lambda: [1.0, 0.75, 0.5])
+    # Steps of stage 1 (uniform budget draws); stage 2 draws with `skew` after them.
+    uniform_steps: int = 50
+    # Stage-2 probabilities in the order of `budgets` (None: uniform throughout).
+    skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    seed: int = 0
+
+
+def budget_probabilities(cfg: CurriculumConfig, step: int) -> list[float]:
+    if step < cfg.uniform_steps or cfg.skew is None:
+        return [1.0 / len(cfg.budgets)] * len(cfg.budgets)
+    return list(cfg.skew)
+
+
+def draw_generator(seed: int, step: int, micro_batch: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{step}/{micro_batch}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def draw_budget(cfg: CurriculumConfig, step: int, generator: torch.Generator) -> int:
+    probs = torch.tensor(budget_probabilities(cfg, step))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def kd_per_token(student: torch.Tensor, teacher: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
+    """KL(teacher || student) per token ([b, s, V] logits -> [b, s]), over the real vocabulary."""
+    s = F.log_softmax(student[..., :vocab].float() / temperature, dim=-1)
+    t = F.log_softmax(teacher[..., :vocab].float() / temperature, dim=-1)
+    return (t.exp() * (t - s)).sum(-1) * temperature**2
+
+
+class Distiller:
+    def __init__(
+        self,
+        space: ElasticSpace,
+        teacher: nn.Module,
+        router: BudgetRouter,
+        curriculum: CurriculumConfig,
+        vocab: int,
+        micro_batch_index: Callable[[int], int] = lambda m: m,
+    ) -> None:
+        self.space, self.teacher, self.router, self.cfg, self.vocab = space, teacher, router, curriculum, vocab
+        self.full_cost = float(cost_of(space, space.full(), router.cfg.cost))
+        # Global index of the m-th micro-batch of this rank within a step (data parallelism).
+        self.micro_batch_index = micro_batch_index
+        self.step = 0
+        self._micro = 0
+        self.drawn: list[int] = []
+        self._expected_gap = ExpectedGap(space, router) if ExpectedGap.fits(router) else None
+
+    def begin_step(self, step: int) -> None:
+        self.step, self._micro, self.drawn = step, 0, []
+
+    def choose(self) -> tuple[int, Choice]:
+        g = draw_generator(self.cfg.seed, self.step, self.micro_batch_index(self._micro))
+        self._micro += 1
+        budget = draw_budget(self.cfg, self.step, g)
+        choice = self.router.sample(budget, self.step, g)
+        self.drawn.append(budget)
+        return budget, choice
+
+    def forward_step(self, data_iterator, model):
+        """Megatron's forward_step contract: (per-token loss [b, s], loss_func)."""
+        batch = next(data_iterator)
+        _, choice = self.choose()
+        apply_choice(self.space, choice)
+        tokens, positions = batch["tokens"], batch["position_ids"]
+        with torch.no_grad():
+            teacher_logits = self.teacher(tokens, positions, None)
+        logits = model(tokens, positions, None)
+        per_token = kd_per_token(logits, teacher_logits, self.cfg.temperature, self.vocab)
+        if self.cfg.ce_weight:
+            ce = F.cross_entropy(logits[..., : self.vocab].float().flatten(0, 1), batch["labels"].flatten(), reduction="none")
+            per_token = per_token + self.cfg.ce_weight * ce.view_as(per_token)
+        return per_token, partial(loss_func, batch["loss_mask"])
+
+    def router_loss(self) -> torch.Tensor:
+        """The cost-gap loss averaged over the budgets: exact over the grid when it is small
+        enough to enumerate, else of one relaxed Gumbel sample per budget."""
+        total = 0.0
+        for b, fraction in enumerate(self.cfg.budgets):
+            target = fraction * self.full_cost
+            if self._expected_gap is not None:
+                total = total + self._expected_gap(self.router, b, target, self.step)
+                continue
+            choice = self.router.sample(b, self.step, draw_generator(self.cfg.seed + 1, self.step, b))
+            total = total + cost_gap_loss(self.space, choice, target, self.router.cfg.cost)
+        return self.router.cfg.cost_weight * total / len(self.cfg.budgets)
+
+    @torch.no_grad()
+    def heldout_kd(self, model: nn.Module, batches: list[dict], sizes: dict) -> float:
+        """Mean KD loss per token of the student at `sizes` on held-out batches."""
+        self.space.clear_gates()
+        total, count = 0.0, 0.0
+        with self.space.at(sizes):
+            for batch in batches:
+                t = self.teacher(batch["tokens"], batch["position_ids"], None)
+                s = model(batch["tokens"], batch["position_ids"], None)
+                per_token = kd_per_token(s, t, self.cfg.temperature, self.vocab)
+                total += float((per_token * batch["loss_mask"]).sum())
+                count += float(batch["loss_mask"].sum())
+        return total / max(count, 1.0)
+
+
+def train_plain(
+    distiller: Distiller,
+    model: nn.Module,
+    batches: Callable[[int], list[dict]],
+    steps: int,
+    lr: float,
+    on_step: Optional[Callable[[int, float], None]] = None,
+) -> list[float]:
+    """Distil on one process with torch's Adam: `batches(step)` gives the step's micro-batches.
+    Returns the loss per step (token mean)."""
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    router_optimizer = torch.optim.Adam(distiller.router.parameters(), lr=distiller.router.cfg.lr)
+    losses = []
+    for step in range(steps):
+        distiller.begin_step(step)
+        optimizer.zero_grad()
+        router_optimizer.zero_grad()
+        micro = batches(step)
+        tokens = sum(float(b["loss_mask"].sum()) for b in micro)
+        step_loss = 0.0
+        for batch in micro:
+            per_token, reduce = distiller.forward_step(iter([batch]), model)
+            loss_sum, _, _ = reduce(per_token)
+            (loss_sum / tokens).backward()
+            step_loss += float(loss_sum.detach()) / tokens
+        distiller.router_loss().backward()
+        optimizer.step()
+        router_optimizer.step()
+        distiller.space.clear_gates()
+        losses.append(step_loss)
+        if on_step is not None:
+            on_step(step, step_loss)
+    model.eval()
+    return losses

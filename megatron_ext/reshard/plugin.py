@@ -40,6 +40,8 @@ class ReshardConfig:
     # Staging memory per rank per transfer round, for what a rank sends and, separately, for
     # what it receives: the staging peak is at most twice this (printed in the reshard line).
     memory_budget_mb: float = 64.0
+    # Rank 0 appends one JSON line per move here (its ReshardReport and the step); None: none.
+    report_file: Optional[str] = None
 
 
 SIZES = ("tp", "pp", "dp", "ep", "cp", "vpp")
@@ -157,6 +159,15 @@ class ReshardPlugin(Plugin):
             return
         self.reports.append(report)
         trainer.note(f"step {step}: {report}")
+        self._record(trainer, step, report)
+
+    def _record(self, trainer, step: int, report) -> None:
+        import torch.distributed as dist
+
+        # Rank 0 is in every world; a rank that just left the world has no rank.
+        if self.cfg.report_file and not trainer.left and dist.get_rank() == 0:
+            with open(self.cfg.report_file, "a") as f:
+                f.write(json.dumps({"step": step, **dataclasses.asdict(report)}) + "\n")
 
     @staticmethod
     def _checked(trainer, current, layout: dict):

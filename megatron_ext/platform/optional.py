@@ -15,3 +15,6 @@ HAVE_TE = _importable("transformer_engine")
 # NVIDIA Apex (fused kernels): only from NVIDIA's containers or a source build. The PyPI package
 # named `apex` is an unrelated project; this checks for NVIDIA's module, not that name.
 HAVE_APEX = _importable("apex") and _importable("amp_C")
+# Mamba2 CUDA kernels (megatron's MambaMixer needs them); without them the hybrid model uses
+# the pure-PyTorch mixer.
+HAVE_MAMBA_SSM = _importable("mamba_ssm")

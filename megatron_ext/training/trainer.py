@@ -36,13 +36,8 @@ from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.evaluation.loss import forward_only_loss
-from megatron_ext.models.gpt import (
-    build_gpt_model,
-    layer_spec,
-    padded_vocab_size,
-    transformer_config,
-    use_transformer_engine,
-)
+from megatron_ext.models.arch import architecture
+from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.models import pretrained
 from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.platform.device import current_device
@@ -180,20 +175,21 @@ class Trainer:
         """The model chunks, DDP-wrapped. With `initialise=False` the weights are left as
         allocated (for a caller that fills every one of them, like a reshard)."""
         cfg = self.cfg
-        config = transformer_config(cfg.model, cfg.parallel, self.on_cpu)
+        arch = architecture(cfg.model)
+        config = arch.transformer_config(cfg.model, cfg.parallel, self.on_cpu)
         if not initialise:
             # Not `perform_initialization=False`: megatron then also skips marking weights as
             # tensor-parallel, and the grad norm counts TP shards once instead of per rank.
             config.init_method = config.output_layer_init_method = _leave_as_allocated
             config.embedding_init_method = _leave_as_allocated
-        spec = layer_spec(cfg.model, use_transformer_engine(cfg.model, self.on_cpu))
+        spec = arch.spec(cfg.model, self.on_cpu)
         for p in self.plugins:
             spec = p.layer_spec(spec, self)
         vpp = cfg.parallel.vpp
         chunks = []
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None
-            model = build_gpt_model(
+            model = arch.build(
                 cfg.model,
                 config,
                 spec,

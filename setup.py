@@ -34,6 +34,8 @@ setup(
             "hydra-submitit-launcher>=1.2",
             "transformers>=4.45",
             "accelerate",
+            # Loads the LoRA adapters we export (PEFT format), the reference for them.
+            "peft",
             # The LoRA planner's exact solver, checked against brute force.
             "ortools>=9.10",
         ],

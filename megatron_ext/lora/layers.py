@@ -155,6 +155,11 @@ class MultiLoraLinear(nn.Module):
         shards = [s.chunk(2, dim=0) for s in gathered.chunk(self.tp, dim=0)]
         return torch.cat([s[0] for s in shards] + [s[1] for s in shards])
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """The base's, under the base's own keys: checkpoints and exports of the base model do
+        not see the wrapper (adapters are saved per job, see export.py)."""
+        return self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+
     # --- forward ------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, *args, **kwargs):

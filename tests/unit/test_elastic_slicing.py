@@ -157,3 +157,22 @@ def test_bad_sizes_are_refused_before_anything_changes(elastic, sizes, message):
     with pytest.raises(ValueError, match=message):
         space.apply(sizes)
     assert space.active() == before
+
+
+@pytest.mark.parametrize("think_budget", [0, 6], ids=["no-thinking", "budget-6"])
+def test_think_small_answer_large_equals_the_two_exported_models(elastic, think_budget):
+    """The elastic phases on shared weights produce what the standalone small model thinks and
+    the standalone large model answers after prefilling prompt + that trace."""
+    from megatron_ext.elastic.generate import generate_elastic
+    from megatron_ext.generation.generate import SamplingConfig, generate
+
+    model, space, _ = elastic
+    prompt, end_think = TOKENS[0, :8].tolist(), 99
+    got = generate_elastic(model, space, prompt, 100, BUDGETS["50"], BUDGETS["full"], end_think, think_budget, 5)
+    small, _ = slicing.export_submodel(model, PARENT, space, BUDGETS["50"], PADDED)
+    large, _ = slicing.export_submodel(model, PARENT, space, BUDGETS["full"], PADDED)
+    trace = generate(small, prompt, 100, SamplingConfig(max_new_tokens=think_budget, stop_token_ids=(end_think,))) if think_budget else []
+    trace = trace if trace[-1:] == [end_think] else trace + [end_think]
+    answer = generate(large, prompt + trace, 100, SamplingConfig(max_new_tokens=5))
+    assert (got.trace, got.answer) == (trace, answer)
+    assert got.phases["think"].new_tokens == len(trace) and got.phases["answer"].prefill_tokens == len(prompt) + len(trace)

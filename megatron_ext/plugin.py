@@ -81,7 +81,7 @@ class Plugin:
 
 _REGISTRY: dict[str, type[Plugin]] = {}
 # The plugins that ship with megatron_ext, registered on first use of the registry.
-BUILTIN = ("megatron_ext.reshard.plugin", "megatron_ext.dpp.plugin")
+BUILTIN = ("megatron_ext.reshard.plugin", "megatron_ext.dpp.plugin", "megatron_ext.elastic.plugin", "megatron_ext.lora.plugin")
 
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:

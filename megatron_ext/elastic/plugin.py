@@ -1,0 +1,310 @@
+"""`plugins=[elastic]`: one post-training run that yields nested submodels of the model.
+
+    python -m megatron_ext.train plugin=elastic model.pretrained=... 'elastic.budgets=[1.0,0.75,0.5]'
+
+Before the first step the parent is calibrated (a few training batches, forward only), every
+axis is reordered by importance, and a frozen teacher copy of the reordered parent is built
+beside the student on every rank. Each step then runs megatron's own schedule with the
+distillation forward step (`distill.py`): per micro-batch a budget is drawn, the router picks
+its sizes, the student runs at them and learns the teacher's distribution. The router has its
+own Adam and learning rate and steps after the model's optimizer; its gradients are summed over
+the data-parallel replicas. Evaluation runs the full model. At the end, with `export_dir`, the
+nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
+written, plus `report.json` (losses, budgets drawn, the router's choices).
+
+Layouts: data parallelism of any size; tensor parallelism for the hidden and heads axes (the FFN
+axis needs tp=1); pipeline parallelism is refused (the teacher runs on each rank beside its
+student, which needs the whole model there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ext.plugin import Plugin, register_plugin
+
+
+@dataclass
+class ElasticConfig:
+    # Fractions of the parent's parameters (total, or active with cost=active_params), largest first.
+    budgets: list[float] = field(default_factory=lambda: [1.0, 0.75, 0.5])
+    # Allowed sizes per axis kind, e.g. {hidden: [64, 96, 128], heads: [2, 4], ffn: [...]}.
+    # None: every kind gets `default_choices` sizes from half to all of its width. (Typed Any:
+    # Hydra's struct mode refuses new keys in a typed dict override.)
+    grid: Any = None
+    default_choices: int = 8
+    # A budget must be within this (relative) of some submodel of the grid.
+    tolerance: float = 0.05
+    cost: str = "params"
+    # Curriculum: uniform budget draws for `uniform_steps`, then `skew` (largest budget first).
+    uniform_steps: int = 50
+    skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    # Micro-batches of the whole run (all replicas together) the importance is measured on.
+    calibration_batches: int = 4
+    router_hidden: int = 64
+    router_lr: float = 1e-2
+    anneal_steps: int = 100
+    export_dir: Optional[str] = None
+
+
+def default_grid(space, choices: int) -> dict[str, list[int]]:
+    """Per kind: about `choices` sizes from half to the full width, in steps of the kind's
+    quantum (of 8 quanta on wide axes, so matmul shapes stay aligned)."""
+    grid = {}
+    for kind in space.kinds:
+        full, q = space.full_of(kind), space.quantum_of(kind)
+        align = q * 8 if full // q >= 64 else q
+        low = max(align, (full // 2) // align * align)
+        step = max(align, ((full - low) // max(choices - 1, 1)) // align * align)
+        grid[kind] = sorted({*range(low, full + 1, step), full})
+    return grid
+
+
+@register_plugin
+class ElasticPlugin(Plugin):
+    name = "elastic"
+    config_class = ElasticConfig
+
+    def setup(self, trainer) -> None:
+        p = trainer.cfg.parallel
+        if p.pp > 1 or p.vpp:
+            raise ValueError(
+                "elastic: parallel.pp must be 1 (the teacher runs beside the student on each rank); "
+                "use tensor or data parallelism"
+            )
+        self.ready = False
+        self.orders: Optional[dict] = None
+        self.router_state: Optional[dict] = None
+        self.history: list[dict] = []
+
+    def after_model_built(self, model_chunks: list, trainer) -> list:
+        from megatron_ext.elastic.distill import CurriculumConfig
+        from megatron_ext.elastic.router import BudgetRouter, RouterConfig, check_budgets, check_grid
+        from megatron_ext.elastic.space import ElasticSpace
+
+        c = self.cfg
+        self.space = ElasticSpace(model_chunks[0])
+        self.grid = {k: [int(v) for v in vs] for k, vs in (c.grid or {}).items()} or default_grid(
+            self.space, c.default_choices
+        )
+        check_grid(self.space, self.grid)  # bad input: refused before anything trains
+        check_budgets(self.space, self.grid, list(c.budgets), c.tolerance, c.cost)
+        if c.skew is not None and len(c.skew) != len(c.budgets):
+            raise ValueError(f"elastic.skew has {len(c.skew)} entries for {len(c.budgets)} budgets")
+        self.router = BudgetRouter(
+            list(c.budgets),
+            self.grid,
+            RouterConfig(hidden=c.router_hidden, lr=c.router_lr, anneal_steps=c.anneal_steps, cost=c.cost),
+            seed=trainer.cfg.train.seed,
+        )
+        self.curriculum = CurriculumConfig(
+            budgets=list(c.budgets),
+            uniform_steps=c.uniform_steps,
+            skew=list(c.skew) if c.skew is not None else None,
+            temperature=c.temperature,
+            ce_weight=c.ce_weight,
+            seed=trainer.cfg.train.seed,
+        )
+        return model_chunks
+
+    # --- before the first step ------------------------------------------------------------------
+
+    def _prepare(self, trainer) -> None:
+        import torch
+        from megatron.core import parallel_state
+
+        from megatron_ext.elastic.distill import Distiller
+        from megatron_ext.elastic.importance import calibrate
+        from megatron_ext.elastic.permute import reorder
+
+        dp_group = parallel_state.get_data_parallel_group()
+        if self.orders is None:  # a fresh run (a resumed one restored the reordered weights)
+            calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(), dp_group)
+            self.orders = reorder(self.space.axes)
+        teacher = self._build_teacher(trainer)
+        self.router_optimizer = torch.optim.Adam(self.router.parameters(), lr=self.cfg.router_lr)
+        if self.router_state is not None:
+            self.router.load_state_dict(self.router_state["router"])
+            self.router_optimizer.load_state_dict(self.router_state["optimizer"])
+        dp_rank = parallel_state.get_data_parallel_rank()
+        self.distiller = Distiller(
+            self.space,
+            teacher,
+            self.router,
+            self.curriculum,
+            trainer.tokenizer.vocab_size if trainer.cfg.model.vocab_size is None else trainer.cfg.model.vocab_size,
+            micro_batch_index=lambda m: dp_rank * self._micro_batches(trainer) + m,
+        )
+        self.ready = True
+
+    def _micro_batches(self, trainer) -> int:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return get_num_microbatches()
+
+    def _calibration_batches(self, trainer) -> list:
+        """The first `calibration_batches` micro-batches of the run, split over the replicas
+        (each rank reads its share, as in training), so every layout scores the same samples."""
+        from megatron.core import parallel_state
+
+        from megatron_ext.data import build_data_iterator
+
+        dp = parallel_state.get_data_parallel_world_size()
+        if self.cfg.calibration_batches % dp:
+            raise ValueError(
+                f"elastic.calibration_batches ({self.cfg.calibration_batches}) must be a multiple of the "
+                f"data-parallel size ({dp})"
+            )
+        iterator = build_data_iterator(
+            trainer.train_ds,
+            trainer.cfg.train.micro_batch_size,
+            parallel_state.get_data_parallel_rank(),
+            dp,
+            0,
+            0,
+        )
+        return [next(iterator) for _ in range(self.cfg.calibration_batches // dp)]
+
+    def _full_forward(self):
+        from megatron_ext.platform.device import current_device
+
+        model = self.space.model
+
+        def forward(batch):
+            device = current_device()
+            model.eval()
+            model(batch["tokens"].to(device), batch["position_ids"].to(device), None)
+            model.train()
+
+        return forward
+
+    def _build_teacher(self, trainer):
+        """The parent, rebuilt from its source (seeded initialisation or `model.pretrained`) and
+        reordered like the student: also right after a resume, when the student has trained."""
+        from megatron_ext.elastic.space import ElasticSpace
+        from megatron_ext.models import pretrained
+        from megatron_ext.models.gpt import build_gpt_model, layer_spec, use_transformer_engine
+        from megatron_ext.models.init import init_weights_layout_independent
+        from megatron_ext.platform.device import current_device
+
+        import torch
+
+        cfg = trainer.cfg
+        teacher = build_gpt_model(
+            cfg.model,
+            trainer.model_config,
+            layer_spec(cfg.model, use_transformer_engine(cfg.model, trainer.on_cpu)),
+            trainer.vocab_size,
+            pre_process=True,
+            post_process=True,
+        ).to(current_device())
+        init_weights_layout_independent([teacher], trainer.model_config, cfg.train.seed)
+        if cfg.model.pretrained:
+            pretrained.load_into([teacher], cfg.model, trainer.vocab_size)
+        space = ElasticSpace(teacher)
+        for axis in space.axes:
+            axis.permute(torch.tensor(self.orders[axis.name]))
+        return teacher.eval().requires_grad_(False)
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def on_step_begin(self, trainer, step: int) -> None:
+        if not self.ready:
+            self._prepare(trainer)
+        self.distiller.begin_step(step - 1)
+        self.router_optimizer.zero_grad()
+
+    def forward_backward_func(self, trainer):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        inner = get_forward_backward_func()
+
+        def elastic_forward_backward(*, forward_step_func, forward_only, **kwargs):
+            if forward_only:  # evaluation: the full model, next-token loss
+                self.space.clear_gates()
+                with self.space.at(self.space.full()):
+                    return inner(forward_step_func=forward_step_func, forward_only=True, **kwargs)
+            try:
+                return inner(forward_step_func=self.distiller.forward_step, forward_only=False, **kwargs)
+            finally:
+                self.space.clear_gates()
+                self.space.apply(self.space.full())
+
+        return elastic_forward_backward
+
+    def on_step_end(self, trainer, step: int, metrics: dict) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group()
+        tokens = trainer._global_batch_size() * trainer.cfg.model.seq_length
+        for p in self.router.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            # The distillation loss reached the router as a sum over this rank's tokens: sum
+            # over the replicas, then take the per-token mean of the global batch.
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= tokens
+        router_loss = self.distiller.router_loss()  # the same on every rank
+        router_loss.backward()
+        self.router_optimizer.step()
+        drawn = torch.tensor(self.distiller.drawn, dtype=torch.long)
+        gathered = [torch.zeros_like(drawn) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, drawn, group=group)
+        self.history.append(
+            {
+                "step": step,
+                "loss": metrics["loss"],
+                "router_loss": float(router_loss.detach()),
+                "budgets": torch.cat(gathered).tolist(),
+                "choices": [self.router.select(b) for b in range(len(self.cfg.budgets))],
+            }
+        )
+
+    # --- checkpoints and the end ---------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        if not getattr(self, "ready", False):
+            return {}
+        return {
+            "orders": self.orders,
+            "grid": self.grid,
+            "router": {"router": self.router.state_dict(), "optimizer": self.router_optimizer.state_dict()},
+            "choices": [self.router.select(b) for b in range(len(self.cfg.budgets))],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.orders = state["orders"]
+            self.router_state = state["router"]
+
+    def choices(self) -> dict[str, dict[str, int]]:
+        """The router's sizes of every budget now."""
+        return {f"{b:g}": self.router.select(i) for i, b in enumerate(self.cfg.budgets)}
+
+    def on_train_end(self, trainer) -> None:
+        import torch.distributed as dist
+
+        if not self.cfg.export_dir or not self.ready:
+            return
+        out = Path(self.cfg.export_dir)
+        if dist.get_rank() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.json").write_text(json.dumps({"history": self.history, "choices": self.choices()}, indent=1))
+            self._export(trainer, out)
+        dist.barrier()
+
+    def _export(self, trainer, out: Path) -> None:
+        from megatron_ext.elastic import slicing
+
+        if trainer.cfg.parallel.tp > 1:
+            trainer.note("elastic: export skipped under tp>1 (export runs on a whole model in one process)")
+            return
+        slicing.save_nested(out / "nested", self.space.model, trainer.cfg.model, trainer.vocab_size, self.choices())
+        trainer.note(f"elastic: nested checkpoint of budgets {list(self.choices())} in {out / 'nested'}")

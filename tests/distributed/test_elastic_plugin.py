@@ -1,0 +1,59 @@
+"""The elastic plugin inside the Trainer: data parallelism (2 gloo ranks) distils the same nested
+models as one process (same budgets drawn per sample, same losses, router and weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+COMMON = [
+    "experiment=none",
+    "plugin=elastic",
+    "logging.progress_bar=false",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.seq_length=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=2",
+    "train.iters=6",
+    "train.eval_interval=0",
+    "elastic.uniform_steps=3",
+    "elastic.calibration_batches=2",
+    "elastic.grid={hidden: [32,48,64], heads: [2,4], ffn: [32,48,64,80,96,112,128]}",
+]
+
+
+def run(tmp_path, name: str, *overrides: str) -> tuple[dict, dict]:
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "megatron_ext.train", *COMMON, f"data.cache_dir={tmp_path / 'cache'}"]
+    cmd += [f"elastic.export_dir={out}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "report.json").read_text()), load_file(str(out / "nested" / "model.safetensors"))
+
+
+def test_data_parallel_distillation_equals_one_process(tmp_path):
+    one, one_weights = run(tmp_path, "one")
+    two, two_weights = run(tmp_path, "two", "launcher.nproc=2", "parallel.dp=2")
+    # Budgets are drawn per global micro-batch: rank r's micro-batch is the single process's r-th.
+    assert [h["budgets"] for h in one["history"]] == [h["budgets"] for h in two["history"]]
+    assert len({b for h in one["history"] for b in h["budgets"]}) > 1, "one budget only: a vacuous check"
+    for a, b in zip(one["history"], two["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["router_loss"] == pytest.approx(b["router_loss"], rel=1e-5)
+    assert one["choices"] == two["choices"]
+    assert one_weights.keys() == two_weights.keys()
+    for key in one_weights:
+        torch.testing.assert_close(two_weights[key], one_weights[key], rtol=1e-5, atol=1e-6)

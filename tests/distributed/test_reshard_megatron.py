@@ -93,18 +93,41 @@ def coords() -> dict:
     }
 
 
-def worker(out_dir: str) -> None:
+def every_layout(world: int) -> list:
+    """Every (model, layout) of exactly `world` ranks that the runtime accepts: tp, pp (even, or
+    uneven with a smaller first stage), vpp, dp and, for the MoE model, ep. CP needs Transformer
+    Engine in megatron-core 0.16 and is left out."""
+    found = []
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for model in (TINY, MOE):
+        for tp in divisors:
+            for pp in (d for d in divisors if (world // tp) % d == 0):
+                dp = world // (tp * pp)
+                firsts = [None] if model.num_layers % pp == 0 else list(range(1, model.num_layers))
+                for first in firsts:
+                    for vpp in (None, 2) if pp > 1 else (None,):
+                        for ep in ([1] if model is TINY else [d for d in divisors if dp % d == 0 and d > 1]):
+                            layout = L(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, first_stage_layers=first)
+                            if not layout.violations(model):
+                                found.append((model, layout))
+    return found
+
+
+def worker(out_dir: str, world_layouts: str = "") -> None:
     import torch.distributed as dist
 
-    from megatron_ext.config.schema import Config
+    from megatron_ext.config.schema import Config, TrainConfig
     from megatron_ext.platform import cpu_compat
     from megatron_ext.training.trainer import Trainer
 
     cpu_compat.apply()
     dist.init_process_group("gloo")
     rank, report = dist.get_rank(), []
-    for i, (model, layout) in enumerate(LAYOUTS):
-        trainer = Trainer(Config(model=model, parallel=layout.to_config()))
+    layouts = every_layout(dist.get_world_size()) if world_layouts else LAYOUTS
+    for i, (model, layout) in enumerate(layouts):
+        # One micro-batch per DP rank, so that any dp divides the global batch.
+        train = TrainConfig(global_batch_size=None)
+        trainer = Trainer(Config(model=model, parallel=layout.to_config(), train=train))
         trainer._init_layout()
         trainer.vocab_size = model.vocab_size
         trainer.model = trainer._build_model(load_pretrained=False)
@@ -119,7 +142,7 @@ def worker(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(*sys.argv[1:])
 
 
 # --- the test --------------------------------------------------------------------------------
@@ -149,3 +172,20 @@ def test_vps_does_not_depend_on_the_live_parallel_state(reports):
     model, live = LAYOUTS[PROBE[0]]
     for rank in range(WORLD):
         assert reports[rank][PROBE[0]]["probe"] == rows(rank_pieces(model, PROBE[1], rank))
+
+
+@pytest.mark.slow  # 6 and 8 gloo ranks on a 2-core machine, every layout: minutes
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [6, 8])
+def test_vps_pieces_equal_real_megatron_for_every_layout(tmp_path, world):
+    from _torchrun import rank_reports, torchrun
+
+    torchrun(__file__, world, str(tmp_path), "every", timeout=1800)
+    reports = rank_reports(tmp_path, world)
+    layouts = every_layout(world)
+    assert len(layouts) >= 8  # the enumeration itself is exercised, not empty
+    for index, (model, layout) in enumerate(layouts):
+        for rank in range(world):
+            real = reports[rank][index]
+            assert layout.rank_coords(rank) == real["coords"], (str(layout), rank)
+            assert rows(rank_pieces(model, layout, rank)) == real["pieces"], (str(layout), rank)

@@ -4,6 +4,8 @@
     python -m megatron_ext.train parallel.tp=2 launcher.nproc=2 train.iters=50
     torchrun --nproc-per-node 8 -m megatron_ext.train parallel.tp=8   # launched from outside
     python -m megatron_ext.train -m hydra/launcher=slurm ...          # Hydra multirun / SLURM
+    python -m megatron_ext.train -m experiment=lora_sweep lora.rank=8,16 optim.lr=1e-4,3e-4
+                                         # a LoRA sweep: ONE packed run of all combinations
 
 A plain run composes the config with Hydra's compose API, so every bad input (an unknown key, a
 wrong type, a broken rule between fields) ends as one `error: ...` line and exit code 2 before
@@ -47,6 +49,10 @@ def worker(cfg: Config) -> dict:
     from megatron_ext.plugin import build_plugins
     from megatron_ext.training.trainer import Trainer
 
+    if "lora" in cfg.plugins:  # many jobs packed on one base: the lora plugin's own loop
+        from megatron_ext.lora.sweep import jobs_of, run_sweep
+
+        return run_sweep(cfg, jobs_of(cfg))
     if "reshard" in cfg.plugins:
         from megatron_ext.reshard.pool import pooled_worker
 
@@ -80,6 +86,17 @@ def _fail(message: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-m" in argv or "--multirun" in argv:
+        # A sweep of LoRA jobs is one packed execution, not one run per combination.
+        from megatron_ext.lora.sweep import multirun_jobs, run_sweep
+
+        try:
+            lora = multirun_jobs(argv)
+            if lora is not None:
+                run_sweep(*lora)
+                return
+        except (ConfigError, ValueError) as e:
+            _fail(_first_line(e))
     if any(a.startswith("-") for a in argv):
         sys.argv = [sys.argv[0], *argv]
         _hydra_main()

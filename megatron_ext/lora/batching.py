@@ -63,8 +63,13 @@ class ExampleData:
     held out."""
 
     def __init__(self, job: LoraJob, examples: Sequence[tuple[list[int], list[int]]], pad_id: int, eval_examples: int) -> None:
+        # An example whose prompt fills the sample would train on nothing.
+        examples = [(p, a) for p, a in examples if len(p) < job.seq_length]
         if len(examples) <= eval_examples:
-            raise ValueError(f"lora job {job.name!r}: dataset {job.dataset!r} has only {len(examples)} examples")
+            raise ValueError(
+                f"lora job {job.name!r}: dataset {job.dataset!r} has {len(examples)} examples with room for an "
+                f"answer in seq_length {job.seq_length}; {eval_examples} are held out for evaluation"
+            )
         self.job, self.pad_id = job, pad_id
         self.train_examples = list(examples[:-eval_examples]) if eval_examples else list(examples)
         self.eval_examples = list(examples[-eval_examples:]) if eval_examples else []

@@ -169,9 +169,10 @@ def save_megatron(folder: str | Path, job: LoraJob, weights: Weights) -> Path:
     folder = Path(folder)
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "lora_job.json").write_text(json.dumps(dataclasses.asdict(job), indent=2) + "\n")
     dist.barrier()
     dist_checkpointing.save(_sharded(weights), str(folder))
+    if dist.get_rank() == 0:
+        (folder / "lora_job.json").write_text(json.dumps(dataclasses.asdict(job), indent=2) + "\n")
     return folder
 
 

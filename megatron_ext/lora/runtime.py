@@ -59,7 +59,7 @@ def token_losses(model: torch.nn.Module, tokens: torch.Tensor, position_ids: tor
 class PackedTrainer:
     """Runs `jobs` through `capacity` slots of one model. `data_for(job)` gives the job's data;
     `on_finish(trainer, active)` runs while a finished job still sits in its slot (export,
-    checkpoints); `log(line)` gets one line per job event."""
+    checkpoints); `log(job name, line)` gets a line per job event and optimizer step."""
 
     def __init__(
         self,
@@ -69,7 +69,7 @@ class PackedTrainer:
         data_for: Callable[[LoraJob], JobData],
         capacity: int,
         on_finish: Optional[Callable[["PackedTrainer", ActiveJob], None]] = None,
-        log: Callable[[str], None] = lambda line: None,
+        log: Callable[[str, str], None] = lambda job, line: None,
     ) -> None:
         self.model, self.wrappers, self.routing = model, wrappers, routing
         self.data_for, self.capacity = data_for, capacity
@@ -99,11 +99,14 @@ class PackedTrainer:
         data = self.data_for(job)
         result = self.results[job.name]
         result.status, result.started_s = "running", self._now()
-        self.active[slot] = ActiveJob(
+        active = ActiveJob(
             job, slot, JobOptimizer(job, params, sharded), data.train(), data.eval(),
             torch.Generator().manual_seed(job.seed), result,
         )
-        self.log(f"[{job.name}] started in slot {slot} (rank {job.rank}, lr {job.lr:g}, batch {job.global_batch_size})")
+        self.active[slot] = active
+        if active.eval_data:  # the starting point each job's eval losses compare with
+            result.eval_losses[0] = self.evaluate(active)
+        self.log(job.name, f"started in slot {slot} (rank {job.rank}, lr {job.lr:g}, batch {job.global_batch_size})")
 
     def _finish(self, active: ActiveJob, status: str) -> None:
         active.result.status, active.result.finished_s = status, self._now()
@@ -115,7 +118,7 @@ class PackedTrainer:
         del self.active[active.slot]
         eval_loss = active.result.eval_losses.get(active.result.steps)
         tail = f", eval loss {eval_loss:.4f}" if eval_loss is not None else ""
-        self.log(f"[{active.job.name}] {status} after {active.result.steps} steps{tail}")
+        self.log(active.job.name, f"{status} after {active.result.steps} steps{tail}")
 
     def _fill_slots(self) -> None:
         for slot in range(self.capacity):
@@ -174,11 +177,13 @@ class PackedTrainer:
         result.losses.append(active.step_loss)
         active.micro, active.step_loss = 0, 0.0
         job = active.job
+        line = f"step {result.steps}/{job.steps}: loss {result.losses[-1]:.4f}"
+        if job.eval_interval and result.steps % job.eval_interval == 0 and result.steps < job.steps:
+            result.eval_losses[result.steps] = self.evaluate(active)
+            line += f", eval loss {result.eval_losses[result.steps]:.4f}"
+        self.log(job.name, line)
         if result.steps == job.steps:
             self._finish(active, "done")
-        elif job.eval_interval and result.steps % job.eval_interval == 0:
-            result.eval_losses[result.steps] = self.evaluate(active)
-            self.log(f"[{job.name}] step {result.steps}: loss {result.losses[-1]:.4f}, eval loss {result.eval_losses[result.steps]:.4f}")
 
     @torch.no_grad()
     def evaluate(self, active: ActiveJob) -> float:

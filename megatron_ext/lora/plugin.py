@@ -1,0 +1,58 @@
+"""`plugins=[lora]`: fine-tune LoRA adapters on a frozen base, many jobs packed at once.
+
+    # one packed, planned execution of a Hydra sweep (not one process per combination)
+    python -m megatron_ext.train -m experiment=lora_sweep lora.rank=8,16,64 optim.lr=1e-4,3e-4
+    # a plain multi-job config: lora.jobs (or a YAML file lora.jobs_file) lists the jobs, each
+    # entry overriding the job the rest of the config describes
+    python -m megatron_ext.train experiment=lora_sweep lora.jobs_file=my_jobs.yaml
+
+A job is a `LoraJob` (job.py): the adapter from this section (rank, alpha, dropout, targets),
+its optimisation from `optim` (lr, weight decay, clipping, schedule), its batches and length
+from `train` / `model.seq_length`, its steps from `train.iters`. The run is sweep.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_ext.lora.job import TARGET_MODULES
+from megatron_ext.plugin import Plugin, register_plugin
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
+    # "task:<docstring|module|reverse|upper>" (tasks.py, from the standard library) or
+    # "synthetic" (seeded random tokens).
+    dataset: str = "task:docstring"
+    # A job's sample length (None: model.seq_length).
+    seq_length: Optional[int] = None
+    eval_iters: int = 4
+    # Evaluate every N optimizer steps (0: at the end only).
+    eval_interval: int = 0
+    # A plain multi-job config: entries (dicts of LoraJob fields, with a unique `name`) that
+    # override the job this config describes; or the same list under `jobs:` in a YAML file.
+    jobs: list[Any] = field(default_factory=list)
+    jobs_file: Optional[str] = None
+    # Adapters trained at once (None: the planner decides within `memory_gb`).
+    slots: Optional[int] = None
+    # Memory of the device group the planner may fill.
+    memory_gb: float = 16.0
+    # reference | grouped | auto (grouped GEMM on CUDA)
+    kernel: str = "auto"
+    # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.
+    output_dir: str = "runs/lora_sweep"
+
+
+@register_plugin
+class LoraPlugin(Plugin):
+    """Selecting `lora` makes the entrypoint run a packed sweep (sweep.run_sweep) instead of the
+    Trainer's single job: many jobs, each with its own optimizer and lifetime, share one base
+    pass, which the Trainer's one-model/one-optimizer loop does not express."""
+
+    name = "lora"
+    config_class = LoraConfig

@@ -1,0 +1,263 @@
+"""A LoRA sweep from a config: jobs, plan, one packed execution, per-job outputs.
+
+    jobs = jobs_of(cfg)                       # a plain multi-job config (lora.jobs / jobs_file)
+    jobs = multirun_jobs(argv)                # or a Hydra multirun's combinations
+    summary = run_sweep(cfg, jobs)
+
+The world the run is in (one process, or TP ranks under torchrun) is one device group holding
+the base once. The planner (planner.py) decides how many jobs train at once and in which order
+within `lora.memory_gb`, refusing a job that cannot fit even alone; the packs then run one after
+another through the packed runtime. Each job writes `<output_dir>/<job>/`: `log.txt`,
+`metrics.json`, `adapter/` (PEFT) and `checkpoint/` (megatron dist_checkpointing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_ext.config.schema import Config
+from megatron_ext.lora.job import LoraJob, jobs_from_dicts
+
+# Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.
+JOB_SECTIONS = ("lora", "optim", "train")
+
+
+def job_from_config(cfg: Config, name: str) -> LoraJob:
+    lora, optim, train = cfg.lora, cfg.optim, cfg.train
+    return LoraJob(
+        name=name,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
+        lr=optim.lr,
+        min_lr=min(optim.min_lr, optim.lr),
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        lr_warmup_steps=optim.lr_warmup_iters or 0,
+        lr_decay_style=optim.lr_decay_style,
+        clip_grad=optim.clip_grad,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size or train.micro_batch_size,
+        seq_length=lora.seq_length or cfg.model.seq_length,
+        steps=train.iters,
+        dataset=lora.dataset,
+        seed=train.seed,
+        eval_interval=lora.eval_interval,
+        eval_iters=lora.eval_iters,
+    )
+
+
+def jobs_of(cfg: Config) -> list[LoraJob]:
+    """The jobs of a plain config: `lora.jobs` and/or `lora.jobs_file`, each entry overriding
+    the job the config describes; without entries, that one job."""
+    entries = list(cfg.lora.jobs)
+    if cfg.lora.jobs_file:
+        import yaml
+
+        entries += list(yaml.safe_load(Path(cfg.lora.jobs_file).read_text()).get("jobs", []))
+    defaults = dataclasses.asdict(job_from_config(cfg, "job"))
+    del defaults["name"]
+    if not entries:
+        return [job_from_config(cfg, "job")]
+    for i, entry in enumerate(entries):
+        unknown = set(entry) - {f.name for f in dataclasses.fields(LoraJob)}
+        if unknown or "name" not in entry:
+            raise ValueError(f"lora.jobs[{i}]: unknown field(s) {sorted(unknown)}" if unknown else f"lora.jobs[{i}] has no name")
+    return jobs_from_dicts([dict(e) for e in entries], defaults)
+
+
+def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]:
+    """A Hydra multirun's combinations as jobs of one packed sweep, or None when the composed
+    config does not select the lora plugin (then Hydra runs the multirun itself)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from megatron_ext.config import compose_config
+
+    parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    swept = [o.key_or_group for o in parsed if o.is_sweep_override()]
+    combinations = [c for batch in BasicSweeper.split_arguments(parsed, None) for c in batch]
+    configs = [compose_config(c) for c in combinations]
+    if "lora" not in configs[0].plugins:
+        return None
+    shared = [k for k in swept if k.split(".")[0] not in JOB_SECTIONS]
+    if shared:
+        raise ValueError(f"lora sweep: {shared} cannot vary between jobs: a packed sweep trains them all on one base and layout")
+    jobs = []
+    for combination, cfg in zip(combinations, configs):
+        values = dict(o.split("=", 1) for o in combination)
+        name = "-".join(f"{k.split('.')[-1]}{values[k]}" for k in swept) or "job"
+        jobs += [job.replace(name=f"{name}-{job.name}" if len(jobs_of(cfg)) > 1 else name) for job in jobs_of(cfg)]
+    return configs[0], jobs
+
+
+# --- planning -----------------------------------------------------------------------------------
+
+# Seconds of a pass = c . (1, jobs, base GFLOP, LoRA GFLOP, attention GFLOP, TP all-reduce GB)
+# (costmodel.PassWork). A rough default for one CPU thread, NOT calibrated on this machine: a
+# fixed cost per pass (Python, the optimizer steps, the launch of every small op) is what packing
+# shares; thin LoRA GEMMs run far below the base GEMMs' rate. scripts/bench/lora_sweep.py
+# measures these coefficients (calibrate.py) for the planner it benchmarks.
+CPU_COEFFICIENTS = (0.05, 0.01, 0.05, 0.5, 0.1, 0.0)
+
+
+def plan_sweep(cfg: Config, jobs: Sequence[LoraJob]):
+    """The planner's schedule of `jobs` on this run's device group (refuses what cannot fit)."""
+    from megatron_ext.lora import planner
+    from megatron_ext.lora.costmodel import LinearCostModel
+    from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel, gib
+    from megatron_ext.lora.workload import shapes_of
+
+    shapes = shapes_of(cfg.model)
+    memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False)
+    problem = planner.Problem(tuple(jobs), Hardware(1, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, CPU_COEFFICIENTS))
+    schedule = planner.plan(problem)
+    if cfg.lora.slots is not None:  # the user's slot count, kept within what memory allows
+        from megatron_ext.lora.plan import Pack, Plan
+
+        names = tuple(j.name for j in jobs)
+        if not problem.fits(jobs, cfg.lora.slots, (1, 1)):
+            raise ValueError(f"lora.slots={cfg.lora.slots}: that many of these jobs at once exceed lora.memory_gb={cfg.lora.memory_gb}")
+        from megatron_ext.lora.simulate import simulate
+
+        schedule = simulate(Plan("lora.slots", (Pack(names, 1, 1, cfg.lora.slots, (0,)),)), problem.jobs, 1, memory, problem)
+    return schedule
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def _data_resolver(tokenizer, vocab_size: int):
+    import functools
+
+    from megatron_ext.lora import tasks
+    from megatron_ext.lora.batching import ExampleData, SyntheticData
+
+    @functools.lru_cache(maxsize=None)
+    def tokenized(task: str) -> list:
+        return [tasks.chat_ids(tokenizer.tokenize, p, a) for p, a in tasks.examples(task)]
+
+    def data_for(job: LoraJob):
+        if job.dataset == "synthetic":
+            return SyntheticData(job, vocab_size)
+        if job.dataset.startswith("task:"):
+            return ExampleData(job, tokenized(job.dataset[5:]), tokenizer.eod, job.eval_iters * job.micro_batch_size)
+        raise ValueError(f"lora job {job.name!r}: unknown dataset {job.dataset!r}; use synthetic or task:<{'|'.join(tasks.TASKS)}>")
+
+    return data_for
+
+
+def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
+    """What the packed runtime cannot do, refused before anything is built."""
+    from megatron_ext.lora import tasks
+
+    problems = []
+    if cfg.parallel.pp != 1 or cfg.parallel.sequence_parallel:
+        problems.append("the packed runtime needs parallel.pp=1 and no sequence parallelism")
+    for job in jobs:
+        if job.dataset != "synthetic" and not (job.dataset.startswith("task:") and job.dataset[5:] in tasks.TASKS):
+            problems.append(f"job {job.name!r}: unknown dataset {job.dataset!r} (synthetic or task:<{'|'.join(tasks.TASKS)}>)")
+        if job.seq_length > cfg.model.seq_length:
+            problems.append(f"job {job.name!r}: seq_length {job.seq_length} exceeds model.seq_length {cfg.model.seq_length}")
+    if problems:
+        raise ValueError("lora sweep: " + "; ".join(problems))
+
+
+def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
+    """Plan and train `jobs`; returns {job: {status, steps, loss, eval_loss}}."""
+    check_jobs(cfg, jobs)
+    tokenizer = _tokenizer(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
+    schedule = plan_sweep(cfg, jobs)
+    from megatron_ext.lora import report
+
+    print(report.table(schedule), flush=True)
+    import torch.distributed as dist
+
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    with model_parallel_world(tp=cfg.parallel.tp):
+        if dist.get_world_size() != cfg.parallel.tp:
+            raise ValueError(f"lora sweep: {dist.get_world_size()} ranks for tp={cfg.parallel.tp}; data parallelism is not supported")
+        return _train(cfg, jobs, schedule, tokenizer)
+
+
+def _tokenizer(cfg: Config):
+    from megatron_ext.data import build_tokenizer
+    from megatron_ext.models import pretrained
+
+    spec = cfg.data.tokenizer if cfg.data.tokenizer != "auto" else (
+        pretrained.tokenizer_spec(cfg.model.pretrained) if cfg.model.pretrained else "byte"
+    )
+    return build_tokenizer(spec)
+
+
+def _train(cfg: Config, jobs: Sequence[LoraJob], schedule, tokenizer) -> dict:
+    import torch.distributed as dist
+
+    from megatron_ext.lora.base import build_base
+    from megatron_ext.lora.export import save_megatron, save_peft
+    from megatron_ext.lora.layers import logical_weights
+    from megatron_ext.lora.runtime import PackedTrainer
+    from megatron_ext.models.gpt import padded_vocab_size
+
+    vocab = cfg.model.vocab_size
+    model, wrappers, routing = build_base(cfg.model, padded_vocab_size(vocab, cfg.model, cfg.parallel.tp), cfg.train.seed)
+    routing.kernel = cfg.lora.kernel
+    out = Path(cfg.lora.output_dir)
+    writer = dist.get_rank() == 0
+    by_name = {j.name: j for j in jobs}
+
+    def log(name: str, line: str) -> None:
+        if not writer:
+            return
+        (out / name).mkdir(parents=True, exist_ok=True)
+        with open(out / name / "log.txt", "a") as f:
+            f.write(line + "\n")
+        if not line.startswith("step") or "eval" in line:
+            print(f"[{name}] {line}", flush=True)
+
+    def finish(trainer, active) -> None:
+        weights = logical_weights(trainer.wrappers, active.slot)
+        if writer:
+            save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, cfg.model.pretrained)
+        save_megatron(out / active.job.name / "checkpoint", active.job, weights)
+
+    results = {}
+    for pack in schedule.plan.packs:
+        trainer = PackedTrainer(model, wrappers, routing, _data_resolver(tokenizer, vocab), pack.slots, finish, log)
+        trainer.submit([by_name[n] for n in pack.jobs])
+        results.update(trainer.run())
+    summary = {
+        name: {
+            "status": r.status,
+            "steps": r.steps,
+            "loss": r.losses[-1] if r.losses else None,
+            "eval_loss": r.eval_losses.get(r.steps),
+            "first_eval_loss": r.eval_losses.get(0),
+            "seconds": (r.finished_s or 0.0) - (r.started_s or 0.0),
+        }
+        for name, r in results.items()
+    }
+    if writer:
+        for name, r in results.items():
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / "metrics.json").write_text(json.dumps(dataclasses.asdict(r), indent=2) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(summary_table(summary), flush=True)
+    return summary
+
+
+def summary_table(summary: dict) -> str:
+    rows = [("job", "status", "steps", "train loss", "eval loss before", "eval loss after")]
+    for name, s in summary.items():
+        fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
+        rows.append((name, s["status"], str(s["steps"]), fmt(s["loss"]), fmt(s["first_eval_loss"]), fmt(s["eval_loss"])))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows)

@@ -1,0 +1,84 @@
+"""LoRA sweeps from configs: a Hydra multirun becomes the jobs of ONE packed run, a plain
+multi-job config works too, bad input is refused before anything trains, and every job leaves
+its log, metrics, PEFT adapter and megatron checkpoint (which hold the same weights)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_ext.config import compose_config
+from megatron_ext.lora.sweep import jobs_of, multirun_jobs, run_sweep
+
+TINY = ["experiment=lora_sweep", "model=llama_tiny", "model.seq_length=32", "lora.dataset=synthetic", "train.iters=2",
+        "train.micro_batch_size=1", "train.global_batch_size=2", "lora.memory_gb=1", "lora.eval_iters=1"]
+
+
+def test_multirun_combinations_become_jobs_of_one_sweep():
+    cfg, jobs = multirun_jobs(["-m", *TINY, "lora.rank=4,8", "optim.lr=1e-3,3e-3"])
+    assert "lora" in cfg.plugins
+    assert sorted((j.rank, j.lr) for j in jobs) == [(4, 1e-3), (4, 3e-3), (8, 1e-3), (8, 3e-3)]
+    assert len({j.name for j in jobs}) == 4 and "rank4-lr0.003" in {j.name for j in jobs}
+    assert all(j.steps == 2 and j.global_batch_size == 2 and j.seq_length == 32 for j in jobs)
+
+
+def test_a_multirun_without_the_lora_plugin_is_left_to_hydra():
+    assert multirun_jobs(["-m", "experiment=none", "optim.lr=1e-3,3e-3"]) is None
+
+
+def test_a_multirun_may_not_vary_the_shared_base():
+    with pytest.raises(ValueError, match=r"\['model.num_layers'\] cannot vary"):
+        multirun_jobs(["-m", *TINY, "model.num_layers=2,4"])
+
+
+def test_plain_multi_job_config(tmp_path):
+    jobs_file = tmp_path / "jobs.yaml"
+    jobs_file.write_text("jobs:\n  - {name: big, rank: 16, lr: 0.001}\n  - {name: small, rank: 2, global_batch_size: 4}\n")
+    cfg = compose_config([*TINY, f"lora.jobs_file={jobs_file}", "lora.rank=8"])
+    jobs = {j.name: j for j in jobs_of(cfg)}
+    assert (jobs["big"].rank, jobs["big"].lr, jobs["big"].global_batch_size) == (16, 0.001, 2)
+    assert (jobs["small"].rank, jobs["small"].global_batch_size) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["lora.target_modules=[linear_qkv,q_proj]"], r"unknown target module\(s\) \['q_proj'\]"),
+        (["lora.jobs=[{name: a, rnak: 4}]"], r"unknown field\(s\) \['rnak'\]"),
+        (["lora.dataset=wikipedia"], "unknown dataset 'wikipedia'"),
+        (["lora.memory_gb=0.0001"], "cannot fit in memory: job 'job' needs"),
+        (["parallel.pp=2"], "needs parallel.pp=1"),
+    ],
+    ids=["target-module", "job-field", "dataset", "memory", "pipeline"],
+)
+def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=message):
+        cfg = compose_config([*TINY, f"lora.output_dir={out}", *overrides])
+        run_sweep(cfg, jobs_of(cfg))
+    assert not out.exists()
+
+
+def test_sweep_trains_every_job_and_writes_its_outputs(tmp_path):
+    from megatron_ext.lora.export import load_megatron, load_peft
+
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    out = tmp_path / "out"
+    jobs_entries = "[{name: a, rank: 4}, {name: b, rank: 2, lr: 0.01, seq_length: 24}, {name: c, rank: 8, dropout: 0.1}]"
+    cfg = compose_config([*TINY, f"lora.output_dir={out}", "lora.slots=2", f"lora.jobs={jobs_entries}"])
+    summary = run_sweep(cfg, jobs_of(cfg))
+    assert set(summary) == {"a", "b", "c"} and all(s["status"] == "done" and s["steps"] == 2 for s in summary.values())
+    for name in summary:
+        metrics = json.loads((out / name / "metrics.json").read_text())
+        assert len(metrics["losses"]) == 2 and "step 2/2" in (out / name / "log.txt").read_text()
+        job, weights = load_peft(out / name / "adapter", dataclasses.replace(cfg.model, vocab_size=257), jobs_of(cfg)[0])
+        with model_parallel_world():
+            saved_job, saved = load_megatron(out / name / "checkpoint")
+        assert saved_job.name == name and job.rank == saved_job.rank
+        assert saved.keys() == weights.keys()
+        assert all(torch.equal(saved[k][i], weights[k][i]) for k in saved for i in (0, 1))
+        assert any(b.abs().max() > 0 for _, b in saved.values()), "the adapter never trained"

@@ -7,12 +7,12 @@ sequence, which earlier chunks computed on this stage: those live in a `PrefixKV
 entry per (sequence, layer). The query of token i of the slice sees prefix + i + 1 keys (causal
 aligned to the bottom right).
 
-Autograd: a slice's K/V reach the slices after it only through the cache, as detached copies.
+Autograd: every segment's attention saves only its q/k/v and recomputes the attention in
+backward (as flash attention does), so saved bytes are linear in tokens. A slice's K/V reach the slices after it only through the cache, as detached copies.
 The gradient a later slice computes for them is added to the cache's dK/dV buffers; slices run
 backward in reverse order, so when slice j runs backward every later slice has already handed
 its share down, and slice j adds it to the dK/dV of its own k/v before they flow back into its
-QKV projection. Backward recomputes attention (as flash attention does) instead of saving the
-probabilities, so a slice saves only its own q/k/v.
+QKV projection.
 
 `ChunkCoreAttention` goes into megatron's layer spec in place of `DotProductAttention`;
 `PositionedRotaryEmbedding` wraps the GPT model's RoPE so positions continue across slices and
@@ -39,28 +39,31 @@ Key = tuple[int, int]  # (sequence, global layer number)
 
 
 class PrefixKVCache:
-    """Detached K/V of the slices of split sequences, and the dK/dV later slices hand back."""
+    """K/V of the slices of split sequences, and the dK/dV later slices hand back.
+
+    The K/V kept are the very tensors the slice's attention saves for its own backward, so a
+    layer that is not recomputed holds them once; a recomputed layer holds only these.
+    `hold`, when set (by the memory meter), is given each tensor the cache keeps and returns a
+    handle whose release marks the tensor as freed."""
 
     def __init__(self) -> None:
-        self._kv: dict[Key, dict[int, tuple[Tensor, Tensor]]] = {}
-        self._grads: dict[Key, dict[int, tuple[Tensor, Tensor]]] = {}
-        self.nbytes = 0
-        # Called with the change in held bytes (the memory meter listens).
-        self.listener: Optional[Callable[[int], None]] = None
+        self._kv: dict[Key, dict[int, tuple]] = {}
+        self._grads: dict[Key, dict[int, tuple]] = {}
+        self.hold: Optional[Callable[[Tensor], object]] = None
 
-    def _count(self, delta: int) -> None:
-        self.nbytes += delta
-        if self.listener is not None:
-            self.listener(delta)
+    def _entry(self, k: Tensor, v: Tensor) -> tuple:
+        return (k, v, (self.hold(k), self.hold(v)) if self.hold is not None else ())
+
+    @property
+    def nbytes(self) -> int:
+        entries = [e for d in (*self._kv.values(), *self._grads.values()) for e in d.values()]
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in entries)
 
     def put(self, key: Key, start: int, k: Tensor, v: Tensor) -> None:
         """Keep a slice's K/V for later slices. A recomputed forward stores the same slice again."""
         slices = self._kv.setdefault(key, {})
-        if start in slices:
-            return
-        # A copy, not a view: k/v are views of the fused QKV output, which must not be kept alive.
-        slices[start] = (k.detach().clone(), v.detach().clone())
-        self._count(2 * k.numel() * k.element_size())
+        if start not in slices:
+            slices[start] = self._entry(k.detach(), v.detach())
 
     def prefix(self, key: Key, start: int) -> tuple[Tensor, Tensor]:
         """K/V of tokens [0, start) of the sequence, from its cached slices."""
@@ -77,37 +80,30 @@ class PrefixKVCache:
                 f"tokens [0, {start}) but the earlier slices on this stage cover [0, {covered}) "
                 "(slices must run forward in order)"
             )
-        ks, vs = zip(*(slices[s] for s in starts))
-        return torch.cat(ks), torch.cat(vs)
+        return torch.cat([slices[s][0] for s in starts]), torch.cat([slices[s][1] for s in starts])
 
     def add_prefix_grads(self, key: Key, dk: Tensor, dv: Tensor) -> None:
         """Hand dK/dV of tokens [0, len(dk)) down to the slices that hold them."""
         grads = self._grads.setdefault(key, {})
-        for s, (k, _) in self._kv[key].items():
+        for s, (k, _, _) in self._kv[key].items():
             if s >= dk.shape[0]:
                 continue
             part = slice(s, s + k.shape[0])
             if s in grads:
-                gk, gv = grads[s]
-                gk.add_(dk[part])
-                gv.add_(dv[part])
+                grads[s][0].add_(dk[part])
+                grads[s][1].add_(dv[part])
             else:
-                grads[s] = (dk[part].clone(), dv[part].clone())
-                self._count(2 * k.numel() * k.element_size())
+                grads[s] = self._entry(dk[part].clone(), dv[part].clone())
 
     def take_grads(self, key: Key, start: int) -> Optional[tuple[Tensor, Tensor]]:
         """The dK/dV later slices handed to the slice at `start` (None if there were none)."""
         got = self._grads.get(key, {}).pop(start, None)
-        if got is not None:
-            self._count(-2 * got[0].numel() * got[0].element_size())
-        return got
+        return None if got is None else got[:2]
 
     def release(self, key: Key) -> None:
         """The sequence's first slice has run backward at this layer: nothing is needed any more."""
-        for k, _ in self._kv.pop(key, {}).values():
-            self._count(-2 * k.numel() * k.element_size())
-        for gk, _ in self._grads.pop(key, {}).values():
-            self._count(-2 * gk.numel() * gk.element_size())
+        self._kv.pop(key, None)
+        self._grads.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._kv) + len(self._grads)
@@ -155,11 +151,16 @@ class _SliceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cache: PrefixKVCache, key: Key, start: int, keep: bool, scale: float):
-        pk, pv = cache.prefix(key, start) if start else (k[:0], v[:0])
+        # Own copies: k/v arrive as views of the fused QKV output, which would otherwise stay
+        # alive whole (queries included) for as long as they are saved or cached.
+        k, v = k.clone(), v.clone()
         if keep:
             cache.put(key, start, k, v)
         ctx.save_for_backward(q, k, v)
         ctx.cache, ctx.key, ctx.start, ctx.scale = cache, key, start, scale
+        if not start:
+            return attend(q, k, v, 0, scale)
+        pk, pv = cache.prefix(key, start)
         return attend(q, torch.cat([pk, k]), torch.cat([pv, v]), start, scale)
 
     @staticmethod
@@ -228,11 +229,9 @@ class ChunkCoreAttention(MegatronModule):
             part = slice(offset, offset + seg.length)
             offset += seg.length
             q, k, v = query[part], key[part], value[part]
-            seq_length = self.context.seq_lengths[seg.seq]
-            if seg.start == 0 and seg.length == seq_length:
-                outputs.append(attend(q, k, v, 0, self.scale))
-                continue
-            keep = seg.start + seg.length < seq_length  # a later slice will read this one's K/V
+            # Whole sequences take the same path: it saves only q/k/v (no attention scores),
+            # like flash attention, so a chunk's saved bytes are linear in its tokens.
+            keep = seg.start + seg.length < self.context.seq_lengths[seg.seq]  # a later slice reads its K/V
             cache_key = (seg.seq, self.layer_number)
             outputs.append(
                 _SliceAttention.apply(q, k, v, self.context.cache, cache_key, seg.start, keep, self.scale)

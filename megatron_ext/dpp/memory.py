@@ -3,7 +3,7 @@
 `ActivationMeter` counts the bytes autograd saves for backward through
 `torch.autograd.graph.saved_tensors_hooks`, by storage (a tensor saved by several ops, or views
 of one buffer, count once) and without parameters (they are model state, not activations),
-plus the K/V prefix cache of split sequences. A saved tensor is released when autograd drops
+plus the K/V prefix cache of split sequences (`hold`). A saved tensor is released when autograd drops
 it (after its backward), so the running total is the stage's activation memory at every
 moment, and its maximum is the peak. On CPU there is no allocator to ask; this count is the
 analogue of the CUDA allocator's peak for activations.
@@ -53,9 +53,10 @@ class ActivationMeter:
         self.by_chunk[chunk] = held
         self.peak_by_chunk[chunk] = max(self.peak_by_chunk.get(chunk, 0), held)
 
-    def external(self, delta: int) -> None:
-        """Bytes held outside autograd for the chunk being run (the K/V prefix cache)."""
-        self._add(self._chunk, delta)
+    def hold(self, tensor: torch.Tensor):
+        """Count a tensor kept outside autograd (the K/V prefix cache) until the returned
+        handle is dropped; a storage autograd also saves counts once."""
+        return self._pack(tensor)
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
@@ -95,17 +96,14 @@ class ActivationMeter:
 
 @dataclass
 class Timeline:
-    """When each op of a stage ran: (stage, kind, chunk, recompute, start, end) in seconds from
-    the first record."""
+    """When each op of a stage ran: (stage, kind, chunk, recompute, start, end), times from
+    `time.perf_counter()` (a monotonic clock that the processes of one machine share, so the
+    stages' records line up once gathered)."""
 
     records: list[tuple[int, str, int, int, float, float]] = field(default_factory=list)
-    _origin: float = -1.0
 
     def record(self, stage: int, kind: str, chunk: int, recompute: int, start: float, end: float) -> None:
-        if self._origin < 0:
-            self._origin = start
-        self.records.append((stage, kind, chunk, recompute, start - self._origin, end - self._origin))
+        self.records.append((stage, kind, chunk, recompute, start, end))
 
     def clear(self) -> None:
         self.records.clear()
-        self._origin = -1.0

@@ -63,6 +63,7 @@ class DppPlugin(Plugin):
         self.context = ChunkContext()
         self.step = DppStep(self.context)
         self._func: Optional[Callable] = None
+        self._documents = None
 
     def setup(self, trainer: Trainer) -> None:
         p = trainer.cfg.parallel
@@ -101,14 +102,16 @@ class DppPlugin(Plugin):
             self.cfg.too_long,
             trainer.cfg.train.seed,
         )
+        self._documents = documents
         planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, trainer.cfg.parallel.pp, _cost_model(self.cfg, trainer))
-        reported = None
-        for batch in documents:
-            line = documents.counts.line()
-            if line != reported and hasattr(trainer, "reporter"):
-                trainer.note(line)
-                reported = line
+        for i, batch in enumerate(documents):
+            if i == 0:
+                trainer.note(documents.counts.line() + " (first batch)")
             yield planner.plan(batch)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self._documents is not None:
+            trainer.note(self._documents.counts.line())
 
 
 def _dataset_prefix(trainer: Trainer) -> str:

@@ -160,6 +160,7 @@ class DppStep:
         self.context = context
         self.meter = meter
         self.timeline = timeline
+        context.cache.hold = meter.hold if meter is not None else None
 
     def __call__(self, planned: PlannedBatch, forward_step_func: Callable, model) -> list[dict]:
         model = model[0] if isinstance(model, list) else model

@@ -130,7 +130,9 @@ def worker(out_dir: str, world: int) -> None:
         if case_world != world:
             continue
         plugin = DppPlugin()
-        trainer = Trainer(Config(model=model_config(pp), parallel=ParallelConfig(pp=pp)), [plugin])
+        # Whole reduced grads on every replica (the distributed optimizer keeps only its shard).
+        parallel = ParallelConfig(pp=pp, use_distributed_optimizer=False)
+        trainer = Trainer(Config(model=model_config(pp), parallel=parallel), [plugin])
         trainer._init_layout()
         trainer.vocab_size = VOCAB
         trainer.model = trainer._build_model(load_pretrained=False)

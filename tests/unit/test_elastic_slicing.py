@@ -176,3 +176,21 @@ def test_think_small_answer_large_equals_the_two_exported_models(elastic, think_
     answer = generate(large, prompt + trace, 100, SamplingConfig(max_new_tokens=5))
     assert (got.trace, got.answer) == (trace, answer)
     assert got.phases["think"].new_tokens == len(trace) and got.phases["answer"].prefill_tokens == len(prompt) + len(trace)
+
+
+def test_hugging_face_export_reads_back_to_the_same_logits(elastic, tmp_path):
+    """safetensors + config.json with the parent's head size, read by the project's HF reader."""
+    from megatron_ext.models.convert.load import load_logical
+    from megatron_ext.models.convert.llama import HFAsLogical
+    from megatron_ext.models.convert.source import open_pretrained
+    from megatron_ext.models.convert.world import build_model
+
+    model, space, _ = elastic
+    sub, cfg = slicing.export_submodel(model, PARENT, space, BUDGETS["75"], PADDED)
+    slicing.save_hf(tmp_path / "hf", sub, cfg, PARENT.vocab_size)
+    read = open_pretrained(str(tmp_path / "hf"))
+    assert (read.config.hidden_size, read.config.head_dim) == (48, 16)
+    (loaded,) = chunks = build_model(read.config, PADDED)
+    load_logical(chunks, HFAsLogical(read.tensors, read.config, PADDED))
+    vocab = PARENT.vocab_size  # Hugging Face has no padding rows: they come back as zeros
+    assert torch.equal(logits(loaded)[..., :vocab], logits(sub)[..., :vocab])

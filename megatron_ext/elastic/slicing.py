@@ -152,3 +152,33 @@ def slice_nested(path: str | os.PathLike, budget: str) -> tuple[nn.Module, Model
     if budget not in manifest["budgets"]:
         raise KeyError(f"{path}: no budget {budget!r}; it has {sorted(manifest['budgets'])}")
     return export_submodel(model, cfg, space, manifest["budgets"][budget], manifest["padded_vocab_size"], budget)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """python -m megatron_ext.elastic.slicing NESTED --budget B [--megatron DIR] [--hf DIR]"""
+    import argparse
+
+    from megatron_ext.models.convert.world import model_parallel_world
+    from megatron_ext.platform import cpu_compat
+
+    parser = argparse.ArgumentParser(description="Slice one budget out of a nested elastic checkpoint.")
+    parser.add_argument("nested")
+    parser.add_argument("--budget", required=True, help="a budget name of the checkpoint's elastic.json")
+    parser.add_argument("--megatron", help="write a megatron checkpoint (usable as model.pretrained) here")
+    parser.add_argument("--hf", help="write a Hugging Face LlamaForCausalLM folder here")
+    args = parser.parse_args(argv)
+    if not (args.megatron or args.hf):
+        parser.error("give --megatron and/or --hf")
+    cpu_compat.apply()
+    with model_parallel_world():
+        sub, cfg = slice_nested(args.nested, args.budget)
+        padded = sub.embedding.word_embeddings.weight.shape[0]
+        if args.megatron:
+            save_megatron(args.megatron, sub, cfg, padded)
+        if args.hf:
+            save_hf(args.hf, sub, cfg, cfg.vocab_size or padded)
+    print(f"budget {args.budget}: {param_count(sub)} parameters, sizes {cfg.hidden_size=} {cfg.num_attention_heads=} {cfg.ffn_hidden_size=}")
+
+
+if __name__ == "__main__":
+    main()

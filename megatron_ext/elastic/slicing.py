@@ -67,6 +67,44 @@ def export_submodel(
     return sub, cfg
 
 
+def export_heterogeneous(
+    model: nn.Module, parent: ModelConfig, space: ElasticSpace, sizes: Mapping[str, Size], padded_vocab: int
+) -> nn.Module:
+    """A standalone GPTModel with per-layer attention-head and FFN sizes (dense parents): built
+    at the widest sizes, then each layer's attention and MLP rebuilt by megatron's own spec with
+    that layer's sizes. Kept as a plain state dict (dist checkpoints need one shape per layer
+    stack; `save_nested` stores the parent and the sizes instead)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_ext.models.convert.world import build_model
+    from megatron_ext.models.gpt import layer_spec
+
+    per_axis = space.check(sizes)
+    widest: dict[str, int] = {}
+    for name, size in per_axis.items():
+        kind = space.by_name[name].kind
+        widest[kind] = max(widest.get(kind, 0), size)
+    cfg = submodel_config(parent, space, widest)
+    space.clear_gates()
+    with space.at(sizes):
+        state = sliced_state_dict(model)
+    (sub,) = build_model(cfg, padded_vocab)
+    spec = layer_spec(cfg, use_te=False).submodules
+    for layer in sub.decoder.layers:
+        i = layer.layer_number - 1
+        heads, ffn = per_axis[f"heads/{i}"], per_axis[f"ffn/{i}"]
+        if heads != cfg.num_attention_heads:
+            config = dataclasses.replace(layer.config, num_attention_heads=heads)
+            layer.self_attention = build_module(
+                spec.self_attention, config=config, layer_number=layer.layer_number, pg_collection=layer.pg_collection
+            )
+        if ffn != cfg.ffn_hidden_size:
+            config = dataclasses.replace(layer.config, ffn_hidden_size=ffn)
+            layer.mlp = build_module(spec.mlp, config=config, tp_group=layer.pg_collection.tp)
+    sub.load_state_dict(state, strict=True)
+    return sub
+
+
 def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

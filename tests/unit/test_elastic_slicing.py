@@ -129,16 +129,19 @@ def test_nested_checkpoint_slices_equal_the_elastic_model(elastic, tmp_path):
         assert torch.equal(logits(sub), logits(model))
 
 
-def test_heterogeneous_sizes_run_per_layer_and_refuse_homogeneous_export(elastic):
+def test_heterogeneous_submodel_exports_per_layer_and_equals_the_elastic_forward(elastic):
     model, space, _ = elastic
     sizes = {"hidden": 48, "ffn/0": 32, "ffn/1": 128, "heads/0": 2, "heads/1": 4}
     with space.at(sizes):
-        out = logits(model)
+        expected = logits(model)
         assert model.decoder.layers[0].mlp.linear_fc2.weight.shape == (48, 32)
-        assert model.decoder.layers[1].self_attention.linear_qkv.weight.shape == (4 * 16 + 2 * 2 * 16, 48)
-    assert out.shape == (2, 32, PADDED)
     with pytest.raises(ValueError, match="sizes differ between layers"):
         slicing.export_submodel(model, PARENT, space, sizes, PADDED)
+    sub = slicing.export_heterogeneous(model, PARENT, space, sizes, PADDED)
+    assert sub.decoder.layers[0].mlp.linear_fc1.weight.shape == (2 * 32, 48)
+    assert sub.decoder.layers[0].self_attention.linear_qkv.weight.shape == (2 * 16 + 2 * 2 * 16, 48)
+    assert slicing.param_count(sub) == space.params(sizes)
+    assert torch.equal(logits(sub), expected)
 
 
 @pytest.mark.parametrize(

@@ -304,7 +304,10 @@ class TorchMambaMixer(MegatronModule):
         else:
             y, ssm_state = ssd_chunked(x.float(), dt, A, B.float(), C.float(), self.chunk_size, ssm_state)
         y = (y + x * self.D[:, None]).to(zxbcdt.dtype)
-        y = y.flatten(-2).transpose(0, 1)  # [s, b, local d_inner]
+        # Contiguous: torch's CPU matmul of a transposed view is not bitwise reproducible
+        # between two weight tensors of equal values (observed), and an elastic slice of this
+        # mixer must compute exactly what the exported smaller mixer computes.
+        y = y.flatten(-2).transpose(0, 1).contiguous()  # [s, b, local d_inner]
         return self.norm(y, z), (conv_state, ssm_state)
 
     def _causal_conv(self, xbc: torch.Tensor, conv_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,100 @@
+"""Elastic axes of the hybrid model (Mamba heads, Mamba head channels, MoE experts, expert FFN
+width, plus attention heads, FFN and hidden on its single-sublayer layers), checked against the
+parent and against standalone hybrid models built from the exported tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import megatron_ext.elastic.hybrid_axes  # noqa: F401  (registers the hybrid layer adapters)
+from megatron_ext.config.schema import ParallelConfig
+from megatron_ext.config.store import MODEL_PRESETS
+from megatron_ext.elastic.importance import calibrate
+from megatron_ext.elastic.permute import reorder
+from megatron_ext.elastic.slicing import sliced_state_dict
+from megatron_ext.elastic.space import ElasticSpace
+from megatron_ext.models.hybrid import build_hybrid_model, hybrid_stack_spec, hybrid_transformer_config
+from megatron_ext.models.init import init_weights_layout_independent
+
+PARENT = dataclasses.replace(
+    MODEL_PRESETS["hybrid_tiny"], seq_length=32, init_method_std=0.1, head_dim=16, spec="local"
+)
+VOCAB = 128
+TOKENS = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+POSITIONS = torch.arange(32)[None].expand(2, -1)
+# Homogeneous budgets: every kind at one size (hybrid_tiny: hidden 64, 4 heads in 2 groups,
+# FFN 128, 8 Mamba heads of 16 in 2 groups, 4 experts of width 64, top-2).
+BUDGETS = {
+    "75": {"hidden": 48, "heads": 4, "ffn": 96, "mamba_heads": 6, "mamba_head_dim": 12, "moe_experts": 3, "moe_ffn": 48},
+    "50": {"hidden": 32, "heads": 2, "ffn": 64, "mamba_heads": 4, "mamba_head_dim": 8, "moe_experts": 2, "moe_ffn": 32},
+}
+
+
+def build(cfg=PARENT):
+    config = hybrid_transformer_config(cfg, ParallelConfig(), on_cpu=True)
+    model = build_hybrid_model(cfg, config, hybrid_stack_spec(cfg, on_cpu=True), VOCAB, True, True)
+    return model
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(TOKENS, POSITIONS, None)
+
+
+@pytest.fixture
+def parent(one_rank_world):
+    model = build()
+    init_weights_layout_independent([model], model.config, 0)
+    return model
+
+
+def test_attached_full_width_is_the_parent_bitwise(parent):
+    before = logits(parent)
+    space = ElasticSpace(parent)
+    assert {"mamba_heads", "mamba_head_dim", "moe_experts", "moe_ffn", "heads", "ffn"} <= set(space.kinds)
+    assert torch.equal(logits(parent), before)
+
+
+def test_reorder_keeps_logits_and_every_budget_exports_exactly(parent):
+    before = logits(parent)
+    space = ElasticSpace(parent)
+    calibrate(space.axes, [TOKENS], lambda t: parent(t, POSITIONS, None))
+    orders = reorder(space.axes)
+    moved = {space.by_name[n].kind for n, o in orders.items() if o != sorted(o)}
+    assert {"mamba_heads", "mamba_head_dim", "moe_experts", "moe_ffn"} <= moved, moved
+    # Permuted channels reassociate fp32 sums: equal up to rounding at the logits' own scale.
+    torch.testing.assert_close(logits(parent), before, atol=1e-5 * before.abs().max().item(), rtol=0)
+
+    for name, sizes in BUDGETS.items():
+        with space.at(sizes):
+            elastic = logits(parent)
+            state = sliced_state_dict(parent)
+            experts = space.by_name["moe_experts/5"].dropped_experts()
+        state = {k: v for k, v in state.items() if not any(f"local_experts.{j}." in k for j in experts)}
+        sub_cfg = dataclasses.replace(PARENT, **space.export_fields(sizes))
+        sub = build(sub_cfg)
+        sub.load_state_dict(state, strict=True)
+        assert torch.equal(logits(sub), elastic), name
+        assert not torch.allclose(elastic, before, atol=1e-3), name  # the budget did cut
+        counted = sum(p.numel() for n, p in sub.named_parameters() if "word_embeddings" not in n and "output_layer" not in n)
+        embeddings = sizes["hidden"] * VOCAB * 2  # untied input and output embeddings
+        assert space.params(sizes) == counted + embeddings, name
+
+
+BAD = {
+    "mamba_heads_not_multiple_of_groups": ({"mamba_heads": 5}, "multiple of 2"),
+    "fewer_experts_than_topk": ({"moe_experts": 1}, "fewer than the router's top-k"),
+    "head_dim_too_large": ({"mamba_head_dim": 32}, r"in \(0, 16\]"),
+}
+
+
+@pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
+def test_sizes_the_layers_cannot_take_are_refused(parent, case):
+    sizes, message = case
+    space = ElasticSpace(parent)
+    with pytest.raises(ValueError, match=message):
+        space.apply(sizes)
+    assert space.active() == space.full()  # refused before anything changed

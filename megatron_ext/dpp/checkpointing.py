@@ -1,0 +1,167 @@
+"""Stage-aware, chunk-level adaptive checkpointing (reference dpp.md §1.6, the paper's Eq. 20).
+
+c(p, k), the layers of chunk k recomputed on stage p, is an integer in 0..L_p. Recomputing on one
+stage delays the stages after it by the same amount, so chunks on one diagonal of the backward
+order share a value: the chunk at backward position k on stage p uses C[k + pp - 1 - p]
+(n + pp - 1 integers instead of n * pp). Minimise the recompute time on the critical path,
+sum_j C_j * (largest per-layer forward time on diagonal j), such that on every stage, after every
+forward and during every backward, the saved bytes of the chunks in flight fit the budget left
+after the model states. Activation bytes are linear in c; the one-layer transient of a backward
+that recomputes every layer of its stage is switched on by a binary z_j >= C_j - (L - 1).
+Solved with scipy's HiGHS MILP.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from megatron_ext.dpp.costmodel import CostModel
+from megatron_ext.dpp.plan import Chunk, Group
+
+Mode = Literal["ilp", "none", "full"]
+
+
+class BudgetTooSmall(ValueError):
+    def __init__(self, budget_bytes: float, min_budget_bytes: float, what: str = "this batch") -> None:
+        self.budget_bytes, self.min_budget_bytes = budget_bytes, min_budget_bytes
+        super().__init__(
+            f"dpp: memory budget {budget_bytes / 2**30:.3f} GiB per stage is too small for any plan of {what}; "
+            f"the minimum feasible budget is {min_budget_bytes / 2**30:.3f} GiB ({math.ceil(min_budget_bytes)} bytes)"
+        )
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    recompute: dict[tuple[int, int], int]  # (stage, chunk) -> layers recomputed
+    cost_s: float  # recompute time on the critical path (sum over diagonals)
+    solve_s: float  # CPU seconds
+    min_budget_bytes: float  # with every layer recomputed: no group plan needs less
+
+
+@dataclass(frozen=True)
+class _Problem:
+    var: dict[tuple[int, int], int]  # (stage, chunk) -> diagonal index
+    upper: np.ndarray  # per diagonal
+    weight: np.ndarray  # per diagonal, seconds per recomputed layer
+    rows: list[tuple[int, float, list[tuple[int, float]], list[tuple[int, float]]]]  # (stage, const, C terms, z terms)
+    room: np.ndarray  # per stage: budget minus model states
+
+
+def _problem(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cost: CostModel,
+             layers: Sequence[int], budget_bytes: float) -> _Problem:
+    pp = len(group.ops)
+    bwd = [o.chunk for o in group.ops[0] if o.kind == "B"]
+    bidx = {c: k for k, c in enumerate(bwd)}
+    n_var = len(bwd) + pp - 1
+    var = {(p, c): bidx[c] + pp - 1 - p for p in range(pp) for c in bwd}
+    upper = np.full(n_var, np.inf)
+    weight = np.zeros(n_var)
+    for (p, c), j in var.items():
+        upper[j] = min(upper[j], layers[p])
+        weight[j] = max(weight[j], cost.layer_forward_s(chunks[c]))
+    upper[upper == np.inf] = 0
+    rows = []
+    bytes_of: dict[tuple[int, bool, int], tuple[float, float]] = {}
+    for p, ops in enumerate(group.ops):
+        last = p == pp - 1
+        live: dict[int, tuple[float, float]] = {}
+        for o in ops:
+            c = chunks[o.chunk]
+            if o.kind == "F":
+                key = (layers[p], last, o.chunk)
+                if key not in bytes_of:
+                    full = cost.activation_bytes(c, seq_lengths, layers[p], 0, last)
+                    bytes_of[key] = (full, full - cost.activation_bytes(c, seq_lengths, layers[p], 1, last))
+                live[o.chunk] = bytes_of[key]
+                # No row here: the next op's row (a forward adds to this set, a backward keeps
+                # it) dominates it, and every op list ends with a backward.
+            else:
+                j = var[(p, o.chunk)]
+                transient = [(j, cost.recompute_transient_bytes(c))] if layers[p] == upper[j] else []
+                rows.append((p, sum(a for a, _ in live.values()), [(var[(p, k)], -d) for k, (_, d) in live.items()],
+                             transient))
+                del live[o.chunk]
+    room = np.array([budget_bytes - cost.model_state_bytes(layers[p], p == 0, p == pp - 1) for p in range(pp)])
+    return _Problem(var, upper, weight, rows, room)
+
+
+def _fits(prob: _Problem, C: np.ndarray) -> bool:
+    z = ((C >= prob.upper) & (prob.upper > 0)).astype(float)
+    return all(const + sum(a * C[j] for j, a in ct) + sum(a * z[j] for j, a in zt) <= prob.room[p] * (1 + 1e-12)
+               for p, const, ct, zt in prob.rows)
+
+
+def _min_budget(prob: _Problem, budget_bytes: float) -> float:
+    worst = np.zeros(len(prob.room))
+    for p, const, ct, zt in prob.rows:
+        worst[p] = max(worst[p], const + sum(a * prob.upper[j] for j, a in ct) + sum(a for j, a in zt if prob.upper[j] > 0))
+    return float(np.max(worst + (budget_bytes - prob.room)))
+
+
+def solve(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cost: CostModel,
+          layers: Sequence[int], budget_bytes: float, mode: Mode = "ilp", mip_rel_gap: float = 0.02,
+          time_limit_s: float = 2.0, relax: bool = False) -> Checkpointing | None:
+    """Recompute counts of one 1F1B group, or None if no choice fits the budget. Past
+    `time_limit_s` the best integer solution found so far is used. `relax` solves the LP
+    relaxation instead: its cost is a lower bound, for comparing groupings cheaply; its
+    recompute counts are not a plan."""
+    t = time.process_time()
+    prob = _problem(group, chunks, seq_lengths, cost, layers, budget_bytes)
+    n = len(prob.upper)
+    min_budget = _min_budget(prob, budget_bytes)
+
+    def done(C: np.ndarray) -> Checkpointing:
+        rec = {k: int(C[j]) for k, j in prob.var.items()}
+        return Checkpointing(rec, float(prob.weight @ C), time.process_time() - t, min_budget)
+
+    zero, full = np.zeros(n), prob.upper.copy()
+    if mode == "full":
+        return done(full) if _fits(prob, full) else None
+    if _fits(prob, zero):
+        return done(zero)
+    if mode == "none" or not _fits(prob, full):
+        return None
+    # Variables [C_0..C_{n-1}, z_0..z_{n-1}].
+    r, c, v, ub = [], [], [], []
+    for i, (p, const, ct, zt) in enumerate(prob.rows):
+        for j, a in ct:
+            r.append(i), c.append(j), v.append(a)
+        for j, a in zt:
+            r.append(i), c.append(n + j), v.append(a)
+        ub.append(prob.room[p] - const)
+    m = len(prob.rows)
+    for j in range(n):  # C_j - z_j <= L - 1: recomputing every layer switches the transient on
+        r += [m + j, m + j]
+        c += [j, n + j]
+        v += [1.0, -1.0]
+        ub.append(float(prob.upper[j]) - 1.0)
+    A = coo_matrix((v, (r, c)), shape=(m + n, 2 * n)).tocsr()
+    # Scale rows to O(1) (bytes are ~1e10) so HiGHS's feasibility tolerance means the same thing.
+    scale = np.maximum(1.0, np.abs(A).max(axis=1).toarray().ravel())
+    A = coo_matrix(A.multiply(1.0 / scale[:, None])).tocsr()
+    ub = np.array(ub) / scale
+    res = milp(
+        c=np.concatenate([prob.weight, np.zeros(n)]),
+        constraints=LinearConstraint(A, -np.inf, ub),
+        integrality=np.zeros(2 * n) if relax else np.ones(2 * n),
+        bounds=Bounds(np.zeros(2 * n), np.concatenate([prob.upper, np.ones(n)])),
+        options={"mip_rel_gap": mip_rel_gap, "time_limit": time_limit_s},
+    )
+    if res.x is None:
+        return None
+    if relax:
+        return Checkpointing({}, float(prob.weight @ res.x[:n]), time.process_time() - t, min_budget)
+    C = np.rint(res.x[:n])
+    # A rounding or tolerance slip must never yield an over-budget plan: repair upward.
+    for j in np.argsort(-prob.weight):
+        if _fits(prob, C):
+            break
+        C[j] = prob.upper[j]
+    return done(C) if _fits(prob, C) else done(full)

@@ -1,0 +1,202 @@
+"""Time and memory of a chunk on a pipeline stage (reference dpp.md §1.4).
+
+Time of one layer's forward over a chunk whose segments have q_i new tokens and a KV prefix p_i:
+
+    T_f = gamma + (alpha * sum q_i + beta * sum q_i * (p_i + q_i / 2)) * (1 + t0 / sum q_i)
+
+alpha is the per-token cost of the dense parts, beta the causal attention (a new token sees its
+prefix and about half of its own segment), gamma a fixed per-layer overhead, and the last factor
+the under-utilisation of small chunks (t0 = 0 turns it off). Backward is `bwd_ratio` times the
+forward; a recomputed layer adds one more forward.
+
+Memory counts what autograd saves (the quantity the runtime measures with saved-tensor hooks):
+per layer `act_bytes_token` per token, `act_bytes_attn` per (query, key) pair (dense masked
+attention materialises its scores; 0 for flash attention) and `act_bytes_key` per prefix token
+(the attention saves the K/V it attended to, prefix included). A recomputed layer keeps only its
+input (`ckpt_bytes_token` per token) and, for a slice that later slices of its sequence attend
+to, that slice's K/V (`kv_bytes_token` per token). Model states are `state_bytes_param` per
+parameter, with the embedding on the first stage and the output layer on the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from megatron_ext.dpp.plan import Chunk
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A LLaMA-style decoder: SwiGLU MLP, grouped-query attention, untied output layer."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        qkv = self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads)
+        return qkv + self.hidden * self.hidden + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+
+LLAMA_7B = ModelShape("llama-7b", num_layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000)
+LLAMA_13B = ModelShape("llama-13b", num_layers=40, hidden=5120, ffn=13824, heads=40, kv_heads=40, vocab=32000)
+MODEL_SHAPES = {m.name: m for m in (LLAMA_7B, LLAMA_13B)}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    # time, seconds
+    alpha: float
+    beta: float
+    gamma: float
+    bwd_ratio: float = 2.0
+    t0: float = 0.0
+    head_s_token: float = 0.0  # output layer + loss forward, per token (last stage)
+    p2p_s_token: float = 0.0
+    p2p_latency_s: float = 0.0
+    # memory, bytes
+    act_bytes_token: float = 0.0
+    act_bytes_attn: float = 0.0
+    act_bytes_key: float = 0.0  # per prefix key: the prefix K/V concatenated and saved by attention
+    ckpt_bytes_token: float = 0.0
+    kv_bytes_token: float = 0.0
+    head_bytes_token: float = 0.0
+    state_bytes_param: float = 0.0
+    layer_params: int = 0
+    embedding_params: int = 0
+    head_params: int = 0
+    num_layers: int = 0
+
+    # --- time ---------------------------------------------------------------------------
+    def segment_work(self, length: int, prefix: int) -> float:
+        return self.alpha * length + self.beta * length * (prefix + length / 2)
+
+    def time_from_work(self, work: float, tokens: int) -> float:
+        return self.gamma + work * (1.0 + self.t0 / max(tokens, 1))
+
+    def layer_forward_s(self, chunk: Chunk) -> float:
+        work = sum(self.segment_work(s.length, s.prefix) for s in chunk.segments)
+        return self.time_from_work(work, chunk.tokens)
+
+    def slice_tokens(self, time_s: float, prefix: int) -> int:
+        """The longest slice after `prefix` tokens whose layer forward, alone in a chunk,
+        takes at most `time_s` (the time is a quadratic in the slice length)."""
+        a = self.beta / 2
+        b = self.alpha + self.beta * prefix + self.beta * self.t0 / 2
+        c = self.gamma + self.alpha * self.t0 + self.beta * self.t0 * prefix - time_s
+        if c > 0:
+            return 0
+        q = -c / b if a == 0 else (-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)
+        return int(q + 1e-9)
+
+    def forward_s(self, chunk: Chunk, layers: int, last: bool) -> float:
+        return layers * self.layer_forward_s(chunk) + (self.head_s_token * chunk.tokens if last else 0.0)
+
+    def backward_s(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
+        return self.bwd_ratio * self.forward_s(chunk, layers, last) + recompute * self.layer_forward_s(chunk)
+
+    def p2p_s(self, chunk: Chunk) -> float:
+        return self.p2p_latency_s + self.p2p_s_token * chunk.tokens
+
+    # --- memory -------------------------------------------------------------------------
+    def layer_act_bytes(self, chunk: Chunk) -> float:
+        """Saved bytes of one layer without recompute. Dense masked attention spans the whole
+        chunk: every query of the chunk against every key of the chunk and of its prefix."""
+        prefix = sum(s.prefix for s in chunk.segments)
+        return (self.act_bytes_token * chunk.tokens + self.act_bytes_attn * chunk.tokens * (chunk.tokens + prefix)
+                + self.act_bytes_key * prefix)
+
+    def layer_ckpt_bytes(self, chunk: Chunk, seq_lengths: Sequence[int]) -> float:
+        """Saved bytes of one recomputed layer: its input, and the K/V of slices that later
+        slices of the same sequence still attend to."""
+        continued = sum(s.length for s in chunk.segments if s.start + s.length < seq_lengths[s.seq])
+        return self.ckpt_bytes_token * chunk.tokens + self.kv_bytes_token * continued
+
+    def activation_bytes(self, chunk: Chunk, seq_lengths: Sequence[int], layers: int, recompute: int, last: bool) -> float:
+        """Bytes chunk keeps on a stage between its forward and its backward; linear in
+        `recompute` (the ILP relies on it)."""
+        full = self.layer_act_bytes(chunk)
+        kept = (layers - recompute) * full + recompute * self.layer_ckpt_bytes(chunk, seq_lengths)
+        return kept + (self.head_bytes_token * chunk.tokens if last else 0.0)
+
+    def recompute_transient_bytes(self, chunk: Chunk) -> float:
+        """Extra bytes during the backward of a chunk that recomputes every layer of its stage:
+        the layer being recomputed re-saves its activations while all checkpoints are held.
+        With a layer left un-recomputed, its (larger) saved bytes are freed before the
+        recomputed layers run, which covers the re-saved layer."""
+        return self.layer_act_bytes(chunk)
+
+    def model_state_bytes(self, layers: int, first: bool, last: bool) -> float:
+        params = layers * self.layer_params
+        params += self.embedding_params if first else 0
+        params += self.head_params if last else 0
+        return params * self.state_bytes_param
+
+    # --- persistence --------------------------------------------------------------------
+    def to_json(self, path: str | Path, **extra) -> None:
+        Path(path).write_text(json.dumps({"cost_model": dataclasses.asdict(self), **extra}, indent=2))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CostModel":
+        return cls(**json.loads(Path(path).read_text())["cost_model"])
+
+
+def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    if pp < 1 or num_layers % pp:
+        raise ValueError(f"dpp: {num_layers} layers do not split evenly over pp={pp} stages")
+    return (num_layers // pp,) * pp
+
+
+def analytic_gpu(
+    shape: ModelShape,
+    peak_flops: float = 312e12,
+    mfu: float = 0.55,
+    t0: float = 1024.0,
+    gamma: float = 50e-6,
+    p2p_bytes_s: float = 25e9,
+    zero_shards: int = 8,
+) -> CostModel:
+    """An A800/A100-80GB-like stage: bf16 at `mfu` of `peak_flops` for large chunks, half of it
+    at `t0` tokens; flash attention (no score memory); activations per Korthikanti et al.
+    (34 h bytes per token per layer, 2 h when recomputed); bf16 weights, fp32 grads, and fp32
+    Adam state sharded over `zero_shards` data-parallel ranks (ZeRO-1)."""
+    h, kv_dim = shape.hidden, shape.head_dim * shape.kv_heads
+    flops_s = peak_flops * mfu
+    return CostModel(
+        alpha=2.0 * shape.layer_params / flops_s,
+        beta=4.0 * h / flops_s,
+        gamma=gamma,
+        bwd_ratio=2.0,
+        t0=t0,
+        head_s_token=2.0 * h * shape.vocab / flops_s,
+        p2p_s_token=2.0 * h / p2p_bytes_s,
+        p2p_latency_s=20e-6,
+        act_bytes_token=34.0 * h,
+        act_bytes_attn=0.0,
+        act_bytes_key=2.0 * 2.0 * kv_dim,
+        ckpt_bytes_token=2.0 * h,
+        kv_bytes_token=2.0 * 2.0 * kv_dim,
+        head_bytes_token=2.0 * shape.vocab,  # bf16 logits, loss computed in place
+        state_bytes_param=2.0 + 4.0 + 12.0 / zero_shards,
+        layer_params=shape.layer_params,
+        embedding_params=shape.embedding_params,
+        head_params=shape.embedding_params,
+        num_layers=shape.num_layers,
+    )

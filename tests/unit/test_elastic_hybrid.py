@@ -12,6 +12,7 @@ import torch
 import megatron_ext.elastic.hybrid_axes  # noqa: F401  (registers the hybrid layer adapters)
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.config.store import MODEL_PRESETS
+from megatron_ext.elastic import slicing
 from megatron_ext.elastic.importance import calibrate
 from megatron_ext.elastic.permute import reorder
 from megatron_ext.elastic.slicing import sliced_state_dict
@@ -58,7 +59,7 @@ def test_attached_full_width_is_the_parent_bitwise(parent):
     assert torch.equal(logits(parent), before)
 
 
-def test_reorder_keeps_logits_and_every_budget_exports_exactly(parent):
+def test_reorder_keeps_logits_and_every_budget_exports_exactly(parent, tmp_path):
     before = logits(parent)
     space = ElasticSpace(parent)
     calibrate(space.axes, [TOKENS], lambda t: parent(t, POSITIONS, None))
@@ -82,6 +83,10 @@ def test_reorder_keeps_logits_and_every_budget_exports_exactly(parent):
         counted = sum(p.numel() for n, p in sub.named_parameters() if "word_embeddings" not in n and "output_layer" not in n)
         embeddings = sizes["hidden"] * VOCAB * 2  # untied input and output embeddings
         assert space.params(sizes) == counted + embeddings, name
+        slicing.save_megatron(tmp_path / name, sub, sub_cfg, VOCAB)
+        loaded, loaded_cfg = slicing.load_megatron(tmp_path / name)
+        assert (loaded_cfg.arch, loaded_cfg.mamba_num_heads, loaded_cfg.num_experts) == ("hybrid", sizes["mamba_heads"], sizes["moe_experts"])
+        assert torch.equal(logits(loaded), elastic), name
 
 
 BAD = {

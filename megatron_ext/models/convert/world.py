@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
-from megatron_ext.models.gpt import build_gpt_model, layer_spec, transformer_config, use_transformer_engine
+from megatron_ext.models.arch import architecture
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.launch import join_world
 
@@ -42,19 +42,20 @@ def model_parallel_world(tp: int = 1, pp: int = 1) -> Iterator[None]:
 
 
 def build_model(cfg: ModelConfig, padded_vocab: int) -> list:
-    """This rank's pipeline stage of the GPTModel for `cfg`, as a one-chunk list, with weights
+    """This rank's pipeline stage of the model for `cfg` (GPT or hybrid, `cfg.arch`), as a one-chunk list, with weights
     left uninitialised: every one of them is loaded next (`load_logical` checks that)."""
     on_cpu = current_device().type == "cpu"
     parallel = ParallelConfig(
         tp=parallel_state.get_tensor_model_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
     )
-    config = transformer_config(cfg, parallel, on_cpu)
+    arch = architecture(cfg)
+    config = arch.transformer_config(cfg, parallel, on_cpu)
     config.perform_initialization = False  # drawing random weights to overwrite them is waste
-    model = build_gpt_model(
+    model = arch.build(
         cfg,
         config,
-        layer_spec(cfg, use_transformer_engine(cfg, on_cpu)),
+        arch.spec(cfg, on_cpu),
         padded_vocab,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),

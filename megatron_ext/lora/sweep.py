@@ -83,9 +83,13 @@ def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]
     parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
     swept = [o.key_or_group for o in parsed if o.is_sweep_override()]
     combinations = [c for batch in BasicSweeper.split_arguments(parsed, None) for c in batch]
-    configs = [compose_config(c) for c in combinations]
-    if "lora" not in configs[0].plugins:
+    try:
+        first = compose_config(combinations[0])
+    except Exception:  # hydra/... overrides, launcher options: Hydra's own multirun handles them
         return None
+    if "lora" not in first.plugins:
+        return None
+    configs = [first] + [compose_config(c) for c in combinations[1:]]
     shared = [k for k in swept if k.split(".")[0] not in JOB_SECTIONS]
     if shared:
         raise ValueError(f"lora sweep: {shared} cannot vary between jobs: a packed sweep trains them all on one base and layout")

@@ -42,6 +42,7 @@ if __name__ == "__main__":
     worker(*sys.argv[1:])
 
 
+@pytest.mark.slow  # two torchrun workers importing megatron: about 30-100 s on the shared 2 cores
 @pytest.mark.distributed
 def test_tp2_equals_tp1_for_every_adapter(one_rank_world, tmp_path):
     from _torchrun import torchrun

@@ -37,7 +37,7 @@ def our_logits(model, routing, mb, slot: int) -> torch.Tensor:
         return model(batch.tokens, batch.position_ids, None)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("job", [JOB, PARTIAL], ids=["all-targets", "qkv-fc1"])
+@pytest.mark.parametrize("job", [JOB, pytest.param(PARTIAL, marks=pytest.mark.slow)], ids=["all-targets", "qkv-fc1"])
 def test_peft_loads_our_adapter_with_the_same_logits(one_rank_world, tmp_path, job):
     pytest.importorskip("peft")
     from peft import PeftModel
@@ -94,6 +94,7 @@ def test_independent_peft_adapters_fuse_exactly(one_rank_world):
     torch.testing.assert_close(x @ a.t() @ b.t(), fuse_qkv(*(y.t() for y in per_projection), LLAMA).t(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow  # dist_checkpointing's save takes seconds; the sweep test covers it too
 def test_megatron_checkpoint_round_trip(one_rank_world, tmp_path):
     model, wrappers, routing = build_base(LLAMA, VOCAB, dtype=torch.float64)
     install_job(wrappers, 0, PARTIAL, {k: v for k, v in random_weights(wrappers, PARTIAL.rank, 1).items() if k[1] in PARTIAL.target_modules})

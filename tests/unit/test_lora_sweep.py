@@ -62,6 +62,7 @@ def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     assert not out.exists()
 
 
+@pytest.mark.slow  # 3 jobs trained and exported, 15 s: the default suite keeps the pieces' tests
 def test_sweep_trains_every_job_and_writes_its_outputs(tmp_path):
     from megatron_ext.lora.export import load_megatron, load_peft
 

@@ -100,10 +100,14 @@ class PrefixKVCache:
         got = self._grads.get(key, {}).pop(start, None)
         return None if got is None else got[:2]
 
-    def release(self, key: Key) -> None:
-        """The sequence's first slice has run backward at this layer: nothing is needed any more."""
-        self._kv.pop(key, None)
-        self._grads.pop(key, None)
+    def done(self, key: Key, start: int) -> None:
+        """The slice at `start` has run backward at this layer; the later slices, which read its
+        K/V, already had: its K/V is not needed any more (nor anything, after the first slice)."""
+        slices = self._kv.get(key, {})
+        slices.pop(start, None)
+        if not slices:
+            self._kv.pop(key, None)
+            self._grads.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._kv) + len(self._grads)
@@ -178,8 +182,7 @@ class _SliceAttention(torch.autograd.Function):
             dk, dv = dk + handed[0], dv + handed[1]
         if start:
             cache.add_prefix_grads(key, dpk, dpv)
-        else:
-            cache.release(key)
+        cache.done(key, start)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -37,5 +37,5 @@ def test_cached_kv_shares_storage_with_saved_tensors():
     out.backward()
     del out
     assert meter.live_bytes == 2 * 5 * 2 * 4 * 4  # still held by the cache
-    cache.release((0, 1))
+    cache.done((0, 1), 0)
     assert meter.live_bytes == 0

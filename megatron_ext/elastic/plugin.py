@@ -12,9 +12,11 @@ the data-parallel replicas. Evaluation runs the full model. At the end, with `ex
 nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
 written, plus `report.json` (losses, budgets drawn, the router's choices).
 
-Layouts: data parallelism of any size; tensor parallelism for the hidden and heads axes (the FFN
-axis needs tp=1); pipeline parallelism is refused (the teacher runs on each rank beside its
-student, which needs the whole model there).
+Layouts: data parallelism of any size (DP=2 is checked equal to one process). Tensor parallelism
+is refused by the FFN axis (each TP rank holds a block of neurons, so a per-rank prefix is not
+the global prefix; the hidden and heads axes themselves slice per rank correctly), pipeline
+parallelism by `setup` (the teacher runs on each rank beside its student). A resumed run
+rebuilds the teacher from the parent's source and the stored orders (written, not yet tested).
 """
 
 from __future__ import annotations

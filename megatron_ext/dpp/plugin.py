@@ -19,9 +19,6 @@ from megatron_ext.plugin import Plugin, register_plugin
 if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
     from megatron_ext.training.trainer import Trainer
 
-POLICIES = ("dpp", "packed", "split", "chunkflow", "dpp_no_balance", "dpp_no_ckpt", "dpp_full_ckpt")
-
-
 @dataclass
 class DppConfig:
     # The longest sequence a step trains on, in tokens; longer documents follow `too_long`.
@@ -33,7 +30,7 @@ class DppConfig:
     # Activation memory per pipeline stage the plan must fit (model states excluded). A budget
     # no plan can meet is refused before the first step, naming the smallest feasible one.
     memory_budget_mb: float = 1024.0
-    # dpp, or a baseline / ablation for comparison (see POLICIES).
+    # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
     policy: str = "dpp"
     # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON); None: fit a quick
     # one on this machine when training starts.
@@ -41,6 +38,8 @@ class DppConfig:
 
 
 def _check(cfg: DppConfig) -> None:
+    from megatron_ext.dpp.planner import POLICIES
+
     if cfg.too_long not in ("truncate", "reject"):
         raise ValueError(f"dpp.too_long: expected truncate or reject, got {cfg.too_long!r}")
     if cfg.policy not in POLICIES:

@@ -6,8 +6,8 @@ DDP and p2p, and save every gradient (by global layer) and the step's loss. The 
 the trainer's model on one process, with megatron's own attention, each sequence forwarded
 whole; its summed token losses over the token count, one backward.
 
-The default run is PP=2 (recompute off and on, one and two groups); PP=3, PP=4 and PP=2 x DP=2
-are marked slow.
+The default run is PP=2 with a hand-made plan (recompute on some chunks, two groups) and with
+the real planner's plan; PP=2 without recompute, PP=3, PP=4 and PP=2 x DP=2 are marked slow.
 """
 
 from __future__ import annotations
@@ -72,25 +72,60 @@ def make_plan(pp: int, recompute: bool, groups: int) -> StepPlan:
     return StepPlan(pp, LENGTHS, CHUNKS, tuple(one_f_one_b(p, pp, count) for p in parts))
 
 
-def documents() -> list[torch.Tensor]:
+# Lengths of a batch the real planner cuts (its slices are at least 64 tokens): sequence 0 in
+# slices, sequence 2 in slices with a hybrid tail, the short ones packed.
+PLANNED_LENGTHS = (300, 40, 90, 25, 18, 12, 60, 130)
+
+
+def planned(pp: int) -> StepPlan:
+    """The DPP planner's plan of PLANNED_LENGTHS under a budget that makes it recompute."""
+    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.planner import plan_step
+
+    cost = CostModel(alpha=2e-5, beta=2e-8, gamma=1e-4, act_bytes_token=6000, ckpt_bytes_token=300,
+                     kv_bytes_token=512, head_bytes_token=1500, state_bytes_param=16, layer_params=50000,
+                     num_layers=layers_per_stage(pp) * pp)
+    return plan_step(PLANNED_LENGTHS, cost, pp, 4e6, "dpp")
+
+
+def documents(lengths) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, VOCAB, (n + 1,), generator=g) for n in LENGTHS]
+    return [torch.randint(0, VOCAB, (n + 1,), generator=g) for n in lengths]
 
 
 def model_config(pp: int):
     return dataclasses.replace(MODEL, num_layers=layers_per_stage(pp) * pp)
 
 
-# (name, world size, pp, recompute, groups)
-CASES = [
-    ("pp2", 2, 2, False, 1),
-    ("pp2_recompute_two_groups", 2, 2, True, 2),
-    ("pp3_recompute", 3, 3, True, 1),
-    ("pp4_recompute_two_groups", 4, 4, True, 2),
-    ("pp4", 4, 4, False, 1),
-    ("pp2_dp2_recompute", 4, 2, True, 1),
-]
-SLOW_WORLDS = (3, 4)
+# name: (world size, pp, plan): `hand` plans recompute (chunk + stage) % 3 layers or none;
+# `planned` is the real planner's; `dp2` gives each of two replicas its own share and plan.
+CASES = {
+    "pp2": (2, 2, "hand"),
+    "pp2_recompute_two_groups": (2, 2, "hand_recompute_two_groups"),
+    "pp2_planned": (2, 2, "planned"),
+    "pp3_recompute": (3, 3, "hand_recompute"),
+    "pp3_planned": (3, 3, "planned"),
+    "pp4_recompute_two_groups": (4, 4, "hand_recompute_two_groups"),
+    "pp4": (4, 4, "hand"),
+    "pp4_planned": (4, 4, "planned"),
+    "pp2_dp2_recompute": (4, 2, "dp2_recompute"),
+}
+DEFAULT = ("pp2_recompute_two_groups", "pp2_planned")
+
+
+def case_lengths(name: str) -> tuple[int, ...]:
+    return PLANNED_LENGTHS if CASES[name][2] == "planned" else LENGTHS
+
+
+def case_plan(name: str, mine: list[int]) -> StepPlan:
+    _, pp, kind = CASES[name]
+    if kind == "planned":
+        return planned(pp)
+    if kind.startswith("dp2"):
+        return share_plan(mine, pp, recompute=True)
+    return make_plan(pp, "recompute" in kind, 2 if "two_groups" in kind else 1)
+
+
 
 
 # --- the worker: one rank of a torchrun world ------------------------------------------------
@@ -112,7 +147,7 @@ def global_grads(model_chunks) -> dict[str, torch.Tensor]:
     return grads
 
 
-def worker(out_dir: str, world: int) -> None:
+def worker(out_dir: str, world: int, only: tuple[str, ...] = ()) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -125,10 +160,11 @@ def worker(out_dir: str, world: int) -> None:
     from megatron_ext.training.trainer import Trainer
 
     join_world("cpu")
-    docs = documents()
-    for name, case_world, pp, recompute, groups in CASES:
-        if case_world != world:
+    for name, (case_world, pp, _) in CASES.items():
+        if case_world != world or (only and name not in only):
             continue
+        lengths = case_lengths(name)
+        docs = documents(lengths)
         plugin = DppPlugin()
         # Whole reduced grads on every replica (the distributed optimizer keeps only its shard).
         parallel = ParallelConfig(pp=pp, use_distributed_optimizer=False)
@@ -137,8 +173,8 @@ def worker(out_dir: str, world: int) -> None:
         trainer.vocab_size = VOCAB
         trainer.model = trainer._build_model(load_pretrained=False)
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        mine = dp_share(LENGTHS, dp, dp_rank) if dp > 1 else list(range(len(LENGTHS)))
-        plan = make_plan(pp, recompute, groups) if dp == 1 else share_plan(mine, pp, recompute)
+        mine = dp_share(lengths, dp, dp_rank)
+        plan = case_plan(name, mine)
         validate_plan(plan, [layers_per_stage(pp)] * pp)
         losses = plugin.step(PlannedBatch(plan, tuple(docs[i] for i in mine)), forward_step, trainer.model)
         loss = reduce_loss(losses)
@@ -170,13 +206,13 @@ def share_plan(mine: list[int], pp: int, recompute: bool) -> StepPlan:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]))
+    worker(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[3:]))
 
 
 # --- the test --------------------------------------------------------------------------------
 
 
-def reference(pp: int) -> tuple[dict[str, torch.Tensor], float]:
+def reference(pp: int, lengths) -> tuple[dict[str, torch.Tensor], float]:
     """Gradients and loss of the whole batch on one process with megatron's own attention."""
     import torch.distributed as dist
 
@@ -194,8 +230,8 @@ def reference(pp: int) -> tuple[dict[str, torch.Tensor], float]:
         trainer.vocab_size = VOCAB
         trainer.model = trainer._build_model(load_pretrained=False)
         model = trainer.model[0]
-        docs, total, tokens = documents(), 0.0, sum(LENGTHS)
-        for i, n in enumerate(LENGTHS):
+        docs, total, tokens = documents(lengths), 0.0, sum(lengths)
+        for i, n in enumerate(lengths):
             batch = chunk_inputs(Chunk(0, "packed", (S(i, 0, n),)), docs)
             loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
             loss.backward()
@@ -207,25 +243,40 @@ def reference(pp: int) -> tuple[dict[str, torch.Tensor], float]:
         dist.destroy_process_group()
 
 
+def launch_of(name: str) -> tuple[int, tuple[str, ...]]:
+    """(world size, the cases one torchrun launch runs): the default cases run together, the
+    slow ones by world size."""
+    world = CASES[name][0]
+    if name in DEFAULT:
+        return world, DEFAULT
+    return world, tuple(n for n, c in CASES.items() if c[0] == world and n not in DEFAULT)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launched(tmp_path_factory):
     from _torchrun import torchrun
 
     out = tmp_path_factory.mktemp("dpp_runtime")
-    return out, torchrun
+    done = set()
+
+    def run(name: str) -> Path:
+        world, names = launch_of(name)
+        if names not in done:
+            torchrun(__file__, world, str(out), str(world), *names)
+            done.add(names)
+        return out
+
+    return run
 
 
-def _launch(runs, world: int) -> Path:
-    out, torchrun = runs
-    marker = out / f"world{world}.done"
-    if not marker.exists():
-        torchrun(__file__, world, str(out), str(world))
-        marker.touch()
-    return out
-
-
-def _check(out: Path, name: str, world: int, pp: int) -> None:
-    ref_grads, ref_loss = reference(pp)
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[] if n in DEFAULT else [pytest.mark.slow]) for n in CASES]
+)
+def test_dpp_step_equals_single_process_reference(launched, name):
+    out = launched(name)
+    world, pp, _ = CASES[name]
+    ref_grads, ref_loss = reference(pp, case_lengths(name))
     seen = set()
     for rank in range(world):
         got = torch.load(out / f"{name}_rank{rank}.pt")
@@ -235,17 +286,3 @@ def _check(out: Path, name: str, world: int, pp: int) -> None:
             torch.testing.assert_close(grad, ref_grads[key], rtol=1e-5, atol=1e-6, msg=f"{name}: grad of {key}")
             seen.add(key)
     assert seen == set(ref_grads), f"{name}: parameters without a checked gradient: {set(ref_grads) - seen}"
-
-
-def _params(world_filter):
-    return [
-        pytest.param(name, world, pp, marks=[pytest.mark.slow] if world in SLOW_WORLDS else [], id=name)
-        for name, world, pp, _, _ in CASES
-        if world_filter(world)
-    ]
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("name,world,pp", _params(lambda w: True))
-def test_dpp_step_equals_single_process_reference(runs, name, world, pp):
-    _check(_launch(runs, world), name, world, pp)

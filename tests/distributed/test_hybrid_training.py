@@ -1,10 +1,11 @@
-"""The hybrid Mamba2 / attention / MLP / MoE model trains with the Trainer, and tensor
-parallelism changes nothing but the order of reductions.
+"""The hybrid Mamba2 / attention / MLP / MoE model trains with the Trainer, and tensor or
+pipeline parallelism changes nothing but the order of reductions.
 
 Reference: a single-rank run of the same config. Every layout starts from the same weights
 (layout-independent init, which also draws the mixer's conv and state parameters per logical
 tensor) and reads the same batches, so a TP=2 run whose mixer cut heads, groups, conv channels
-or the gated norm wrongly would diverge from it. The TP=2 checkpoint, resumed at TP=1, checks
+or the gated norm wrongly would diverge from it, and so would a PP=2 run whose Mamba layers
+were drawn or placed by the wrong layer index. The TP=2 checkpoint, resumed at TP=1, checks
 that the mixer's split checkpoint layout (in_proj.weight.{z,x,B,C,dt}, conv1d.*.{x,B,C})
 reassembles across TP sizes.
 """
@@ -55,10 +56,20 @@ def test_hybrid_moe_trains(data_cache):
     assert len(losses) == ITERS and losses[-1] < losses[0] - 0.5, losses
 
 
+# name -> (overrides, workers)
+LAYOUTS = {"tp2": (["parallel.tp=2"], 2), "pp2": (["parallel.pp=2"], 2)}
+
+
 @pytest.mark.slow
-def test_tp2_matches_single_rank_and_resumes_at_tp1(single_rank, data_cache, tmp_path):
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_rank(name, single_rank, data_cache):
+    overrides, nproc = LAYOUTS[name]
+    assert train(data_cache, *DENSE, *overrides, nproc=nproc) == pytest.approx(single_rank, abs=LOSS_ATOL)
+
+
+@pytest.mark.slow
+def test_tp2_checkpoint_resumes_at_tp1(single_rank, data_cache, tmp_path):
     save = [f"checkpoint.save={tmp_path}", f"checkpoint.interval={ITERS // 2}"]
-    tp2 = train(data_cache, *DENSE, "parallel.tp=2", *save, nproc=2)
-    assert tp2 == pytest.approx(single_rank, abs=LOSS_ATOL)
+    train(data_cache, *DENSE, "parallel.tp=2", *save, nproc=2)
     resumed = train(data_cache, *DENSE, f"checkpoint.load={tmp_path}", f"checkpoint.step={ITERS // 2}")
     assert resumed == pytest.approx(single_rank[ITERS // 2 :], abs=LOSS_ATOL)

@@ -33,6 +33,9 @@ BUDGETS = {
     "50": {"hidden": 32, "heads": 2, "ffn": 64, "mamba_heads": 4, "mamba_head_dim": 8, "moe_experts": 2, "moe_ffn": 32},
 }
 
+# The budget also saved as a megatron checkpoint and loaded back (one: saving costs seconds).
+ROUND_TRIP = "50"
+
 
 def build(cfg=PARENT):
     config = hybrid_transformer_config(cfg, ParallelConfig(), on_cpu=True)
@@ -83,10 +86,11 @@ def test_reorder_keeps_logits_and_every_budget_exports_exactly(parent, tmp_path)
         counted = sum(p.numel() for n, p in sub.named_parameters() if "word_embeddings" not in n and "output_layer" not in n)
         embeddings = sizes["hidden"] * VOCAB * 2  # untied input and output embeddings
         assert space.params(sizes) == counted + embeddings, name
-        slicing.save_megatron(tmp_path / name, sub, sub_cfg, VOCAB)
-        loaded, loaded_cfg = slicing.load_megatron(tmp_path / name)
-        assert (loaded_cfg.arch, loaded_cfg.mamba_num_heads, loaded_cfg.num_experts) == ("hybrid", sizes["mamba_heads"], sizes["moe_experts"])
-        assert torch.equal(logits(loaded), elastic), name
+        if name == ROUND_TRIP:
+            slicing.save_megatron(tmp_path, sub, sub_cfg, VOCAB)
+            loaded, loaded_cfg = slicing.load_megatron(tmp_path)
+            assert (loaded_cfg.arch, loaded_cfg.mamba_num_heads, loaded_cfg.num_experts) == ("hybrid", 4, 2)
+            assert torch.equal(logits(loaded), elastic)
 
 
 BAD = {

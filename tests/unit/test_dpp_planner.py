@@ -1,0 +1,50 @@
+"""DPP planner and baselines: every policy yields a valid plan of the whole batch that runs to
+the end in the simulator; DPP plans hold split, packed and hybrid chunks when the batch calls for
+them; ablations do what their names say; bad policy names and static policies without their
+tuned configuration are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.dpp.planner import POLICIES, STATIC_POLICIES, plan_step, plan_step_info, tune_static
+from megatron_ext.dpp.simulate import check_plan, simulate
+from tests.unit._dpp_cases import TOY
+
+LENGTHS = [700, 300, 120, 90, 60, 40, 33, 20, 12, 9, 5, 3]
+LAYERS = (2, 2)
+BUDGET = TOY.model_state_bytes(2, True, True) + 4e6
+CONTEXT = 1024
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_plans_the_whole_batch(policy):
+    static = tune_static(policy, LENGTHS[::-1], TOY, 2, BUDGET, CONTEXT, LAYERS) if policy in STATIC_POLICIES else None
+    plan, info = plan_step_info(LENGTHS, TOY, 2, BUDGET, policy, layers=LAYERS, static=static, k_candidates=(1, 2, 4, 8))
+    check_plan(plan, LAYERS)
+    sim = simulate(plan, TOY, LAYERS, BUDGET)
+    assert sim.iter_s == pytest.approx(info.predicted_iter_s)
+    rec = [o.recompute for g in plan.groups for ops in g.ops for o in ops if o.kind == "F"]
+    if policy == "dpp_no_ckpt":
+        assert set(rec) == {0}
+    if policy == "dpp_full_ckpt":
+        assert set(rec) == {2}
+    if policy.startswith("dpp"):
+        assert not any(sim.oom)
+
+
+def test_dpp_plan_mixes_split_packed_and_hybrid_chunks():
+    plan = plan_step(LENGTHS, TOY, 2, BUDGET, "dpp", layers=LAYERS, k_candidates=(4,))
+    assert {c.kind for c in plan.chunks} == {"split", "packed", "hybrid"}
+    # execution order: first-stage forwards run chunk 0, 1, 2, ...
+    assert [o.chunk for g in plan.groups for o in g.ops[0] if o.kind == "F"] == list(range(len(plan.chunks)))
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda: plan_step(LENGTHS, TOY, 2, BUDGET, "fastest", layers=LAYERS), "unknown policy"),
+    (lambda: plan_step(LENGTHS, TOY, 2, BUDGET, "split", layers=LAYERS), "StaticConfig"),
+    (lambda: plan_step([], TOY, 2, BUDGET, "dpp", layers=LAYERS), "at least one sequence"),
+])
+def test_bad_requests_are_refused(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()

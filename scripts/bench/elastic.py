@@ -1,0 +1,271 @@
+"""Benchmark: nested elastic submodels from one distillation run vs pruning + distilling each
+size separately, and think-small / answer-large generation.
+
+    python scripts/bench/elastic.py --json OUT.json [--plot OUT.png] [--steps 200] [--parent-steps 1000]
+
+Parent: a tiny dense LLaMA-style GPT (megatron GPTModel, local spec), first trained briefly with
+next-token loss on a synthetic addition task with a `<think>` scratchpad (digit-wise sums with
+carries, then the answer), so the teacher is not random. The elastic run distils budgets
+100/75/50 % of the parameters in `--steps` steps (the router picks each budget's sizes); the
+baseline prunes the reordered parent to the same sizes and distils each size alone for the same
+number of steps and tokens (N budgets: N times the elastic run's tokens). Both see the same
+batches. Reported per budget: parameters, held-out next-token loss (elastic and baseline),
+held-out KD loss, median forward latency of the exported model, tokens spent. The thinking curve:
+answer accuracy and answer loss vs wall time over thinking budgets, for think-50% / answer-100%,
+100% / 100% and 50% / 50%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_ext.platform import cpu_compat
+
+END_THINK, THINK, PLUS, EQUALS, SEP, EOS, PAD = 13, 12, 10, 11, 14, 15, 16
+VOCAB, DIGITS = 17, 3
+PROMPT_LEN = 2 * DIGITS + 2
+SEQ = 32  # prompt 8 + think 2 + 6 per digit + answer 4 + EOS = 33 tokens
+
+
+def example(a: int, b: int) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, thought, answer) token lists of a + b."""
+    da, db = [int(c) for c in f"{a:0{DIGITS}d}"], [int(c) for c in f"{b:0{DIGITS}d}"]
+    thought, carry = [THINK], 0
+    for x, y in zip(reversed(da), reversed(db)):
+        s = x + y + carry
+        thought += [x, y, carry, s // 10, s % 10, SEP]
+        carry = s // 10
+    thought.append(END_THINK)
+    answer = [int(c) for c in f"{a + b:0{DIGITS + 1}d}"] + [EOS]
+    return da + [PLUS] + db + [EQUALS], thought, answer
+
+
+def batch(seed: int, size: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for a, b in torch.randint(0, 10**DIGITS, (size, 2), generator=g).tolist():
+        p, t, ans = example(a, b)
+        rows.append(p + t + ans)
+    ids = torch.tensor(rows)
+    mask = torch.ones(size, SEQ)
+    mask[:, : PROMPT_LEN - 1] = 0  # the operands are random: only the thought and answer are learnable
+    return {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask, "position_ids": torch.arange(SEQ)[None].expand(size, -1)}
+
+
+def ce_loss(model, batches: list[dict]) -> float:
+    total = count = 0.0
+    with torch.no_grad():
+        for b in batches:
+            logits = model.eval()(b["tokens"], b["position_ids"], None)[..., :VOCAB]
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
+            total += float((ce * b["loss_mask"].flatten()).sum())
+            count += float(b["loss_mask"].sum())
+    return total / count
+
+
+def train_ce(model, steps: int, batch_size: int, lr: float) -> None:
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        b = batch(10_000 + step, batch_size)
+        logits = model(b["tokens"], b["position_ids"], None)[..., :VOCAB]
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
+        loss = (ce * b["loss_mask"].flatten()).sum() / b["loss_mask"].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def train_kd(model, teacher, steps: int, batch_size: int, lr: float) -> None:
+    """The baseline: one pruned model distilled alone (forward KL, same data and steps)."""
+    from megatron_ext.elastic.distill import kd_per_token
+
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        b = batch(step, batch_size)
+        with torch.no_grad():
+            t = teacher(b["tokens"], b["position_ids"], None)
+        kd = kd_per_token(model(b["tokens"], b["position_ids"], None), t, 1.0, VOCAB)
+        loss = (kd * b["loss_mask"]).sum() / b["loss_mask"].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def latency(model, repeats: int = 20) -> float:
+    tokens = torch.randint(0, VOCAB, (8, 256), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(256)[None].expand(8, -1)
+    times = []
+    with torch.no_grad():
+        model.eval()
+        for i in range(repeats + 3):
+            start = time.perf_counter()
+            model(tokens, positions, None)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def thinking_curve(model, space, sizes: dict, prompts: int, think_budgets: list[int]) -> list[dict]:
+    """Answer accuracy / loss and wall time per thinking budget, for three (think, answer) pairs."""
+    from megatron_ext.elastic.generate import generate_elastic
+
+    pairs = {"think50-answer100": ("50", "100"), "think100-answer100": ("100", "100"), "think50-answer50": ("50", "50")}
+    rows = []
+    g = torch.Generator().manual_seed(777)
+    cases = [example(a, b) for a, b in torch.randint(0, 10**DIGITS, (prompts, 2), generator=g).tolist()]
+    for name, (think, answer) in pairs.items():
+        for budget in think_budgets:
+            correct, seconds, loss = 0, 0.0, 0.0
+            for prompt, _, truth in cases:
+                out = generate_elastic(model, space, prompt, VOCAB, sizes[think], sizes[answer], END_THINK, budget, len(truth), (EOS,))
+                correct += out.answer == truth
+                seconds += sum(p.seconds for p in out.phases.values())
+                with space.at(sizes[answer]), torch.no_grad():
+                    ids = torch.tensor([prompt + out.trace + truth])
+                    logits = model(ids[:, :-1], torch.arange(ids.shape[1] - 1)[None], None)[0, -len(truth) :, :VOCAB]
+                    loss += float(torch.nn.functional.cross_entropy(logits, ids[0, -len(truth) :]))
+            rows.append({"pair": name, "think_budget": budget, "accuracy": correct / prompts,
+                         "answer_loss": loss / prompts, "seconds_per_prompt": seconds / prompts})
+    return rows
+
+
+def run(args) -> dict:
+    from megatron_ext.config.schema import ModelConfig
+    from megatron_ext.elastic import slicing
+    from megatron_ext.elastic.distill import CurriculumConfig, Distiller, train_plain
+    from megatron_ext.elastic.importance import calibrate
+    from megatron_ext.elastic.permute import reorder
+    from megatron_ext.elastic.plugin import default_grid
+    from megatron_ext.elastic.router import BudgetRouter, RouterConfig, check_budgets
+    from megatron_ext.elastic.space import ElasticSpace
+    from megatron_ext.models.convert.world import build_model
+    from megatron_ext.models.init import init_weights_layout_independent
+
+    parent_cfg = ModelConfig(
+        name="elastic_bench", num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=8,
+        num_query_groups=4, seq_length=256, vocab_size=VOCAB, tie_embeddings=True, spec="local",
+    )
+    padded = 128
+
+    def fresh():
+        (m,) = build_model(parent_cfg, padded)
+        init_weights_layout_independent([m], m.config, args.seed)
+        return m
+
+    t0 = time.perf_counter()
+    student = fresh()
+    train_ce(student, args.parent_steps, args.batch, 3e-3)
+    held = [batch(50_000 + i, args.batch) for i in range(4)]
+    parent_loss = ce_loss(student, held)
+    space = ElasticSpace(student)
+    calibrate(space.axes, [b["tokens"] for b in held[:2]], lambda t: student(t, torch.arange(SEQ)[None].expand(t.shape[0], -1), None))
+    reorder(space.axes)
+    teacher = fresh()
+    teacher.load_state_dict(student.state_dict())
+    teacher.eval().requires_grad_(False)
+    pruned_from = {k: v.clone() for k, v in student.state_dict().items() if isinstance(v, torch.Tensor)}
+    budgets = [1.0, 0.75, 0.5]
+    grid = default_grid(space, 8)
+    check_budgets(space, grid, budgets, 0.05)
+    router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
+    curriculum = CurriculumConfig(budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2])
+    distiller = Distiller(space, teacher, router, curriculum, VOCAB)
+    kd_before = {b: distiller.heldout_kd(student, held, router.select(i)) for i, b in enumerate(budgets)}
+    train_plain(distiller, student, lambda step: [batch(step, args.batch)], args.steps, args.lr)
+    choices = {f"{round(b * 100)}": router.select(i) for i, b in enumerate(budgets)}
+    tokens_per_run = args.steps * args.batch * SEQ
+    full_params = slicing.param_count(slicing.export_submodel(student, parent_cfg, space, choices["100"], padded)[0])
+    rows = []
+    for i, b in enumerate(budgets):
+        name = f"{round(b * 100)}"
+        sub, _ = slicing.export_submodel(student, parent_cfg, space, choices[name], padded, name)
+        base = fresh()
+        base.load_state_dict(pruned_from, strict=False)
+        base_space = ElasticSpace(base)
+        pruned, _ = slicing.export_submodel(base, parent_cfg, base_space, choices[name], padded, name)
+        train_kd(pruned, teacher, args.steps, args.batch, args.lr)
+        params = slicing.param_count(sub)
+        rows.append({
+            "budget": b, "sizes": choices[name], "params_total": params, "params_active": params,
+            "params_fraction": params / full_params,
+            "heldout_loss": ce_loss(sub, held), "baseline_heldout_loss": ce_loss(pruned, held),
+            "kd_loss": distiller.heldout_kd(student, held, choices[name]), "kd_loss_before": kd_before[b],
+            "latency_s": latency(sub), "tokens_elastic": tokens_per_run, "tokens_baseline": tokens_per_run,
+        })
+    curve = thinking_curve(student, space, choices, args.prompts, [0, 6, 12, 20])
+    full_latency = rows[0]["latency_s"]
+    return {
+        "parent": "dense GPT (megatron GPTModel, local spec): " + json.dumps(dataclasses.asdict(parent_cfg)),
+        "parent_heldout_loss": parent_loss,
+        "steps": args.steps, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
+        "budgets": rows,
+        "thinking": curve,
+        "targets": {
+            "heldout_within_2pct_of_baseline": {f"{r['budget']:g}": r["heldout_loss"] <= 1.02 * r["baseline_heldout_loss"] for r in rows},
+            "elastic_tokens_at_most_baseline_total_over_n": tokens_per_run <= sum(r["tokens_baseline"] for r in rows) / len(rows),
+            "latency_50_at_most_0.6x_full": rows[-1]["latency_s"] <= 0.6 * full_latency,
+            "latency_50_over_full": rows[-1]["latency_s"] / full_latency,
+        },
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = result["budgets"]
+    params = [r["params_total"] for r in rows]
+    ax1.plot(params, [r["heldout_loss"] for r in rows], "o-", label="nested (one elastic run)")
+    ax1.plot(params, [r["baseline_heldout_loss"] for r in rows], "s--", label="pruned + distilled separately")
+    ax1.set_xlabel("parameters")
+    ax1.set_ylabel("held-out loss")
+    ax1.legend()
+    for pair in dict.fromkeys(r["pair"] for r in result["thinking"]):
+        pts = [r for r in result["thinking"] if r["pair"] == pair]
+        ax2.plot([r["seconds_per_prompt"] for r in pts], [r["answer_loss"] for r in pts], "o-", label=pair)
+    ax2.set_xlabel("wall time per prompt (s), thinking budgets 0..20")
+    ax2.set_ylabel("answer loss")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--plot")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--parent-steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cpu_compat.apply()
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    with model_parallel_world():
+        result = run(args)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps({k: result[k] for k in ("budgets", "targets")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -107,3 +107,70 @@ class Timeline:
 
     def clear(self) -> None:
         self.records.clear()
+
+
+def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int] = (192, 384, 768)):
+    """`cost` with its activation terms fitted to this runtime (collective over the world):
+    each stage forwards one whole sequence of T tokens with none and with all of its layers
+    recomputed (random input on later stages, no pipeline), and the meter's bytes held until
+    backward give bytes/token of a kept layer, of a recomputed layer, and of the stage itself
+    (its RoPE table; the output layer and loss on the last stage). Returns (model, fit details)."""
+    import dataclasses
+
+    import numpy as np
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    from megatron_ext.dpp.batch import chunk_inputs
+    from megatron_ext.dpp.plan import Chunk, Segment
+
+    model = model_chunks[0]
+    config = get_model_config(model)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    layers = len(get_attr_wrapped_model(model, "decoder").layers)
+    meter = ActivationMeter(model_chunks)
+    rows = []
+    for n_tokens in tokens:
+        for recompute in (0, layers):
+            chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
+            batch = chunk_inputs(chunk, [torch.randint(0, 256, (n_tokens + 1,))])
+            x = None if first else torch.randn(n_tokens, 1, config.hidden_size, requires_grad=True)
+            get_attr_wrapped_model(model, "set_input_tensor")([x])
+            context.enter(chunk.segments, (n_tokens,))
+            config.recompute_num_layers = recompute
+            with meter.track(0):
+                out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            rows.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, recompute, layers, meter.live_bytes))
+            if last:
+                out.sum().backward()
+            else:
+                out.backward(torch.randn_like(out))
+            context.leave()
+    config.recompute_num_layers = 0
+    for m in model_chunks:
+        m.zero_grad_buffer()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    rows = [r for part in gathered for r in part]
+    stages = sorted({r[0] for r in rows})
+    # bytes = T * (stage term + (L - r) * kept layer + r * recomputed layer)
+    X = np.array([[t * (s == p) for p in stages] + [t * (n - r), t * r] for s, t, r, n, _ in rows], dtype=float)
+    y = np.array([b for *_, b in rows], dtype=float)
+    coef = np.linalg.lstsq(X, y, rcond=None)[0]
+    stage_terms, kept, recomputed = coef[: len(stages)], coef[-2], coef[-1]
+    n = rows[0][3]
+    kv_dim = config.kv_channels * (config.num_query_groups or config.num_attention_heads)
+    # The cost model has a stage term on the last stage only (the head): the first stage's
+    # term (its RoPE table and token ids) is spread over the layers, which keeps every
+    # (layers, recompute) combination exact for stages of equal depth.
+    fitted = dataclasses.replace(
+        cost,
+        act_bytes_token=kept + stage_terms[0] / n,
+        act_bytes_attn=0.0,
+        ckpt_bytes_token=recomputed + stage_terms[0] / n,
+        kv_bytes_token=2 * kv_dim * torch.finfo(config.params_dtype).bits // 8,
+        head_bytes_token=stage_terms[-1] - stage_terms[0],
+    )
+    return fitted, {"rows": rows, "kept_layer_bytes_token": kept, "recomputed_layer_bytes_token": recomputed,
+                    "stage_bytes_token": list(stage_terms)}

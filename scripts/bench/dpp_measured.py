@@ -1,0 +1,259 @@
+"""DPP measured benchmark: real PP=2 steps on 2 CPU workers, every policy on the same batches.
+
+    python scripts/bench/dpp_measured.py --json scripts/bench/results/dpp_measured.json
+
+A LLaMA-style model (the llama_tiny preset, byte tokenizer) trains on real text of the default
+corpus (the Python standard library). Its byte-tokenised files are mostly longer than a CPU-sized
+context, so by default each global batch draws its lengths from the reference's GitHub-like
+lognormal truncated at `--max-seq-len` and takes each as the prefix of a real document
+(`--dist corpus`: whole documents as they are, truncated). The time terms of
+the cost model come from `megatron_ext.dpp.calibrate` (megatron layers timed on this machine);
+its activation-memory terms are fitted here, per stage, from single-chunk forwards of the
+real stage models counted by the runtime's meter (no pipeline, other chunk sizes than the
+benchmark's), so that `predicted_act_bytes` is a prediction, not a replay. Every policy plans
+the same global batches under the same per-stage budget; each runs them through the DPP runtime
+(megatron's p2p, DDP, block recompute). A record: policy, iter_s (median forward-backward of
+a step, the optimizer step excluded: it is the same for every policy), peak_act_bytes (max over
+stages and steps, counted exactly with saved-tensor hooks), budget_bytes (activations),
+predicted_act_bytes (the planner's cost model for the same plans).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+POLICIES = ("dpp", "packed", "split", "chunkflow", "dpp_no_balance", "dpp_no_ckpt", "dpp_full_ckpt")
+
+
+# --- worker: one rank of the PP=2 run ----------------------------------------------------------
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.config.schema import Config, ParallelConfig, TrainConfig
+    from megatron_ext.config.store import MODEL_PRESETS
+    from megatron_ext.dpp.batch import DocumentBatches
+    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.memory import ActivationMeter, Timeline, fit_activation_bytes
+    from megatron_ext.dpp.plugin import DppConfig, DppPlugin, StepPlanner, _dataset_prefix
+    from megatron_ext.dpp.runtime import DppStep
+    from megatron_ext.dpp.simulate import memory_peaks
+    from megatron_ext.platform.launch import join_world
+    from megatron_ext.training.step import forward_step
+    from megatron_ext.training.trainer import Trainer
+
+    join_world("cpu")
+    rank = dist.get_rank()
+    model = dataclasses.replace(MODEL_PRESETS[args.model], seq_length=256)
+    plugin = DppPlugin(DppConfig(max_seq_len=args.max_seq_len, docs_per_batch=args.docs, cost_model=args.cost_model))
+    cfg = Config(model=model, parallel=ParallelConfig(pp=2, use_distributed_optimizer=False),
+                 train=TrainConfig(iters=1, eval_interval=0), plugins=["dpp"])
+    trainer = Trainer(cfg, [plugin])
+    trainer.setup()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    dataset = IndexedDataset(_dataset_prefix(trainer))
+    if args.dist == "corpus":
+        documents = DocumentBatches(dataset, args.docs, args.max_seq_len, "truncate", args.seed)
+        batches = [b for _, b in zip(range(args.batches), documents)]
+    else:
+        batches = skewed_batches(dataset, args)
+    cost, fit = fit_activation_bytes(trainer.model, plugin.context, CostModel.from_json(args.cost_model))
+    layers = [model.num_layers // 2] * 2
+    states = [cost.model_state_bytes(layers[p], p == 0, p == 1) for p in range(2)]
+
+    def planner(policy: str, act_budget: float) -> StepPlanner:
+        return StepPlanner(DppConfig(max_seq_len=args.max_seq_len, policy=policy, memory_budget_mb=(max(states) + act_budget) / 2**20),
+                           model.num_layers, 2, cost)
+
+    if args.act_budget_mb:
+        act_budget = args.act_budget_mb * 2**20
+    else:  # binding: a fraction of what the batches need without any recompute
+        free = planner("dpp_no_ckpt", 1e15)
+        need = max(max(p - s for p, s in zip(memory_peaks(free.plan(b).plan, cost, layers), states)) for b in batches)
+        act_budget = args.budget_fraction * need
+    meter, timeline = ActivationMeter(trainer.model), Timeline()
+    step = DppStep(plugin.context, meter, timeline)
+    records, timelines, planned_first = [], {}, {}
+    for policy in args.policies:
+        try:
+            p = planner(policy, act_budget)
+            planned = [p.plan(b) for b in batches]
+        except ValueError as refused:
+            records.append(dict(policy=policy, iter_s=None, peak_act_bytes=None, budget_bytes=act_budget,
+                                predicted_act_bytes=None, infeasible=True, reason=str(refused)))
+            continue
+        times, peaks = [], []
+        planned_first[policy] = planned[0].plan
+        for i, pb in enumerate([planned[0], *planned]):  # the first run of batch 0 warms up
+            for m in trainer.model:
+                m.zero_grad_buffer()
+            meter.reset_peak()
+            timeline.clear()
+            dist.barrier()
+            t = time.perf_counter()
+            step(pb, forward_step, trainer.model)
+            dist.barrier()
+            if i:
+                times.append(time.perf_counter() - t)
+                peaks.append(meter.peak_bytes)
+                if i == 1:
+                    timelines[policy] = list(timeline.records)
+        measured = [None] * dist.get_world_size()
+        dist.all_gather_object(measured, (stage, max(peaks)))
+        per_stage = [max(b for s, b in measured if s == p) for p in range(2)]
+        predicted = [max(memory_peaks(pb.plan, cost, layers)[p] - states[p] for pb in planned) for p in range(2)]
+        rec = dict(
+            policy=policy, iter_s=statistics.median(times), iter_s_all=times,
+            peak_act_bytes=max(per_stage), peak_act_bytes_per_stage=per_stage,
+            budget_bytes=act_budget, predicted_act_bytes=max(predicted), predicted_act_bytes_per_stage=predicted,
+            fits=all(b <= act_budget for b in per_stage), infeasible=False,
+            chunks=[len(pb.plan.chunks) for pb in planned], groups=[len(pb.plan.groups) for pb in planned],
+            recomputed_layers=[sum(o.recompute for g in pb.plan.groups for o in g.ops[stage]) for pb in planned],
+        )
+        records.append(rec)
+        if rank == 0:
+            print(f"{policy:15s} iter {rec['iter_s']:6.2f}s  peak act {max(per_stage) / 2**20:7.1f} MiB "
+                  f"(predicted {max(predicted) / 2**20:7.1f}, budget {act_budget / 2**20:7.1f})", flush=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, timelines)
+    if rank == 0:
+        lengths = [[len(d) - 1 for d in b] for b in batches]
+        Path(args.worker_out).write_text(json.dumps({
+            "records": records, "lengths": lengths, "memory_fit": fit, "cost_model": dataclasses.asdict(cost),
+            "timelines": {pol: _from_zero([r for g in gathered for r in g.get(pol, [])]) for pol in args.policies},
+        }))
+        if args.plot:
+            plot(args.plot, planned_first, gathered, cost)
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def skewed_batches(dataset, args) -> list:
+    """Global batches whose lengths follow a length distribution of the reference (`--dist`,
+    truncated at the context): each length is the prefix of a real document at least that
+    long, so the tokens are real text."""
+    import numpy as np
+    import torch
+
+    from megatron_ext.dpp.lengths import get_distribution, sample_batch
+
+    rng = np.random.default_rng(args.seed)
+    order = iter(np.random.default_rng(args.seed + 1).permutation(len(dataset)).tolist() * 1000)
+    batches = []
+    for _ in range(args.batches):
+        lengths = sample_batch(get_distribution(args.dist), args.docs, args.max_seq_len, rng).lengths
+        docs = []
+        for n in lengths:
+            doc = np.asarray(dataset[next(order)])
+            while len(doc) < n + 1:
+                doc = np.asarray(dataset[next(order)])
+            docs.append(torch.from_numpy(doc[: n + 1].astype(np.int64)))
+        batches.append(docs)
+    return batches
+
+
+def plot(path: str, planned: dict, timelines: list, cost) -> None:
+    """Gantt charts of the measured first step of dpp and of the static policies."""
+    from megatron_ext.dpp.gantt import TimedOp, save
+
+    panels = []
+    for policy in ("dpp", "packed", "split", "chunkflow"):
+        if policy not in planned:
+            continue
+        plan = planned[policy]
+        records = _from_zero([r for g in timelines for r in g.get(policy, [])])
+        ops = [TimedOp(st, kind, c, a, b, r * cost.layer_forward_s(plan.chunks[c]) if kind == "B" else 0.0)
+               for st, kind, c, r, a, b in records]
+        end = max(o.end for o in ops)
+        panels.append((ops, plan, f"{policy} (measured, PP=2 on CPU): step {end:.1f}s"))
+    save(path, panels)
+
+
+def _from_zero(records: list) -> list:
+    origin = min((r[4] for r in records), default=0.0)
+    return [(*r[:4], r[4] - origin, r[5] - origin) for r in records]
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def summary(records: list[dict]) -> dict:
+    ok = {r["policy"]: r for r in records if not r["infeasible"] and r["fits"]}
+    static = [r for p, r in ok.items() if p in ("packed", "split", "chunkflow")]
+    out = {}
+    if "dpp" in ok and static:
+        best = min(static, key=lambda r: r["iter_s"])
+        out["dpp_speedup_over_best_fitting_static"] = best["iter_s"] / ok["dpp"]["iter_s"]
+        out["best_fitting_static"] = best["policy"]
+        out["speedup_target_1.15_met"] = out["dpp_speedup_over_best_fitting_static"] >= 1.15
+    errors = [abs(r["predicted_act_bytes"] / r["peak_act_bytes"] - 1) for r in records if not r["infeasible"]]
+    if errors:
+        out["act_bytes_error_max"] = max(errors)
+        out["act_bytes_error_target_0.10_met"] = max(errors) <= 0.10
+    return out
+
+
+def measured_records(args) -> tuple[list[dict], dict]:
+    """Calibrate (unless a cost model is given), run the PP=2 workers, return their records."""
+    out = Path(args.json).with_suffix(".worker.json")
+    if not args.cost_model:
+        args.cost_model = str(Path(args.json).with_suffix(".costmodel.json"))
+        subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_ext.dpp.calibrate", "--out", args.cost_model,
+                        "--q", "128", "256", "512", "1024", "--prefix", "0", "1024", "2048", "--repeats", "3"],
+                       check=True, cwd=REPO)
+    command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, "--worker-out", str(out), "--cost-model", args.cost_model, "--json", args.json,
+               "--model", args.model, "--max-seq-len", str(args.max_seq_len), "--docs", str(args.docs),
+               "--batches", str(args.batches), "--seed", str(args.seed), "--budget-fraction", str(args.budget_fraction),
+               "--act-budget-mb", str(args.act_budget_mb), "--dist", args.dist,
+               *(["--plot", args.plot] if args.plot else []), "--policies", *args.policies]
+    subprocess.run(command, check=True, cwd=REPO, env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
+                                                       "PYTHONPATH": str(REPO)})
+    return json.loads(out.read_text()), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--model", default="llama_tiny")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--dist", default="github",
+                    help="lengths: a distribution of megatron_ext.dpp.lengths (github, commoncrawl, ...) or "
+                         "'corpus' (whole documents as they are)")
+    ap.add_argument("--plot", default=None, help="PNG: Gantt charts of the measured first step")
+    ap.add_argument("--docs", type=int, default=8, help="documents per global batch")
+    ap.add_argument("--batches", type=int, default=2, help="global batches (timed steps) per policy")
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--budget-fraction", type=float, default=0.6,
+                    help="activation budget as a fraction of what dpp without recompute needs")
+    ap.add_argument("--act-budget-mb", type=float, default=0.0, help="explicit activation budget per stage")
+    ap.add_argument("--cost-model", default=None, help="a calibrate.py JSON; default: calibrate now")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--worker-out", default=None)
+    args = ap.parse_args()
+    if args.worker_out:
+        worker(args)
+        return
+    result, _ = measured_records(args)
+    out = {"measured": result["records"], "targets": summary(result["records"]), "details": result}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["targets"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

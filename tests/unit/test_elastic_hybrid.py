@@ -107,3 +107,15 @@ def test_sizes_the_layers_cannot_take_are_refused(parent, case):
     with pytest.raises(ValueError, match=message):
         space.apply(sizes)
     assert space.active() == space.full()  # refused before anything changed
+
+
+def test_cost_counts_the_parent_and_has_a_gradient_per_axis(parent):
+    """The router's cost gap needs every kind's size to move the cost (a kind whose params
+    ignored its size would get no gradient and drift)."""
+    space = ElasticSpace(parent)
+    assert space.params(space.full()) == sum(p.numel() for p in parent.parameters())
+    sizes = {k: torch.tensor(float(v), requires_grad=True) for k, v in BUDGETS["75"].items()}
+    (space.params(sizes) + space.active_params(sizes)).backward()
+    assert all(v.grad is not None and v.grad > 0 for v in sizes.values()), {k: v.grad for k, v in sizes.items()}
+    experts = space.by_name["moe_experts/5"]
+    assert experts.active_params(space.full()) < experts.params(space.full())  # top-2 of 4 experts

@@ -167,7 +167,10 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     fitted = dataclasses.replace(
         cost,
         act_bytes_token=kept + stage_terms[0] / n,
+        # The chunk attention saves no scores and reads a slice's prefix from the K/V cache
+        # (counted by kv_bytes_token), not from a saved concatenation.
         act_bytes_attn=0.0,
+        act_bytes_key=0.0,
         ckpt_bytes_token=recomputed + stage_terms[0] / n,
         kv_bytes_token=2 * kv_dim * torch.finfo(config.params_dtype).bits // 8,
         head_bytes_token=stage_terms[-1] - stage_terms[0],

@@ -1,6 +1,8 @@
 """`plugins=[dpp]`: dynamic pipeline parallelism for whole documents of skewed lengths.
 
-    python -m megatron_ext.train plugin=dpp parallel.pp=2 launcher.nproc=2 dpp.max_seq_len=2048
+    python -m megatron_ext.dpp.calibrate --out cost.json
+    python -m megatron_ext.train experiment=none plugin=dpp parallel.pp=2 launcher.nproc=2 \
+        dpp.cost_model=cost.json dpp.max_seq_len=2048
 
 Every step reads a global batch of `dpp.docs_per_batch` whole documents (never padded), each
 data-parallel replica plans its share (chunks, 1F1B order, per-stage per-chunk recompute under
@@ -27,8 +29,9 @@ class DppConfig:
     too_long: str = "truncate"
     # Whole documents per global batch, over all data-parallel replicas.
     docs_per_batch: int = 16
-    # Activation memory per pipeline stage the plan must fit (model states excluded). A budget
-    # no plan can meet is refused before the first step, naming the smallest feasible one.
+    # Memory per pipeline stage the plan must fit: model states (as the cost model counts them)
+    # plus activations. A budget no plan can meet is refused before the first step, naming the
+    # smallest feasible one.
     memory_budget_mb: float = 1024.0
     # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
     policy: str = "dpp"

@@ -224,6 +224,7 @@ def register_layer_adapter(adapter: LayerAdapter) -> LayerAdapter:
 
 def _layer_axes(layer: nn.Module) -> LayerAxes:
     import megatron_ext.elastic.dense_axes  # noqa: F401  (registers the dense adapter)
+    import megatron_ext.elastic.hybrid_axes  # noqa: F401  (Mamba, MoE and single-sublayer layers)
 
     for adapter in _LAYER_ADAPTERS:
         found = adapter(layer)

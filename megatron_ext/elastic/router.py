@@ -140,7 +140,7 @@ class ExpectedGap:
 
     @staticmethod
     def fits(router: BudgetRouter) -> bool:
-        return math.prod(len(router.choices(k)) for k in router.keys) <= 4096
+        return math.prod(len(router.choices(k)) for k in router.keys) <= 20_000
 
     def __call__(self, router: BudgetRouter, budget: int, target: float, step: int) -> torch.Tensor:
         tau = annealed(router.cfg.tau_start, router.cfg.tau_end, step, router.cfg.anneal_steps)

@@ -63,8 +63,18 @@ def export_submodel(
     with space.at(sizes):
         state = sliced_state_dict(model)
     (sub,) = build_model(cfg, padded_vocab)
-    sub.load_state_dict(state, strict=True)
+    load_submodel_state(sub, state)
     return sub, cfg
+
+
+def load_submodel_state(sub: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every tensor of `sub` from the sliced parent state; parent tensors the submodel has no
+    place for are the modules its sizes drop whole (MoE experts past the expert count)."""
+    wanted = sub.state_dict().keys()
+    missing = [k for k in wanted if k not in state]
+    if missing:
+        raise ValueError(f"elastic export: the submodel's {missing[:3]} have no parent tensor")
+    sub.load_state_dict({k: state[k] for k in wanted}, strict=True)
 
 
 def export_heterogeneous(
@@ -101,7 +111,7 @@ def export_heterogeneous(
         if ffn != cfg.ffn_hidden_size:
             config = dataclasses.replace(layer.config, ffn_hidden_size=ffn)
             layer.mlp = build_module(spec.mlp, config=config, tp_group=layer.pg_collection.tp)
-    sub.load_state_dict(state, strict=True)
+    load_submodel_state(sub, state)
     return sub
 
 

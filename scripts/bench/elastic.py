@@ -5,7 +5,7 @@ size separately, and think-small / answer-large generation.
 
 Parent: a tiny dense LLaMA-style GPT (megatron GPTModel, local spec), first trained briefly with
 next-token loss on a synthetic addition task with a `<think>` scratchpad (digit-wise sums with
-carries, then the answer), so the teacher is not random. The elastic run distils budgets
+carries, then the answer's digits, least significant first), so the teacher is not random. The elastic run distils budgets
 100/75/50 % of the parameters in `--steps` steps (the router picks each budget's sizes); the
 baseline prunes the reordered parent to the same sizes and distils each size alone for the same
 number of steps and tokens (N budgets: N times the elastic run's tokens). Both see the same
@@ -43,7 +43,9 @@ def example(a: int, b: int) -> tuple[list[int], list[int], list[int]]:
         thought += [x, y, carry, s // 10, s % 10, SEP]
         carry = s // 10
     thought.append(END_THINK)
-    answer = [int(c) for c in f"{a + b:0{DIGITS + 1}d}"] + [EOS]
+    # The sum's digits from the least significant on (the order the thought produced them in):
+    # copied from a complete thought, computed in one go without it.
+    answer = [int(c) for c in reversed(f"{a + b:0{DIGITS + 1}d}")] + [EOS]
     return da + [PLUS] + db + [EQUALS], thought, answer
 
 
@@ -139,8 +141,25 @@ def thinking_curve(model, space, sizes: dict, prompts: int, think_budgets: list[
     return rows
 
 
-def run(args) -> dict:
+def parents() -> dict:
     from megatron_ext.config.schema import ModelConfig
+
+    return {
+        "gpt": ModelConfig(
+            name="elastic_bench", num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=8,
+            num_query_groups=4, seq_length=256, vocab_size=VOCAB, tie_embeddings=True, spec="local",
+        ),
+        # Mamba2 / attention / MoE / MLP layers (Nemotron-H style), pure-PyTorch Mamba2 mixer.
+        "hybrid": ModelConfig(
+            name="elastic_bench_hybrid", arch="hybrid", hybrid_pattern="M*ME-E", num_layers=6, hidden_size=128,
+            ffn_hidden_size=256, num_attention_heads=8, num_query_groups=4, head_dim=16, num_experts=4,
+            moe_router_topk=2, moe_ffn_hidden_size=128, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16,
+            mamba_chunk_size=32, seq_length=256, vocab_size=VOCAB, tie_embeddings=False, spec="local",
+        ),
+    }
+
+
+def run(args) -> dict:
     from megatron_ext.elastic import slicing
     from megatron_ext.elastic.distill import CurriculumConfig, Distiller, train_plain
     from megatron_ext.elastic.importance import calibrate
@@ -151,10 +170,7 @@ def run(args) -> dict:
     from megatron_ext.models.convert.world import build_model
     from megatron_ext.models.init import init_weights_layout_independent
 
-    parent_cfg = ModelConfig(
-        name="elastic_bench", num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=8,
-        num_query_groups=4, seq_length=256, vocab_size=VOCAB, tie_embeddings=True, spec="local",
-    )
+    parent_cfg = parents()[args.parent]
     padded = 128
 
     def fresh():
@@ -175,7 +191,7 @@ def run(args) -> dict:
     teacher.eval().requires_grad_(False)
     pruned_from = {k: v.clone() for k, v in student.state_dict().items() if isinstance(v, torch.Tensor)}
     budgets = [1.0, 0.75, 0.5]
-    grid = default_grid(space, 8)
+    grid = default_grid(space, 8 if args.parent == "gpt" else 4)
     check_budgets(space, grid, budgets, 0.05)
     router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
     curriculum = CurriculumConfig(budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2])
@@ -196,7 +212,8 @@ def run(args) -> dict:
         train_kd(pruned, teacher, args.steps, args.batch, args.lr)
         params = slicing.param_count(sub)
         rows.append({
-            "budget": b, "sizes": choices[name], "params_total": params, "params_active": params,
+            "budget": b, "sizes": choices[name], "params_total": params, "params_active": int(space.active_params(choices[name])),
+            "params_analytic": int(space.params(choices[name])),
             "params_fraction": params / full_params,
             "heldout_loss": ce_loss(sub, held), "baseline_heldout_loss": ce_loss(pruned, held),
             "kd_loss": distiller.heldout_kd(student, held, choices[name]), "kd_loss_before": kd_before[b],
@@ -205,7 +222,8 @@ def run(args) -> dict:
     curve = thinking_curve(student, space, choices, args.prompts, [0, 6, 12, 20])
     full_latency = rows[0]["latency_s"]
     return {
-        "parent": "dense GPT (megatron GPTModel, local spec): " + json.dumps(dataclasses.asdict(parent_cfg)),
+        "parent": f"{args.parent} (megatron {'GPTModel' if args.parent == 'gpt' else 'MambaModel'}, local spec): "
+        + json.dumps(dataclasses.asdict(parent_cfg)),
         "parent_heldout_loss": parent_loss,
         "steps": args.steps, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
         "budgets": rows,
@@ -254,6 +272,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parent", choices=("gpt", "hybrid"), default="gpt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cpu_compat.apply()

@@ -134,7 +134,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     for n_tokens in tokens:
         for recompute in (0, layers):
             chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
-            batch = chunk_inputs(chunk, [torch.randint(0, 256, (n_tokens + 1,))])
+            batch = chunk_inputs(chunk, [torch.zeros(n_tokens + 1, dtype=torch.long)])  # any tokens do
             x = None if first else torch.randn(n_tokens, 1, config.hidden_size, requires_grad=True)
             get_attr_wrapped_model(model, "set_input_tensor")([x])
             context.enter(chunk.segments, (n_tokens,))

@@ -105,7 +105,7 @@ class DppPlugin(Plugin):
             trainer.cfg.train.seed,
         )
         self._documents = documents
-        planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, trainer.cfg.parallel.pp, _cost_model(self.cfg, trainer))
+        planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, trainer.cfg.parallel.pp, _cost_model(self.cfg, trainer, self.context))
         for i, batch in enumerate(documents):
             if i == 0:
                 trainer.note(documents.counts.line() + " (first batch)")
@@ -136,15 +136,18 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _cost_model(cfg: DppConfig, trainer: Trainer):
+def _cost_model(cfg: DppConfig, trainer: Trainer, context):
+    """The calibrated cost model, its activation terms refitted to this run's model and
+    runtime (a few single-chunk forwards per stage, counted exactly)."""
     from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.memory import fit_activation_bytes
 
     if cfg.cost_model is None:
         raise ValueError(
             "dpp.cost_model: give a cost model fitted on this machine "
             "(python -m megatron_ext.dpp.calibrate writes one)"
         )
-    return CostModel.from_json(cfg.cost_model)
+    return fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
 
 
 class StepPlanner:

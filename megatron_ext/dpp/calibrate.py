@@ -2,8 +2,8 @@
 
     python -m megatron_ext.dpp.calibrate --out costmodel_cpu.json [--model llama_tiny]
 
-Times one TransformerLayer of the local spec (fp32; on the CPU unless a GPU is present) forward
-and backward on a grid of (q new tokens, p prefix tokens). A prefix is timed through the core
+Times (CPU time of the process) one TransformerLayer of the local spec (fp32, CPU) forward and
+backward on a grid of (q new tokens, p prefix tokens). A prefix is timed through the core
 attention alone: time(q, p) = layer(q) + attention(q queries, p + q keys) - attention(q, q),
 with an explicit bottom-right causal mask. Saved activation bytes are counted with saved-tensor
 hooks the same way. Fits alpha, beta, gamma (and the backward ratio) by least squares on
@@ -37,16 +37,26 @@ def time_features(q: int, prefix: int) -> list[float]:
     return [1.0, q, q * (prefix + q / 2)]
 
 
-def fit_time(samples: Sequence[Sample]) -> tuple[float, float, float, float]:
-    """(gamma, alpha, beta, bwd_ratio) by least squares, relative to each sample's size, so
-    small chunks count as much as large ones."""
+def _fit(samples: Sequence[Sample], y: np.ndarray) -> tuple[float, float, float]:
+    """(gamma, alpha, beta) by least squares relative to each sample's size, so small chunks
+    count as much as large ones."""
     X = np.array([time_features(s.q, s.prefix) for s in samples])
+    gamma, alpha, beta = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
+    return float(gamma), float(alpha), float(beta)
+
+
+def fit_time(samples: Sequence[Sample]) -> tuple[float, float, float, float]:
+    """(gamma, alpha, beta, bwd_ratio) of the forward; the ratio is the relative least-squares
+    backward/forward factor."""
     y = np.array([s.fwd_s for s in samples])
-    w = 1.0 / y
-    gamma, alpha, beta = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)[0]
     b = np.array([s.bwd_s for s in samples])
-    ratio = float(np.sum(b * y * w**2) / np.sum((y * w) ** 2))
-    return float(gamma), float(alpha), float(beta), ratio
+    ratio = float(np.mean(b / y))
+    return (*_fit(samples, y), ratio)
+
+
+def fit_backward(samples: Sequence[Sample]) -> tuple[float, float, float]:
+    """(gamma, alpha, beta) of the backward, fitted on its own."""
+    return _fit(samples, np.array([s.bwd_s for s in samples]))
 
 
 def fit_memory(samples: Sequence[Sample]) -> tuple[float, float, float]:
@@ -64,7 +74,7 @@ def relative_errors(model: CostModel, samples: Sequence[Sample]) -> dict[str, fl
     for s in samples:
         c = Chunk(0, "split", (Segment(0, s.prefix, s.q),))
         fwd.append(abs(model.layer_forward_s(c) / s.fwd_s - 1))
-        bwd.append(abs(model.bwd_ratio * model.layer_forward_s(c) / s.bwd_s - 1))
+        bwd.append(abs(model.layer_backward_s(c) / s.bwd_s - 1))
         mem.append(abs(model.layer_act_bytes(c) / s.act_bytes - 1))
     return {f"{k}_{agg.__name__}": float(agg(v)) for k, v in (("fwd", fwd), ("bwd", bwd), ("act_bytes", mem)) for agg in (np.mean, np.max)}
 
@@ -88,13 +98,14 @@ def _saved_bytes(fn, params: set[int]) -> tuple[object, int]:
 
 
 def _timed_once(fn) -> tuple[float, float, int]:
-    """(forward s, backward s, saved bytes) of fn() -> (output, saved)."""
-    t = time.perf_counter()
+    """(forward s, backward s, saved bytes) of fn() -> (output, saved). CPU time of this
+    process: on a CPU shared with other jobs, waiting for a core is not the layer's cost."""
+    t = time.process_time()
     out, saved = fn()
-    f = time.perf_counter() - t
-    t = time.perf_counter()
+    f = time.process_time() - t
+    t = time.process_time()
     out.sum().backward()
-    return f, time.perf_counter() - t, saved
+    return f, time.process_time() - t, saved
 
 
 def _best_of_rounds(runs: dict, rounds: int) -> dict:
@@ -154,10 +165,11 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
 def calibrate(samples: Sequence[Sample], shape: dict, bytes_per_value: int = 4) -> tuple[CostModel, dict]:
     train, held = samples[0::2], samples[1::2]
     gamma, alpha, beta, ratio = fit_time(train)
+    bwd_gamma, bwd_alpha, bwd_beta = fit_backward(train)
     per_token, per_pair, per_key = fit_memory(train)
     kv_dim = shape["hidden"] // shape["heads"] * shape["kv_heads"]
     model = CostModel(
-        alpha=alpha, beta=beta, gamma=gamma, bwd_ratio=ratio,
+        alpha=alpha, beta=beta, gamma=gamma, bwd_ratio=ratio, bwd_alpha=bwd_alpha, bwd_beta=bwd_beta, bwd_gamma=bwd_gamma,
         act_bytes_token=per_token, act_bytes_attn=per_pair, act_bytes_key=per_key,
         ckpt_bytes_token=bytes_per_value * shape["hidden"],
         kv_bytes_token=bytes_per_value * 2 * kv_dim,

@@ -7,7 +7,7 @@ Time of one layer's forward over a chunk whose segments have q_i new tokens and 
 alpha is the per-token cost of the dense parts, beta the causal attention (a new token sees its
 prefix and about half of its own segment), gamma a fixed per-layer overhead, and the last factor
 the under-utilisation of small chunks (t0 = 0 turns it off). Backward is `bwd_ratio` times the
-forward; a recomputed layer adds one more forward.
+forward, or the same form with its own coefficients; a recomputed layer adds one more forward.
 
 Memory counts what autograd saves (the quantity the runtime measures with saved-tensor hooks):
 per layer `act_bytes_token` per token, `act_bytes_attn` per (query, key) pair (dense masked
@@ -67,6 +67,11 @@ class CostModel:
     beta: float
     gamma: float
     bwd_ratio: float = 2.0
+    # Backward with its own coefficients (set by a CPU calibration, where attention's backward
+    # does not scale like its forward); None: bwd_ratio times the forward.
+    bwd_alpha: float | None = None
+    bwd_beta: float | None = None
+    bwd_gamma: float | None = None
     t0: float = 0.0
     head_s_token: float = 0.0  # output layer + loss forward, per token (last stage)
     p2p_s_token: float = 0.0
@@ -106,11 +111,18 @@ class CostModel:
         q = -c / b if a == 0 else (-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)
         return int(q + 1e-9)
 
+    def layer_backward_s(self, chunk: Chunk) -> float:
+        if self.bwd_alpha is None:
+            return self.bwd_ratio * self.layer_forward_s(chunk)
+        work = sum(self.bwd_alpha * s.length + self.bwd_beta * s.length * (s.prefix + s.length / 2) for s in chunk.segments)
+        return self.bwd_gamma + work * (1.0 + self.t0 / max(chunk.tokens, 1))
+
     def forward_s(self, chunk: Chunk, layers: int, last: bool) -> float:
         return layers * self.layer_forward_s(chunk) + (self.head_s_token * chunk.tokens if last else 0.0)
 
     def backward_s(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
-        return self.bwd_ratio * self.forward_s(chunk, layers, last) + recompute * self.layer_forward_s(chunk)
+        head = self.bwd_ratio * self.head_s_token * chunk.tokens if last else 0.0
+        return layers * self.layer_backward_s(chunk) + head + recompute * self.layer_forward_s(chunk)
 
     def p2p_s(self, chunk: Chunk) -> float:
         return self.p2p_latency_s + self.p2p_s_token * chunk.tokens

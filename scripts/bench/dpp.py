@@ -4,8 +4,8 @@
 CommonCrawl-like length distributions, 80 GB per stage, the analytical GPU cost model
 (megatron_ext.dpp.costmodel.analytic_gpu), every policy planned on the same global batch and run
 by the discrete-event simulator. Static policies are tuned once per configuration on a separate
-tuning batch (see planner.tune_static). `measured`: real PP=2 runs on CPU workers (see
-`measured_records`).
+tuning batch (see planner.tune_static). `measured`: real PP=2 runs on CPU workers, from the
+JSON of scripts/bench/dpp_measured.py (see `measured_records`).
 
     python scripts/bench/dpp.py --json scripts/bench/results/dpp.json --plot scripts/bench/results/dpp.png
     python scripts/bench/dpp.py --json /tmp/x.json --models llama-7b --contexts 65536 --pps 4 --dists github
@@ -112,12 +112,14 @@ def targets(records: list[dict]) -> dict:
 
 
 def measured_records(args) -> list[dict]:
-    """MEASURED TABLE (filled by the DPP runtime): real PP=2 runs on 2 CPU workers, a small
-    LLaMA-style model, a context of a few thousand tokens, the same global batches and the same
-    per-stage budget for every policy. Records: policy, iter_s (median), peak_act_bytes (max over
-    stages, counted with saved-tensor hooks), budget_bytes, predicted_act_bytes (the cost model).
-    Not wired yet: returns no records."""
-    return []
+    """MEASURED TABLE: real PP=2 runs on 2 CPU workers (a small LLaMA-style model, a context of
+    a few thousand tokens, the same global batches and per-stage budget for every policy), made
+    by the DPP runtime's `scripts/bench/dpp_measured.py`. Its records (policy, iter_s,
+    peak_act_bytes, budget_bytes, predicted_act_bytes) are taken from the JSON it wrote,
+    `--measured-json`; without it the list is empty."""
+    if not args.measured_json:
+        return []
+    return json.loads(Path(args.measured_json).read_text())["measured"]
 
 
 def main() -> None:
@@ -132,12 +134,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="sequences per global batch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gantt-context", type=int, default=65536)
-    ap.add_argument("--skip-measured", action="store_true")
+    ap.add_argument("--measured-json", default=None, help="output of scripts/bench/dpp_measured.py to include")
     args = ap.parse_args()
 
     simulated, gantt = simulated_records(args)
     summary = targets(simulated)
-    measured = [] if args.skip_measured else measured_records(args)
+    measured = measured_records(args)
     out = {"simulated": simulated, "measured": measured, "targets": summary}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_ext.dpp.calibrate import Sample, fit_memory, fit_time, relative_errors
+from megatron_ext.dpp.calibrate import Sample, fit_backward, fit_memory, fit_time, relative_errors
 from megatron_ext.dpp.costmodel import CostModel, analytic_gpu, LLAMA_7B
 from megatron_ext.dpp.plan import Chunk, Segment
 from tests.unit._dpp_cases import TOY
@@ -30,6 +30,9 @@ def test_time_fit_recovers_known_parameters(name):
             t = gamma + alpha * q + beta * q * (p + q / 2)
             samples.append(Sample(q, p, t * (1 + noise * rng.standard_normal()), ratio * t * (1 + noise * rng.standard_normal()), 1.0))
     g, a, b, r = fit_time(samples)
+    bg, ba, bb = fit_backward(samples)
+    assert (ba, bb) == pytest.approx((ratio * alpha, ratio * beta), rel=1e-6 + 5 * noise)
+    assert bg == pytest.approx(ratio * gamma, rel=1e-6 + 30 * noise)
     # gamma is a small part of most samples, so noise moves it most
     assert (a, b, r) == pytest.approx((alpha, beta, ratio), rel=1e-6 + 5 * noise)
     assert g == pytest.approx(gamma, rel=1e-6 + 30 * noise)

@@ -147,18 +147,22 @@ def solve(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cos
     scale = np.maximum(1.0, np.abs(A).max(axis=1).toarray().ravel())
     A = coo_matrix(A.multiply(1.0 / scale[:, None])).tocsr()
     ub = np.array(ub) / scale
-    res = milp(
-        c=np.concatenate([prob.weight, np.zeros(n)]),
-        constraints=LinearConstraint(A, -np.inf, ub),
-        integrality=np.zeros(2 * n) if relax else np.ones(2 * n),
-        bounds=Bounds(np.zeros(2 * n), np.concatenate([prob.upper, np.ones(n)])),
-        options={"mip_rel_gap": mip_rel_gap, "time_limit": time_limit_s},
-    )
-    if res.x is None:
-        return None
+    def run(integer: bool):
+        return milp(
+            c=np.concatenate([prob.weight, np.zeros(n)]),
+            constraints=LinearConstraint(A, -np.inf, ub),
+            integrality=np.ones(2 * n) if integer else np.zeros(2 * n),
+            bounds=Bounds(np.zeros(2 * n), np.concatenate([prob.upper, np.ones(n)])),
+            options={"mip_rel_gap": mip_rel_gap, "time_limit": time_limit_s},
+        ).x
+
+    x = run(integer=not relax)
     if relax:
-        return Checkpointing({}, float(prob.weight @ res.x[:n]), time.process_time() - t, min_budget)
-    C = np.rint(res.x[:n])
+        return None if x is None else Checkpointing({}, float(prob.weight @ x[:n]), time.process_time() - t, min_budget)
+    if x is None:  # no integer solution within the time limit: round the relaxation up
+        x = run(integer=False)
+        x = full if x is None else np.ceil(x[:n] - 1e-9)
+    C = np.rint(x[:n])
     # A rounding or tolerance slip must never yield an over-budget plan: repair upward.
     for j in np.argsort(-prob.weight):
         if _fits(prob, C):

@@ -57,7 +57,7 @@ def _to_plan(strategy: str, devices: int, starts: list[tuple[float, tuple[str, .
     return Plan(strategy, tuple(packs))
 
 
-def cpsat(problem: Problem, max_jobs: int = 8, time_limit_s: float = 20.0) -> Plan:
+def cpsat(problem: Problem, max_jobs: int = 8, time_limit_s: float = 60.0) -> Plan:
     from ortools.sat.python import cp_model
 
     candidates = _candidates(problem, max_jobs)
@@ -96,7 +96,9 @@ def cpsat(problem: Problem, max_jobs: int = 8, time_limit_s: float = 20.0) -> Pl
         for x, s, (names, shape, seconds) in zip(chosen, starts, candidates)
         if solver.Value(x)
     ]
-    return _to_plan("exact", problem.hardware.devices, picked)
+    # A plan CP-SAT has not proven optimal (time limit) says so in its strategy name.
+    strategy = "exact" if status == cp_model.OPTIMAL else "exact (not proven optimal)"
+    return _to_plan(strategy, problem.hardware.devices, picked)
 
 
 def _hint_one_after_another(model, candidates, chosen, starts, unit: float) -> None:

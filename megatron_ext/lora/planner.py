@@ -32,7 +32,7 @@ from megatron_ext.lora.workload import padded_length, tp_divides
 
 Shape = tuple[int, int]  # (tp, dp)
 
-# Slot counts the heuristic tries per shape (capped by memory and the number of jobs).
+# Slot counts the heuristic gives a pack (up to its jobs and memory) and packings it balances for.
 SLOT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -66,7 +66,10 @@ class Problem:
         )
 
     def fits(self, jobs: Sequence[LoraJob], slots: int, shape: Shape) -> bool:
-        return pack_memory_bound(self.memory, jobs, slots, shape) <= self.hardware.usable_bytes
+        key = (tuple(j.name for j in jobs), slots, shape)
+        if key not in self._fits:
+            self._fits[key] = pack_memory_bound(self.memory, jobs, slots, shape) <= self.hardware.usable_bytes
+        return self._fits[key]
 
     def solo_duration(self, job: LoraJob, shape: Shape) -> float:
         return self.duration((job.name,), shape, 1)
@@ -76,7 +79,7 @@ class Problem:
         key = (tuple(names), shape, slots)
         if key not in self._durations:
             pack = Pack(key[0], shape[0], shape[1], slots, tuple(range(shape[0] * shape[1])))
-            self._durations[key] = run_pack(pack, self.by_name, 0.0, self.memory, self)[1]
+            self._durations[key] = run_pack(pack, self.by_name, 0.0, None, self)[1]
         return self._durations[key]
 
     def pass_time(self, jobs: Sequence[LoraJob], tp: int, dp: int) -> float:
@@ -92,6 +95,14 @@ class Problem:
 
     @functools.cached_property
     def _pass_times(self) -> dict:
+        return {}
+
+    @functools.cached_property
+    def _chains(self) -> dict:
+        return {}
+
+    @functools.cached_property
+    def _fits(self) -> dict:
         return {}
 
     @functools.cached_property
@@ -179,126 +190,232 @@ BASELINES = {"sequential": sequential, "per_job": per_job, "pack_all": pack_all}
 
 # --- heuristic ---------------------------------------------------------------------------------
 
+# A device group's work: packs (queue, slots) run one after another on the same devices.
+Chain = tuple[tuple[tuple[str, ...], int], ...]
+
 
 @dataclass
 class _Groups:
-    """Equal device groups of one shape, each with a job queue and a slot count."""
+    """Equal device groups of one shape, each with its jobs; `leftovers`: jobs that do not fit
+    the shape, run alone afterwards on the fewest devices that hold them."""
 
     shape: Shape
-    queues: list[list[str]]
-    slots: list[int]
+    jobs: list[list[str]]
+    leftovers: tuple[str, ...] = ()
 
-    def plan(self) -> Plan:
+    def plan(self, problem: Problem) -> Plan:
         tp, dp = self.shape
         size = tp * dp
-        packs = tuple(
-            Pack(tuple(q), tp, dp, s, tuple(range(g * size, (g + 1) * size)))
-            for g, (q, s) in enumerate(zip(self.queues, self.slots))
-            if q
-        )
-        return Plan("planner", packs)
+        packs = []
+        for g, names in enumerate(self.jobs):
+            for queue, slots in _chain(problem, tuple(sorted(names)), self.shape)[1]:
+                packs.append(Pack(queue, tp, dp, slots, tuple(range(g * size, (g + 1) * size))))
+        for name in self.leftovers:
+            fitting = [s for s in problem.shapes if problem.fits([problem.by_name[name]], 1, s)]
+            ltp, ldp = min(fitting, key=lambda s: (s[0] * s[1], s[0]))
+            packs.append(Pack((name,), ltp, ldp, 1, tuple(range(ltp * ldp))))
+        return Plan("planner", tuple(packs))
 
 
-def _queue_order(problem: Problem, names: list[str], shape: Shape) -> list[str]:
-    """Longest first, so the last jobs to start are short and the group's slots end together."""
-    return sorted(names, key=lambda n: -problem.solo_duration(problem.by_name[n], shape))
+def _queue_order(problem: Problem, names: Sequence[str], shape: Shape) -> tuple[str, ...]:
+    """Longest first, so the last jobs to start are short and the pack's slots end together."""
+    return tuple(sorted(names, key=lambda n: (-problem.solo_duration(problem.by_name[n], shape), n)))
 
 
-def _slots_that_fit(problem: Problem, names: list[str], shape: Shape, wanted: int) -> int:
-    jobs = [problem.by_name[n] for n in names]
-    slots = min(wanted, len(names))
-    while slots > 1 and not problem.fits(jobs, slots, shape):
-        slots -= 1
-    return slots
+def _best_pack(problem: Problem, names: Sequence[str], shape: Shape) -> tuple[float, tuple[str, ...], int]:
+    """(time, queue, slots) of the fastest pack of `names` whose slots fit in memory."""
+    queue = _queue_order(problem, names, shape)
+    jobs = [problem.by_name[n] for n in queue]
+    best = (float("inf"), queue, 1)
+    for slots in SLOT_CHOICES:
+        if slots > len(queue) or (slots > 1 and not problem.fits(jobs, slots, shape)):
+            break
+        best = min(best, (problem.duration(queue, shape, slots), queue, slots))
+    return best
 
 
-def _group_end(problem: Problem, queue: list[str], shape: Shape, slots: int) -> float:
-    return problem.duration(tuple(_queue_order(problem, queue, shape)), shape, slots) if queue else 0.0
+# Shapes whose best balanced plan the local search improves (it dominates the planner's time).
+IMPROVED_SHAPES = 3
+# Up to this many jobs, the pack-level local search runs too (it is quadratic per round).
+REPACKED_JOBS = 12
+# Below this many jobs a group's packs may split anywhere in its length-sorted order; above,
+# only between sequence lengths (the split search is quadratic in the split points).
+FINE_SPLIT_JOBS = 8
 
 
-def _balanced(problem: Problem, shape: Shape, slots: int) -> Optional[_Groups]:
+def _chain(problem: Problem, names: tuple[str, ...], shape: Shape) -> tuple[float, Chain]:
+    """A group's jobs as packs run one after another, fastest first found.
+
+    A pack pads every sample to its longest sequence, so packing short sequences with long ones
+    wastes passes: jobs are sorted by length (then by solo time) and cut into contiguous
+    ranges, each a pack with its best slot count, the cuts chosen by dynamic programming."""
+    key = (names, shape)
+    if key in problem._chains:
+        return problem._chains[key]
+    order = sorted(names, key=lambda n: (-problem.by_name[n].seq_length, -problem.solo_duration(problem.by_name[n], shape), n))
+    lengths = [problem.by_name[n].seq_length for n in order]
+    cuts = [i for i in range(1, len(order)) if len(order) <= FINE_SPLIT_JOBS or lengths[i] != lengths[i - 1]]
+    points = [0] + cuts + [len(order)]
+    best: dict[int, tuple[float, Chain]] = {0: (0.0, ())}
+    for end in points[1:]:
+        for begin in (p for p in points if p < end):
+            time, queue, slots = _best_pack(problem, order[begin:end], shape)
+            total = best[begin][0] + time
+            if end not in best or total < best[end][0]:
+                best[end] = (total, best[begin][1] + ((queue, slots),))
+    problem._chains[key] = best[len(order)] if order else (0.0, ())
+    return problem._chains[key]
+
+
+def _group_end(problem: Problem, names: Sequence[str], shape: Shape) -> float:
+    return _chain(problem, tuple(sorted(names)), shape)[0]
+
+
+def _balanced(problem: Problem, shape: Shape, share: int) -> Optional[_Groups]:
     groups = problem.hardware.devices // (shape[0] * shape[1])
-    jobs = [j for j in problem.jobs if problem.fits([j], 1, shape)]
-    if len(jobs) < len(problem.jobs):
+    fitting = [j for j in problem.jobs if problem.fits([j], 1, shape)]
+    if not fitting:
         return None
     # Longest processing time first, each job to the group with the least work queued, work
-    # being a job's solo time shared by the slots it trains next to.
-    share = min(slots, max(1, len(jobs) // groups))
+    # being a job's solo time divided by `share`, the jobs it is expected to train next to.
     load = [(0.0, g) for g in range(groups)]
-    queues: list[list[str]] = [[] for _ in range(groups)]
-    for job in sorted(jobs, key=lambda j: -problem.solo_duration(j, shape)):
+    jobs: list[list[str]] = [[] for _ in range(groups)]
+    for job in sorted(fitting, key=lambda j: (-problem.solo_duration(j, shape), j.name)):
         work, g = heapq.heappop(load)
-        queues[g].append(job.name)
+        jobs[g].append(job.name)
         heapq.heappush(load, (work + problem.solo_duration(job, shape) / share, g))
-    fitted = [_slots_that_fit(problem, q, shape, slots) if q else 1 for q in queues]
-    return _Groups(shape, [_queue_order(problem, q, shape) for q in queues], fitted)
+    leftovers = tuple(j.name for j in problem.jobs if j not in fitting)
+    return _Groups(shape, jobs, leftovers)
 
 
 def _makespan(problem: Problem, groups: _Groups) -> float:
-    return max(_group_end(problem, q, groups.shape, s) for q, s in zip(groups.queues, groups.slots))
+    if groups.leftovers:
+        return simulate(groups.plan(problem), problem.jobs, problem.hardware.devices, None, problem).makespan
+    return max(_group_end(problem, names, groups.shape) for names in groups.jobs)
 
 
 def _improve(problem: Problem, groups: _Groups, rounds: int) -> _Groups:
-    """Move or swap a job off the group that ends last while that lowers the makespan; also try
-    one slot more or less there."""
+    """Move or swap a job off the group that ends last while that lowers the makespan."""
     shape = groups.shape
-    ends = [_group_end(problem, q, shape, s) for q, s in zip(groups.queues, groups.slots)]
+    ends = [_group_end(problem, names, shape) for names in groups.jobs]
     for _ in range(rounds):
         worst = max(range(len(ends)), key=ends.__getitem__)
-        best: Optional[tuple[float, list[list[str]], list[int]]] = None
-        for candidate in _neighbours(groups, worst):
-            queues, slots, touched = candidate
-            slots = list(slots)
-            for g in touched:
-                slots[g] = _slots_that_fit(problem, queues[g], shape, slots[g]) if queues[g] else 1
+        best: Optional[tuple[float, list[list[str]], list[float]]] = None
+        for jobs, touched in _neighbours(groups.jobs, worst):
             new_ends = list(ends)
             for g in touched:
-                new_ends[g] = _group_end(problem, queues[g], shape, slots[g])
-            if max(new_ends) < max(ends) - 1e-9 and (best is None or max(new_ends) < best[0]):
-                best = (max(new_ends), queues, slots)
+                new_ends[g] = _group_end(problem, jobs[g], shape)
+            if max(new_ends) < max(ends) * (1 - 1e-9) and (best is None or max(new_ends) < best[0]):
+                best = (max(new_ends), jobs, new_ends)
         if best is None:
             break
-        _, queues, slots = best
-        groups = _Groups(shape, [_queue_order(problem, q, shape) for q in queues], slots)
-        ends = [_group_end(problem, q, shape, s) for q, s in zip(groups.queues, groups.slots)]
+        _, jobs, ends = best
+        groups = _Groups(shape, jobs, groups.leftovers)
     return groups
 
 
-def _neighbours(groups: _Groups, worst: int):
-    queues, slots = groups.queues, groups.slots
-    for delta in (-1, 1):
-        if slots[worst] + delta >= 1:
-            changed = list(slots)
-            changed[worst] += delta
-            yield queues, changed, (worst,)
-    for name in queues[worst]:
-        for other in range(len(queues)):
+def _neighbours(jobs: list[list[str]], worst: int):
+    for name in jobs[worst]:
+        for other in range(len(jobs)):
             if other == worst:
                 continue
-            moved = [list(q) for q in queues]
+            moved = [list(q) for q in jobs]
             moved[worst].remove(name)
             moved[other].append(name)
-            yield moved, slots, (worst, other)
-            for partner in queues[other]:
-                swapped = [list(q) for q in queues]
+            yield moved, (worst, other)
+            for partner in jobs[other]:
+                swapped = [list(q) for q in jobs]
                 swapped[worst][swapped[worst].index(name)] = partner
                 swapped[other][swapped[other].index(partner)] = name
-                yield swapped, slots, (worst, other)
+                yield swapped, (worst, other)
+
+
+def _reshaped(problem: Problem, packs: Sequence[Sequence[str]]) -> Optional[Plan]:
+    """The packs scheduled as moldable tasks: longest first, each on the shape (with that
+    shape's best slot count) and the earliest-free devices that finish it soonest. Lets a long
+    pack take more devices while short ones share the rest, which equal groups cannot. None
+    when a pack fits no shape (padded to its longest sequence, one job may be too many)."""
+    options = {}
+    for names in packs:
+        jobs = [problem.by_name[n] for n in names]
+        shapes = [s for s in problem.shapes if problem.fits(jobs, 1, s)]
+        if not shapes:
+            return None
+        options[tuple(names)] = [(*_best_pack(problem, names, s), s) for s in shapes]
+    free_at = [(0.0, d) for d in range(problem.hardware.devices)]
+    placed = []
+    for names in sorted(options, key=lambda n: -min(o[0] for o in options[n])):
+        best = None
+        for seconds, queue, slots, (tp, dp) in options[names]:
+            chosen = heapq.nsmallest(tp * dp, free_at)
+            end = max(t for t, _ in chosen) + seconds
+            if best is None or (end, tp * dp) < (best[0], best[1].size):
+                best = (end, Pack(queue, tp, dp, slots, tuple(sorted(d for _, d in chosen))))
+        end, pack = best
+        free_at = [f for f in free_at if f[1] not in pack.devices] + [(end, d) for d in pack.devices]
+        placed.append(pack)
+    return Plan("planner", tuple(placed))
+
+
+def _repacked(problem: Problem, plan: Plan, rounds: int) -> Plan:
+    """Local search over which jobs share a pack, each partition scheduled by `_reshaped`:
+    move a job to another pack or to a pack of its own while that lowers the makespan."""
+
+    def makespan(p: Optional[Plan]) -> float:
+        return float("inf") if p is None else simulate(p, problem.jobs, problem.hardware.devices, None, problem).makespan
+
+    packs = [tuple(sorted(p.jobs)) for p in plan.packs]
+    best_plan = _reshaped(problem, packs)
+    best = makespan(best_plan)
+    for _ in range(rounds):
+        found = None
+        for i, source in enumerate(packs):
+            for name in source:
+                rest = [p for k, p in enumerate(packs) if k != i] + ([tuple(n for n in source if n != name)] if len(source) > 1 else [])
+                for j in range(len(rest) + 1):
+                    moved = [tuple(sorted(p + (name,))) if k == j else p for k, p in enumerate(rest)]
+                    if j == len(rest):
+                        moved.append((name,))
+                    candidate = _reshaped(problem, moved)
+                    seconds = makespan(candidate)
+                    if seconds < best * (1 - 1e-9) and (found is None or seconds < found[0]):
+                        found = (seconds, moved, candidate)
+        if found is None:
+            break
+        best, packs, best_plan = found
+    return best_plan
 
 
 def heuristic(problem: Problem, rounds: int = 30) -> Plan:
-    """The best equal-group plan over shapes and slot counts, locally improved."""
-    candidates = []
+    """For each shape, the best balanced split of the jobs over equal groups (over the packing
+    the balance expects); the IMPROVED_SHAPES best of those locally improved; the packs of
+    all of them (and every job alone) also rescheduled on mixed shapes; the best."""
+
+    def makespan(p: Optional[Plan]) -> float:
+        return float("inf") if p is None else simulate(p, problem.jobs, problem.hardware.devices, None, problem).makespan
+
+    best_per_shape: dict[Shape, tuple[float, _Groups]] = {}
     for shape in problem.shapes:
-        for slots in SLOT_CHOICES:
-            if slots > len(problem.jobs):
-                break
-            groups = _balanced(problem, shape, slots)
+        for share in SLOT_CHOICES:
+            groups = _balanced(problem, shape, share)
             if groups is not None:
-                candidates.append((_makespan(problem, groups), groups))
-    candidates.sort(key=lambda c: c[0])
-    improved = [_improve(problem, groups, rounds) for _, groups in candidates[:3]]
-    return min(improved, key=lambda g: _makespan(problem, g)).plan()
+                candidate = (_makespan(problem, groups), groups)
+                if shape not in best_per_shape or candidate[0] < best_per_shape[shape][0]:
+                    best_per_shape[shape] = candidate
+            if share >= len(problem.jobs):
+                break
+    leading = sorted(best_per_shape.values(), key=lambda c: c[0])[:IMPROVED_SHAPES]
+    plans = [_improve(problem, groups, rounds).plan(problem) for _, groups in leading]
+    # Pack sets to reschedule on mixed shapes: those plans', every shape's balanced plan's,
+    # and every job alone; on small sweeps the best of them repacked by local search.
+    sources = plans + [groups.plan(problem) for _, groups in best_per_shape.values()]
+    reshaped = [_reshaped(problem, [p.jobs for p in s.packs]) for s in sources]
+    reshaped.append(_reshaped(problem, [(j.name,) for j in problem.jobs]))
+    reshaped = [p for p in reshaped if p is not None]
+    if reshaped and len(problem.jobs) <= REPACKED_JOBS:
+        reshaped.append(_repacked(problem, min(reshaped, key=makespan), rounds))
+    plans += reshaped
+    return min(plans, key=makespan)
 
 
 def plan(problem: Problem, exact_limit: int = 6) -> Schedule:

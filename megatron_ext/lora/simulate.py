@@ -11,7 +11,7 @@ planner used to size the pack.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_ext.lora.costmodel import CostModel
 from megatron_ext.lora.job import LoraJob
@@ -49,9 +49,10 @@ class Schedule:
 
 
 def run_pack(
-    pack: Pack, jobs: dict[str, LoraJob], start: float, memory: MemoryModel, cost: CostModel
+    pack: Pack, jobs: dict[str, LoraJob], start: float, memory: Optional[MemoryModel], cost: CostModel
 ) -> tuple[list[tuple[str, int, float, float]], float, int]:
-    """(job, slot, start, end) of each job of the pack, its end and its peak bytes per device."""
+    """(job, slot, start, end) of each job of the pack, its end and its peak bytes per device
+    (0 without a memory model: the planner's timing runs skip it)."""
     queue = list(pack.jobs)
     free_slots = list(range(pack.slots))
     active: dict[str, tuple[int, int, float]] = {}  # job -> (slot, passes left, start)
@@ -61,7 +62,8 @@ def run_pack(
             name = queue.pop(0)
             active[name] = (free_slots.pop(0), replica_work(jobs[name], pack.dp).passes, now)
         members = [jobs[n] for n in active]
-        peak = max(peak, memory.per_device(members, pack.tp, pack.dp).total)
+        if memory is not None:
+            peak = max(peak, memory.per_device(members, pack.tp, pack.dp).total)
         passes = min(left for _, left, _ in active.values())
         now += passes * cost.pass_time(members, pack.tp, pack.dp)
         for name, (slot, left, began) in list(active.items()):
@@ -76,7 +78,7 @@ def run_pack(
 
 
 def simulate(
-    plan: Plan, jobs: Sequence[LoraJob], devices: int, memory: MemoryModel, cost: CostModel
+    plan: Plan, jobs: Sequence[LoraJob], devices: int, memory: Optional[MemoryModel], cost: CostModel
 ) -> Schedule:
     by_name = {j.name: j for j in jobs}
     plan.check(list(by_name), devices)

@@ -175,7 +175,7 @@ class MultiLoraLinear(nn.Module):
         adapters = [self.adapters[str(s.slot)] for s in segments]
         # Rows of a segment in [b, s] order: one adapter's samples are then contiguous rows.
         xs = [self._dropped(x[:, s.start : s.stop], s.slot, a.dropout).transpose(0, 1).reshape(-1, x.shape[-1]) for s, a in zip(segments, adapters)]
-        kernel = kernels.select(x.device, self.routing.kernel)
+        kernel = kernels.select(x.device, x.dtype, self.routing.kernel)
         ss = kernel.shrink(xs, [a.a for a in adapters])
         ss = self._tp_shrink_collective(ss)
         ys = kernel.expand(ss, [a.b for a in adapters], [a.scaling for a in adapters])

@@ -16,12 +16,17 @@ def available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def _padded_rank(ranks) -> int:
+    # CUDA's grouped GEMM wants 16-byte aligned strides: a multiple of 8 bf16 elements.
+    return -(-max(ranks) // 8) * 8
+
+
 def _offsets(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, device=device).cumsum(0).to(torch.int32)
 
 
 def shrink(xs: Sequence[torch.Tensor], a: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    r_max = max(w.shape[0] for w in a)
+    r_max = _padded_rank(w.shape[0] for w in a)
     stacked = torch.stack([F.pad(w, (0, 0, 0, r_max - w.shape[0])).t() for w in a])  # [K, in, r_max]
     rows = [x.shape[0] for x in xs]
     out = torch._grouped_mm(torch.cat(list(xs)).contiguous(), stacked, offs=_offsets(rows, stacked.device))
@@ -29,7 +34,7 @@ def shrink(xs: Sequence[torch.Tensor], a: Sequence[torch.Tensor]) -> list[torch.
 
 
 def expand(ss: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scales: Sequence[float]) -> list[torch.Tensor]:
-    r_max = max(w.shape[1] for w in b)
+    r_max = _padded_rank(w.shape[1] for w in b)
     stacked = torch.stack([(F.pad(w, (0, r_max - w.shape[1])) * scale).t() for w, scale in zip(b, scales)])
     padded = torch.cat([F.pad(s, (0, r_max - s.shape[1])) for s in ss]).contiguous()
     rows = [s.shape[0] for s in ss]

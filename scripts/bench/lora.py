@@ -1,0 +1,232 @@
+"""Packed LoRA: training throughput and sweep makespan.
+
+    python scripts/bench/lora.py --json OUT.json [--plot OUT.png] [--skip-sweep]
+
+`throughput`: tokens/s of K = 1, 2, 4, 8, 16 LoRA jobs (rank 8 on every linear, each its own
+data) trained
+  packed      in one process, one base, one packed pass per step (runtime.PackedTrainer);
+  sequential  in one process, one job after another on the same base;
+  processes   as K concurrent processes, each with its own copy of the base;
+at a small and a larger per-job micro-batch. Every measurement runs in fresh worker processes
+(one thread each), timed over steady-state steps after a warm-up; packed and sequential run
+all K in one worker each (K growing, so the worker's peak RSS read after each K is that K's
+peak); processes' peak RSS is summed over the concurrent processes. tokens_per_s uses the wall clock,
+tokens_per_cpu_s the CPU time (on a shared machine the wall clock counts other people's work).
+
+`sweep`: scripts/bench/lora_sweep.py (planner vs sequential / per_job / pack_all makespans,
+measured here and simulated on 8 x 80 GB GPUs, and the gap to the exact optimum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+for path in (REPO, REPO / "scripts" / "bench"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+KS = (1, 2, 4, 8, 16)
+BATCHES = {"small": 1, "larger": 4}
+MODEL = dict(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=4, num_query_groups=2,
+             seq_length=128, vocab_size=512)
+VOCAB = 512
+
+
+def jobs(k: int, batch: int, steps: int):
+    from megatron_ext.lora.job import LoraJob
+
+    return [LoraJob(f"j{i}", rank=8, lr=1e-4, micro_batch_size=batch, global_batch_size=batch, seq_length=MODEL["seq_length"],
+                    steps=steps, seed=i, eval_iters=0) for i in range(k)]
+
+
+# --- one worker process ---------------------------------------------------------------------------
+
+
+def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, start_file: Optional[str]) -> list[dict]:
+    """Train and time `mode` for each K in `ks` (increasing) in this process. Peak RSS only
+    grows, so it is read after each K: sequential (one job at a time) first, then packed with
+    growing K, each reading is the peak of that configuration. `start_file`: wait for it before
+    the timed steps (concurrent processes start their timed windows together)."""
+    import torch
+
+    from megatron_ext.config.schema import ModelConfig
+    from megatron_ext.lora.base import build_base
+    from megatron_ext.lora.batching import SyntheticData
+    from megatron_ext.lora.runtime import PackedTrainer
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    torch.set_num_threads(1)
+    results = []
+    with model_parallel_world():
+        model, wrappers, routing = build_base(ModelConfig(**MODEL), VOCAB)
+        data = lambda job: SyntheticData(job, VOCAB)  # noqa: E731
+
+        def run(js, capacity):
+            trainer = PackedTrainer(model, wrappers, routing, data, capacity)
+            trainer.submit(js)
+            trainer.run()
+
+        run(jobs(1, batch, warmup), 1)  # warm-up
+        if start_file:
+            Path(start_file + f".ready{os.getpid()}").touch()
+            while not Path(start_file).exists():
+                time.sleep(0.05)
+        for k in ks:
+            timed = jobs(k, batch, steps)
+            wall, cpu = time.perf_counter(), time.process_time()
+            if mode == "packed":
+                run(timed, k)
+            else:  # sequential (and each process of `processes`, which runs one job)
+                for job in timed:
+                    run([job], 1)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            tokens = sum(j.micro_batch_size * j.seq_length * j.steps for j in timed)
+            results.append({"k": k, "tokens": tokens, "wall_s": wall, "cpu_s": cpu, "end": time.time(),
+                            "start": time.time() - wall,
+                            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    return results
+
+
+def spawn(mode: str, k, batch: int, steps: int, warmup: int, out: Path, start_file: Optional[str] = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    ks = ",".join(map(str, k)) if isinstance(k, (list, tuple)) else str(k)
+    command = [sys.executable, "-W", "ignore", __file__, "--worker", mode, ks, str(batch), str(steps), str(warmup), str(out)]
+    if start_file:
+        command.append(start_file)
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen, out: Path) -> dict:
+    _, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"benchmark worker failed:\n{err[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def record(r: dict) -> dict:
+    return {"tokens_per_s": r["tokens"] / r["wall_s"], "tokens_per_cpu_s": r["tokens"] / r["cpu_s"],
+            "peak_mem_bytes": r["peak_rss_bytes"]}
+
+
+def measure_in_process(mode: str, ks: list[int], batch: int, steps: int, warmup: int, tmp: Path) -> list[dict]:
+    out = tmp / f"{mode}-{batch}.json"
+    return [{"k": r["k"], **record(r)} for r in finished(spawn(mode, ks, batch, steps, warmup, out), out)]
+
+
+def measure_processes(k: int, batch: int, steps: int, warmup: int, tmp: Path) -> dict:
+    start = tmp / f"start-{k}-{batch}"
+    outs = [tmp / f"proc-{k}-{batch}-{i}.json" for i in range(k)]
+    procs = [spawn("sequential", 1, batch, steps, warmup, out, str(start)) for out in outs]
+    while len(list(tmp.glob(f"start-{k}-{batch}.ready*"))) < k:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.1)
+    start.touch()
+    results = [finished(p, o)[0] for p, o in zip(procs, outs)]
+    tokens = sum(r["tokens"] for r in results)
+    span = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return {"k": k, "tokens_per_s": tokens / span, "tokens_per_cpu_s": tokens / sum(r["cpu_s"] for r in results),
+            "peak_mem_bytes": sum(r["peak_rss_bytes"] for r in results)}
+
+
+def throughput(args: argparse.Namespace) -> list[dict]:
+    records = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        for size in args.batches:
+            batch = BATCHES[size]
+            rows = [dict(r, mode=m) for m in ("sequential", "packed") for r in measure_in_process(m, args.ks, batch, args.steps, args.warmup, Path(tmp))]
+            rows += [dict(measure_processes(k, batch, args.steps, args.warmup, Path(tmp)), mode="processes")
+                     for k in args.ks if k <= args.max_processes]
+            for r in rows:
+                records.append({"k": r["k"], "batch": batch, "batch_size": size, "mode": r["mode"],
+                                **{key: r[key] for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_mem_bytes")}})
+                print(f"K={r['k']:2d} batch={batch} {r['mode']:10s} {r['tokens_per_s']:8.0f} tok/s "
+                      f"({r['tokens_per_cpu_s']:8.0f} per CPU s)  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB", flush=True)
+    return records
+
+
+def targets(records: list[dict]) -> dict:
+    """The CPU targets: packed at least as fast as sequential (per CPU second and per wall
+    second), and packed K=8 peak memory at most 1.5x a single job's."""
+    get = {(r["k"], r["batch"], r["mode"]): r for r in records}
+    out = {}
+    for (k, batch, mode), r in get.items():
+        if mode == "packed" and (k, batch, "sequential") in get:
+            seq = get[(k, batch, "sequential")]
+            out[f"packed_vs_sequential_k{k}_b{batch}"] = {
+                "wall": r["tokens_per_s"] / seq["tokens_per_s"], "cpu": r["tokens_per_cpu_s"] / seq["tokens_per_cpu_s"]}
+        if mode == "packed" and k == 8 and (1, batch, "packed") in get:
+            out[f"peak_mem_k8_over_k1_b{batch}"] = r["peak_mem_bytes"] / get[(1, batch, "packed")]["peak_mem_bytes"]
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = result["throughput"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, label in ((axes[0], "tokens_per_cpu_s", "tokens / CPU s"), (axes[1], "peak_mem_bytes", "peak memory (MiB)")):
+        for batch in sorted({r["batch"] for r in records}):
+            for mode, style in (("packed", "-o"), ("sequential", "--s"), ("processes", ":^")):
+                rs = sorted((r for r in records if r["batch"] == batch and r["mode"] == mode), key=lambda r: r["k"])
+                if rs:
+                    ys = [r[key] / (2**20 if key == "peak_mem_bytes" else 1) for r in rs]
+                    ax.plot([r["k"] for r in rs], ys, style, label=f"{mode}, batch {batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("jobs K")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    if "sweep" in result:
+        import lora_sweep
+
+        lora_sweep.plot(result["sweep"], str(Path(path).with_name(Path(path).stem + "_sweep.png")))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        mode, k, batch, steps, warmup, out = argv[1:7]
+        result = worker(mode, [int(x) for x in k.split(",")], int(batch), int(steps), int(warmup), argv[7] if len(argv) > 7 else None)
+        Path(out).write_text(json.dumps(result))
+        return
+    import lora_sweep
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", required=True)
+    p.add_argument("--plot")
+    p.add_argument("--ks", type=int, nargs="+", default=list(KS))
+    p.add_argument("--batches", nargs="+", default=list(BATCHES), choices=list(BATCHES))
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per job")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-processes", type=int, default=16, help="largest K run as concurrent processes")
+    p.add_argument("--tmp", default=None, help="folder for the workers' files")
+    p.add_argument("--skip-sweep", action="store_true")
+    lora_sweep.add_arguments(p)
+    args = p.parse_args(argv)
+    result = {"throughput": throughput(args)}
+    result["throughput_targets"] = targets(result["throughput"])
+    if not args.skip_sweep:
+        result["sweep"] = lora_sweep.sweep(args)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -122,6 +122,23 @@ class Distiller:
             total = total + cost_gap_loss(self.space, choice, target, self.router.cfg.cost)
         return self.router.cfg.cost_weight * total / len(self.cfg.budgets)
 
+    def warm_up_router(self, steps: int) -> None:
+        """Fit the router to the budgets' costs alone before distillation starts (no model
+        forward: cheap), with the temperature and scale annealed over these steps, so the
+        student trains at the right sizes from its first step."""
+        optimizer = torch.optim.Adam(self.router.parameters(), lr=self.router.cfg.lr)
+        anneal = self.router.cfg.anneal_steps
+        self.router.cfg.anneal_steps = steps
+        try:
+            for step in range(steps):
+                self.begin_step(step)
+                optimizer.zero_grad()
+                self.router_loss().backward()
+                optimizer.step()
+        finally:
+            self.router.cfg.anneal_steps = anneal
+            self.begin_step(0)
+
     @torch.no_grad()
     def heldout_kd(self, model: nn.Module, batches: list[dict], sizes: dict) -> float:
         """Mean KD loss per token of the student at `sizes` on held-out batches."""

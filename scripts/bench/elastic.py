@@ -196,6 +196,7 @@ def run(args) -> dict:
     router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
     curriculum = CurriculumConfig(budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2])
     distiller = Distiller(space, teacher, router, curriculum, VOCAB)
+    distiller.warm_up_router(args.router_warmup)
     kd_before = {b: distiller.heldout_kd(student, held, router.select(i)) for i, b in enumerate(budgets)}
     train_plain(distiller, student, lambda step: [batch(step, args.batch)], args.steps, args.lr)
     choices = {f"{round(b * 100)}": router.select(i) for i, b in enumerate(budgets)}
@@ -225,7 +226,7 @@ def run(args) -> dict:
         "parent": f"{args.parent} (megatron {'GPTModel' if args.parent == 'gpt' else 'MambaModel'}, local spec): "
         + json.dumps(dataclasses.asdict(parent_cfg)),
         "parent_heldout_loss": parent_loss,
-        "steps": args.steps, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
+        "steps": args.steps, "router_warmup": args.router_warmup, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
         "budgets": rows,
         "thinking": curve,
         "targets": {
@@ -273,6 +274,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent", choices=("gpt", "hybrid"), default="gpt")
+    parser.add_argument("--router-warmup", type=int, default=300, help="cost-only router steps before distilling")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cpu_compat.apply()

@@ -51,6 +51,8 @@ class ElasticConfig:
     router_hidden: int = 64
     router_lr: float = 1e-2
     anneal_steps: int = 100
+    # Cost-only router steps before the first distillation step (no model forward: cheap).
+    router_warmup_steps: int = 200
     export_dir: Optional[str] = None
 
 
@@ -142,6 +144,8 @@ class ElasticPlugin(Plugin):
             trainer.tokenizer.vocab_size if trainer.cfg.model.vocab_size is None else trainer.cfg.model.vocab_size,
             micro_batch_index=lambda m: dp_rank * self._micro_batches(trainer) + m,
         )
+        if self.router_state is None:  # identical on every rank: no data, seeded draws
+            self.distiller.warm_up_router(self.cfg.router_warmup_steps)
         self.ready = True
 
     def _micro_batches(self, trainer) -> int:

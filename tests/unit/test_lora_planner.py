@@ -176,3 +176,15 @@ def test_bad_sweeps_are_refused_with_a_clear_message(name):
     build, message = BAD_SWEEPS[name]
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_the_table_lists_every_pack_and_job_and_the_gantt_chart_is_written(tmp_path):
+    from megatron_ext.lora import report
+
+    jobs, devices, room = SWEEPS["four devices, twelve jobs"]
+    schedule = planner.plan(problem(jobs, devices, room), exact_limit=0)
+    lines = report.table(schedule).splitlines()
+    assert len(lines) == len(schedule.plan.packs) + 2
+    assert all(sum(f"{j.name} (" in line for line in lines) == 1 for j in jobs)
+    report.gantt(schedule, str(tmp_path / "gantt.png"))
+    assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -186,5 +186,6 @@ def test_the_table_lists_every_pack_and_job_and_the_gantt_chart_is_written(tmp_p
     lines = report.table(schedule).splitlines()
     assert len(lines) == len(schedule.plan.packs) + 2
     assert all(sum(f"{j.name} (" in line for line in lines) == 1 for j in jobs)
+    pytest.importorskip("matplotlib")  # the `bench` extra, not the test one
     report.gantt(schedule, str(tmp_path / "gantt.png"))
     assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -37,10 +37,10 @@ if str(REPO) not in sys.path:
 
 from megatron_ext.config.schema import ModelConfig  # noqa: E402
 from megatron_ext.lora import exact, planner, report  # noqa: E402
-from megatron_ext.lora.costmodel import A100_80GB, GpuCostModel, LinearCostModel  # noqa: E402
+from megatron_ext.lora.costmodel import A100_80GB, GpuCostModel  # noqa: E402
 from megatron_ext.lora.job import LoraJob  # noqa: E402
 from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel  # noqa: E402
-from megatron_ext.lora.plan import Pack, Plan  # noqa: E402
+from megatron_ext.lora.plan import Plan  # noqa: E402
 from megatron_ext.lora.simulate import Schedule, simulate  # noqa: E402
 from megatron_ext.lora.workload import shapes_of  # noqa: E402
 

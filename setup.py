@@ -23,6 +23,8 @@ setup(
         "gguf>=0.10",
         "safetensors",
         "jinja2",
+        # dpp's recompute integer program (scipy.optimize.milp, HiGHS) and fitted cost models.
+        "scipy>=1.9",
     ],
     extras_require={
         # transformers is the reference the model-import tests compare with; the SmolLM2 model

@@ -1,17 +1,20 @@
 """Benchmark: nested elastic submodels from one distillation run vs pruning + distilling each
 size separately, and think-small / answer-large generation.
 
-    python scripts/bench/elastic.py --json OUT.json [--plot OUT.png] [--steps 200] [--parent-steps 1000]
+    python scripts/bench/elastic.py --json OUT.json [--plot OUT.png]            # hybrid parent
+    python scripts/bench/elastic.py --parent gpt --parent-steps 1000 --steps 200 --json OUT.json
 
-Parent: a tiny dense LLaMA-style GPT (megatron GPTModel, local spec), first trained briefly with
-next-token loss on a synthetic addition task with a `<think>` scratchpad (digit-wise sums with
-carries, then the answer's digits, least significant first), so the teacher is not random. The elastic run distils budgets
-100/75/50 % of the parameters in `--steps` steps (the router picks each budget's sizes); the
-baseline prunes the reordered parent to the same sizes and distils each size alone for the same
-number of steps and tokens (N budgets: N times the elastic run's tokens). Both see the same
-batches. Reported per budget: parameters, held-out next-token loss (elastic and baseline),
-held-out KD loss, median forward latency of the exported model, tokens spent. The thinking curve:
-answer accuracy and answer loss vs wall time over thinking budgets, for think-50% / answer-100%,
+Parent (`--parent`): the tiny hybrid Mamba2 / attention / MoE / MLP model (megatron MambaModel,
+pure-PyTorch Mamba2 mixer; default) or a tiny dense LLaMA-style GPT (megatron GPTModel), both
+local spec, first trained briefly with next-token loss on a synthetic addition task with a
+`<think>` scratchpad (digit-wise sums with carries, then the answer's digits, least significant
+first), so the teacher is not random. The router is warmed up on the cost gap alone, then the
+elastic run distils budgets 100/75/50 % of the parameters in `--steps` steps; the baseline prunes
+the reordered parent to the same sizes and distils each size alone for the same number of steps
+and tokens (N budgets: N times the elastic run's tokens). Both see the same batches. Reported per
+budget: parameters (total, active), held-out next-token loss (elastic and baseline), held-out KD
+loss, median forward latency of the exported model, tokens spent. The thinking curve: answer
+accuracy and answer loss vs wall time over thinking budgets, for think-50% / answer-100%,
 100% / 100% and 50% / 50%.
 """
 
@@ -267,13 +270,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--parent-steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--parent-steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parent", choices=("gpt", "hybrid"), default="gpt")
+    parser.add_argument("--parent", choices=("gpt", "hybrid"), default="hybrid")
     parser.add_argument("--router-warmup", type=int, default=300, help="cost-only router steps before distilling")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -13,7 +13,6 @@ from tests.unit._dpp_cases import TOY
 matplotlib = pytest.importorskip("matplotlib")
 
 
-@pytest.mark.slow  # matplotlib's import and a PNG render take tens of seconds on a loaded 2-core machine
 def test_gantt_of_a_simulated_and_a_measured_step(tmp_path):
     matplotlib.use("Agg")
     from matplotlib import image, pyplot as plt

@@ -82,6 +82,19 @@ class Move:
     steps: list[Round]
     seconds: float  # planning time
 
+    def report(self, staged_bytes: int, stall_seconds: float) -> ReshardReport:
+        """The report of this move once carried out (`staged_bytes`: the measured staging peak)."""
+        return ReshardReport(
+            source=str(self.transfer.a),
+            target=str(self.transfer.b),
+            network_bytes=self.transfer.network_bytes,
+            rounds=len(self.steps),
+            peak_bound_bytes=max(peak_bytes(self.transfer, self.steps).values(), default=0),
+            peak_extra_bytes=staged_bytes,
+            prepare_seconds=self.seconds,
+            stall_seconds=stall_seconds,
+        )
+
 
 def plan_move(trainer, target: ParallelConfig, budget_mb: float) -> Move:
     """Check `target` and plan the move to it. Raises ValueError (a ConfigError for a layout the
@@ -133,16 +146,7 @@ def reshard(
     errors, staged = _switch_and_move(trainer, move, source)
     if errors:
         _roll_back(trainer, source_parallel, source, errors)
-    return ReshardReport(
-        source=str(move.transfer.a),
-        target=str(move.transfer.b),
-        network_bytes=move.transfer.network_bytes,
-        rounds=len(move.steps),
-        peak_bound_bytes=max(peak_bytes(move.transfer, move.steps).values(), default=0),
-        peak_extra_bytes=staged,
-        prepare_seconds=move.seconds,
-        stall_seconds=time.perf_counter() - start,
-    )
+    return move.report(staged, time.perf_counter() - start)
 
 
 def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
-from megatron_ext.reshard.execute import execute, peak_bytes, rounds
+from megatron_ext.reshard.execute import execute, rounds
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.live import Move, Preparation, ReshardReport, planner_model
+from megatron_ext.reshard.live import Move, Preparation, planner_model
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 
@@ -204,17 +204,7 @@ def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=(), start
         channel=pool,
     )
     pool.group.barrier().wait()
-    report = ReshardReport(
-        source=str(move.transfer.a),
-        target=str(move.transfer.b),
-        network_bytes=move.transfer.network_bytes,
-        rounds=len(move.steps),
-        peak_bound_bytes=max(peak_bytes(move.transfer, move.steps).values(), default=0),
-        peak_extra_bytes=staged,
-        prepare_seconds=move.seconds,
-        stall_seconds=time.perf_counter() - start,
-    )
-    return trainer, report
+    return trainer, move.report(staged, time.perf_counter() - start)
 
 
 def _holds_nothing(*args) -> None:

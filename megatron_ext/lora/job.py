@@ -7,7 +7,7 @@ packed runtime (batching.py, optim.py) trains it in a slot next to other jobs on
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 # The megatron-core linears an adapter can sit on (names of the GPT layer's submodules).

@@ -19,7 +19,7 @@ import torch
 
 from megatron_ext.lora.batching import JobData, MicroBatch, pack
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.layers import MultiLoraLinear, Routing, Segment, install_job, remove_job
+from megatron_ext.lora.layers import MultiLoraLinear, Routing, install_job, remove_job
 from megatron_ext.lora.optim import JobOptimizer
 
 Wrappers = dict[tuple[int, str], MultiLoraLinear]

@@ -194,17 +194,19 @@ class ElasticPlugin(Plugin):
         reordered like the student: also right after a resume, when the student has trained."""
         from megatron_ext.elastic.space import ElasticSpace
         from megatron_ext.models import pretrained
-        from megatron_ext.models.gpt import build_gpt_model, layer_spec, use_transformer_engine
+        from megatron_ext.models.arch import architecture
         from megatron_ext.models.init import init_weights_layout_independent
         from megatron_ext.platform.device import current_device
 
         import torch
 
         cfg = trainer.cfg
-        teacher = build_gpt_model(
+        # The student's own family (GPT or hybrid), not always a GPT.
+        arch = architecture(cfg.model)
+        teacher = arch.build(
             cfg.model,
             trainer.model_config,
-            layer_spec(cfg.model, use_transformer_engine(cfg.model, trainer.on_cpu)),
+            arch.spec(cfg.model, trainer.on_cpu),
             trainer.vocab_size,
             pre_process=True,
             post_process=True,

@@ -36,10 +36,6 @@ from megatron_ext.models.gpt import transformer_config
 from megatron_ext.models.mamba2 import MixerSubmodules, TorchMambaMixer
 from megatron_ext.platform import optional
 
-# megatron's hybrid layer symbols.
-MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
-LAYER_SYMBOLS = (MAMBA, ATTENTION, MLP, MOE)
-
 
 class HybridStack(MambaStack):
     """megatron's MambaStack with a final RMSNorm that needs no Transformer Engine (0.16

@@ -158,6 +158,15 @@ def resize_norm(norm: nn.Module, size: int) -> None:
     norm.normalized_shape = (size,)
 
 
+# Resize hooks for a megatron linear whose input (output) dimension an axis slices.
+def set_input_size(module: nn.Module, size: int) -> None:
+    module.input_size = size
+
+
+def set_output_size(module: nn.Module, size: int) -> None:
+    module.output_size = size
+
+
 class HiddenAxis(Axis):
     """The embedding channels (d_e): one size for the embedding, every layer's norms and
     residual-stream projections, the final norm and the output layer. Owns the word embedding,

@@ -13,7 +13,17 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
-from megatron_ext.elastic.axes import Axis, LayerAxes, Size, Touch, permute_, register_layer_adapter, resize_norm
+from megatron_ext.elastic.axes import (
+    Axis,
+    LayerAxes,
+    Size,
+    Touch,
+    permute_,
+    register_layer_adapter,
+    resize_norm,
+    set_input_size,
+    set_output_size,
+)
 from megatron_ext.elastic.modules import SliceRule, add_rule, full_tensor
 
 
@@ -145,14 +155,6 @@ class FfnAxis(Axis):
         return {"ffn_hidden_size": size}
 
 
-def _set_input_size(module: nn.Module, size: int) -> None:
-    module.input_size = size
-
-
-def _set_output_size(module: nn.Module, size: int) -> None:
-    module.output_size = size
-
-
 @register_layer_adapter
 def dense_layer(layer: nn.Module) -> Optional[LayerAxes]:
     if not isinstance(layer, TransformerLayer):
@@ -165,11 +167,11 @@ def dense_layer(layer: nn.Module) -> Optional[LayerAxes]:
         axes=[HeadsAxis(attn, index), FfnAxis(mlp, index)],
         hidden=[
             Touch(layer.input_layernorm, "weight", 0, resize_norm, owned=True),
-            Touch(attn.linear_qkv, "weight", 1, _set_input_size),
-            Touch(attn.linear_proj, "weight", 0, _set_output_size),
+            Touch(attn.linear_qkv, "weight", 1, set_input_size),
+            Touch(attn.linear_proj, "weight", 0, set_output_size),
             Touch(layer.pre_mlp_layernorm, "weight", 0, resize_norm, owned=True),
-            Touch(mlp.linear_fc1, "weight", 1, _set_input_size),
-            Touch(mlp.linear_fc2, "weight", 0, _set_output_size),
+            Touch(mlp.linear_fc1, "weight", 1, set_input_size),
+            Touch(mlp.linear_fc2, "weight", 0, set_output_size),
         ],
         norms=[layer.input_layernorm, layer.pre_mlp_layernorm],
     )

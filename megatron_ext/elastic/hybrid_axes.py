@@ -16,16 +16,15 @@ from torch import nn
 
 import megatron_ext.elastic.mamba_axes  # noqa: F401  (registers the Mamba adapter)
 import megatron_ext.elastic.moe_axes  # noqa: F401  (registers the MoE adapter)
-from megatron_ext.elastic.axes import LayerAxes, Touch, register_layer_adapter, resize_norm
+from megatron_ext.elastic.axes import (
+    LayerAxes,
+    Touch,
+    register_layer_adapter,
+    resize_norm,
+    set_input_size,
+    set_output_size,
+)
 from megatron_ext.elastic.dense_axes import FfnAxis, HeadsAxis
-
-
-def _set_input_size(module: nn.Module, size: int) -> None:
-    module.input_size = size
-
-
-def _set_output_size(module: nn.Module, size: int) -> None:
-    module.output_size = size
 
 
 @register_layer_adapter
@@ -39,8 +38,8 @@ def attention_only_layer(layer: nn.Module) -> Optional[LayerAxes]:
         axes=[HeadsAxis(attn, layer.layer_number - 1)],
         hidden=[
             Touch(layer.input_layernorm, "weight", 0, resize_norm, owned=True),
-            Touch(attn.linear_qkv, "weight", 1, _set_input_size),
-            Touch(attn.linear_proj, "weight", 0, _set_output_size),
+            Touch(attn.linear_qkv, "weight", 1, set_input_size),
+            Touch(attn.linear_proj, "weight", 0, set_output_size),
         ],
         norms=[layer.input_layernorm],
     )
@@ -57,8 +56,8 @@ def mlp_only_layer(layer: nn.Module) -> Optional[LayerAxes]:
         axes=[FfnAxis(mlp, layer.layer_number - 1)],
         hidden=[
             Touch(layer.pre_mlp_layernorm, "weight", 0, resize_norm, owned=True),
-            Touch(mlp.linear_fc1, "weight", 1, _set_input_size),
-            Touch(mlp.linear_fc2, "weight", 0, _set_output_size),
+            Touch(mlp.linear_fc1, "weight", 1, set_input_size),
+            Touch(mlp.linear_fc2, "weight", 0, set_output_size),
         ],
         norms=[layer.pre_mlp_layernorm],
     )

@@ -23,7 +23,17 @@ from megatron.core import parallel_state
 from megatron.core.ssm.mamba_layer import MambaLayer
 from torch import nn
 
-from megatron_ext.elastic.axes import Axis, LayerAxes, Size, Touch, permute_, register_layer_adapter, resize_norm
+from megatron_ext.elastic.axes import (
+    Axis,
+    LayerAxes,
+    Size,
+    Touch,
+    permute_,
+    register_layer_adapter,
+    resize_norm,
+    set_input_size,
+    set_output_size,
+)
 from megatron_ext.elastic.modules import SliceRule, add_rule, full_tensor
 from megatron_ext.models.mamba2 import TorchMambaMixer
 
@@ -198,14 +208,6 @@ def _permute_mixer(
             permute_(full_tensor(mixer, name), 0, heads)
 
 
-def _set_input_size(module: nn.Module, size: int) -> None:
-    module.input_size = size
-
-
-def _set_output_size(module: nn.Module, size: int) -> None:
-    module.output_size = size
-
-
 @register_layer_adapter
 def mamba_layer(layer: nn.Module) -> Optional[LayerAxes]:
     if not isinstance(layer, MambaLayer) or not isinstance(layer.mixer, TorchMambaMixer):
@@ -220,8 +222,8 @@ def mamba_layer(layer: nn.Module) -> Optional[LayerAxes]:
         axes=[heads, head_dim],
         hidden=[
             Touch(layer.norm, "weight", 0, resize_norm, owned=True),
-            Touch(mixer.in_proj, "weight", 1, _set_input_size),
-            Touch(mixer.out_proj, "weight", 0, _set_output_size),
+            Touch(mixer.in_proj, "weight", 1, set_input_size),
+            Touch(mixer.out_proj, "weight", 0, set_output_size),
         ],
         norms=[layer.norm],
     )

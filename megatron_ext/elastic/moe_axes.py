@@ -24,7 +24,17 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
-from megatron_ext.elastic.axes import Axis, LayerAxes, Size, Touch, permute_, register_layer_adapter, resize_norm
+from megatron_ext.elastic.axes import (
+    Axis,
+    LayerAxes,
+    Size,
+    Touch,
+    permute_,
+    register_layer_adapter,
+    resize_norm,
+    set_input_size,
+    set_output_size,
+)
 from megatron_ext.elastic import modules
 from megatron_ext.elastic.modules import ElasticMixin, SliceRule, add_rule, full_tensor
 
@@ -187,14 +197,6 @@ def _tensor_at(module: nn.Module, key: str) -> torch.Tensor:
     return full_tensor(module, name)
 
 
-def _set_input_size(module: nn.Module, size: int) -> None:
-    module.input_size = size
-
-
-def _set_output_size(module: nn.Module, size: int) -> None:
-    module.output_size = size
-
-
 @register_layer_adapter
 def moe_layer(layer: nn.Module) -> Optional[LayerAxes]:
     if not isinstance(layer, TransformerLayer) or not isinstance(layer.mlp, MoELayer):
@@ -207,7 +209,7 @@ def moe_layer(layer: nn.Module) -> Optional[LayerAxes]:
     index = layer.layer_number - 1
     hidden = [Touch(layer.pre_mlp_layernorm, "weight", 0, resize_norm, owned=True), Touch(moe.router, "weight", 1)]
     for e in moe.experts.local_experts:
-        hidden += [Touch(e.linear_fc1, "weight", 1, _set_input_size), Touch(e.linear_fc2, "weight", 0, _set_output_size)]
+        hidden += [Touch(e.linear_fc1, "weight", 1, set_input_size), Touch(e.linear_fc2, "weight", 0, set_output_size)]
     return LayerAxes(
         axes=[ExpertsAxis(moe, index), ExpertFfnAxis(moe, index)],
         hidden=hidden,

@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torc
 class DppConfig:
     # The longest sequence a step trains on, in tokens; longer documents follow `too_long`.
     max_seq_len: int = 1024
-    # truncate | reject: what happens to a longer document (the count is logged every step).
+    # truncate | reject: what happens to a longer document (the counts are logged after the
+    # first batch and at the end of training).
     too_long: str = "truncate"
     # Whole documents per global batch, over all data-parallel replicas.
     docs_per_batch: int = 16
@@ -35,8 +36,8 @@ class DppConfig:
     memory_budget_mb: float = 1024.0
     # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
     policy: str = "dpp"
-    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON); None: fit a quick
-    # one on this machine when training starts.
+    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: None is
+    # refused when the first batch is planned. Its activation terms are refitted to the run.
     cost_model: Optional[str] = None
 
 

@@ -9,6 +9,7 @@ active sizes differ, so no second copy of the weights exists.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
@@ -80,12 +81,5 @@ def generate_elastic(
 
 
 def _with(cfg: SamplingConfig, max_new_tokens: int, stops: Sequence[int]) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        seed=cfg.seed,
-        stop_token_ids=tuple(stops),
-        use_cache=cfg.use_cache,
-    )
+    # replace, not a field-by-field copy: a field added to SamplingConfig later is kept.
+    return dataclasses.replace(cfg, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stops))

@@ -34,3 +34,11 @@ def test_a_hopeless_budget_is_refused_with_a_feasible_minimum(one_rank_world):
 def test_bad_config_is_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
         DppPlugin(DppConfig(**{field: value}))
+
+
+def test_a_hybrid_model_is_refused_at_setup():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(parallel=SimpleNamespace(vpp=None, cp=1), model=SimpleNamespace(arch="hybrid", num_experts=None))
+    with pytest.raises(ValueError, match="model.arch=gpt"):
+        DppPlugin().setup(SimpleNamespace(cfg=cfg))

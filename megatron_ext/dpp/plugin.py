@@ -72,7 +72,7 @@ class DppPlugin(Plugin):
         p = trainer.cfg.parallel
         if p.vpp or p.cp > 1:
             raise ValueError("dpp: interleaved pipelines (parallel.vpp) and context parallelism (parallel.cp) are not supported")
-        if trainer.cfg.model.arch != "gpt":  # chunk attention and RoPE positions are GPT layers'
+        if trainer.cfg.model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
             raise ValueError(f"dpp: only model.arch=gpt is supported, not {trainer.cfg.model.arch!r}")
         if trainer.cfg.model.num_experts:
             raise ValueError("dpp: MoE models are not supported yet (model.num_experts must be unset)")

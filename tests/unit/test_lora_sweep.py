@@ -52,8 +52,9 @@ def test_plain_multi_job_config(tmp_path):
         (["lora.memory_gb=0.0001"], "cannot fit in memory: job 'job' needs"),
         (["parallel.pp=2"], "needs parallel.pp=1"),
         (["model.arch=hybrid"], "model.arch=gpt only"),
+        (["lora.kernel=fused"], "unknown lora.kernel 'fused'"),
     ],
-    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch"],
+    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel"],
 )
 def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     out = tmp_path / "out"

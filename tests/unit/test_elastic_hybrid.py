@@ -136,3 +136,21 @@ def test_cost_counts_the_parent_and_has_a_gradient_per_axis(parent):
     assert all(v.grad is not None and v.grad > 0 for v in sizes.values()), {k: v.grad for k, v in sizes.items()}
     experts = space.by_name["moe_experts/5"]
     assert experts.active_params(space.full()) < experts.params(space.full())  # top-2 of 4 experts
+
+
+def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
+    """The elastic plugin rebuilds the teacher from `model.arch` (it once built a GPT)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.elastic.plugin import ElasticPlugin
+
+    space = ElasticSpace(parent)
+    plugin = ElasticPlugin.__new__(ElasticPlugin)
+    plugin.orders = {a.name: list(range(len(a.score))) for a in space.axes}
+    cfg = dataclasses.replace(PARENT, pretrained=None)
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(model=cfg, train=SimpleNamespace(seed=0)), model_config=parent.config, on_cpu=True, vocab_size=VOCAB
+    )
+    teacher = plugin._build_teacher(trainer)
+    assert type(teacher) is type(parent)
+    assert set(teacher.state_dict()) == set(parent.state_dict())

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from megatron_ext.training.trainer import Trainer
 
 HOOKS = (
+    "check",
     "setup",
     "layer_spec",
     "after_model_built",
@@ -45,6 +46,11 @@ class Plugin:
     def __init__(self, cfg: Any = None) -> None:
         # The plugin's own config section (an instance of `config_class`), or None.
         self.cfg = cfg
+
+    def check(self, cfg: Any, world_size: int) -> None:
+        """Before any process starts (in the launching process): raise a ConfigError or
+        ValueError for a setting that cannot work with the run's config `cfg` on `world_size`
+        processes, so that bad input stops the run before anything is launched or written."""
 
     def setup(self, trainer: Trainer) -> None:
         """After the world exists, before the model is built."""

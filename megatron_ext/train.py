@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
+from megatron_ext.plugin import build_plugins
 
 register_configs()
 
@@ -31,7 +32,10 @@ register_configs()
 def run(cfg: Config) -> Optional[dict]:
     """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
     run summary (from rank 0, the reporting rank, when workers were started here)."""
-    validate(cfg, world_size_of(cfg))
+    world = world_size_of(cfg)
+    validate(cfg, world)
+    for plugin in build_plugins(cfg.plugins, cfg):
+        plugin.check(cfg, world)
     if detect_launch() is None and cfg.launcher.nproc > 1:
         launcher = cfg.launcher
         results = launch_local(
@@ -46,7 +50,6 @@ def worker(cfg: Config) -> dict:
     a worker pool, so that the number of workers can change while it trains."""
     import torch.distributed as dist
 
-    from megatron_ext.plugin import build_plugins
     from megatron_ext.training.trainer import Trainer
 
     if "lora" in cfg.plugins:  # many jobs packed on one base: the lora plugin's own loop

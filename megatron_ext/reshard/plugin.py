@@ -74,13 +74,19 @@ class ReshardPlugin(Plugin):
     name = "reshard"
     config_class = ReshardConfig
 
+    def check(self, cfg, world_size: int) -> None:
+        """A scheduled layout that cannot work is a config error: refuse it before launching."""
+        check_schedule(cfg, self.cfg.schedule, world_size)
+
     def setup(self, trainer) -> None:
+        import torch.distributed as dist
+
+        from megatron_ext.reshard.pool import current_pool
+
         self.reports: list = []
         self._due = {int(entry["step"]): dict(entry["layout"]) for entry in self.cfg.schedule}
-        # A scheduled layout that cannot work is a config error: refuse it before training.
-        parallel = trainer.cfg.parallel
-        for step in sorted(self._due):
-            parallel = self._checked(trainer, parallel, self._due[step])
+        pool = current_pool()  # a Trainer built without train.run(): check here too
+        check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size())
         self._next: Optional[tuple[int, _Planned]] = None  # the next scheduled move
         self._requested_move: Optional[_Planned] = None
 
@@ -194,6 +200,17 @@ class ReshardPlugin(Plugin):
             os.replace(self.cfg.request_file, self.cfg.request_file + ".done")
         dist.broadcast_object_list(message, src=0)
         return message[0]
+
+
+def check_schedule(cfg, schedule: list, world_size: int) -> None:
+    """Raise ConfigError for the first scheduled layout the model cannot run on `world_size`
+    workers, each layout taken from the one before it."""
+    from megatron_ext.config.validate import validate
+
+    parallel = cfg.parallel
+    for entry in sorted(schedule, key=lambda e: int(e["step"])):
+        parallel = target_config(parallel, dict(entry["layout"]))
+        validate(dataclasses.replace(cfg, parallel=parallel), world_size)
 
 
 def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):

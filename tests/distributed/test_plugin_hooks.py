@@ -36,6 +36,9 @@ RECORDER = textwrap.dedent(
         name = "recorder"
         config_class = RecorderConfig
 
+        def check(self, cfg, world_size):
+            CALLS.append(["check", world_size])
+
         def setup(self, trainer):
             CALLS.append(["setup", self.cfg.tag])
 
@@ -108,6 +111,7 @@ def test_every_hook_is_called(tmp_path):
     ckpt = tmp_path / "ckpt"
     first = run_recorder(tmp_path, "first", "train.iters=2", f"checkpoint.save={ckpt}")
     assert first == [
+        ["check", 1],  # in the launching process, before any worker starts
         ["setup", "from_cli"],
         ["layer_spec", "ModuleSpec"],
         ["after_model_built", 1],

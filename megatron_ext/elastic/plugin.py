@@ -279,7 +279,8 @@ class ElasticPlugin(Plugin):
 
     def state_dict(self) -> dict:
         if not getattr(self, "ready", False):
-            return {}
+            # Resumed but not stepped yet: what was loaded is still the whole state.
+            return getattr(self, "_loaded", {})
         return {
             "orders": self.orders,
             "grid": self.grid,
@@ -289,6 +290,12 @@ class ElasticPlugin(Plugin):
 
     def load_state_dict(self, state: dict) -> None:
         if state:
+            if state["grid"] != self.grid:  # the router's outputs are indices into the grid
+                raise ValueError(
+                    f"elastic: the checkpoint's choice grid {state['grid']} differs from this run's "
+                    f"{self.grid}; resume with the same elastic.grid"
+                )
+            self._loaded = state
             self.orders = state["orders"]
             self.router_state = state["router"]
 

@@ -106,3 +106,18 @@ def test_bad_grids_and_budgets_name_the_nearest_reachable(space, grid, budgets, 
     with pytest.raises(ValueError, match=message):
         check_grid(space, grid)
         check_budgets(space, grid, budgets, tolerance=0.03)
+
+
+def test_resumed_plugin_keeps_its_state_until_it_steps_and_refuses_another_grid():
+    from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
+
+    saved = {"orders": {"ffn0": [1, 0]}, "grid": {"ffn": [8, 16]}, "router": {"router": {}, "optimizer": {}}}
+    plugin = ElasticPlugin(ElasticConfig())
+    plugin.grid = {"ffn": [8, 16]}
+    plugin.load_state_dict(saved)
+    # A checkpoint written before the first step after a resume must not lose the reorder.
+    assert plugin.state_dict() == saved
+    other = ElasticPlugin(ElasticConfig())
+    other.grid = {"ffn": [8, 12, 16]}
+    with pytest.raises(ValueError, match="grid"):
+        other.load_state_dict(saved)

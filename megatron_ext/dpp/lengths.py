@@ -111,6 +111,11 @@ def sample_batch(
     rejected = out.rejected
     lengths = list(out.lengths)
     while len(lengths) < batch_size:
+        if rejected > 100 * batch_size:  # (almost) nothing fits: never ends otherwise
+            raise ValueError(
+                f"dpp: {rejected} drawn lengths were over max_seq_len={max_seq_len} and only "
+                f"{len(lengths)} of {batch_size} fit; raise max_seq_len or truncate"
+            )
         more = limit_lengths(dist.sample(batch_size - len(lengths), rng).tolist(), max_seq_len, overflow)
         lengths += more.lengths
         rejected += more.rejected

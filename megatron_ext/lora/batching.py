@@ -70,6 +70,11 @@ class ExampleData:
                 f"lora job {job.name!r}: dataset {job.dataset!r} has {len(examples)} examples with room for an "
                 f"answer in seq_length {job.seq_length}; {eval_examples} are held out for evaluation"
             )
+        if 0 < eval_examples < job.micro_batch_size:  # eval() would hold no batch: a loss of 0
+            raise ValueError(
+                f"lora job {job.name!r}: {eval_examples} held-out examples are fewer than one "
+                f"micro-batch ({job.micro_batch_size})"
+            )
         self.job, self.pad_id = job, pad_id
         self.train_examples = list(examples[:-eval_examples]) if eval_examples else list(examples)
         self.eval_examples = list(examples[-eval_examples:]) if eval_examples else []

@@ -60,3 +60,8 @@ def test_frozen_histograms_sample_inside_their_bins(name):
 def test_unknown_distribution_names_the_known_ones():
     with pytest.raises(ValueError, match="github"):
         get_distribution("wikipedia")
+
+
+def test_rejecting_sampler_refuses_a_limit_that_almost_nothing_fits():
+    with pytest.raises(ValueError, match="max_seq_len=2"):
+        sample_batch(GITHUB, 8, 2, np.random.default_rng(0), overflow="reject")

@@ -95,11 +95,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         try:
             lora = multirun_jobs(argv)
-            if lora is not None:
-                run_sweep(*lora)
-                return
-        except (ConfigError, ValueError) as e:
+        except Exception as e:  # Hydra/OmegaConf or a job's rules: an unknown key, a bad value
             _fail(_first_line(e))
+        if lora is not None:
+            try:
+                run_sweep(*lora)
+            except (ConfigError, ValueError) as e:  # refused before training
+                _fail(_first_line(e))
+            return
     if any(a.startswith("-") for a in argv):
         sys.argv = [sys.argv[0], *argv]
         _hydra_main()

@@ -83,10 +83,9 @@ def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]
     parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
     swept = [o.key_or_group for o in parsed if o.is_sweep_override()]
     combinations = [c for batch in BasicSweeper.split_arguments(parsed, None) for c in batch]
-    try:
-        first = compose_config(combinations[0])
-    except Exception:  # hydra/... overrides, launcher options: Hydra's own multirun handles them
-        return None
+    if any(o.key_or_group.startswith("hydra") for o in parsed):
+        return None  # launcher options (hydra/launcher=..., hydra.*): Hydra's own multirun
+    first = compose_config(combinations[0])  # a bad value is the user's error: let it say so
     if "lora" not in first.plugins:
         return None
     configs = [first] + [compose_config(c) for c in combinations[1:]]

@@ -18,7 +18,6 @@ import dataclasses
 import sys
 from typing import Iterator
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel

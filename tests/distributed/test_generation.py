@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.generation import SamplingConfig, generate

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config.validate import ConfigError
 from megatron_ext.train import run_from_overrides
 
 pytestmark = pytest.mark.distributed

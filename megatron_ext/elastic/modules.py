@@ -102,11 +102,3 @@ def full_tensor(module: nn.Module, name: str) -> torch.Tensor:
     if name in module._parameters:
         return module._parameters[name]
     return module._buffers[name]
-
-
-def strip_elastic(module: nn.Module) -> None:
-    """Undo `make_elastic` on every submodule (the rules are dropped; weights are untouched)."""
-    for m in module.modules():
-        if isinstance(m, ElasticMixin):
-            m.__class__ = next(b for b in type(m).__mro__[1:] if not issubclass(b, ElasticMixin))
-            m.__dict__.pop("_elastic_rules", None)

@@ -183,9 +183,12 @@ class ElasticPlugin(Plugin):
 
         def forward(batch):
             device = current_device()
+            was_training = model.training
             model.eval()
-            model(batch["tokens"].to(device), batch["position_ids"].to(device), None)
-            model.train()
+            try:
+                model(batch["tokens"].to(device), batch["position_ids"].to(device), None)
+            finally:
+                model.train(was_training)
 
         return forward
 

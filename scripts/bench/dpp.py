@@ -8,7 +8,7 @@ tuning batch (see planner.tune_static). `measured`: real PP=2 runs on CPU worker
 JSON of scripts/bench/dpp_measured.py (see `measured_records`).
 
     python scripts/bench/dpp.py --json scripts/bench/results/dpp.json --plot scripts/bench/results/dpp.png
-    python scripts/bench/dpp.py --json /tmp/x.json --models llama-7b --contexts 65536 --pps 4 --dists github
+    python scripts/bench/dpp.py --json x.json --models llama-7b --contexts 65536 --pps 4 --dists github
 """
 
 from __future__ import annotations

@@ -9,15 +9,15 @@ and each plans its own share.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
+from megatron_ext.dpp.lengths import Overflow, check_overflow, limit_length
 from megatron_ext.dpp.plan import Chunk
-
-TooLong = Literal["truncate", "reject"]
 
 
 @dataclass
@@ -28,6 +28,9 @@ class DocumentCounts:
     rejected: int = 0
     too_short: int = 0
 
+    def copy(self) -> "DocumentCounts":
+        return dataclasses.replace(self)
+
     def line(self) -> str:
         return (
             f"dpp data: {self.truncated} documents truncated, {self.rejected} rejected as longer "
@@ -35,55 +38,93 @@ class DocumentCounts:
         )
 
 
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a document stream stands: the next document is number `index` of epoch `epoch`'s
+    seeded order of a dataset of `documents` documents, and `counts` is what the stream did
+    to the documents before it. Plain values, saved in checkpoints (`to_dict`)."""
+
+    documents: int
+    seed: int
+    epoch: int = 0
+    index: int = 0
+    counts: DocumentCounts = field(default_factory=DocumentCounts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict) -> "StreamPosition":
+        return cls(**{**state, "counts": DocumentCounts(**state["counts"])})
+
+
 @dataclass
 class DocumentBatches:
     """Endless global batches of whole documents from `dataset` (anything with `len()` and
     `dataset[i]` -> token ids, such as megatron's `IndexedDataset`), epoch after epoch, each
-    epoch in a new seeded order."""
+    epoch in a new seeded order; from the beginning, or from `start` (a resumed run)."""
 
     dataset: object
     docs_per_batch: int
     max_seq_len: int
-    too_long: TooLong = "truncate"
+    too_long: Overflow = "truncate"
     seed: int = 1234
     counts: DocumentCounts = field(default_factory=DocumentCounts)
+    start: Optional[StreamPosition] = None
 
     def __post_init__(self) -> None:
-        if self.too_long not in ("truncate", "reject"):
-            raise ValueError(f"dpp.too_long: expected truncate or reject, got {self.too_long!r}")
+        check_overflow(self.too_long, "dpp.too_long")
         if self.max_seq_len < 1 or self.docs_per_batch < 1:
             raise ValueError("dpp: max_seq_len and docs_per_batch must be positive")
+        if self.start is None:
+            self.start = StreamPosition(len(self.dataset), self.seed)
+        elif (self.start.documents, self.start.seed) != (len(self.dataset), self.seed):
+            raise ValueError(
+                f"dpp: the checkpoint's document stream is over {self.start.documents} documents in the order "
+                f"of seed {self.start.seed}; this run reads {len(self.dataset)} documents with seed "
+                f"{self.seed} (train.seed), so it cannot continue where the checkpoint stopped"
+            )
+        self.counts = self.start.counts.copy()
+        self._epoch, self._index = self.start.epoch, self.start.index
+
+    def position(self) -> StreamPosition:
+        """Where the next document would be read from."""
+        return StreamPosition(len(self.dataset), self.seed, self._epoch, self._index, self.counts.copy())
 
     def _documents(self) -> Iterator[torch.Tensor]:
-        epoch = 0
         while True:
-            order = np.random.default_rng(self.seed + epoch).permutation(len(self.dataset))
-            usable = 0
-            for i in order:
-                doc = self._fit(np.asarray(self.dataset[int(i)]))
+            order = np.random.default_rng(self.seed + self._epoch).permutation(len(self.dataset))
+            whole_epoch, usable = self._index == 0, 0
+            while self._index < len(order):
+                doc = self._fit(np.asarray(self.dataset[int(order[self._index])]))
+                self._index += 1
                 if doc is not None:
                     usable += 1
                     yield doc
-            if not usable:
+            if whole_epoch and not usable:
                 raise ValueError("dpp data: no document of the dataset is usable (see the counts above)")
-            epoch += 1
+            self._epoch, self._index = self._epoch + 1, 0
 
     def _fit(self, doc: np.ndarray):
         if len(doc) < 2:
             self.counts.too_short += 1
             return None
-        if len(doc) > self.max_seq_len + 1:
-            if self.too_long == "reject":
-                self.counts.rejected += 1
-                return None
+        positions = limit_length(len(doc) - 1, self.max_seq_len, self.too_long)
+        if positions is None:
+            self.counts.rejected += 1
+            return None
+        if positions < len(doc) - 1:
             self.counts.truncated += 1
-            doc = doc[: self.max_seq_len + 1]
-        return torch.from_numpy(doc.astype(np.int64))
+        return torch.from_numpy(doc[: positions + 1].astype(np.int64))
 
-    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+    def positioned(self) -> Iterator[tuple[list[torch.Tensor], StreamPosition]]:
+        """Each global batch with the stream's position after it (where the next one starts)."""
         documents = self._documents()
         while True:
-            yield [next(documents) for _ in range(self.docs_per_batch)]
+            yield [next(documents) for _ in range(self.docs_per_batch)], self.position()
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        return (batch for batch, _ in self.positioned())
 
 
 def dp_share(lengths: Sequence[int], dp: int, rank: int) -> list[int]:

@@ -18,6 +18,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).parent / "data"
 Overflow = Literal["truncate", "reject"]
+OVERFLOW_POLICIES = ("truncate", "reject")
 
 
 class LengthDistribution(Protocol):
@@ -80,18 +81,28 @@ class BatchLengths:
     rejected: int
 
 
+def check_overflow(overflow: str, name: str = "dpp: overflow") -> None:
+    """Refuse an overflow policy other than truncate / reject, naming the setting (`name`)."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"{name} must be 'truncate' or 'reject', got {overflow!r}")
+
+
+def limit_length(n: int, max_seq_len: int, overflow: Overflow) -> int | None:
+    """The length a sequence of `n` positions trains at: cut to `max_seq_len` (truncate), or
+    None when it is dropped (reject)."""
+    if n <= max_seq_len:
+        return n
+    return max_seq_len if overflow == "truncate" else None
+
+
 def limit_lengths(lengths: Sequence[int], max_seq_len: int, overflow: Overflow) -> BatchLengths:
     """Cut sequences longer than `max_seq_len` to it, or drop them; counts are logged."""
-    if overflow not in ("truncate", "reject"):
-        raise ValueError(f"dpp: overflow must be 'truncate' or 'reject', got {overflow!r}")
+    check_overflow(overflow)
     if any(n < 1 for n in lengths):
         raise ValueError("dpp: sequence lengths must be positive")
     long = sum(1 for n in lengths if n > max_seq_len)
-    if overflow == "truncate":
-        kept = tuple(min(int(n), max_seq_len) for n in lengths)
-        out = BatchLengths(kept, truncated=long, rejected=0)
-    else:
-        out = BatchLengths(tuple(int(n) for n in lengths if n <= max_seq_len), truncated=0, rejected=long)
+    kept = tuple(k for k in (limit_length(int(n), max_seq_len, overflow) for n in lengths) if k is not None)
+    out = BatchLengths(kept, truncated=long if overflow == "truncate" else 0, rejected=long if overflow == "reject" else 0)
     if long:
         log.info("dpp: %d of %d sequences longer than max_seq_len=%d %s", long, len(lengths), max_seq_len,
                  "truncated" if overflow == "truncate" else "rejected")

@@ -13,6 +13,8 @@ the layer spec and a module swap after the model is built.
 
 from __future__ import annotations
 
+import time
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -39,13 +41,16 @@ class DppConfig:
     # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: None is
     # refused when the first batch is planned. Its activation terms are refitted to the run.
     cost_model: Optional[str] = None
+    # Plan the next global batch in a background thread while the current one trains (the
+    # plans are the same either way; false plans each batch at its own step).
+    plan_ahead: bool = True
 
 
 def _check(cfg: DppConfig) -> None:
+    from megatron_ext.dpp.lengths import check_overflow
     from megatron_ext.dpp.planner import POLICIES
 
-    if cfg.too_long not in ("truncate", "reject"):
-        raise ValueError(f"dpp.too_long: expected truncate or reject, got {cfg.too_long!r}")
+    check_overflow(cfg.too_long, "dpp.too_long")
     if cfg.policy not in POLICIES:
         raise ValueError(f"dpp.policy: expected one of {POLICIES}, got {cfg.policy!r}")
     if cfg.max_seq_len < 2 or cfg.docs_per_batch < 1 or cfg.memory_budget_mb <= 0:
@@ -66,7 +71,10 @@ class DppPlugin(Plugin):
         self.context = ChunkContext()
         self.step = DppStep(self.context)
         self._func: Optional[Callable] = None
-        self._documents = None
+        self._stream = None  # the PlanAhead of the run's planned batches
+        self._resume = None  # the StreamPosition a checkpoint carried
+        self._step_began = 0.0
+        self.tokens_total, self.train_seconds = 0, 0.0
 
     def setup(self, trainer: Trainer) -> None:
         p = trainer.cfg.parallel
@@ -88,55 +96,77 @@ class DppPlugin(Plugin):
 
     def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
         if self._func is None:
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+
             from megatron_ext.dpp.runtime import dpp_forward_backward_func
 
-            batches = self._planned_batches(trainer)
-            self._first = next(batches)  # plans (and refuses a hopeless budget) before training
-            self._func = dpp_forward_backward_func(self.step, _prepend(self._first, batches))
+            planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, trainer.cfg.parallel.pp, _cost_model(self.cfg, trainer, self.context))
+            self._stream = self.plan_stream(IndexedDataset(_dataset_prefix(trainer)), trainer.cfg.train.seed, planner)
+            first = next(self._stream)  # plans (and refuses a hopeless budget) before training
+            trainer.note(self._stream.position.counts.line() + " (first batch)")
+            self._func = dpp_forward_backward_func(self.step, _prepend(first, self._stream))
         return self._func
 
-    def _planned_batches(self, trainer: Trainer) -> Iterator:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
+    def plan_stream(self, dataset, seed: int, planner: "StepPlanner"):
+        """The run's planned global batches (a PlanAhead), from the start or from where the
+        checkpoint this run resumed from stopped."""
+        from megatron_ext.dpp.ahead import PlanAhead
         from megatron_ext.dpp.batch import DocumentBatches
 
-        documents = DocumentBatches(
-            IndexedDataset(_dataset_prefix(trainer)),
-            self.cfg.docs_per_batch,
-            self.cfg.max_seq_len,
-            self.cfg.too_long,
-            trainer.cfg.train.seed,
-        )
-        self._documents = documents
-        planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, trainer.cfg.parallel.pp, _cost_model(self.cfg, trainer, self.context))
-        for i, batch in enumerate(documents):
-            if i == 0:
-                trainer.note(documents.counts.line() + " (first batch)")
-            yield planner.plan(batch)
+        documents = DocumentBatches(dataset, self.cfg.docs_per_batch, self.cfg.max_seq_len, self.cfg.too_long, seed, start=self._resume)
+        return PlanAhead(documents.positioned(), planner, ahead=self.cfg.plan_ahead)
+
+    def state_dict(self) -> dict:
+        """Where the document stream continues after the last trained batch (batches planned
+        ahead are not counted: a resumed run reads them again)."""
+        position = (self._stream.position if self._stream is not None else None) or self._resume
+        return {"stream": position.to_dict()} if position is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        from megatron_ext.dpp.batch import StreamPosition
+
+        self._resume = StreamPosition.from_dict(state["stream"]) if "stream" in state else None
+
+    def on_step_begin(self, trainer: Trainer, step: int) -> None:
+        self._step_began = time.perf_counter()
+
+    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+        """The step's real tokens (document positions trained, over all replicas; the trainer's
+        own tokens/s counts global_batch_size x seq_length, which dpp does not train)."""
+        seconds = time.perf_counter() - self._step_began
+        tokens = self._stream.tokens
+        self.tokens_total += tokens
+        self.train_seconds += seconds
+        metrics["dpp_tokens"] = tokens
+        metrics["dpp_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+        if step % trainer.cfg.logging.log_interval == 0:
+            trainer.note(f"dpp iter {step:6d} | {tokens} tokens of whole documents | tokens/s {metrics['dpp_tokens_per_s']:,.0f}")
 
     def on_train_end(self, trainer: Trainer) -> None:
-        if self._documents is not None:
-            trainer.note(self._documents.counts.line())
+        if self._stream is None:
+            return
+        self._stream.close()
+        trainer.note(self._stream.position.counts.line())
+        tps = self.tokens_total / self.train_seconds if self.train_seconds else 0.0
+        trainer.note(
+            f"dpp: {self.tokens_total} tokens of whole documents in {self.train_seconds:.2f} s of steps "
+            f"({tps:,.0f} tokens/s); planning took {self._stream.planning_s:.2f} s, of which steps "
+            f"waited {self._stream.waited_s:.2f} s"
+        )
 
 
 def _dataset_prefix(trainer: Trainer) -> str:
     """The run's (first) indexed dataset: `data.data_path`, or the default corpus."""
     from megatron_ext.data import default_corpus_prefix
 
-    paths = [p for p in trainer.cfg.data.data_path if not _is_number(p)]
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    paths = get_blend_from_list(list(trainer.cfg.data.data_path))[0] if trainer.cfg.data.data_path else []
     if len(paths) > 1:
         raise ValueError("dpp: a blend of datasets is not supported yet; give one data.data_path prefix")
     if paths:
         return paths[0]
     return default_corpus_prefix(trainer._cache_dir(), trainer.cfg.data.corpus, trainer.tokenizer_spec)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _cost_model(cfg: DppConfig, trainer: Trainer, context):
@@ -153,10 +183,26 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
     return fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
 
 
+@dataclass(frozen=True)
+class PlanFailure:
+    """Why the first stage has no plan, sent to the replica's other stages in its place:
+    `refused` for a budget no plan fits (a ValueError for the user), else the planner's
+    traceback (a bug)."""
+
+    message: str
+    refused: bool = False
+
+    def error(self, replica: int) -> Exception:
+        if self.refused:
+            return ValueError(self.message)
+        return RuntimeError(f"dpp: the planner failed on data-parallel replica {replica}:\n{self.message}")
+
+
 class StepPlanner:
     """Plans this data-parallel replica's share of each global batch. The first pipeline stage
     of the replica plans and sends the plan to the others, so every stage runs the same plan
-    whatever the solver's timing does."""
+    whatever the solver's timing does. `plan` = `agree(solve)`; `solve` communicates with no
+    one, so it may run in a background thread (ahead.PlanAhead), `agree` is collective."""
 
     def __init__(self, cfg: DppConfig, num_layers: int, pp: int, cost) -> None:
         from megatron_ext.dpp.costmodel import stage_layers
@@ -166,21 +212,35 @@ class StepPlanner:
         self.static = None
 
     def plan(self, batch: list) -> Any:
-        import torch.distributed as dist
+        return self.agree(batch, self.solve(batch))
+
+    def solve(self, batch: list) -> tuple[list[int], Any]:
+        """This replica's share of `batch` (sequence indices) and, on its first stage, the
+        plan of the share or a PlanFailure (None on the other stages)."""
         from megatron.core import parallel_state
 
         from megatron_ext.dpp.batch import dp_share
-        from megatron_ext.dpp.runtime import PlannedBatch, validate_plan
 
         lengths = [len(d) - 1 for d in batch]
         mine = dp_share(lengths, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
-        share = [lengths[i] for i in mine]
-        group = parallel_state.get_pipeline_model_parallel_group()
-        box = [self._plan(share) if parallel_state.is_pipeline_first_stage() else None]
+        if not parallel_state.is_pipeline_first_stage():
+            return mine, None
+        return mine, self._plan([lengths[i] for i in mine])
+
+    def agree(self, batch: list, solved: tuple[list[int], Any]) -> Any:
+        """The replica's PlannedBatch: the first stage's plan on every stage, once every
+        data-parallel replica has checked that all of them are on this batch and planned it."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from megatron_ext.dpp.runtime import PlannedBatch, validate_plan
+
+        mine, outcome = solved
+        box = [outcome]
         if self.pp > 1:
+            group = parallel_state.get_pipeline_model_parallel_group()
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        if isinstance(box[0], str):  # every stage refuses, with the planner's message
-            raise ValueError(box[0])
+        _agree_across_replicas([len(d) - 1 for d in batch], box[0])
         validate_plan(box[0], list(self.layers))
         return PlannedBatch(box[0], tuple(batch[i] for i in mine))
 
@@ -194,7 +254,32 @@ class StepPlanner:
                 self.static = tune_static(self.cfg.policy, lengths, self.cost, self.pp, budget, self.cfg.max_seq_len, self.layers)
             return plan_step_info(lengths, self.cost, self.pp, budget, self.cfg.policy, self.layers, self.static)[0]
         except BudgetTooSmall as refused:
-            return str(refused)
+            return PlanFailure(str(refused), refused=True)
+        except Exception:  # every stage must hear of it, or the others wait for a plan forever
+            return PlanFailure(traceback.format_exc())
+
+
+def _agree_across_replicas(lengths: list[int], outcome: Any) -> None:
+    """Every data-parallel replica raises if one of them failed to plan, or if they read
+    different global batches (they would otherwise train on, or wait in gradient reductions
+    for, different steps)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    mine = (tuple(lengths), outcome if isinstance(outcome, PlanFailure) else None)
+    views = [mine]
+    if dist.get_world_size(group) > 1:
+        views = [None] * dist.get_world_size(group)
+        dist.all_gather_object(views, mine, group=group)
+    for replica, (_, failure) in enumerate(views):
+        if failure is not None:
+            raise failure.error(replica)
+    if any(v[0] != views[0][0] for v in views):
+        raise RuntimeError(
+            "dpp: data-parallel replicas read different global batches (sequence lengths "
+            + "; ".join(f"replica {r}: {list(v[0])}" for r, v in enumerate(views)) + ")"
+        )
 
 
 def prepare_model(model_chunks: list, context) -> None:

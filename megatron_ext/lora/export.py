@@ -154,40 +154,54 @@ def load_peft(folder: str | Path, cfg: ModelConfig, job: LoraJob) -> tuple[LoraJ
 # --- megatron checkpoints -----------------------------------------------------------------------
 
 
-def _sharded(weights: Weights) -> dict[str, ShardedTensor]:
+def sharded_weights(weights: Weights, prefix: str = "lora") -> dict[str, ShardedTensor]:
+    """Logical tensors shaped like an adapter's (the adapter, its Adam moments, its gradients)
+    as replicated ShardedTensors `<prefix>.layers.<layer>.<target>.<a|b>`."""
     replica = dist.get_rank()  # full tensors on every rank: rank 0's copy is written
     out = {}
     for (layer, target), (a, b) in weights.items():
         for name, t in (("a", a), ("b", b)):
-            key = f"lora.layers.{layer}.{target}.{name}"
+            key = f"{prefix}.layers.{layer}.{target}.{name}"
             out[key] = ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=replica)
     return out
 
 
-def save_megatron(folder: str | Path, job: LoraJob, weights: Weights) -> Path:
-    """A dist_checkpointing checkpoint of the adapter (collective over the world)."""
+def weights_from(state: dict, prefix: str = "lora") -> Weights:
+    """The inverse of `sharded_weights` on a loaded checkpoint (other entries are skipped)."""
+    head = f"{prefix}.layers."
+    weights: dict = {}
+    for key, tensor in state.items():
+        if key.startswith(head):
+            layer, target, name = key[len(head) :].split(".")
+            weights.setdefault((int(layer), target), {})[name] = tensor
+    return {k: (v["a"], v["b"]) for k, v in weights.items()}
+
+
+def save_megatron(folder: str | Path, job: LoraJob, weights: Weights, extra: Optional[dict] = None) -> Path:
+    """A dist_checkpointing checkpoint of the adapter (collective over the world); `extra`: more
+    entries (ShardedTensors or common state) beside it."""
     folder = Path(folder)
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(weights), str(folder))
+    dist_checkpointing.save({**sharded_weights(weights), **(extra or {})}, str(folder))
     if dist.get_rank() == 0:
         (folder / "lora_job.json").write_text(json.dumps(dataclasses.asdict(job), indent=2) + "\n")
     return folder
 
 
-def load_megatron(folder: str | Path) -> tuple[LoraJob, Weights]:
+def load_megatron_state(folder: str | Path) -> tuple[LoraJob, dict]:
+    """The job and every entry of a `save_megatron` checkpoint (collective over the world)."""
     folder = Path(folder)
     job = LoraJob(**json.loads((folder / "lora_job.json").read_text()))
     metadata = dist_checkpointing.load_tensors_metadata(str(folder))
-    template = {}
-    for key, meta in metadata.items():
-        template[key] = torch.empty(meta.global_shape, dtype=meta.dtype)
-    loaded = dist_checkpointing.load(
-        {k: ShardedTensor.from_rank_offsets(k, t, replica_id=dist.get_rank()) for k, t in template.items()}, str(folder)
-    )
-    weights: dict = {}
-    for key, tensor in loaded.items():
-        _, _, layer, target, name = key.split(".")
-        weights.setdefault((int(layer), target), {})[name] = tensor
-    return job, {k: (v["a"], v["b"]) for k, v in weights.items()}
+    template = {
+        key: ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype), replica_id=dist.get_rank())
+        for key, meta in metadata.items()
+    }
+    return job, dist_checkpointing.load(template, str(folder))
+
+
+def load_megatron(folder: str | Path) -> tuple[LoraJob, Weights]:
+    job, state = load_megatron_state(folder)
+    return job, weights_from(state)

@@ -108,18 +108,33 @@ class MultiLoraLinear(nn.Module):
 
     # --- slots --------------------------------------------------------------------------------
 
-    def install(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: float) -> None:
-        """Put the logical (unsharded) A [r, in] and B [out, r] into `slot`; this rank keeps its shard."""
+    def build(self, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: float) -> SlotAdapter:
+        """A slot adapter from the logical (unsharded) A [r, in] and B [out, r], not yet installed."""
         if a.shape[1] != self.in_features or b.shape[0] != self.out_features or a.shape[0] != b.shape[1]:
             raise ValueError(
                 f"lora {self.target} (layer {self.layer_number}): A {tuple(a.shape)} / B {tuple(b.shape)} "
                 f"do not fit in={self.in_features}, out={self.out_features}"
             )
+        a_local, b_local = self.local_pair(a, b)
+        return SlotAdapter(a_local.contiguous().clone(), b_local.contiguous().clone(), scaling, dropout)
+
+    def put(self, slot: int, adapter: SlotAdapter) -> None:
+        self.adapters[str(slot)] = adapter
+
+    def local_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shards of logical tensors shaped like A and B (weights, Adam moments, grads),
+        in the base weight's dtype and device."""
         dtype, device = self.base.weight.dtype, self.base.weight.device
         a_local, b_local = (a, self._shard_rows(b)) if self.column else (a.chunk(self.tp, dim=1)[self.tp_rank], b)
-        self.adapters[str(slot)] = SlotAdapter(
-            a_local.to(device, dtype).contiguous().clone(), b_local.to(device, dtype).contiguous().clone(), scaling, dropout
-        )
+        return a_local.to(device, dtype), b_local.to(device, dtype)
+
+    def logical_pair(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `local_pair`: whole tensors gathered over TP (collective on the TP group)."""
+        if self.tp == 1:
+            return a.clone(), b.clone()
+        if self.column:
+            return a.clone(), self._unshard_rows(_all_gather(b, dim=0))
+        return _all_gather(a, dim=1), b.clone()
 
     def remove(self, slot: int) -> None:
         if str(slot) in self.adapters:
@@ -131,12 +146,7 @@ class MultiLoraLinear(nn.Module):
     def logical(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot's whole A and B, gathered over TP (collective on the TP group)."""
         adapter = self.adapters[str(slot)]
-        a, b = adapter.a.detach(), adapter.b.detach()
-        if self.tp == 1:
-            return a.clone(), b.clone()
-        if self.column:
-            return a.clone(), self._unshard_rows(_all_gather(b, dim=0))
-        return _all_gather(a, dim=1), b.clone()
+        return self.logical_pair(adapter.a.detach(), adapter.b.detach())
 
     def sharded(self, slot: int) -> dict[str, bool]:
         """Which of the slot's tensors are split over TP (the rest are replicated)."""
@@ -246,20 +256,26 @@ def init_adapter(job: LoraJob, layer_number: int, target: str, in_features: int,
 
 def install_job(wrappers: dict[tuple[int, str], MultiLoraLinear], slot: int, job: LoraJob, weights: Optional[dict] = None) -> list[nn.Parameter]:
     """Install `job` into `slot` of every wrapper it targets, fresh or from `weights`
-    ({(layer, target): (A, B)} logical tensors). Returns the slot's parameters."""
-    params = []
-    for (layer_number, target), wrapper in wrappers.items():
+    ({(layer, target): (A, B)} logical tensors, exactly one pair per targeted linear). Returns
+    the slot's parameters. All-or-nothing: every adapter is built and checked before any wrapper
+    changes, so a bad job or weight leaves the slot and every other slot as they were."""
+    targeted = [key for key in wrappers if key[1] in job.target_modules]
+    if weights is not None and set(weights) != set(targeted):
+        missing, unused = sorted(set(targeted) - set(weights)), sorted(set(weights) - set(targeted))
+        raise ValueError(f"lora job {job.name!r}: weights missing for {missing}, unused for {unused} (layer, target)")
+    built = {}
+    for key in targeted:
+        wrapper = wrappers[key]
+        a, b = weights[key] if weights is not None else init_adapter(job, *key, wrapper.in_features, wrapper.out_features)
+        try:
+            built[key] = wrapper.build(a, b, job.scaling, job.dropout)
+        except ValueError as error:
+            raise ValueError(f"lora job {job.name!r}: {error}") from error
+    for key, wrapper in wrappers.items():
         wrapper.remove(slot)
-        if target not in job.target_modules:
-            continue
-        if weights is not None:
-            a, b = weights[(layer_number, target)]
-        else:
-            a, b = init_adapter(job, layer_number, target, wrapper.in_features, wrapper.out_features)
-        wrapper.install(slot, a, b, job.scaling, job.dropout)
-        adapter = wrapper.slot(slot)
-        params += [adapter.a, adapter.b]
-    return params
+        if key in built:
+            wrapper.put(slot, built[key])
+    return [p for adapter in built.values() for p in (adapter.a, adapter.b)]
 
 
 def remove_job(wrappers: dict[tuple[int, str], MultiLoraLinear], slot: int) -> None:

@@ -6,17 +6,32 @@ accumulation micro-batches): adapter i's parameters only touch job i's batch col
 d(packed loss)/d(adapter i) is exactly the gradient job i gets alone. Each job steps its own
 optimizer when it has accumulated its global batch, and leaves when it has taken its steps (or
 its loss stops being finite); the next queued job takes the free slot at the next step.
+
+Data parallelism: on D ranks (megatron's data-parallel group), each job's micro-batches are dealt
+round-robin (rank r takes micro-batches r, r+D, ...) and every packed step sums the new adapter
+gradients over the group (the base is frozen and has none), so each optimizer step sees the same
+global batch, normalised the same way, as on one rank. A job's micro-batches per step must be a
+multiple of D. Dropout masks are drawn per micro-batch from (job seed, micro-batch index), so they
+do not depend on D either, nor on where a resumed run stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
+from megatron_ext.lora import checkpoint
 from megatron_ext.lora.batching import JobData, MicroBatch, pack
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import MultiLoraLinear, Routing, install_job, remove_job
@@ -28,13 +43,14 @@ Wrappers = dict[tuple[int, str], MultiLoraLinear]
 @dataclass
 class JobResult:
     name: str
-    status: str = "queued"  # queued | running | done | diverged
+    status: str = "queued"  # queued | running | done | diverged | failed (could not start)
     steps: int = 0
     losses: list[float] = field(default_factory=list)  # per optimizer step
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss
     tokens: int = 0  # trained tokens (loss-counted or not)
     started_s: Optional[float] = None
     finished_s: Optional[float] = None
+    error: Optional[str] = None  # why a failed job could not start
 
 
 @dataclass
@@ -44,10 +60,10 @@ class ActiveJob:
     optimizer: JobOptimizer
     data: Iterator[MicroBatch]
     eval_data: list[MicroBatch]
-    generator: torch.Generator
     result: JobResult
-    micro: int = 0  # micro-batches accumulated towards the next optimizer step
+    micro: int = 0  # micro-batches (over all DP ranks) accumulated towards the next optimizer step
     step_loss: float = 0.0
+    consumed: int = 0  # micro-batches of the job's stream trained on, over all DP ranks
 
 
 def token_losses(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -59,7 +75,8 @@ def token_losses(model: torch.nn.Module, tokens: torch.Tensor, position_ids: tor
 class PackedTrainer:
     """Runs `jobs` through `capacity` slots of one model. `data_for(job)` gives the job's data;
     `on_finish(trainer, active)` runs while a finished job still sits in its slot (export,
-    checkpoints); `log(job name, line)` gets a line per job event and optimizer step."""
+    checkpoints); `log(job name, line)` gets a line per job event and optimizer step.
+    `dp_group`: the ranks that share each job's batches (default: megatron's data-parallel group)."""
 
     def __init__(
         self,
@@ -70,6 +87,7 @@ class PackedTrainer:
         capacity: int,
         on_finish: Optional[Callable[["PackedTrainer", ActiveJob], None]] = None,
         log: Callable[[str, str], None] = lambda job, line: None,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.model, self.wrappers, self.routing = model, wrappers, routing
         self.data_for, self.capacity = data_for, capacity
@@ -79,6 +97,8 @@ class PackedTrainer:
         self.results: dict[str, JobResult] = {}
         self.packed_steps = 0
         self.t0 = time.perf_counter()
+        self.dp_group = dp_group if dp_group is not None else parallel_state.get_data_parallel_group()
+        self.dp, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
 
     # --- job lifecycle --------------------------------------------------------------------------
 
@@ -86,27 +106,60 @@ class PackedTrainer:
         for job in jobs:
             if job.name in self.results:
                 raise ValueError(f"lora: job name {job.name!r} is used twice")
+            if job.accumulation_steps % self.dp:
+                raise ValueError(
+                    f"lora job {job.name!r}: {job.accumulation_steps} micro-batches per step do not split over "
+                    f"{self.dp} data-parallel ranks (global_batch_size must be a multiple of micro_batch_size x {self.dp})"
+                )
+        for job in jobs:
             self.results[job.name] = JobResult(job.name)
             self.queue.append(job)
 
-    def _start(self, job: LoraJob, slot: int) -> None:
-        params = install_job(self.wrappers, slot, job)
+    def _start(self, job: LoraJob, slot: int, saved: Optional[Path] = None) -> None:
+        """Put `job` into the free `slot`, fresh or from its checkpoint folder `saved`. All or
+        nothing: if any part fails on any rank (its data, its adapter, its checkpoint), the slot
+        stays empty, the other jobs are untouched, and the job is marked failed with the error."""
+        result = self.results[job.name]
+        try:
+            active, error = self._prepare(job, slot, saved), None
+        except Exception as exc:  # noqa: BLE001 - any failure of one job must spare the others
+            active, error = None, f"{type(exc).__name__}: {exc}"
+        if self._failed_on_any_rank(error is not None):
+            remove_job(self.wrappers, slot)
+            result.status = "failed"
+            result.error = f"lora job {job.name!r} could not start in slot {slot}: {error or 'failed on another rank'}"
+            self.log(job.name, result.error)
+            return
+        self.active[slot] = active
+        result.status = "running"
+        if saved is None:
+            result.started_s = self._now()
+            if active.eval_data:  # the starting point each job's eval losses compare with
+                result.eval_losses[0] = self.evaluate(active)
+        self.log(job.name, f"{'resumed' if saved else 'started'} in slot {slot} (rank {job.rank}, lr {job.lr:g}, batch {job.global_batch_size})")
+
+    def _prepare(self, job: LoraJob, slot: int, saved: Optional[Path]) -> ActiveJob:
+        data = self.data_for(job)
+        state = checkpoint.load_job(saved, job) if saved is not None else None
+        params = install_job(self.wrappers, slot, job, state.weights if state else None)
         sharded = []
         for wrapper in self.wrappers.values():
             if wrapper.slot(slot) is not None:
                 split = wrapper.sharded(slot)
                 sharded += [split["a"], split["b"]]
-        data = self.data_for(job)
-        result = self.results[job.name]
-        result.status, result.started_s = "running", self._now()
-        active = ActiveJob(
-            job, slot, JobOptimizer(job, params, sharded), data.train(), data.eval(),
-            torch.Generator().manual_seed(job.seed), result,
-        )
-        self.active[slot] = active
-        if active.eval_data:  # the starting point each job's eval losses compare with
-            result.eval_losses[0] = self.evaluate(active)
-        self.log(job.name, f"started in slot {slot} (rank {job.rank}, lr {job.lr:g}, batch {job.global_batch_size})")
+        optimizer = JobOptimizer(job, params, sharded)
+        active = ActiveJob(job, slot, optimizer, iter(()), data.eval(), self.results[job.name])
+        if state is not None:
+            checkpoint.restore(self.wrappers, active, state)
+        active.data = itertools.islice(data.train(), active.consumed + self.dp_rank, None, self.dp)
+        return active
+
+    def _failed_on_any_rank(self, failed: bool) -> bool:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return failed
+        flag = torch.tensor([float(failed)])
+        dist.all_reduce(flag)
+        return bool(flag.item())
 
     def _finish(self, active: ActiveJob, status: str) -> None:
         active.result.status, active.result.finished_s = status, self._now()
@@ -122,7 +175,7 @@ class PackedTrainer:
 
     def _fill_slots(self) -> None:
         for slot in range(self.capacity):
-            if slot not in self.active and self.queue:
+            while slot not in self.active and self.queue:  # a job that fails to start frees it again
                 self._start(self.queue.popleft(), slot)
 
     def _now(self) -> float:
@@ -130,9 +183,11 @@ class PackedTrainer:
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, JobResult]:
+    def run(self, until: Optional[int] = None) -> dict[str, JobResult]:
+        """Train until every job has left, or until `until` packed steps (then `save` can
+        checkpoint the run and a new trainer `resume` it)."""
         self._fill_slots()
-        while self.active:
+        while self.active and (until is None or self.packed_steps < until):
             self.step()
             self._fill_slots()
         return self.results
@@ -144,31 +199,65 @@ class PackedTrainer:
         parts = [(slot, next(self.active[slot].data)) for slot in order]
         batch = pack(parts)
         self.routing.segments = batch.segments
-        self.routing.generators = {slot: self.active[slot].generator for slot in order}
+        self.routing.generators = {slot: self._dropout_generator(self.active[slot]) for slot in order}
         losses = token_losses(self.model, batch.tokens, batch.position_ids, batch.labels)
         mask = batch.loss_mask.to(losses.device, losses.dtype)
-        total, finite = [], {}
+        job_losses = {}
         for seg in batch.segments:
             active = self.active[seg.slot]
             rows = slice(seg.start, seg.stop)
-            job_loss = (losses[rows] * mask[rows]).sum() / mask[rows].sum().clamp(min=1) / active.job.accumulation_steps
-            value = float(job_loss.detach())
-            finite[seg.slot] = value == value and abs(value) != float("inf")
-            if finite[seg.slot]:
-                total.append(job_loss)
-                active.step_loss += value
-            active.result.tokens += mask[rows].numel()
-        if total:
-            torch.stack(total).sum().backward()
+            job_losses[seg.slot] = (losses[rows] * mask[rows]).sum() / mask[rows].sum().clamp(min=1) / active.job.accumulation_steps
+            active.result.tokens += mask[rows].numel() * self.dp
+        values = self._sum_over_dp(job_losses)
+        kept = [job_losses[slot] for slot in order if math.isfinite(values[slot])]
+        earlier = self._take_grads(order) if self.dp > 1 else {}
+        if kept:
+            torch.stack(kept).sum().backward()
+        if self.dp > 1:
+            self._reduce_grads(earlier)
         self.packed_steps += 1
         for slot in order:
             active = self.active[slot]
-            if not finite[slot]:
+            active.consumed += self.dp
+            if not math.isfinite(values[slot]):
                 self._finish(active, "diverged")
                 continue
-            active.micro += 1
+            active.step_loss += values[slot]
+            active.micro += self.dp
             if active.micro == active.job.accumulation_steps:
                 self._optimizer_step(active)
+
+    def _dropout_generator(self, active: ActiveJob) -> torch.Generator:
+        index = active.consumed + self.dp_rank  # this rank's micro-batch of the job's stream
+        return torch.Generator().manual_seed((active.job.seed * 1_000_033 + index) % 2**63)
+
+    def _sum_over_dp(self, job_losses: dict[int, torch.Tensor]) -> dict[int, float]:
+        """Each job's loss summed over the DP ranks (non-finite when it is on any rank)."""
+        slots = sorted(job_losses)
+        values = torch.tensor([float(job_losses[slot].detach()) for slot in slots], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(values, group=self.dp_group)
+        return dict(zip(slots, values.tolist()))
+
+    def _take_grads(self, slots: list[int]) -> dict[torch.nn.Parameter, Optional[torch.Tensor]]:
+        """Detach the gradients accumulated so far (the same on every DP rank), so that only
+        this step's are summed over DP."""
+        earlier = {}
+        for slot in slots:
+            for p in self.active[slot].optimizer.params:
+                earlier[p], p.grad = p.grad, None
+        return earlier
+
+    def _reduce_grads(self, earlier: dict[torch.nn.Parameter, Optional[torch.Tensor]]) -> None:
+        fresh = [p for p in earlier if p.grad is not None]  # the same set on every rank
+        if fresh:
+            flat = torch.cat([p.grad.reshape(-1) for p in fresh])
+            dist.all_reduce(flat, group=self.dp_group)
+            for p, g in zip(fresh, flat.split([p.numel() for p in fresh])):
+                p.grad = g.view_as(p)
+        for p, grad in earlier.items():
+            if grad is not None:
+                p.grad = grad if p.grad is None else grad.add_(p.grad)
 
     def _optimizer_step(self, active: ActiveJob) -> None:
         active.optimizer.step()
@@ -199,3 +288,43 @@ class PackedTrainer:
             count += float(mask.sum())
         self.model.train()
         return total / max(count, 1.0)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, folder: str | Path) -> Path:
+        """Checkpoint the run (collective): each active job's training state under
+        `<folder>/<job>/` (checkpoint.save_job), then the queue, the slots and every job's
+        results in `trainer.json`."""
+        folder = Path(folder)
+        for slot in sorted(self.active):
+            checkpoint.save_job(folder / self.active[slot].job.name, self.active[slot], self.wrappers)
+        if dist.get_rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {
+                "packed_steps": self.packed_steps,
+                "slots": {active.job.name: slot for slot, active in self.active.items()},
+                "queue": [job.name for job in self.queue],
+                "results": {name: dataclasses.asdict(r) for name, r in self.results.items()},
+            }
+            (folder / "trainer.json").write_text(json.dumps(state, indent=1) + "\n")
+        dist.barrier()
+        return folder
+
+    def resume(self, folder: str | Path) -> None:
+        """Continue the run that `save(folder)` checkpointed: call after `submit` with the same
+        jobs and before `run`; each job continues exactly where it stopped."""
+        folder = Path(folder)
+        state = json.loads((folder / "trainer.json").read_text())
+        if self.active or self.packed_steps:
+            raise RuntimeError("lora: resume a trainer before it has run")
+        if set(state["results"]) != set(self.results):
+            raise ValueError(f"lora: {folder} holds jobs {sorted(state['results'])}, not the submitted {sorted(self.results)}")
+        for name, saved in state["results"].items():
+            saved["eval_losses"] = {int(step): loss for step, loss in saved["eval_losses"].items()}
+            self.results[name] = JobResult(**saved)
+        jobs = {job.name: job for job in self.queue}
+        self.queue = deque(jobs[name] for name in state["queue"])
+        self.packed_steps = state["packed_steps"]
+        for name, slot in sorted(state["slots"].items(), key=lambda item: item[1]):
+            self._start(jobs[name], slot, folder / name)
+

@@ -125,31 +125,36 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     from megatron_ext.dpp.batch import chunk_inputs
     from megatron_ext.dpp.plan import Chunk, Segment
 
+    if not tokens or any(int(t) < 1 for t in tokens):
+        raise ValueError(f"dpp memory fit: token counts must be positive, got {list(tokens)}")
     model = model_chunks[0]
     config = get_model_config(model)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     layers = len(get_attr_wrapped_model(model, "decoder").layers)
     meter = ActivationMeter(model_chunks)
     rows = []
-    for n_tokens in tokens:
-        for recompute in (0, layers):
-            chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
-            batch = chunk_inputs(chunk, [torch.zeros(n_tokens + 1, dtype=torch.long)])  # any tokens do
-            x = None if first else torch.randn(n_tokens, 1, config.hidden_size, requires_grad=True)
-            get_attr_wrapped_model(model, "set_input_tensor")([x])
-            context.enter(chunk.segments, (n_tokens,))
-            config.recompute_num_layers = recompute
-            with meter.track(0):
-                out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            rows.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, recompute, layers, meter.live_bytes))
-            if last:
-                out.sum().backward()
-            else:
-                out.backward(torch.randn_like(out))
-            context.leave()
-    config.recompute_num_layers = 0
-    for m in model_chunks:
-        m.zero_grad_buffer()
+    set_input = get_attr_wrapped_model(model, "set_input_tensor")
+    recompute_before = config.recompute_num_layers
+    try:  # the model leaves as it came, even when a forward raises: no input, recompute, grads
+        for n_tokens in tokens:
+            for recompute in (0, layers):
+                chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
+                batch = chunk_inputs(chunk, [torch.zeros(n_tokens + 1, dtype=torch.long)])  # any tokens do
+                set_input([None if first else torch.randn(n_tokens, 1, config.hidden_size, requires_grad=True)])
+                context.enter(chunk.segments, (n_tokens,))
+                config.recompute_num_layers = recompute
+                with meter.track(0):
+                    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                rows.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, recompute, layers, meter.live_bytes))
+                out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+                del out
+                context.leave()
+    finally:
+        context.leave()
+        set_input([None])
+        config.recompute_num_layers = recompute_before
+        for m in model_chunks:
+            m.zero_grad_buffer()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     rows = [r for part in gathered for r in part]

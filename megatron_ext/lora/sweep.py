@@ -189,9 +189,11 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
 
     from megatron_ext.models.convert.world import model_parallel_world
 
-    with model_parallel_world(tp=cfg.parallel.tp):
-        if dist.get_world_size() != cfg.parallel.tp:
-            raise ValueError(f"lora sweep: {dist.get_world_size()} ranks for tp={cfg.parallel.tp}; data parallelism is not supported")
+    with model_parallel_world(tp=cfg.parallel.tp):  # the ranks beyond tp are data-parallel replicas
+        dp = dist.get_world_size() // cfg.parallel.tp
+        uneven = [j.name for j in jobs if j.accumulation_steps % dp]
+        if uneven:
+            raise ValueError(f"lora sweep: jobs {uneven}: global_batch_size must be a multiple of micro_batch_size x DP ({dp})")
         return _train(cfg, jobs, schedule, tokenizer)
 
 
@@ -249,6 +251,7 @@ def _train(cfg: Config, jobs: Sequence[LoraJob], schedule, tokenizer) -> dict:
             "eval_loss": r.eval_losses.get(r.steps),
             "first_eval_loss": r.eval_losses.get(0),
             "seconds": (r.finished_s or 0.0) - (r.started_s or 0.0),
+            "error": r.error,
         }
         for name, r in results.items()
     }

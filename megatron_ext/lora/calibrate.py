@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import math
 import time
+from pathlib import Path
 from typing import Sequence
 
 from megatron_ext.config.schema import ModelConfig
@@ -74,3 +77,33 @@ def calibrate(model_cfg: ModelConfig, vocab_size: int, seconds: float = 0.3) -> 
     heldout = [s for i, s in enumerate(samples) if i % 3 == 2]
     shapes = shapes_of(dataclasses.replace(model_cfg, vocab_size=vocab_size))
     return fit(shapes, train, heldout), samples
+
+
+def fit_record(fit: Fit, samples: int) -> dict:
+    """A fit as the plain values the output file (and the sweep benchmark's JSON) hold."""
+    return {"coefficients": list(fit.model.coefficients), "train_error": fit.train_error,
+            "heldout_error": fit.heldout_error, "heldout_max_error": fit.heldout_max_error, "samples": samples}
+
+
+def save_fit(path: str | Path, fit: Fit, samples: int) -> Path:
+    """The calibration's output file (JSON), which `lora.cost_model` points the planner at."""
+    path = Path(path)
+    path.write_text(json.dumps(fit_record(fit, samples), indent=1) + "\n")
+    return path
+
+
+def load_coefficients(path: str | Path) -> tuple[float, ...]:
+    """The cost-model coefficients of a `save_fit` file, refused with the file named when they
+    are missing, of the wrong count, negative or not finite."""
+    from megatron_ext.lora.costmodel import PassWork
+
+    expected = len(PassWork(0, 0, 0.0, 0.0, 0.0, 0.0).features())
+    try:
+        values = json.loads(Path(path).read_text())["coefficients"]
+        coefficients = tuple(float(v) for v in values)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"lora.cost_model={path}: not a calibration file with coefficients ({error})") from error
+    if len(coefficients) != expected or not all(math.isfinite(c) and c >= 0 for c in coefficients):
+        raise ValueError(f"lora.cost_model={path}: expected {expected} finite coefficients >= 0, got {list(values)}")
+    return coefficients
+

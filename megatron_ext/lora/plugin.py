@@ -42,6 +42,9 @@ class LoraConfig:
     slots: Optional[int] = None
     # Memory of the device group the planner may fill.
     memory_gb: float = 16.0
+    # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
+    # uncalibrated CPU_COEFFICIENTS.
+    cost_model: Optional[str] = None
     # reference | grouped | auto (grouped GEMM on CUDA)
     kernel: str = "auto"
     # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.

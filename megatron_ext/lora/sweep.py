@@ -106,7 +106,8 @@ def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]
 # (costmodel.PassWork). A rough default for one CPU thread, NOT calibrated on this machine: a
 # fixed cost per pass (Python, the optimizer steps, the launch of every small op) is what packing
 # shares; thin LoRA GEMMs run far below the base GEMMs' rate. scripts/bench/lora_sweep.py
-# measures these coefficients (calibrate.py) for the planner it benchmarks.
+# measures these coefficients (calibrate.py) for the planner it benchmarks; lora.cost_model=FILE
+# (calibrate.save_fit) plans with measured ones instead.
 CPU_COEFFICIENTS = (0.05, 0.01, 0.05, 0.5, 0.1, 0.0)
 
 
@@ -117,9 +118,12 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob]):
     from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel, gib
     from megatron_ext.lora.workload import shapes_of
 
+    from megatron_ext.lora.calibrate import load_coefficients
+
+    coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
     shapes = shapes_of(cfg.model)
     memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False)
-    problem = planner.Problem(tuple(jobs), Hardware(1, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, CPU_COEFFICIENTS))
+    problem = planner.Problem(tuple(jobs), Hardware(1, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, coefficients))
     schedule = planner.plan(problem)
     if cfg.lora.slots is not None:  # the user's slot count, kept within what memory allows
         from megatron_ext.lora.plan import Pack, Plan

@@ -203,13 +203,14 @@ def measured(samples: int, devices: int, out_dir: Path) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.lora.calibrate import calibrate
+    from megatron_ext.lora.calibrate import calibrate, fit_record, save_fit
     from megatron_ext.platform.launch import join_world
 
     join_world("cpu")
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     fit, calibration = calibrate(CPU_MODEL, CPU_MODEL.vocab_size)
+    save_fit(out_dir / "lora_cost_model.json", fit, len(calibration))  # for lora.cost_model=
     shapes = shapes_of(CPU_MODEL)
     memory = MemoryModel(shapes, FP32, fused_attention=False)
     jobs = cpu_sweep(samples)
@@ -231,9 +232,7 @@ def measured(samples: int, devices: int, out_dir: Path) -> dict:
         "predicted_s": {k: (None if s is None else s.makespan) for k, s in schedules.items()},
         "planner_strategy": schedules["planner"].plan.strategy,
         "runs": runs,
-        "cost_model": {"coefficients": fit.model.coefficients, "train_error": fit.train_error,
-                       "heldout_error": fit.heldout_error, "heldout_max_error": fit.heldout_max_error,
-                       "samples": len(calibration)},
+        "cost_model": fit_record(fit, len(calibration)),
         "setup": {"model": dataclasses.asdict(CPU_MODEL), "devices": devices, "memory_bytes": hardware.memory_bytes,
                   "jobs": [dataclasses.asdict(j) for j in jobs]},
     }

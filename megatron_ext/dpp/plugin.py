@@ -133,6 +133,8 @@ class DppPlugin(Plugin):
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
         """The step's real tokens (document positions trained, over all replicas; the trainer's
         own tokens/s counts global_batch_size x seq_length, which dpp does not train)."""
+        if self._stream is None:  # another plugin's forward_backward_func ran the step
+            return
         seconds = time.perf_counter() - self._step_began
         tokens = self._stream.tokens
         self.tokens_total += tokens

@@ -46,6 +46,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from torch import nn
 
 from megatron_ext.elastic.modules import SliceRule, add_rule, full_tensor
@@ -59,6 +60,8 @@ class Axis:
     full: int = 0
     quantum: int = 1
     groups: int = 1
+    # True where each TP rank holds a block of the units (and scores only its own).
+    tp_sharded: bool = False
 
     def __init__(self) -> None:
         self.active = self.full
@@ -136,6 +139,8 @@ class Touch:
     resize: Optional[Callable[[nn.Module, int], None]] = None
     # The hidden axis counts this tensor's parameters (False where another axis owns it).
     owned: bool = False
+    # Each TP rank holds a block of the tensor along its other dimension (the vocabulary).
+    tp_sharded: bool = False
 
 
 @dataclass
@@ -154,6 +159,28 @@ def permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
         tensor.copy_(tensor.index_select(dim, index.to(tensor.device)))
 
 
+def permute_across_tp_(tensor: torch.Tensor, dim: int, order: torch.Tensor, halves: int = 1) -> None:
+    """Reorder, by a global `order`, the units of a tensor that each TP rank holds a block of
+    along `dim` (as `halves` equal runs: SwiGLU's fc1 holds its block's gate rows, then its up
+    rows). Units move between ranks, so the blocks are gathered first."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        n = tensor.shape[dim] // halves
+        permute_(tensor, dim, torch.cat([order + i * n for i in range(halves)]))
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    local = tensor.shape[dim] // halves
+    with torch.no_grad():
+        blocks = [torch.empty_like(tensor) for _ in range(tp)]
+        dist.all_gather(blocks, tensor.contiguous(), group=group)
+        mine = order[parallel_state.get_tensor_model_parallel_rank() * local :][:local].to(tensor.device)
+        parts = []
+        for i in range(halves):
+            whole = torch.cat([b.narrow(dim, i * local, local) for b in blocks], dim)
+            parts.append(whole.index_select(dim, mine))
+        tensor.copy_(torch.cat(parts, dim))
+
+
 def resize_norm(norm: nn.Module, size: int) -> None:
     norm.normalized_shape = (size,)
 
@@ -165,6 +192,14 @@ def set_input_size(module: nn.Module, size: int) -> None:
 
 def set_output_size(module: nn.Module, size: int) -> None:
     module.output_size = size
+
+
+def _per_channel(touch: Touch) -> int:
+    """Parameters per channel of a touched tensor in the whole model (this rank holds 1/tp of a
+    TP-sharded one)."""
+    tensor = full_tensor(touch.module, touch.param)
+    tp = parallel_state.get_tensor_model_parallel_world_size() if touch.tp_sharded else 1
+    return tensor.numel() // tensor.shape[touch.dim] * tp
 
 
 class HiddenAxis(Axis):
@@ -207,11 +242,7 @@ class HiddenAxis(Axis):
 
     def params(self, sizes: Mapping[str, Size]) -> Size:
         h = sizes[self.name]
-        owned = sum(
-            full_tensor(t.module, t.param).numel() // full_tensor(t.module, t.param).shape[t.dim]
-            for t in self.touches
-            if t.owned
-        )
+        owned = sum(_per_channel(t) for t in self.touches if t.owned)
         return h * owned
 
     def export_fields(self, size: int) -> dict:
@@ -254,14 +285,21 @@ def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
     tied_output = output is not None and output.weight is None
     if getattr(model, "pre_process", True):
         touches.append(
-            Touch(model.embedding.word_embeddings, "weight", 1, resize_output if tied_output else None, owned=True)
+            Touch(
+                model.embedding.word_embeddings,
+                "weight",
+                1,
+                resize_output if tied_output else None,
+                owned=True,
+                tp_sharded=True,
+            )
         )
     final = getattr(model.decoder, "final_layernorm", None) or getattr(model.decoder, "final_norm", None)
     if final is not None:
         touches.append(Touch(final, "weight", 0, resize_norm, owned=True))
         norms.append(final)
     if output is not None and not tied_output:
-        touches.append(Touch(output, "weight", 1, resize_output, owned=True))
+        touches.append(Touch(output, "weight", 1, resize_output, owned=True, tp_sharded=True))
     return touches, norms
 
 
@@ -284,8 +322,12 @@ def discover(model: nn.Module) -> list[Axis]:
 
 
 def reduce_scores(axes: list[Axis], group=None) -> None:
-    """Sum calibration scores over the data-parallel replicas, so every replica permutes alike."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    for axis in axes:
-        dist.all_reduce(axis.score, group=group)
+    """Sum calibration scores over the data-parallel replicas `group`, so every replica permutes
+    alike, and the scores of TP-sharded axes over the TP ranks (each scored its own block)."""
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        for axis in axes:
+            dist.all_reduce(axis.score, group=group)
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        for axis in axes:
+            if axis.tp_sharded:
+                dist.all_reduce(axis.score, group=parallel_state.get_tensor_model_parallel_group())

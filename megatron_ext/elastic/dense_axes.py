@@ -19,6 +19,7 @@ from megatron_ext.elastic.axes import (
     Size,
     Touch,
     permute_,
+    permute_across_tp_,
     register_layer_adapter,
     resize_norm,
     set_input_size,
@@ -31,6 +32,7 @@ class HeadsAxis(Axis):
     """Query heads of one attention layer. Owns linear_qkv and linear_proj."""
 
     kind = "heads"
+    tp_sharded = True
 
     def __init__(self, attention: SelfAttention, layer: int) -> None:
         cfg = attention.config
@@ -45,6 +47,9 @@ class HeadsAxis(Axis):
         self.per_group = self.full // self.groups
         if self.full // self.tp != self.local_groups * self.per_group:
             raise ValueError(f"elastic heads/{layer}: query groups ({self.groups}) must be a multiple of tp ({self.tp})")
+        # Whole query groups live on one TP rank, so ranking inside groups is rank-local: this
+        # rank's heads are the global heads [offset, offset + full / tp).
+        self.offset = parallel_state.get_tensor_model_parallel_rank() * (self.full // self.tp)
 
     def _kept_heads(self, per_group: int) -> torch.Tensor:
         """Local head indices kept when each group keeps its first `per_group` heads."""
@@ -90,13 +95,14 @@ class HeadsAxis(Axis):
         def hook(module, args):
             x = args[0].detach()
             per_head = x.reshape(-1, x.shape[-1] // self.head_dim, self.head_dim).double().norm(dim=-1)
-            self.score[: per_head.shape[1]] += per_head.sum(0).cpu()
+            self.score[self.offset : self.offset + per_head.shape[1]] += per_head.sum(0).cpu()
 
         return [self.attention.linear_proj.register_forward_pre_hook(hook)]
 
     def permute(self, order: torch.Tensor) -> None:
-        permute_(full_tensor(self.attention.linear_qkv, "weight"), 0, self._qkv_rows(self.per_group, order))
-        permute_(full_tensor(self.attention.linear_proj, "weight"), 1, self._proj_cols(order))
+        local = order[self.offset : self.offset + self.full // self.tp] - self.offset
+        permute_(full_tensor(self.attention.linear_qkv, "weight"), 0, self._qkv_rows(self.per_group, local))
+        permute_(full_tensor(self.attention.linear_proj, "weight"), 1, self._proj_cols(local))
 
     def params(self, sizes: Mapping[str, Size]) -> Size:
         n, h = sizes[self.name], sizes["hidden"]
@@ -107,46 +113,59 @@ class HeadsAxis(Axis):
 
 
 class FfnAxis(Axis):
-    """The intermediate neurons of one gated MLP. Owns linear_fc1 and linear_fc2."""
+    """The intermediate neurons of one gated MLP. Owns linear_fc1 and linear_fc2.
+
+    Under tensor parallelism rank r holds the neurons [r * full / tp, (r + 1) * full / tp) of the
+    reordered parent. A size keeps the global prefix, so each rank keeps the part of the prefix
+    that falls in its block (possibly all of it, possibly none): the submodel, and hence the
+    whole run, does not depend on tp. The price is balance: a half-width FFN runs on the first
+    half of the ranks only."""
 
     kind = "ffn"
+    tp_sharded = True
 
     def __init__(self, mlp: MLP, layer: int) -> None:
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            # Each TP rank holds a contiguous block of neurons: a per-rank prefix is not the
-            # global prefix, so the submodels would depend on the layout.
-            raise ValueError("elastic: the FFN axis needs parallel.tp=1 (heads and hidden work with any tp)")
         if not mlp.config.gated_linear_unit:
             raise ValueError("elastic: the FFN axis supports gated (SwiGLU) MLPs")
         self.layer = layer
-        self.full = mlp.linear_fc2.weight.shape[1]
+        self.full = mlp.config.ffn_hidden_size
         super().__init__()
         self.mlp = mlp
+        self.local = mlp.linear_fc2.weight.shape[1]
+        self.offset = parallel_state.get_tensor_model_parallel_rank() * self.local
+
+    def _kept(self, size: int) -> int:
+        """Neurons of this rank's block inside the global prefix of `size`."""
+        return min(max(size - self.offset, 0), self.local)
 
     def attach(self) -> None:
         def fc1_cut():
             if self.active == self.full:
                 return None
-            kept = torch.arange(self.active)
-            return torch.cat([kept, kept + self.full])  # gate and up halves alike
+            kept = torch.arange(self._kept(self.active))
+            return torch.cat([kept, kept + self.local])  # gate and up halves alike
+
+        def fc2_cut():
+            return None if self.active == self.full else self._kept(self.active)
 
         add_rule(self.mlp.linear_fc1, "weight", SliceRule(0, fc1_cut))
-        add_rule(self.mlp.linear_fc2, "weight", SliceRule(1, self.cut, self.gate_value))
+        add_rule(self.mlp.linear_fc2, "weight", SliceRule(1, fc2_cut, self.gate_value))
 
     def resize(self, size: int) -> None:
-        self.mlp.linear_fc1.output_size_per_partition = 2 * size
-        self.mlp.linear_fc2.input_size_per_partition = size
+        self.mlp.linear_fc1.output_size_per_partition = 2 * self._kept(size)
+        self.mlp.linear_fc2.input_size_per_partition = self._kept(size)
 
     def observe(self) -> list:
         def hook(module, args):
             x = args[0].detach()
-            self.score += x.abs().double().reshape(-1, x.shape[-1]).sum(0).cpu()
+            self.score[self.offset : self.offset + self.local] += x.abs().double().reshape(-1, x.shape[-1]).sum(0).cpu()
 
         return [self.mlp.linear_fc2.register_forward_pre_hook(hook)]
 
     def permute(self, order: torch.Tensor) -> None:
-        permute_(full_tensor(self.mlp.linear_fc1, "weight"), 0, torch.cat([order, order + self.full]))
-        permute_(full_tensor(self.mlp.linear_fc2, "weight"), 1, order)
+        # Neurons move between TP ranks: each rank's block is a gate half and an up half.
+        permute_across_tp_(full_tensor(self.mlp.linear_fc1, "weight"), 0, order, halves=2)
+        permute_across_tp_(full_tensor(self.mlp.linear_fc2, "weight"), 1, order)
 
     def params(self, sizes: Mapping[str, Size]) -> Size:
         return 3 * sizes[self.name] * sizes["hidden"]

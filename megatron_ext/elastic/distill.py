@@ -9,7 +9,8 @@ draws the same budgets for the same samples.
 
 `Distiller.forward_step` has megatron's `forward_step(data_iterator, model)` contract, so the
 Trainer runs it through megatron's own schedules (the `elastic` plugin), and `train_plain` runs
-the same step on one process without megatron's DDP (benchmarks, tests).
+the same step without megatron's DDP (benchmarks, tests; one process or a TP group). Logits may
+be vocabulary-parallel (`vocab_loss.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from functools import partial
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from megatron.core import parallel_state
 from torch import nn
 
 from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, apply_choice, cost_gap_loss, cost_of
 from megatron_ext.elastic.space import ElasticSpace
+from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token
 from megatron_ext.training.step import loss_func
 
 
@@ -55,13 +58,6 @@ def draw_generator(seed: int, step: int, micro_batch: int) -> torch.Generator:
 def draw_budget(cfg: CurriculumConfig, step: int, generator: torch.Generator) -> int:
     probs = torch.tensor(budget_probabilities(cfg, step))
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def kd_per_token(student: torch.Tensor, teacher: torch.Tensor, temperature: float, vocab: int) -> torch.Tensor:
-    """KL(teacher || student) per token ([b, s, V] logits -> [b, s]), over the real vocabulary."""
-    s = F.log_softmax(student[..., :vocab].float() / temperature, dim=-1)
-    t = F.log_softmax(teacher[..., :vocab].float() / temperature, dim=-1)
-    return (t.exp() * (t - s)).sum(-1) * temperature**2
 
 
 class Distiller:
@@ -105,8 +101,7 @@ class Distiller:
         logits = model(tokens, positions, None)
         per_token = kd_per_token(logits, teacher_logits, self.cfg.temperature, self.vocab)
         if self.cfg.ce_weight:
-            ce = F.cross_entropy(logits[..., : self.vocab].float().flatten(0, 1), batch["labels"].flatten(), reduction="none")
-            per_token = per_token + self.cfg.ce_weight * ce.view_as(per_token)
+            per_token = per_token + self.cfg.ce_weight * ce_per_token(logits, batch["labels"], self.vocab)
         return per_token, partial(loss_func, batch["loss_mask"])
 
     def router_loss(self) -> torch.Tensor:
@@ -154,6 +149,18 @@ class Distiller:
         return total / max(count, 1.0)
 
 
+def sum_router_grads(router: BudgetRouter, group) -> None:
+    """Sum the distillation loss's gradient of the router over `group` (before the cost-gap loss,
+    which every rank computes alike, adds its own). Every gate multiplies a TP-sharded weight
+    (linear_proj, fc2: `Axis.tp_sharded`), so each TP rank holds its block's share of the
+    gradient; each data-parallel replica holds its samples' share."""
+    for p in router.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
+
+
 def train_plain(
     distiller: Distiller,
     model: nn.Module,
@@ -180,6 +187,7 @@ def train_plain(
             loss_sum, _, _ = reduce(per_token)
             (loss_sum / tokens).backward()
             step_loss += float(loss_sum.detach()) / tokens
+        sum_router_grads(distiller.router, parallel_state.get_tensor_model_parallel_group())
         distiller.router_loss().backward()
         optimizer.step()
         router_optimizer.step()

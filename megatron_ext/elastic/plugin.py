@@ -12,10 +12,11 @@ the data-parallel replicas. Evaluation runs the full model. At the end, with `ex
 nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
 written, plus `report.json` (losses, budgets drawn, the router's choices).
 
-Layouts: data parallelism of any size (DP=2 is checked equal to one process). Tensor parallelism
-is refused by the FFN axis (each TP rank holds a block of neurons, so a per-rank prefix is not
-the global prefix; the hidden and heads axes themselves slice per rank correctly), pipeline
-parallelism by `setup` (the teacher runs on each rank beside its student). A resumed run
+Layouts: data parallelism of any size (DP=2 is checked equal to one process) and tensor
+parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
+global prefix, the losses are vocabulary-parallel, the router's gradient is summed over the TP
+and DP ranks). The Mamba and MoE axes refuse TP; pipeline parallelism is refused by `setup` (the
+teacher runs on each rank beside its student). A resumed run
 rebuilds the teacher from the parent's source and the stored orders (written, not yet tested).
 """
 
@@ -253,14 +254,14 @@ class ElasticPlugin(Plugin):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        from megatron_ext.elastic.distill import sum_router_grads
+
         group = parallel_state.get_data_parallel_group()
         tokens = trainer._global_batch_size() * trainer.cfg.model.seq_length
+        # The distillation loss reached the router as a sum over this rank's tokens and weight
+        # blocks: sum over the replicas and TP ranks, then take the per-token mean of the batch.
+        sum_router_grads(self.router, parallel_state.get_tensor_and_data_parallel_group())
         for p in self.router.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            # The distillation loss reached the router as a sum over this rank's tokens: sum
-            # over the replicas, then take the per-token mean of the global batch.
-            dist.all_reduce(p.grad, group=group)
             p.grad /= tokens
         router_loss = self.distiller.router_loss()  # the same on every rank
         router_loss.backward()

@@ -81,6 +81,7 @@ class Distiller:
 
     def begin_step(self, step: int) -> None:
         self.step, self._micro, self.drawn = step, 0, []
+        self.loss_tokens = 0.0  # tokens of this rank's micro-batches that the loss counts
 
     def choose(self) -> tuple[int, Choice]:
         g = draw_generator(self.cfg.seed, self.step, self.micro_batch_index(self._micro))
@@ -96,6 +97,7 @@ class Distiller:
         _, choice = self.choose()
         apply_choice(self.space, choice)
         tokens, positions = batch["tokens"], batch["position_ids"]
+        self.loss_tokens += float(batch["loss_mask"].sum())
         with torch.no_grad():
             teacher_logits = self.teacher(tokens, positions, None)
         logits = model(tokens, positions, None)
@@ -103,6 +105,18 @@ class Distiller:
         if self.cfg.ce_weight:
             per_token = per_token + self.cfg.ce_weight * ce_per_token(logits, batch["labels"], self.vocab)
         return per_token, partial(loss_func, batch["loss_mask"])
+
+    def average_router_grads(self, group, dp_group) -> None:
+        """Turn the router's gradient, accumulated over megatron's backward of each micro-batch's
+        loss sum, into that of the per-token mean over the step's loss tokens (as megatron's
+        `calculate_per_token_loss` does for the model): sum over `group` (TP and DP ranks), then
+        divide by the loss tokens of every replica (`dp_group`); masked tokens do not count."""
+        sum_router_grads(self.router, group)
+        tokens = torch.tensor(self.loss_tokens, dtype=torch.float64)
+        if dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(tokens, group=dp_group)
+        for p in self.router.parameters():
+            p.grad /= max(float(tokens), 1.0)
 
     def router_loss(self) -> torch.Tensor:
         """The cost-gap loss averaged over the budgets: exact over the grid when it is small

@@ -254,15 +254,8 @@ class ElasticPlugin(Plugin):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from megatron_ext.elastic.distill import sum_router_grads
-
         group = parallel_state.get_data_parallel_group()
-        tokens = trainer._global_batch_size() * trainer.cfg.model.seq_length
-        # The distillation loss reached the router as a sum over this rank's tokens and weight
-        # blocks: sum over the replicas and TP ranks, then take the per-token mean of the batch.
-        sum_router_grads(self.router, parallel_state.get_tensor_and_data_parallel_group())
-        for p in self.router.parameters():
-            p.grad /= tokens
+        self.distiller.average_router_grads(parallel_state.get_tensor_and_data_parallel_group(), group)
         router_loss = self.distiller.router_loss()  # the same on every rank
         router_loss.backward()
         self.router_optimizer.step()

@@ -57,3 +57,22 @@ def test_data_parallel_distillation_equals_one_process(tmp_path):
     assert one_weights.keys() == two_weights.keys()
     for key in one_weights:
         torch.testing.assert_close(two_weights[key], one_weights[key], rtol=1e-5, atol=1e-6)
+
+
+def test_resumed_run_continues_the_uninterrupted_one(tmp_path):
+    """Checkpointed at step 3 (in the skewed stage 2 from step 4 on: uniform_steps=3) and
+    resumed: the same budgets, losses, router losses and choices at steps 4-6, and the same
+    nested weights at the end, as the run that never stopped."""
+    ckpt = tmp_path / "ckpt"
+    straight, straight_weights = run(tmp_path, "straight", f"checkpoint.save={ckpt}", "checkpoint.interval=3")
+    resumed, resumed_weights = run(tmp_path, "resumed", f"checkpoint.load={ckpt}", "checkpoint.step=3")
+    tail = [h for h in straight["history"] if h["step"] > 3]
+    assert [h["step"] for h in resumed["history"]] == [h["step"] for h in tail] == [4, 5, 6]
+    for a, b in zip(tail, resumed["history"]):
+        assert a["budgets"] == b["budgets"] and a["choices"] == b["choices"]
+        # The same arithmetic on the same state: equal to the last bit but for summation order.
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["router_loss"] == pytest.approx(b["router_loss"], rel=1e-6)
+    assert straight["choices"] == resumed["choices"]
+    for key in straight_weights:
+        torch.testing.assert_close(resumed_weights[key], straight_weights[key], rtol=1e-6, atol=1e-7)

@@ -16,8 +16,9 @@ Layouts: data parallelism of any size (DP=2 is checked equal to one process) and
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
 global prefix, the losses are vocabulary-parallel, the router's gradient is summed over the TP
 and DP ranks). The Mamba and MoE axes refuse TP; pipeline parallelism is refused by `setup` (the
-teacher runs on each rank beside its student). A resumed run
-rebuilds the teacher from the parent's source and the stored orders, and continues the uninterrupted run (checked: same budgets, losses, router choices and weights).
+teacher runs on each rank beside its student). A resumed run rebuilds the teacher from the
+parent's source and the stored orders and continues the uninterrupted run (checked: the same
+budgets, losses, router choices and weights).
 """
 
 from __future__ import annotations

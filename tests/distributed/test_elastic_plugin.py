@@ -1,5 +1,6 @@
 """The elastic plugin inside the Trainer: data parallelism (2 gloo ranks) distils the same nested
-models as one process (same budgets drawn per sample, same losses, router and weights)."""
+models as one process (same budgets drawn per sample, same losses, router and weights), and a
+run resumed from a checkpoint continues the uninterrupted one."""
 
 from __future__ import annotations
 

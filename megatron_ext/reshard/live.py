@@ -8,12 +8,14 @@
 
 1. Check the new layout against the model (the runtime's rules) before anything changes.
 2. Prepare: plan the move (pure, identical on every rank) and cut it into memory-budgeted
-   rounds. This is most of the work and needs no communication, so `prepare` runs it in a
-   background thread while the current layout keeps training.
-3. The stall: keep the old model and optimizer objects, build the new layout
-   (`Trainer.switch_layout`: groups, model, DDP, optimizer; scheduler, counters and data position
-   carried), and move every param, fp32 main param, Adam moment and the step from the old
-   objects into the new ones with the point-to-point executor; then drop the old ones.
+   rounds; then build the new layout's process groups, model, DDP and optimizer beside the
+   running one (prebuild.py). `prepare` runs both in a background thread while the current
+   layout keeps training.
+3. The stall: keep the old model and optimizer objects, switch to the new layout
+   (`Trainer.switch_layout`: install what was prebuilt, or build it now; scheduler, counters
+   and data position carried), and move every param, fp32 main param, Adam moment and the step
+   from the old objects into the new ones with the point-to-point executor; then drop the old
+   ones.
 
 Never losing state: the old objects are only read until every rank reports success. Every rank
 reports after the build and after the transfer (one small all-gather each). A local failure
@@ -42,10 +44,12 @@ import torch.distributed as dist
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
+from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.boxes import Box
 from megatron_ext.reshard.execute import Round, execute, peak_bytes, rounds
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.plan import TransferPlan, plan
+from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
 
@@ -80,7 +84,8 @@ class Move:
     target: ParallelConfig
     transfer: TransferPlan
     steps: list[Round]
-    seconds: float  # planning time
+    seconds: float  # planning (and prebuilding) time
+    prebuilt: Optional[Prebuilt] = None  # the target layout, built beside the running one
 
     def report(self, staged_bytes: int, stall_seconds: float) -> ReshardReport:
         """The report of this move once carried out (`staged_bytes`: the measured staging peak)."""
@@ -105,28 +110,52 @@ def plan_move(trainer, target: ParallelConfig, budget_mb: float) -> Move:
     return Move(target, transfer, rounds(transfer, int(budget_mb * 2**20)), time.perf_counter() - start)
 
 
+# Every background preparation runs on this one thread, in the order asked: building a layout
+# creates process groups, which every rank must do in the same order.
+_BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-prepare")
+
+
 class Preparation:
-    """A move planned in a background thread, so that the current layout keeps training while
-    the planner runs. Check the target first, in the caller's thread (`prepare` does)."""
+    """A move prepared in the background, so that the current layout keeps training meanwhile.
+    Check the target first, in the caller's thread (`prepare` does)."""
 
     def __init__(self, target: ParallelConfig, planner: Callable[[], Move]) -> None:
         self.target = target
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-plan")
-        self._future: Future = pool.submit(planner)
-        pool.shutdown(wait=False)
+        self._future: Future = _BACKGROUND.submit(planner)
 
     def done(self) -> bool:
         return self._future.done()
 
     def move(self) -> Move:
-        """The planned move (waits for it); re-raises what planning raised."""
+        """The prepared move (waits for it); re-raises what preparing raised."""
         return self._future.result()
 
+    def discard(self) -> None:
+        """Give up this move: wait for its preparation, then free what it built."""
+        try:
+            move = self._future.result()
+        except Exception:  # noqa: BLE001 - nothing was kept
+            return
+        if move.prebuilt is not None:
+            move.prebuilt.discard()
 
-def prepare(trainer, target: ParallelConfig, budget_mb: float) -> Preparation:
-    """`plan_move` in the background, after checking `target` here."""
+
+def prepare(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: bool = True) -> Preparation:
+    """`plan_move` in the background, after checking `target` here; then, with
+    `prebuild_target` (and no plugin that rewrites the model), the target layout is built there
+    too, so that the stall is only the switch and the transfer."""
     _layouts(trainer, target)
-    return Preparation(target, functools.partial(plan_move, trainer, target, budget_mb))
+    planner = functools.partial(plan_move, trainer, target, budget_mb)
+    if prebuild_target and can_prebuild(trainer):
+        planner = functools.partial(_plan_and_build, trainer, planner, current_device())
+    return Preparation(target, planner)
+
+
+def _plan_and_build(trainer, planner: Callable[[], Move], device: torch.device) -> Move:
+    move = planner()
+    start = time.perf_counter()
+    built = prebuild(trainer, move.target, device)
+    return dataclasses.replace(move, prebuilt=built, seconds=move.seconds + time.perf_counter() - start)
 
 
 def reshard(
@@ -168,13 +197,15 @@ def _switch_and_move(trainer, move: Move, source: MegatronState) -> tuple[dict[i
     """Build `move.target` and fill it from `source`. Returns (failures by rank, staged bytes);
     every rank returns the same failures."""
     try:
-        trainer.switch_layout(move.target)
+        trainer.switch_layout(move.target, prebuilt=move.prebuilt)
         ensure_optimizer_states(trainer.optimizer)
         error = None
     except Exception as e:  # noqa: BLE001 - reported to every rank, then rolled back
         error = e
     errors = _gather_errors(error)
     if errors:
+        if move.prebuilt is not None:
+            move.prebuilt.discard()
         return errors, 0
     guarded = _Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
     staged = execute(move.transfer, move.steps, guarded.read, guarded.write)
@@ -197,6 +228,10 @@ def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors:
 
 def _gather_errors(error: Optional[BaseException]) -> dict[int, str]:
     """Every rank's failure (rank -> message), on every rank."""
+    failed = torch.tensor([int(error is not None)])
+    dist.all_reduce(failed)  # the common case in one small tensor; the messages only on failure
+    if not failed.item():
+        return {}
     mine = None if error is None else f"{type(error).__name__}: {error}"
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

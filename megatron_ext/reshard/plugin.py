@@ -9,8 +9,10 @@ Triggers, checked before every step:
 A layout names the sizes that change; the others keep the run's values (dp is derived when
 left out and tp/pp/cp change).
 
-Every move is planned in the background as soon as it is known, while training goes on; the
-stall is the build of the new layout and the transfer. A move within the same workers (live.py)
+Every move is prepared in the background while training goes on: as soon as it is requested,
+or `prepare_steps_ahead` steps before its scheduled step. Preparing plans the move and, with
+`prebuild` (the default), builds the new layout's groups, model and optimizer beside the running
+one; the stall is then the switch and the transfer. A move within the same workers (live.py)
 rolls back if it fails. A move to another number of workers (dp named so that tp·pp·dp·cp
 changes) goes through the worker pool (pool.py): the job is launched with as many processes as
 its largest layout needs, and the ones a layout does not use wait on standby.
@@ -42,6 +44,11 @@ class ReshardConfig:
     memory_budget_mb: float = 64.0
     # Rank 0 appends one JSON line per move here (its ReshardReport and the step); None: none.
     report_file: Optional[str] = None
+    # Build the new layout (groups, model, optimizer) in the background before the switch. It
+    # then holds its memory from the end of preparing on, beside the running layout's.
+    prebuild: bool = True
+    # Start preparing a scheduled move this many steps before it.
+    prepare_steps_ahead: int = 20
 
 
 SIZES = ("tp", "pp", "dp", "ep", "cp", "vpp")
@@ -109,7 +116,9 @@ class ReshardPlugin(Plugin):
     def _prepare_next(self, trainer, step: int) -> None:
         """Plan the next scheduled move in the background, from the layout it will leave."""
         upcoming = [s for s in sorted(self._due) if s > step]
-        if not upcoming or (self._next is not None and self._next[0] == upcoming[0]):
+        if not upcoming or upcoming[0] - step > self.cfg.prepare_steps_ahead:
+            return
+        if self._next is not None and self._next[0] == upcoming[0]:
             return
         target = target_config(trainer.cfg.parallel, self._due[upcoming[0]])
         if target != trainer.cfg.parallel:
@@ -117,8 +126,9 @@ class ReshardPlugin(Plugin):
 
     def _scheduled(self, trainer, step: int, target) -> _Planned:
         if self._next is not None and self._next[0] == step and self._next[1].target == target:
-            return self._next[1]
-        # Planned from another layout (a request came in between): plan again.
+            planned, self._next = self._next[1], None
+            return planned
+        # Prepared from another layout (a request came in between), or not at all: again.
         return self._prepare(trainer, target)
 
     def _prepare(self, trainer, target) -> _Planned:
@@ -133,7 +143,7 @@ class ReshardPlugin(Plugin):
             return _Planned(target, prepare_resize(trainer, target, budget))
         from megatron_ext.reshard.live import prepare
 
-        return _Planned(target, prepare(trainer, target, budget))
+        return _Planned(target, prepare(trainer, target, budget, self.cfg.prebuild))
 
     def _poll(self, trainer, step: int) -> None:
         layout = self._requested()
@@ -152,6 +162,7 @@ class ReshardPlugin(Plugin):
         from megatron_ext.reshard.pool import resize
 
         budget = self.cfg.memory_budget_mb
+        self._discard_prepared()  # from the layout this move leaves: of no use after it
         try:
             if _changes_world(trainer, planned.target):
                 report = resize(trainer, planned.target, budget, planned.prepared)
@@ -166,6 +177,17 @@ class ReshardPlugin(Plugin):
         self.reports.append(report)
         trainer.note(f"step {step}: {report}")
         self._record(trainer, step, report)
+
+    def _discard_prepared(self) -> None:
+        """Drop the moves prepared but not applied, freeing what they built (after waiting for
+        them: no group creation may run beside a switch)."""
+        for planned in (self._next[1] if self._next else None, self._requested_move):
+            if planned is not None and planned.prepared is not None:
+                planned.prepared.discard()
+        self._next = self._requested_move = None
+
+    def on_train_end(self, trainer) -> None:
+        self._discard_prepared()
 
     def _record(self, trainer, step: int, report) -> None:
         import torch.distributed as dist

@@ -30,7 +30,15 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp
@@ -55,6 +63,33 @@ def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
+
+
+def parallel_state_sizes(parallel: ParallelConfig) -> dict[str, Any]:
+    """megatron's `initialize_model_parallel` arguments for a layout."""
+    return dict(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+    )
+
+
+def unlink_optimizer(model_config: TransformerConfig) -> None:
+    """Drop the model config's link to its optimizer (loss scaling). The optimizer's fp32 shards
+    are views with autograd history, which hides DDP's hook cycle from Python's garbage
+    collector: with the link, a layout left behind would never be freed."""
+    model_config.grad_scale_func = None
+
+
+def destroy_groups(groups: list) -> None:
+    """Destroy the process groups megatron created (`_global_process_group_list`). Megatron
+    only forgets most of its groups, and each keeps its threads and sockets: a job that changes
+    layout many times would pile them up."""
+    for group in groups:
+        if group is not None and group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo ones
+            dist.destroy_process_group(group)
 
 
 def _leave_as_allocated(weight: torch.Tensor) -> None:
@@ -104,8 +139,10 @@ class Trainer:
         else:
             self.vocab_size = self._vocab_size(resume)
         fresh = resume is None and joining is None
-        self.model = self._build_model(load_pretrained=fresh, initialise=joining is None)
-        self.optimizer = self._build_optimizer()
+        self.model, self.model_config = self.build_model(
+            self.cfg.parallel, initialise=joining is None, load_pretrained=fresh
+        )
+        self.optimizer = self.build_optimizer(self.model, self.model_config, self.cfg.parallel)
         self.scheduler = self._build_scheduler()
         if resume is not None:
             self._load(*resume)
@@ -120,14 +157,11 @@ class Trainer:
         return pretrained.tokenizer_spec(self.cfg.model.pretrained) if self.cfg.model.pretrained else "byte"
 
     def _init_layout(self) -> None:
-        p = self.cfg.parallel
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=p.tp,
-            pipeline_model_parallel_size=p.pp,
-            virtual_pipeline_model_parallel_size=p.vpp,
-            context_parallel_size=p.cp,
-            expert_model_parallel_size=p.ep,
-        )
+        parallel_state.initialize_model_parallel(**parallel_state_sizes(self.cfg.parallel))
+        self._seed_and_batches()
+
+    def _seed_and_batches(self) -> None:
+        """What a layout needs besides its groups: the seeds and the micro-batch calculator."""
         # Same seed on every rank: with CPU initialisation each layer's full weight is drawn
         # from it and then sliced, so every layout starts from identical weights.
         torch.manual_seed(self.cfg.train.seed)
@@ -171,12 +205,20 @@ class Trainer:
         vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
         return padded_vocab_size(vocab, self.cfg.model, self.cfg.parallel.tp)
 
-    def _build_model(self, load_pretrained: bool, initialise: bool = True) -> list:
-        """The model chunks, DDP-wrapped. With `initialise=False` the weights are left as
-        allocated (for a caller that fills every one of them, like a reshard)."""
-        cfg = self.cfg
+    def build_model(
+        self,
+        parallel: ParallelConfig,
+        groups: Optional[ProcessGroupCollection] = None,
+        initialise: bool = True,
+        load_pretrained: bool = False,
+    ) -> tuple[list, TransformerConfig]:
+        """The model chunks of layout `parallel`, DDP-wrapped, and megatron's config for them.
+        `groups`: the layout's process groups, when they are not megatron's current ones (a
+        reshard builds its destination beside the running layout). With `initialise=False`
+        the weights are left as allocated (for a caller that fills every one of them)."""
+        cfg = dataclasses.replace(self.cfg, parallel=parallel)
         arch = architecture(cfg.model)
-        config = arch.transformer_config(cfg.model, cfg.parallel, self.on_cpu)
+        config = arch.transformer_config(cfg.model, parallel, self.on_cpu)
         if not initialise:
             # Not `perform_initialization=False`: megatron then also skips marking weights as
             # tensor-parallel, and the grad norm counts TP shards once instead of per rank.
@@ -185,18 +227,19 @@ class Trainer:
         spec = arch.spec(cfg.model, self.on_cpu)
         for p in self.plugins:
             spec = p.layer_spec(spec, self)
-        vpp = cfg.parallel.vpp
+        pp_group = groups.pp if groups is not None else parallel_state.get_pipeline_model_parallel_group()
         chunks = []
-        for vp_stage in range(vpp or 1):
-            stage = vp_stage if vpp else None
+        for vp_stage in range(parallel.vpp or 1):
+            stage = vp_stage if parallel.vpp else None
             model = arch.build(
                 cfg.model,
                 config,
                 spec,
                 self.vocab_size,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                pre_process=is_pp_first_stage(pp_group) and is_vp_first_stage(vp_stage, parallel.vpp),
+                post_process=is_pp_last_stage(pp_group) and is_vp_last_stage(vp_stage, parallel.vpp),
                 vp_stage=stage,
+                pg_collection=groups,
             )
             chunks.append(model.to(current_device()))
         if initialise:
@@ -208,23 +251,33 @@ class Trainer:
             chunks = p.after_model_built(chunks, self)
         wrapped = [
             # Megatron-LM's rule: only the first chunk buckets its grads (overlap happens there).
-            DistributedDataParallel(config, ddp_config(cfg.parallel), chunk, disable_bucketing=i > 0)
+            DistributedDataParallel(
+                config, ddp_config(parallel), chunk, disable_bucketing=i > 0, pg_collection=groups
+            )
             for i, chunk in enumerate(chunks)
         ]
-        self._wire_schedule_hooks(config, wrapped)
-        self.model_config = config
-        return wrapped
+        self._wire_schedule_hooks(config, wrapped, parallel)
+        return wrapped, config
 
-    def _wire_schedule_hooks(self, config, model: list) -> None:
+    @staticmethod
+    def _wire_schedule_hooks(config, model: list, parallel: ParallelConfig) -> None:
         """What megatron's schedules call around a step: DP grad sync and its deferral."""
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-        if self.cfg.parallel.overlap_grad_reduce:
+        if parallel.overlap_grad_reduce:
             config.grad_sync_func = (
                 [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
             )
 
-    def _build_optimizer(self):
+    def build_optimizer(
+        self,
+        model: list,
+        model_config: TransformerConfig,
+        parallel: ParallelConfig,
+        groups: Optional[ProcessGroupCollection] = None,
+    ):
+        """Megatron's optimizer over `model` (built by `build_model` for `parallel`); it scales
+        the loss of `model_config`'s schedules."""
         o, cfg = self.cfg.optim, self.cfg
         config = OptimizerConfig(
             optimizer=o.optimizer,
@@ -237,11 +290,15 @@ class Trainer:
             clip_grad=o.clip_grad,
             bf16=cfg.model.precision == "bf16",
             fp16=cfg.model.precision == "fp16",
-            params_dtype=self.model_config.params_dtype,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            params_dtype=model_config.params_dtype,
+            use_distributed_optimizer=parallel.use_distributed_optimizer,
         )
-        optimizer = get_megatron_optimizer(config, self.model)
-        self.model_config.grad_scale_func = optimizer.scale_loss
+        # Megatron's gloo groups only serve the legacy DP-zero checkpoint formats (ours is fully
+        # reshardable), and megatron takes them from its global state only.
+        optimizer = get_megatron_optimizer(
+            config, model, use_gloo_process_groups=groups is None, pg_collection=groups
+        )
+        model_config.grad_scale_func = optimizer.scale_loss
         return optimizer
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
@@ -369,9 +426,11 @@ class Trainer:
                     return {}
                 start = time.perf_counter()
                 metrics = self.train_step()
-                reporter.step(self.state.iteration, metrics, tokens_per_step, time.perf_counter() - start)
+                seconds = time.perf_counter() - start
                 for p in self.plugins:
                     p.on_step_end(self, self.state.iteration, metrics)
+                # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
+                reporter.step(self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds)
                 if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
                     eval_loss = self.evaluate()
                     reporter.eval(self.state.iteration, eval_loss)
@@ -469,21 +528,28 @@ class Trainer:
 
         return reshard_to(self, layout, budget_mb)
 
-    def switch_layout(self, parallel: ParallelConfig, new_world: bool = False) -> None:
+    def switch_layout(self, parallel: ParallelConfig, new_world: bool = False, prebuilt=None) -> None:
         """Leave this layout and build `parallel`'s: process groups, model, DDP, optimizer; the
         scheduler, counters and data position carry over. The new model's weights (left
-        uninitialised) and optimizer states are placeholders until the caller fills them (the reshard plugin moves them from
-        the old layout, whose objects it holds on to). Only at a step boundary: the grad buffers
-        are built anew, so no gradient may be mid-accumulation. `new_world`: torch's world was
-        formed anew (a worker pool changed the number of workers)."""
+        uninitialised) and optimizer states are placeholders until the caller fills them (the
+        reshard plugin moves them from the old layout, whose objects it holds on to). Only at a
+        step boundary: the grad buffers are built anew, so no gradient may be mid-accumulation.
+        `new_world`: torch's world was formed anew (a worker pool changed the number of
+        workers). `prebuilt`: `parallel`'s groups, model and optimizer, built beforehand beside
+        this layout (megatron_ext/reshard/prebuild.py); only installed here."""
         scheduler_state = self.scheduler.state_dict()
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
         self.world_size = dist.get_world_size()  # a worker pool may have formed a new world
         self.dp = resolve_dp(self.cfg, self.world_size)
         self.close()
-        self._init_layout()
-        self.model = self._build_model(load_pretrained=False, initialise=False)
-        self.optimizer = self._build_optimizer()
+        if prebuilt is not None:
+            prebuilt.install()
+            self._seed_and_batches()
+            self.model, self.model_config, self.optimizer = prebuilt.model, prebuilt.model_config, prebuilt.optimizer
+        else:
+            self._init_layout()
+            self.model, self.model_config = self.build_model(parallel, initialise=False)
+            self.optimizer = self.build_optimizer(self.model, self.model_config, parallel)
         self.scheduler = self._build_scheduler()
         self.scheduler.load_state_dict(scheduler_state)
         if new_world:  # opening the datasets is collective: with the ranks that join
@@ -492,17 +558,10 @@ class Trainer:
             self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
     def close(self) -> None:
-        """Leave this layout: megatron's globals and the process groups it created. Megatron
-        only forgets most of its groups, and each keeps its threads and sockets: a job that
-        changes layout many times would pile them up."""
-        groups = [g for g in parallel_state._global_process_group_list or () if g is not None]
-        # The model config links to the optimizer (loss scaling), and the optimizer's fp32 shards
-        # are views with autograd history, which hides DDP's hook cycle from Python's garbage
-        # collector: with the link, a layout left behind would never be freed.
+        """Leave this layout: megatron's globals and the process groups it created."""
+        groups = list(parallel_state._global_process_group_list or ())
         if self.model_config is not None:
-            self.model_config.grad_scale_func = None
+            unlink_optimizer(self.model_config)
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
-        for group in groups:
-            if group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo ones
-                dist.destroy_process_group(group)
+        destroy_groups(groups)

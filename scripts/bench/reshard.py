@@ -10,8 +10,11 @@ in the transition table a fresh Trainer starts in the chain's first layout and t
 steps, so that the Adam moments and the step are real. Each arrow A -> B of the chain is one
 transition, measured on every route from the same training state:
 
-  live        megatron_ext.reshard.live.reshard(trainer, B, budget): its report's stall and
-              prepare (planning) seconds, network bytes, measured staging peak and its bound
+  live        megatron_ext.reshard.live.prepare(trainer, B, budget) (plan, and build B beside A:
+              groups, model, optimizer), waited for, then reshard(trainer, B, budget, prepared):
+              its report's stall and prepare seconds, network bytes, measured staging peak and
+              its bound
+  live_built  the live route with B built at the switch instead (no prebuild): its stall only
   gather      all-gather then slice: Trainer.switch_layout(B), then every state of every logical
               tensor is all-gathered whole over the world and each rank copies out its pieces of B
   ckpt_tmpfs  trainer.save() in A into /dev/shm (megatron dist_checkpointing, the optimizer fully
@@ -67,7 +70,7 @@ from megatron_ext.config.validate import ConfigError, validate  # noqa: E402
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local  # noqa: E402
 from megatron_ext.reshard.boxes import Box, box_shape, numel  # noqa: E402
 from megatron_ext.reshard.layout import ParallelLayout  # noqa: E402
-from megatron_ext.reshard.live import reshard  # noqa: E402
+from megatron_ext.reshard.live import prepare, reshard  # noqa: E402
 from megatron_ext.reshard.plugin import target_config  # noqa: E402
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states  # noqa: E402
 from megatron_ext.reshard.vps import Piece, layout_pieces, rank_pieces  # noqa: E402
@@ -87,7 +90,7 @@ TRANSITIONS = (
     "ep2->ep4->ep2",
 )
 
-STATE_EQUAL = "state_equal: live == checkpoint routes, bitwise"
+STATE_EQUAL = "state_equal: live == checkpoint routes == live built at the switch, bitwise"
 # A target holds for a transition (True), not (False), or does not apply to it (None: e.g. a
 # pool transition has no in-process checkpoint routes to compare with).
 
@@ -109,7 +112,7 @@ TARGETS: dict[str, Callable[[dict], Optional[bool]]] = {
 
 # Per-trial times reported, as medians, under "parts".
 PARTS = (
-    "stall_build_s",
+    "stall_switch_s",
     "stall_transfer_s",
     "ckpt_tmpfs_save_s",
     "ckpt_tmpfs_load_s",
@@ -366,10 +369,16 @@ def run_trial(
     """Each in-process route once, from the trainer in `source` holding the state saved in
     `reference`, to which the routes after the live one first return."""
     return_free_memory()
+    prepared = prepare(trainer, target, budget_mb)
+    prepared.move()  # training would go on meanwhile; here the stall alone is measured
     dist.barrier()  # every rank's stall starts together
-    with switch_timer(trainer) as build:
-        report = reshard(trainer, target, budget_mb)
+    with switch_timer(trainer) as switched:
+        report = reshard(trainer, target, budget_mb, prepared)
     live = fingerprint(trainer)
+    back_to(trainer, source, reference)
+    dist.barrier()
+    built = reshard(trainer, target, budget_mb)
+    built_equal = fingerprint(trainer) == live
     back_to(trainer, source, reference)
     gather_s, gather_bytes = timed(lambda: gather_and_slice(trainer, target))
     gather_equal = fingerprint(trainer) == live
@@ -381,8 +390,9 @@ def run_trial(
     disk_equal = fingerprint(trainer) == live
     seconds = over_ranks({
         "stall_s": report.stall_seconds,
-        "stall_build_s": sum(build),
-        "stall_transfer_s": report.stall_seconds - sum(build),
+        "stall_built_at_switch_s": built.stall_seconds,
+        "stall_switch_s": sum(switched),
+        "stall_transfer_s": report.stall_seconds - sum(switched),
         "prepare_s": report.prepare_seconds,
         "peak_extra_bytes": report.peak_extra_bytes,
         "baseline_gather_s": gather_s,
@@ -399,7 +409,7 @@ def run_trial(
         "peak_bound_bytes": report.peak_bound_bytes,
         "gather_bytes": gather_bytes,
         **seconds,
-        "state_equal": agree(tmpfs_equal and disk_equal),
+        "state_equal": agree(tmpfs_equal and disk_equal and built_equal),
         "gather_state_equal": agree(gather_equal),
     }
     return trial, live
@@ -421,14 +431,14 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 @contextlib.contextmanager
 def switch_timer(trainer: Trainer) -> Iterator[list[float]]:
     """The seconds of each `trainer.switch_layout` call inside the block (the part of a live
-    stall that builds the new layout; the rest is the transfer), by wrapping the method of this
-    one instance."""
+    stall that switches to the new layout, installing it when it was prebuilt; the rest is the
+    transfer), by wrapping the method of this one instance."""
     seconds: list[float] = []
     switch = trainer.switch_layout
 
-    def timed_switch(parallel: ParallelConfig) -> None:
+    def timed_switch(parallel: ParallelConfig, **kwargs: Any) -> None:
         start = time.perf_counter()
-        switch(parallel)
+        switch(parallel, **kwargs)
         seconds.append(time.perf_counter() - start)
 
     trainer.switch_layout = timed_switch
@@ -772,6 +782,7 @@ def aggregate(hop: Hop) -> dict:
         "from": first["from"],
         "to": first["to"],
         "stall_s": med(lambda t: t["stall_s"]),
+        "stall_built_at_switch_s": med(lambda t: t["stall_built_at_switch_s"]),
         "prepare_s": med(lambda t: t["prepare_s"]),
         "prepare_first_s": first["prepare_s"],
         "bytes_moved": first["bytes_moved"],
@@ -837,7 +848,8 @@ def write_outputs(args: argparse.Namespace, report: dict) -> None:
 # The printed table's columns after the transition: heading -> cell.
 COLUMNS: dict[str, Callable[[dict], str]] = {
     "stall": lambda t: f"{t['stall_s']:.2f}",
-    "build": lambda t: f"{t['parts']['stall_build_s']:.2f}",
+    "switch": lambda t: f"{t['parts']['stall_switch_s']:.2f}",
+    "w/o pre": lambda t: f"{t['stall_built_at_switch_s']:.2f}",
     "prepare": lambda t: f"{t['prepare_s']:.2f}",
     "gather": lambda t: f"{t['baseline_gather_s']:.2f}",
     "tmpfs": lambda t: f"{t['baseline_ckpt_tmpfs_s']:.2f}",
@@ -881,6 +893,7 @@ def plot(report: dict, path: str) -> None:
 
     bars = {
         "stall_s": "live reshard (stall)",
+        "stall_built_at_switch_s": "live, B built at the switch",
         "baseline_gather_s": "all-gather + slice",
         "baseline_ckpt_tmpfs_s": "checkpoint via tmpfs",
         "baseline_ckpt_disk_s": "checkpoint via disk",

@@ -177,7 +177,7 @@ def worker(out_dir: str, world: int, only: tuple[str, ...] = ()) -> None:
         trainer = Trainer(Config(model=model_config(pp), parallel=parallel), [plugin])
         trainer._init_layout()
         trainer.vocab_size = VOCAB
-        trainer.model = trainer._build_model(load_pretrained=False)
+        trainer.model, trainer.model_config = trainer.build_model(trainer.cfg.parallel)
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         mine = dp_share(lengths, dp, dp_rank)
         plan = case_plan(name, mine)
@@ -244,7 +244,7 @@ def reference(pp: int, lengths) -> tuple[dict[str, torch.Tensor], float]:
         trainer = Trainer(Config(model=model_config(pp)))
         trainer._init_layout()
         trainer.vocab_size = VOCAB
-        trainer.model = trainer._build_model(load_pretrained=False)
+        trainer.model, trainer.model_config = trainer.build_model(trainer.cfg.parallel)
         model = trainer.model[0]
         docs, total, tokens = documents(lengths), 0.0, sum(lengths)
         for i, n in enumerate(lengths):

@@ -13,7 +13,8 @@ consumed-samples counters.
     from the live one in every entry (so the comparison sees what the load did not write), the
     loaded state must equal the live one.
   - Round trip: A -> B -> A returns the state of A, and A -> B -> A -> B the state of the first
-    B. Two training steps change every entry of A's state, so a reshard that left any tensor as
+    B. The moves to B install a layout built beforehand in the background (prebuild.py), while
+    A trained a step; the move back to A builds it at the switch: both ways are checked. Two training steps change every entry of A's state, so a reshard that left any tensor as
     a freshly built layout holds it (zero moments, step 0, initial weights) would fail.
   - Loss: the live run and the checkpoint run then train on, with bitwise equal losses. This
     also sees what the state leaves out, e.g. how the new model marks its tensor-parallel
@@ -219,29 +220,32 @@ def expert_check(before, after) -> dict:
 
 
 def run_case(case: str, cache: str, ckpt: str) -> dict:
-    from megatron_ext.reshard.live import reshard
+    from megatron_ext.reshard.live import prepare, reshard
 
     cfg = config(case, cache, ckpt)
     _, _, a, b = CASES[case]
     moe = case == MOE_CASE
     trainer = started(cfg)
     initial = snapshot(trainer)
-    for _ in range(STEPS_BEFORE):
+    for _ in range(STEPS_BEFORE - 1):
         trainer.train_step()
+    prepared = prepare(trainer, b, BUDGET_MB)  # B is built beside A while A trains a step
+    trainer.train_step()
     in_a = snapshot(trainer)
     trainer.save()
     experts_a = experts_by_global_id(trainer) if moe else None
-    reshard(trainer, b, BUDGET_MB)
+    reshard(trainer, b, BUDGET_MB, prepared)
     live = snapshot(trainer)
     experts_b = experts_by_global_id(trainer) if moe else None
-    reshard(trainer, a, BUDGET_MB)
+    reshard(trainer, a, BUDGET_MB)  # A built at the switch
     back = snapshot(trainer)
-    reshard(trainer, b, BUDGET_MB)
+    reshard(trainer, b, BUDGET_MB, prepare(trainer, b, BUDGET_MB))
     again = snapshot(trainer)
     live_losses = train(trainer)
     trainer.close()
     poisoned, loaded, checkpoint_losses = through_checkpoint(cfg, b)
     return {
+        "prebuilt": prepared.move().prebuilt is not None and prepared.move().prebuilt.installed,
         "entries in A": len(in_a),
         "trained differ": len(differences(initial, in_a)),
         "entries in B": len(live),
@@ -292,6 +296,7 @@ def each(reports):
 
 def test_live_reshard_equals_checkpoint_route_bitwise(reports):
     for where, r in each(reports):
+        assert r["prebuilt"], where  # the first move installed a layout built in the background
         assert r["poisoned differ"] == r["entries in B"], where  # the check sees an unwritten entry
         assert r["live vs checkpoint"] == [], where
 

@@ -158,8 +158,8 @@ def build(model, layout):
     trainer = Trainer(Config(model=model, parallel=layout.to_config()))
     trainer._init_layout()
     trainer.vocab_size = model.vocab_size
-    trainer.model = trainer._build_model(load_pretrained=False)
-    trainer.optimizer = trainer._build_optimizer()
+    trainer.model, trainer.model_config = trainer.build_model(trainer.cfg.parallel)
+    trainer.optimizer = trainer.build_optimizer(trainer.model, trainer.model_config, trainer.cfg.parallel)
     return trainer
 
 

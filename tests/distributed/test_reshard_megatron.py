@@ -130,8 +130,8 @@ def worker(out_dir: str, world_layouts: str = "") -> None:
         trainer = Trainer(Config(model=model, parallel=layout.to_config(), train=train))
         trainer._init_layout()
         trainer.vocab_size = model.vocab_size
-        trainer.model = trainer._build_model(load_pretrained=False)
-        trainer.optimizer = trainer._build_optimizer()
+        trainer.model, trainer.model_config = trainer.build_model(trainer.cfg.parallel)
+        trainer.optimizer = trainer.build_optimizer(trainer.model, trainer.model_config, trainer.cfg.parallel)
         entry = {"coords": coords(), "pieces": real_pieces(trainer)}
         if i == PROBE[0]:
             entry["probe"] = rows(rank_pieces(model, PROBE[1], rank))

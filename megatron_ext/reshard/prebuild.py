@@ -1,0 +1,139 @@
+"""Build the destination layout while the current one keeps training.
+
+Megatron keeps its parallel state (every process group, rank list and cached size) in the
+globals of `megatron.core.parallel_state`, and the running layout reads them at every step. The
+destination's state is made in a private copy of that module instead: its own
+`initialize_model_parallel` creates the destination's process groups (collective over the world,
+in the same order on every rank: here in each rank's background thread) and leaves the running
+layout's globals alone. The model, DDP and optimizer are then built on those groups, passed
+explicitly (megatron's `pg_collection`), with memory allocated and values left as they are: the
+transfer fills every one of them.
+
+At the switch, `Prebuilt.install` copies the private module's state into megatron's, which costs
+a few dictionary writes; what is left of the stall is the transfer.
+
+Memory: the destination is allocated from the moment the build finishes, while the source keeps
+training, instead of from the switch on. Both live together during the transfer either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import types
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_ext.config.schema import ParallelConfig
+from megatron_ext.plugin import Plugin
+from megatron_ext.reshard.state_access import ensure_optimizer_states
+from megatron_ext.training.trainer import destroy_groups, parallel_state_sizes, unlink_optimizer
+
+# parallel_state's state: every module global named like _TENSOR_MODEL_PARALLEL_GROUP, and the
+# list of groups it created (which Trainer.close destroys).
+_STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
+_GROUP_LIST = "_global_process_group_list"
+
+
+@dataclasses.dataclass
+class Prebuilt:
+    """A layout built beside the running one: megatron's state for it (in a private module),
+    its process groups, and the trainer's model chunks, megatron config and optimizer."""
+
+    parallel: ParallelConfig
+    state: types.ModuleType
+    groups: ProcessGroupCollection
+    model: list
+    model_config: Any  # megatron's TransformerConfig
+    optimizer: Any
+    installed: bool = False
+
+    def install(self) -> None:
+        """Make this layout megatron's current one. Call after the running layout was left
+        (megatron's state is empty then)."""
+        if parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("reshard: leave the running layout before installing another")
+        for name, value in vars(self.state).items():
+            if _STATE_NAME.match(name) or name == _GROUP_LIST:
+                setattr(parallel_state, name, value)
+        self.installed = True
+
+    def discard(self) -> None:
+        """Free a layout that will not be installed: its groups, and (once unreferenced) its
+        model and optimizer."""
+        if self.installed:
+            return  # megatron's now: leaving it is the trainer's business
+        unlink_optimizer(self.model_config)
+        destroy_groups(getattr(self.state, _GROUP_LIST) or [])
+        self.model = self.optimizer = None
+
+
+def private_parallel_state() -> types.ModuleType:
+    """A fresh copy of megatron's parallel_state module, with globals of its own."""
+    spec = importlib.util.find_spec(parallel_state.__name__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def initialize(parallel: ParallelConfig) -> types.ModuleType:
+    """`parallel`'s megatron state, process groups included, in a private module. Collective:
+    every rank of the world calls it, in the same order relative to other group creations."""
+    state = private_parallel_state()
+    state.initialize_model_parallel(**parallel_state_sizes(parallel))
+    return state
+
+
+def process_groups(state: types.ModuleType) -> ProcessGroupCollection:
+    """Megatron's ProcessGroupCollection of the layout in `state`. Megatron's own
+    `use_mpu_process_groups` maps each field to its parallel_state getter; it is run here
+    against the private module instead of the global one."""
+    method = ProcessGroupCollection.use_mpu_process_groups.__func__
+    rebound = types.FunctionType(
+        method.__code__, {**method.__globals__, "parallel_state": state}, method.__name__, method.__defaults__
+    )
+    return rebound(ProcessGroupCollection)
+
+
+def prebuild(trainer, parallel: ParallelConfig, device: torch.device) -> Prebuilt:
+    """`parallel`'s groups, model, DDP and optimizer on `device` (the rank's: a thread's current
+    CUDA device is its own), built without touching the running layout. Safe in a background
+    thread of every rank while the main thread trains: the running layout's groups are not
+    used, and the new ones are created in the same order everywhere."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    state = initialize(parallel)
+    groups = process_groups(state)
+    model, config = trainer.build_model(parallel, groups=groups, initialise=False)
+    optimizer = trainer.build_optimizer(model, config, parallel, groups=groups)
+    ensure_optimizer_states(optimizer)
+    _fault_in(model, optimizer)
+    return Prebuilt(parallel, state, groups, model, config, optimizer)
+
+
+def _fault_in(model: list, optimizer) -> None:
+    """Write every tensor of the new layout once, here in the background. Host memory is mapped
+    on first write: left for the transfer, the page faults doubled its time (100M model, CPU).
+    The values are placeholders, which the transfer overwrites."""
+    tensors = [p for chunk in model for p in chunk.parameters()]
+    tensors += [b.grad_data for chunk in model for b in chunk.buffers + chunk.expert_parallel_buffers]
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        tensors += [p for group in opt.optimizer.param_groups for p in group["params"]]
+        tensors += [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.zero_()
+
+
+def can_prebuild(trainer) -> bool:
+    """Whether the destination may be built in the background. Plugins that rewrite the model
+    (`layer_spec`, `after_model_built`) may read megatron's global state, which still describes
+    the running layout until the switch; with them the destination is built at the switch."""
+    return all(
+        type(p).layer_spec is Plugin.layer_spec and type(p).after_model_built is Plugin.after_model_built
+        for p in trainer.plugins
+    )

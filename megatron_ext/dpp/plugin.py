@@ -131,18 +131,15 @@ class DppPlugin(Plugin):
         self._step_began = time.perf_counter()
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
-        """The step's real tokens (document positions trained, over all replicas; the trainer's
-        own tokens/s counts global_batch_size x seq_length, which dpp does not train)."""
+        """The step's real tokens (document positions trained, over all replicas) for the
+        trainer's tokens/s, which otherwise counts global_batch_size x seq_length."""
         if self._stream is None:  # another plugin's forward_backward_func ran the step
             return
         seconds = time.perf_counter() - self._step_began
         tokens = self._stream.tokens
         self.tokens_total += tokens
         self.train_seconds += seconds
-        metrics["dpp_tokens"] = tokens
-        metrics["dpp_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
-        if step % trainer.cfg.logging.log_interval == 0:
-            trainer.note(f"dpp iter {step:6d} | {tokens} tokens of whole documents | tokens/s {metrics['dpp_tokens_per_s']:,.0f}")
+        metrics["tokens"] = tokens
 
     def on_train_end(self, trainer: Trainer) -> None:
         if self._stream is None:

@@ -45,6 +45,9 @@ class ElasticMixin:
         rules = self.__dict__.get("_elastic_rules", {}).get(name)
         if rules and value is not None:
             value = sliced(value, rules)
+        transform = self.__dict__.get("_elastic_transforms", {}).get(name)
+        if transform is not None and value is not None:
+            value = transform(value)
         return value
 
 
@@ -95,6 +98,17 @@ def add_rule(module: nn.Module, param: str, rule: SliceRule) -> None:
         raise ValueError(f"{type(module).__name__} has no parameter or buffer {param!r}")
     make_elastic(module)
     module._elastic_rules.setdefault(param, []).append(rule)
+
+
+def set_transform(module: nn.Module, param: str, transform: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Read `module.<param>` through `transform` after slicing (None removes it): an elementwise
+    map keeps every slice a slice of the transformed parent (FP8 fake quantisation, `fp8.py`)."""
+    make_elastic(module)
+    transforms = module.__dict__.setdefault("_elastic_transforms", {})
+    if transform is None:
+        transforms.pop(param, None)
+    else:
+        transforms[param] = transform
 
 
 def full_tensor(module: nn.Module, name: str) -> torch.Tensor:

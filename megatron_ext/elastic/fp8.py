@@ -1,0 +1,91 @@
+"""FP8 (e4m3) quantisation-aware distillation with per-tensor scales that survive slicing.
+
+Every decoder linear weight (QKV, attention output, FFN fc1 / fc2) is read through a fake
+quantiser during distillation: divided by one scale per tensor, rounded to torch's
+`float8_e4m3fn` and multiplied back, with the identity as its gradient (straight through).
+The scale is the parent's: the absolute maximum of the whole (unsliced) tensor over 448, so a
+submodel at any budget reads exactly a slice of the quantised parent. Hence a nested FP8
+checkpoint (the FP8 parent and its scalars) slices like a BF16 one: the FP8 tensors of a
+budget are slices of the nested ones, and the scales are the nested scales.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from megatron_ext.elastic.modules import full_tensor, set_transform
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+SCALE_SUFFIX = "_fp8_scale"
+
+
+def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The decoder's tensor-parallel linears with a weight, by state-dict prefix."""
+    return {
+        f"decoder.{name}": m
+        for name, m in model.decoder.named_modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m._parameters.get("weight") is not None
+    }
+
+
+def scale_of(weight: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale of a whole (TP-sharded) weight: amax / 448 over every TP rank."""
+    amax = weight.detach().abs().amax().float()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    return (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (weight.detach().float() / scale).to(FP8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale).to(dtype)
+
+
+def fake_quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 value of `weight` in its own dtype, with the identity gradient (w - w is exactly
+    zero, so the value is the dequantised one to the bit)."""
+    return dequantize(quantize(weight, scale), scale, weight.dtype) + (weight - weight.detach())
+
+
+def enable(model: nn.Module) -> list[str]:
+    """Read every decoder linear weight of `model` through the fake quantiser with the scale of
+    the parent's whole tensor (recomputed at each read: the weights train). Returns the keys."""
+    keys = []
+    for prefix, module in quantized_linears(model).items():
+        whole = full_tensor(module, "weight")
+        set_transform(module, "weight", lambda w, whole=whole: fake_quantize(w, scale_of(whole)))
+        keys.append(f"{prefix}.weight")
+    return keys
+
+
+def disable(model: nn.Module) -> None:
+    for module in quantized_linears(model).values():
+        set_transform(module, "weight", None)
+
+
+def scales(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parent's per-tensor scales, by weight key."""
+    return {f"{p}.weight": scale_of(full_tensor(m, "weight")) for p, m in quantized_linears(model).items()}
+
+
+def fp8_state(state: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with the weights of `scales` stored as FP8 beside their scale
+    (`<key>_fp8_scale`); the parent's scales for a submodel's (sliced) state."""
+    unknown = [k for k in scales if k not in state]
+    if unknown:
+        raise ValueError(f"elastic fp8: no tensor {unknown[:3]} in the state to quantise")
+    out = dict(state)
+    for key, scale in scales.items():
+        out[key] = quantize(state[key], scale)
+        out[key + SCALE_SUFFIX] = scale.detach().clone()
+    return out

@@ -9,8 +9,10 @@ job with every training state carried over.
     execute.py   rounds(plan, budget): memory-budgeted rounds; execute(): one packed message per
                  peer per round over point-to-point
     state_access.py  read/write a piece in megatron's params and distributed-optimizer states
-    live.py      reshard(trainer, layout): plan (in the background), switch, move, roll back on
-                 failure, within the same workers
+    prebuild.py  the destination's groups, model, DDP and optimizer, built beside the running
+                 layout (a private copy of megatron's parallel state), installed at the switch
+    live.py      reshard(trainer, layout): prepare (plan and prebuild, in the background),
+                 switch, move, roll back on failure, within the same workers
     pool.py      the worker pool: moves to another number of workers (standby workers join,
                  leaving workers hand over their state and wait)
     plugin.py    `plugins=[reshard]`: a schedule, a polled request file

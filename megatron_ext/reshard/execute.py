@@ -12,7 +12,8 @@ a box is still a box both its source and its destination hold, so the plan stays
 smallest budget is therefore one element of the plan's widest dtype.
 
 In a round each rank packs everything it sends to one peer into one buffer and receives one
-buffer from each peer. All sends and receives of the round are posted at once, as one
+buffer from each peer; these are parts of two staging arenas, allocated once per move at the
+largest round's size and reused by every round. All sends and receives of the round are posted at once, as one
 `batch_isend_irecv` tagged with the round's index: gloo matches a message by (peer, tag)
 (checked with torch 2.13: crossed posting orders deliver correctly) and NCCL runs a batch as
 one group launch, so posting order cannot deadlock and no barrier is needed; ranks with nothing
@@ -150,30 +151,40 @@ def execute(
     layout. Returns the most staging bytes this rank held at once (what `peak_bytes` predicts).
     """
     channel = channel or GroupChannel(group)
+    by_round = [_by_peer(plan, step, channel.rank) for step in steps]
+    send_arena = _arena(max((_size_all(outgoing) for outgoing, _ in by_round), default=0))
+    recv_arena = _arena(max((_size_all(incoming) for _, incoming in by_round), default=0))
     peak = 0
-    for index, step in enumerate(steps):
-        peak = max(peak, _run_round(plan, index, step, channel, read_local, write_local))
+    for index, (step, (outgoing, incoming)) in enumerate(zip(steps, by_round)):
+        send = _messages(send_arena, outgoing)
+        recv = _messages(recv_arena, incoming)
+        for peer, ops in outgoing.items():
+            _pack(plan, ops, read_local, send[peer])
+        requests = channel.exchange(recv, send, index)
+        for op in step.ops:  # the local copies, while the messages travel
+            if op.local and op.dst == channel.rank:
+                write_local(plan.targets[op.target], op.box, read_local(plan.sources[op.source], op.box))
+        for request in requests:
+            request.wait()
+        for peer, ops in incoming.items():
+            _unpack(plan, ops, recv[peer], write_local)
+        peak = max(peak, _size_all(outgoing) + _size_all(incoming))
     return peak
 
 
-def _run_round(
-    plan: TransferPlan, index: int, step: Round, channel, read_local: ReadLocal, write_local: WriteLocal
-) -> int:
-    """One round on this rank: post every receive and send, copy the local ops meanwhile, wait,
-    unpack. Returns the bytes staged."""
-    rank = channel.rank
-    outgoing, incoming = _by_peer(plan, step, rank)
-    recv = {peer: torch.empty(_size(ops), dtype=torch.uint8) for peer, ops in incoming.items()}
-    send = {peer: _pack(plan, ops, read_local) for peer, ops in outgoing.items()}
-    requests = channel.exchange(recv, send, index)
-    for op in step.ops:
-        if op.local and op.dst == rank:
-            write_local(plan.targets[op.target], op.box, read_local(plan.sources[op.source], op.box))
-    for request in requests:
-        request.wait()
-    for peer, ops in incoming.items():
-        _unpack(plan, ops, recv[peer], write_local)
-    return sum(b.numel() for b in send.values()) + sum(b.numel() for b in recv.values())
+def _arena(nbytes: int) -> torch.Tensor:
+    """A staging buffer that every round reuses, written once here: fresh host memory is mapped
+    on first write, and faulting in new buffers every round doubled a 100M model's transfer."""
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def _messages(arena: torch.Tensor, by_peer: dict[int, list[Op]]) -> dict[int, torch.Tensor]:
+    """Each peer's message buffer: consecutive parts of `arena`, in peer order."""
+    buffers, offset = {}, 0
+    for peer, ops in by_peer.items():
+        buffers[peer] = arena[offset : offset + _size(ops)]
+        offset += _size(ops)
+    return buffers
 
 
 def _by_peer(plan: TransferPlan, step: Round, rank: int) -> tuple[dict, dict]:
@@ -202,6 +213,10 @@ def _size(ops: list[Op]) -> int:
     return sum(op.nbytes for op in ops)
 
 
+def _size_all(by_peer: dict[int, list[Op]]) -> int:
+    return sum(_size(ops) for ops in by_peer.values())
+
+
 def _segments(plan: TransferPlan, ops: list[Op], buffer: torch.Tensor):
     """(op, typed view of its part of `buffer` shaped like its box), in packing order."""
     offset = 0
@@ -212,11 +227,9 @@ def _segments(plan: TransferPlan, ops: list[Op], buffer: torch.Tensor):
         yield op, part
 
 
-def _pack(plan: TransferPlan, ops: list[Op], read_local: ReadLocal) -> torch.Tensor:
-    buffer = torch.empty(_size(ops), dtype=torch.uint8)
+def _pack(plan: TransferPlan, ops: list[Op], read_local: ReadLocal, buffer: torch.Tensor) -> None:
     for op, part in _segments(plan, ops, buffer):
         part.copy_(read_local(plan.sources[op.source], op.box))
-    return buffer
 
 
 def _unpack(plan: TransferPlan, ops: list[Op], buffer: torch.Tensor, write_local: WriteLocal) -> None:

@@ -168,6 +168,7 @@ def reshard(
     move = prepared.move() if prepared is not None else plan_move(trainer, target, budget_mb)
     if move.target != target:
         raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
+    _check_same_plan(move.transfer)
     source_parallel = trainer.cfg.parallel
     ensure_optimizer_states(trainer.optimizer)  # a job that has not stepped yet has none
     source = MegatronState(trainer.model, trainer.optimizer)
@@ -176,6 +177,16 @@ def reshard(
     if errors:
         _roll_back(trainer, source_parallel, source, errors)
     return move.report(staged, time.perf_counter() - start)
+
+
+def _check_same_plan(transfer: TransferPlan) -> None:
+    """Every rank planned the very same move (planning is pure, each rank plans on its own, and
+    the digest covers the whole plan); refuse the move before anything changes otherwise."""
+    mine = torch.tensor([int(transfer.digest[:15], 16)])  # 60 bits: fits an int64
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if any(not torch.equal(d, mine) for d in everyone):
+        raise ValueError(f"reshard: the ranks planned different moves to {transfer.b}; nothing was moved")
 
 
 def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:

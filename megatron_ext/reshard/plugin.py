@@ -171,7 +171,9 @@ class ReshardPlugin(Plugin):
         except ReshardFailed as e:
             trainer.note(f"step {step}: {e}; training goes on")
             return
-        except ValueError as e:  # planning refused it (e.g. a budget below one element)
+        except ValueError as e:  # refused before anything moved (e.g. a budget below one element)
+            if planned.prepared is not None:
+                planned.prepared.discard()
             trainer.note(f"step {step}: reshard refused: {e}")
             return
         self.reports.append(report)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.lora import checkpoint
+from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.lora.batching import JobData, MicroBatch, pack
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import MultiLoraLinear, Routing, install_job, remove_job
@@ -292,14 +293,16 @@ class PackedTrainer:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def save(self, folder: str | Path) -> Path:
-        """Checkpoint the run (collective): each active job's training state under
-        `<folder>/<job>/` (checkpoint.save_job), then the queue, the slots and every job's
-        results in `trainer.json`."""
-        folder = Path(folder)
+        """Checkpoint the run (collective) as `<folder>/iter_<packed step>/`: each active job's
+        training state under `<job>/` (checkpoint.save_job), then the queue, the slots and every
+        job's results in `trainer.json`. Written like the trainer's checkpoints (a staging
+        folder, renamed and recorded in the tracker once complete); only the latest is kept."""
+        return ckpt.write_staged(folder, self.packed_steps, self._write, keep_last=1)
+
+    def _write(self, folder: Path) -> None:
         for slot in sorted(self.active):
             checkpoint.save_job(folder / self.active[slot].job.name, self.active[slot], self.wrappers)
         if dist.get_rank() == 0:
-            folder.mkdir(parents=True, exist_ok=True)
             state = {
                 "packed_steps": self.packed_steps,
                 "slots": {active.job.name: slot for slot, active in self.active.items()},
@@ -307,13 +310,14 @@ class PackedTrainer:
                 "results": {name: dataclasses.asdict(r) for name, r in self.results.items()},
             }
             (folder / "trainer.json").write_text(json.dumps(state, indent=1) + "\n")
-        dist.barrier()
-        return folder
 
     def resume(self, folder: str | Path) -> None:
-        """Continue the run that `save(folder)` checkpointed: call after `submit` with the same
-        jobs and before `run`; each job continues exactly where it stopped."""
-        folder = Path(folder)
+        """Continue the run whose latest checkpoint `save(folder)` wrote: call after `submit`
+        with the same jobs and before `run`; each job continues exactly where it stopped."""
+        latest = ckpt.latest_iteration(folder)
+        if latest is None:
+            raise ValueError(f"lora: {folder} holds no checkpoint ({ckpt.TRACKER} is missing)")
+        folder = ckpt.iteration_dir(folder, latest)
         state = json.loads((folder / "trainer.json").read_text())
         if self.active or self.packed_steps:
             raise RuntimeError("lora: resume a trainer before it has run")

@@ -21,7 +21,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -106,6 +106,21 @@ def save_checkpoint(
     keep_last: Optional[int] = None,
 ) -> Path:
     """Write checkpoint `iteration` under `root`; `common` is plain state (same on all ranks)."""
+    state = sharded_state_dict(model_chunks, optimizer)
+    state["common"] = common
+    return write_staged(root, iteration, lambda folder: dist_checkpointing.save(state, str(folder)), keep_last)
+
+
+def write_staged(
+    root: str | os.PathLike,
+    iteration: int,
+    write: Callable[[Path], None],
+    keep_last: Optional[int] = None,
+) -> Path:
+    """Write checkpoint `iteration` under `root` by calling `write(folder)` on every rank
+    (collective). The folder is a staging one, renamed to `iteration_dir` and recorded in the
+    tracker only after every rank has written: a crash mid-save leaves the previous checkpoint
+    the latest, and no half-written one."""
     root = Path(root)
     final = iteration_dir(root, iteration)
     staging = root / f".{final.name}.tmp"
@@ -115,9 +130,7 @@ def save_checkpoint(
         _remove_stale_staging(root)
         staging.mkdir()
     dist.barrier()
-    state = sharded_state_dict(model_chunks, optimizer)
-    state["common"] = common
-    dist_checkpointing.save(state, str(staging))
+    write(staging)
     dist.barrier()
     if rank == 0:
         if final.exists():  # a re-save of the same iteration replaces it

@@ -13,6 +13,7 @@ import torch
 
 from test_lora_packed import MODEL, VOCAB
 
+from megatron_ext.lora import checkpoint
 from megatron_ext.lora.base import build_base
 from megatron_ext.lora.batching import SyntheticData
 from megatron_ext.lora.export import load_megatron
@@ -67,7 +68,7 @@ def test_resume_is_bitwise_exact(one_rank_world, tmp_path, k):
     mid_batch = {a.job.name for a in first.active.values() if a.micro}
     assert mid_batch, "k should stop a job inside its global batch"
     saved = {a.job.name: logical_weights(first.wrappers, a.slot) for a in first.active.values()}
-    first.save(tmp_path)
+    folder = first.save(tmp_path)
     del first
 
     second = trainer_with(final)
@@ -75,9 +76,34 @@ def test_resume_is_bitwise_exact(one_rank_world, tmp_path, k):
     resumed = outcome(second.run(), final)
     assert_same(resumed, whole)
     for name, weights in saved.items():  # a job's checkpoint is also a plain adapter checkpoint
-        job, loaded = load_megatron(tmp_path / name)
+        job, loaded = load_megatron(folder / name)
         assert job == next(j for j in JOBS if j.name == name)
         assert all(torch.equal(loaded[key][i], weights[key][i]) for key in weights for i in (0, 1))
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(one_rank_world, tmp_path, monkeypatch):
+    final = {}
+    whole = outcome(trainer_with(final).run(), final)
+    final = {}
+    first = trainer_with(final)
+    first.run(until=1)
+    first.save(tmp_path)
+    first.run(until=3)
+
+    save_job, saved = checkpoint.save_job, []
+
+    def disk_full_at_the_second_job(*args) -> None:
+        if saved:
+            raise OSError("no space left on device")
+        saved.append(save_job(*args))
+
+    monkeypatch.setattr(checkpoint, "save_job", disk_full_at_the_second_job)
+    with pytest.raises(OSError, match="no space"):
+        first.save(tmp_path)
+    monkeypatch.undo()
+    second = trainer_with(final)
+    second.resume(tmp_path)  # from step 1: the save at step 3 never completed
+    assert_same(outcome(second.run(), final), whole)
 
 
 def test_resume_refuses_a_changed_job_and_the_others_go_on(one_rank_world, tmp_path):

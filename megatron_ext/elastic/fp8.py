@@ -7,6 +7,9 @@ The scale is the parent's: the absolute maximum of the whole (unsliced) tensor o
 submodel at any budget reads exactly a slice of the quantised parent. Hence a nested FP8
 checkpoint (the FP8 parent and its scalars) slices like a BF16 one: the FP8 tensors of a
 budget are slices of the nested ones, and the scales are the nested scales.
+
+On disk (`slicing.save_nested` with scales) every quantised weight is its FP8 codes under its own
+key plus its scale under `<key>_fp8_scale`; the other tensors (embeddings, norms) keep their dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
-from megatron_ext.elastic.modules import full_tensor, set_transform
+from megatron_ext.elastic.modules import full_tensor, set_transform, sliced
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -88,4 +91,37 @@ def fp8_state(state: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tens
     for key, scale in scales.items():
         out[key] = quantize(state[key], scale)
         out[key + SCALE_SUFFIX] = scale.detach().clone()
+    return out
+
+
+def scales_in(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-tensor scales of an FP8 state dict, by the key of the weight they scale."""
+    return {k[: -len(SCALE_SUFFIX)]: v for k, v in state.items() if k.endswith(SCALE_SUFFIX)}
+
+
+def dequantized_state(state: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An FP8 state dict with every FP8 tensor read back (codes times scale) in the dtype of
+    `like`'s tensor of the same key (the model it loads into), and no scale entries: the weights
+    the quantisation-aware student read."""
+    found = scales_in(state)
+    out = {k: v for k, v in state.items() if not k.endswith(SCALE_SUFFIX)}
+    for key, scale in found.items():
+        if key not in out or out[key].dtype != FP8:
+            raise ValueError(f"elastic fp8: scale {key}{SCALE_SUFFIX} has no FP8 tensor {key}")
+        out[key] = dequantize(out[key], scale, like[key].dtype)
+    return out
+
+
+@torch.no_grad()
+def sliced_codes(model: nn.Module, codes: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FP8 codes shaped like `model`'s quantised weights, cut as the model cuts those weights
+    at its active sizes: the bytes themselves, not a requantisation (FP8 values are exact in
+    fp32, so the cut goes through fp32 and back)."""
+    linears = quantized_linears(model)
+    out = {}
+    for key, q in codes.items():
+        module = linears.get(key.removesuffix(".weight"))
+        if module is None or not key.endswith(".weight"):
+            raise ValueError(f"elastic fp8: {key} is not a quantised decoder weight of the model")
+        out[key] = sliced(q.float(), module.__dict__.get("_elastic_rules", {}).get("weight", [])).to(FP8)
     return out

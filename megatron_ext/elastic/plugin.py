@@ -55,6 +55,10 @@ class ElasticConfig:
     anneal_steps: int = 100
     # Cost-only router steps before the first distillation step (no model forward: cheap).
     router_warmup_steps: int = 200
+    # FP8 quantisation-aware distillation: the student reads its decoder linears fake-quantised
+    # to e4m3 with the parent's per-tensor scales (`fp8.py`; evaluation too, as deployed); the
+    # teacher stays in full precision. The nested checkpoint is then written in FP8.
+    fp8: bool = False
     export_dir: Optional[str] = None
 
 
@@ -133,6 +137,10 @@ class ElasticPlugin(Plugin):
             calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(), dp_group)
             self.orders = reorder(self.space.axes)
         teacher = self._build_teacher(trainer)
+        if self.cfg.fp8:
+            from megatron_ext.elastic import fp8
+
+            fp8.enable(self.space.model)
         self.router_optimizer = torch.optim.Adam(self.router.parameters(), lr=self.cfg.router_lr)
         if self.router_state is not None:
             self.router.load_state_dict(self.router_state["router"])
@@ -314,10 +322,13 @@ class ElasticPlugin(Plugin):
         dist.barrier()
 
     def _export(self, trainer, out: Path) -> None:
-        from megatron_ext.elastic import slicing
+        from megatron_ext.elastic import fp8, slicing
 
         if trainer.cfg.parallel.tp > 1:
             trainer.note("elastic: export skipped under tp>1 (export runs on a whole model in one process)")
             return
-        slicing.save_nested(out / "nested", self.space.model, trainer.cfg.model, trainer.vocab_size, self.choices())
-        trainer.note(f"elastic: nested checkpoint of budgets {list(self.choices())} in {out / 'nested'}")
+        model = self.space.model
+        scales = fp8.scales(model) if self.cfg.fp8 else None
+        slicing.save_nested(out / "nested", model, trainer.cfg.model, trainer.vocab_size, self.choices(), fp8_scales=scales)
+        kind = "FP8 nested" if self.cfg.fp8 else "nested"
+        trainer.note(f"elastic: {kind} checkpoint of budgets {list(self.choices())} in {out / 'nested'}")

@@ -7,6 +7,11 @@ training, no calibration: the cut is a prefix (per group for heads) of the reord
 
 The nested checkpoint stores the reordered parent once (every budget is a prefix of it) plus the
 sizes of each trained budget: `model.safetensors` (megatron's tensor names) and `elastic.json`.
+An FP8 nested checkpoint (`fp8_scales`, after quantisation-aware distillation) stores the decoder
+linears as FP8 codes with the parent's per-tensor scales (`fp8.py`); `slice_nested_fp8` cuts one
+budget out of it as a standalone FP8 checkpoint of the same format (a nested checkpoint with that
+one budget, at its full size): its codes are the nested codes' slices byte for byte and its
+scales the nested scales.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from megatron_ext.config.schema import ModelConfig
+from megatron_ext.elastic import fp8
 from megatron_ext.elastic.axes import Size
 from megatron_ext.elastic.space import ElasticSpace
 
@@ -162,31 +168,50 @@ def save_nested(
     padded_vocab: int,
     budgets: Mapping[str, Mapping[str, int]],
     extra: Optional[dict] = None,
+    fp8_scales: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Path:
-    """One checkpoint for every budget: the reordered parent's tensors and each budget's sizes."""
+    """One checkpoint for every budget: the reordered parent's tensors and each budget's sizes;
+    with `fp8_scales` (`fp8.scales` of the parent) its quantised weights as FP8 codes."""
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    if fp8_scales is not None:
+        state = fp8.fp8_state(state, fp8_scales)  # refuses an unknown key before anything is written
+    return write_nested(out, state, parent, padded_vocab, budgets, {**(extra or {}), "fp8": fp8_scales is not None})
+
+
+def write_nested(
+    out: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    padded_vocab: int,
+    budgets: Mapping[str, Mapping[str, int]],
+    extra: dict,
+) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    save_file(state, str(out / NESTED_WEIGHTS))
+    save_file(dict(state), str(out / NESTED_WEIGHTS))
     manifest = {
-        "model": dataclasses.asdict(parent),
+        "model": dataclasses.asdict(cfg),
         "padded_vocab_size": padded_vocab,
         "budgets": {k: dict(v) for k, v in budgets.items()},
-        **(extra or {}),
+        **extra,
     }
     (out / NESTED_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out
 
 
 def load_nested(path: str | os.PathLike) -> tuple[nn.Module, ElasticSpace, ModelConfig, dict]:
-    """The elastic parent of a nested checkpoint: (model, space, config, manifest)."""
+    """The elastic parent of a nested checkpoint: (model, space, config, manifest). An FP8
+    checkpoint loads dequantised: the weights its quantisation-aware student read."""
     from megatron_ext.models.convert.world import build_model
 
     manifest = json.loads(Path(path, NESTED_MANIFEST).read_text())
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in manifest["model"].items() if k in known})
     (model,) = build_model(cfg, manifest["padded_vocab_size"])
-    result = model.load_state_dict(load_file(str(Path(path, NESTED_WEIGHTS))), strict=False)
+    state = load_file(str(Path(path, NESTED_WEIGHTS)))
+    if manifest.get("fp8"):
+        state = fp8.dequantized_state(state, model.state_dict())
+    result = model.load_state_dict(state, strict=False)
     # Only megatron's non-tensor `_extra_state` entries are not stored.
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
@@ -194,16 +219,44 @@ def load_nested(path: str | os.PathLike) -> tuple[nn.Module, ElasticSpace, Model
     return model, ElasticSpace(model), cfg, manifest
 
 
-def slice_nested(path: str | os.PathLike, budget: str) -> tuple[nn.Module, ModelConfig]:
-    """The standalone submodel of one budget of a nested checkpoint."""
-    model, space, cfg, manifest = load_nested(path)
+def budget_sizes(path: str | os.PathLike, manifest: dict, budget: str) -> dict[str, int]:
     if budget not in manifest["budgets"]:
         raise KeyError(f"{path}: no budget {budget!r}; it has {sorted(manifest['budgets'])}")
-    return export_submodel(model, cfg, space, manifest["budgets"][budget], manifest["padded_vocab_size"], budget)
+    return manifest["budgets"][budget]
+
+
+def slice_nested(path: str | os.PathLike, budget: str) -> tuple[nn.Module, ModelConfig]:
+    """The standalone submodel of one budget of a nested checkpoint (dequantised if FP8)."""
+    model, space, cfg, manifest = load_nested(path)
+    sizes = budget_sizes(path, manifest, budget)
+    return export_submodel(model, cfg, space, sizes, manifest["padded_vocab_size"], budget)
+
+
+def slice_nested_fp8(path: str | os.PathLike, budget: str, out: str | os.PathLike) -> Path:
+    """One budget of an FP8 nested checkpoint as a standalone FP8 checkpoint in `out`: the
+    budget's slices of the nested FP8 codes (bytes, not requantised), the nested scales, and the
+    other tensors sliced as `export_submodel` slices them. `slice_nested(out, budget)` reads it."""
+    model, space, cfg, manifest = load_nested(path)
+    if not manifest.get("fp8"):
+        raise ValueError(f"{path}: not an FP8 nested checkpoint (written without fp8 scales); use slice_nested")
+    sizes = budget_sizes(path, manifest, budget)
+    stored = load_file(str(Path(path, NESTED_WEIGHTS)))
+    scales = fp8.scales_in(stored)
+    space.clear_gates()
+    with space.at(sizes):
+        state = sliced_state_dict(model)
+        codes = fp8.sliced_codes(model, {k: stored[k] for k in scales})
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    state.update(codes)
+    state.update({k + fp8.SCALE_SUFFIX: s for k, s in scales.items()})
+    sub_cfg = submodel_config(cfg, space, sizes, budget)
+    return write_nested(out, state, sub_cfg, manifest["padded_vocab_size"], {budget: sizes}, {"fp8": True})
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """python -m megatron_ext.elastic.slicing NESTED --budget B [--megatron DIR] [--hf DIR]"""
+    """python -m megatron_ext.elastic.slicing NESTED --budget B [--megatron DIR] [--hf DIR] [--fp8 DIR]
+
+    From an FP8 nested checkpoint --megatron and --hf write the dequantised submodel."""
     import argparse
 
     from megatron_ext.models.convert.world import model_parallel_world
@@ -214,11 +267,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--budget", required=True, help="a budget name of the checkpoint's elastic.json")
     parser.add_argument("--megatron", help="write a megatron checkpoint (usable as model.pretrained) here")
     parser.add_argument("--hf", help="write a Hugging Face LlamaForCausalLM folder here")
+    parser.add_argument("--fp8", help="write the standalone FP8 checkpoint (of an FP8 nested checkpoint) here")
     args = parser.parse_args(argv)
-    if not (args.megatron or args.hf):
-        parser.error("give --megatron and/or --hf")
+    if not (args.megatron or args.hf or args.fp8):
+        parser.error("give --megatron, --hf and/or --fp8")
     cpu_compat.apply()
     with model_parallel_world():
+        if args.fp8:
+            slice_nested_fp8(args.nested, args.budget, args.fp8)
         sub, cfg = slice_nested(args.nested, args.budget)
         padded = sub.embedding.word_embeddings.weight.shape[0]
         if args.megatron:

@@ -1,16 +1,18 @@
 """FP8 quantisation-aware distillation: per-tensor scales of the parent survive slicing (a
 budget's FP8 tensors are slices of the nested FP8 parent's, bitwise, and equal what the student
-reads during QAD)."""
+reads during QAD), also through the nested FP8 checkpoint and the standalone one sliced from it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from megatron_ext.elastic import fp8, slicing
 from megatron_ext.elastic.importance import calibrate
 from megatron_ext.elastic.permute import reorder
 from megatron_ext.elastic.space import ElasticSpace
-from tests.unit.test_elastic_slicing import BUDGETS, POSITIONS, TOKENS, build_parent, world  # noqa: F401
+from tests.unit.test_elastic_slicing import BUDGETS, PADDED, PARENT, POSITIONS, TOKENS, build_parent, logits, world  # noqa: F401
 
 
 def reordered():
@@ -62,3 +64,45 @@ def test_a_budgets_fp8_tensors_are_slices_of_the_nested_fp8_parent(world):  # no
     # The smallest budget's own scales would differ (a slice's amax is smaller): not vacuous.
     assert any(fp8.scale_of(raw[k]) != parent_scales[k] for k in keys)
 
+
+
+def test_nested_fp8_checkpoint_slices_to_standalone_fp8_submodels(world, tmp_path):  # noqa: F811
+    """save_nested with the parent's scales -> slice_nested_fp8 per budget: the standalone
+    checkpoint's codes are the in-memory quantised parent's slices byte for byte, its scales the
+    parent's, and the dequantised submodel read back from it runs the elastic forward of that
+    budget with QAD on, bitwise."""
+    model, space = reordered()
+    keys = fp8.enable(model)
+    parent_scales = fp8.scales(model)
+    in_memory = fp8.fp8_state(model.state_dict(), parent_scales)
+    slicing.save_nested(tmp_path / "nested", model, PARENT, PADDED, BUDGETS, fp8_scales=parent_scales)
+    stored = load_file(str(tmp_path / "nested" / slicing.NESTED_WEIGHTS))
+    assert all(stored[k].dtype == fp8.FP8 for k in keys)
+    for budget, sizes in BUDGETS.items():
+        out = slicing.slice_nested_fp8(tmp_path / "nested", budget, tmp_path / budget)
+        sub_state = load_file(str(out / slicing.NESTED_WEIGHTS))
+        expected = sliced_values(model, space, sizes, {k: in_memory[k].float() for k in keys})
+        for k in keys:
+            assert sub_state[k].dtype == fp8.FP8
+            assert torch.equal(sub_state[k].view(torch.uint8), expected[k].to(fp8.FP8).view(torch.uint8)), k
+            assert torch.equal(sub_state[k + fp8.SCALE_SUFFIX], parent_scales[k])
+        with space.at(sizes):
+            qad = logits(model)
+        sub, cfg = slicing.slice_nested(out, budget)
+        assert cfg.hidden_size == sizes["hidden"]
+        assert torch.equal(logits(sub), qad), budget
+    # The dequantised budget is not the unquantised one: the equality above is about FP8 values.
+    fp8.disable(model)
+    with space.at(BUDGETS["50"]):
+        assert not torch.allclose(logits(model), qad, rtol=0, atol=1e-6)
+
+
+def test_fp8_export_refuses_a_checkpoint_without_scales_and_unknown_scales(world, tmp_path):  # noqa: F811
+    model, _ = reordered()
+    slicing.save_nested(tmp_path / "plain", model, PARENT, PADDED, BUDGETS)
+    with pytest.raises(ValueError, match="not an FP8 nested checkpoint"):
+        slicing.slice_nested_fp8(tmp_path / "plain", "50", tmp_path / "sub")
+    assert not (tmp_path / "sub").exists()
+    with pytest.raises(ValueError, match=r"no tensor \['decoder.nope.weight'\]"):
+        slicing.save_nested(tmp_path / "bad", model, PARENT, PADDED, BUDGETS, fp8_scales={"decoder.nope.weight": torch.tensor(1.0)})
+    assert not (tmp_path / "bad").exists()

@@ -15,7 +15,8 @@ and tokens (N budgets: N times the elastic run's tokens). Both see the same batc
 budget: parameters (total, active), held-out next-token loss (elastic and baseline), held-out KD
 loss, median forward latency of the exported model, tokens spent. The thinking curve: answer
 accuracy and answer loss vs wall time over thinking budgets, for think-50% / answer-100%,
-100% / 100% and 50% / 50%.
+100% / 100% and 50% / 50%. With `--fp8`: the FP8 student's held-out KD and next-token loss per
+budget, quantised after the elastic run (PTQ) against a second elastic run with FP8 QAD.
 """
 
 from __future__ import annotations
@@ -144,6 +145,48 @@ def thinking_curve(model, space, sizes: dict, prompts: int, think_budgets: list[
     return rows
 
 
+def distil_elastic(student, space, teacher, budgets: list[float], grid: dict, held: list[dict], args):
+    """Warm the router up, then distil every budget in one elastic run: (distiller, held-out KD
+    per budget before distillation)."""
+    from megatron_ext.elastic.distill import CurriculumConfig, Distiller, train_plain
+    from megatron_ext.elastic.router import BudgetRouter, RouterConfig
+
+    router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
+    curriculum = CurriculumConfig(budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2])
+    distiller = Distiller(space, teacher, router, curriculum, VOCAB)
+    distiller.warm_up_router(args.router_warmup)
+    kd_before = {b: distiller.heldout_kd(student, held, router.select(i)) for i, b in enumerate(budgets)}
+    train_plain(distiller, student, lambda step: [batch(step, args.batch)], args.steps, args.lr)
+    return distiller, kd_before
+
+
+def fp8_comparison(student, space, distiller, qad, teacher, budgets: list[float], grid: dict, held: list[dict], args) -> list[dict]:
+    """The FP8 (e4m3, parent's per-tensor scales) student per budget: the elastic run above
+    quantised after training (PTQ) against the same run from the same reordered parent
+    (`qad`, same batches, same router warm-up) distilled with FP8 QAD. Held-out KD (against the
+    full-precision teacher) and next-token loss, each run at its own router's sizes."""
+    from megatron_ext.elastic import fp8
+    from megatron_ext.elastic.space import ElasticSpace
+
+    qad_space = ElasticSpace(qad)
+    fp8.enable(qad)
+    qad_distiller, _ = distil_elastic(qad, qad_space, teacher, budgets, grid, held, args)
+    rows = []
+    for i, b in enumerate(budgets):
+        sizes, qad_sizes = distiller.router.select(i), qad_distiller.router.select(i)
+        fp8.enable(student)
+        with space.at(sizes):
+            ptq_loss = ce_loss(student, held)
+        row = {"budget": b, "sizes": sizes, "qad_sizes": qad_sizes, "kd_ptq": distiller.heldout_kd(student, held, sizes)}
+        fp8.disable(student)
+        row["kd_full_precision"] = distiller.heldout_kd(student, held, sizes)
+        with qad_space.at(qad_sizes):
+            qad_loss = ce_loss(qad, held)
+        row |= {"kd_qad": qad_distiller.heldout_kd(qad, held, qad_sizes), "heldout_loss_ptq": ptq_loss, "heldout_loss_qad": qad_loss}
+        rows.append(row)
+    return rows
+
+
 def parents() -> dict:
     from megatron_ext.config.schema import ModelConfig
 
@@ -164,11 +207,10 @@ def parents() -> dict:
 
 def run(args) -> dict:
     from megatron_ext.elastic import slicing
-    from megatron_ext.elastic.distill import CurriculumConfig, Distiller, train_plain
     from megatron_ext.elastic.importance import calibrate
     from megatron_ext.elastic.permute import reorder
     from megatron_ext.elastic.plugin import default_grid
-    from megatron_ext.elastic.router import BudgetRouter, RouterConfig, check_budgets
+    from megatron_ext.elastic.router import check_budgets
     from megatron_ext.elastic.space import ElasticSpace
     from megatron_ext.models.convert.world import build_model
     from megatron_ext.models.init import init_weights_layout_independent
@@ -196,12 +238,8 @@ def run(args) -> dict:
     budgets = [1.0, 0.75, 0.5]
     grid = default_grid(space, 8 if args.parent == "gpt" else 4)
     check_budgets(space, grid, budgets, 0.05)
-    router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
-    curriculum = CurriculumConfig(budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2])
-    distiller = Distiller(space, teacher, router, curriculum, VOCAB)
-    distiller.warm_up_router(args.router_warmup)
-    kd_before = {b: distiller.heldout_kd(student, held, router.select(i)) for i, b in enumerate(budgets)}
-    train_plain(distiller, student, lambda step: [batch(step, args.batch)], args.steps, args.lr)
+    distiller, kd_before = distil_elastic(student, space, teacher, budgets, grid, held, args)
+    router = distiller.router
     choices = {f"{round(b * 100)}": router.select(i) for i, b in enumerate(budgets)}
     tokens_per_run = args.steps * args.batch * SEQ
     full_params = slicing.param_count(slicing.export_submodel(student, parent_cfg, space, choices["100"], padded)[0])
@@ -225,6 +263,11 @@ def run(args) -> dict:
         })
     curve = thinking_curve(student, space, choices, args.prompts, [0, 6, 12, 20])
     full_latency = rows[0]["latency_s"]
+    extra = {}
+    if args.fp8:
+        qad = fresh()
+        qad.load_state_dict(pruned_from, strict=False)
+        extra["fp8"] = fp8_comparison(student, space, distiller, qad, teacher, budgets, grid, held, args)
     return {
         "parent": f"{args.parent} (megatron {'GPTModel' if args.parent == 'gpt' else 'MambaModel'}, local spec): "
         + json.dumps(dataclasses.asdict(parent_cfg)),
@@ -238,6 +281,7 @@ def run(args) -> dict:
             "latency_50_at_most_0.6x_full": rows[-1]["latency_s"] <= 0.6 * full_latency,
             "latency_50_over_full": rows[-1]["latency_s"] / full_latency,
         },
+        **extra,
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -278,6 +322,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent", choices=("gpt", "hybrid"), default="hybrid")
     parser.add_argument("--router-warmup", type=int, default=300, help="cost-only router steps before distilling")
+    parser.add_argument("--fp8", action="store_true", help="also compare FP8 QAD with FP8 after training (one more elastic run)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cpu_compat.apply()
@@ -288,7 +333,7 @@ def main() -> None:
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)
-    print(json.dumps({k: result[k] for k in ("budgets", "targets")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("budgets", "targets", "fp8") if k in result}, indent=1))
 
 
 if __name__ == "__main__":

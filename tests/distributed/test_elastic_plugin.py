@@ -1,6 +1,7 @@
 """The elastic plugin inside the Trainer: data parallelism (2 gloo ranks) distils the same nested
-models as one process (same budgets drawn per sample, same losses, router and weights), and a
-run resumed from a checkpoint continues the uninterrupted one."""
+models as one process (same budgets drawn per sample, same losses, router and weights), a run
+resumed from a checkpoint continues the uninterrupted one, and `elastic.fp8` distils with FP8
+QAD and writes a nested FP8 checkpoint that the slicing CLI cuts into a standalone FP8 one."""
 
 from __future__ import annotations
 
@@ -77,3 +78,30 @@ def test_resumed_run_continues_the_uninterrupted_one(tmp_path):
     assert straight["choices"] == resumed["choices"]
     for key in straight_weights:
         torch.testing.assert_close(resumed_weights[key], straight_weights[key], rtol=1e-6, atol=1e-7)
+
+
+def test_fp8_run_writes_a_nested_fp8_checkpoint_the_cli_slices(tmp_path):
+    from megatron_ext.elastic.fp8 import FP8, SCALE_SUFFIX
+
+    plain, _ = run(tmp_path, "plain")
+    qad, nested = run(tmp_path, "fp8", "elastic.fp8=true")
+    # Step 1 starts from the same weights and draws the same budgets: only the student's FP8
+    # reads differ (a few per cent of the loss, not nothing).
+    assert plain["history"][0]["budgets"] == qad["history"][0]["budgets"]
+    first = qad["history"][0]["loss"] / plain["history"][0]["loss"]
+    assert first != 1.0 and abs(first - 1.0) < 0.1, first
+    scaled = sorted(k.removesuffix(SCALE_SUFFIX) for k in nested if k.endswith(SCALE_SUFFIX))
+    assert len(scaled) == 8 and all(nested[k].dtype == FP8 for k in scaled)  # qkv, proj, fc1, fc2 x 2 layers
+    smallest = list(qad["choices"])[-1]
+    out = tmp_path / "sub"
+    cmd = [sys.executable, "-m", "megatron_ext.elastic.slicing", str(tmp_path / "fp8" / "nested"), "--budget", smallest]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([*cmd, "--fp8", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sub = load_file(str(out / "model.safetensors"))
+    for key in scaled:
+        assert sub[key].dtype == FP8 and torch.equal(sub[key + SCALE_SUFFIX], nested[key + SCALE_SUFFIX])
+    fc2 = "decoder.layers.0.mlp.linear_fc2.weight"  # [hidden, ffn]: a plain prefix in both dims
+    rows, cols = sub[fc2].shape
+    assert rows * cols < nested[fc2].numel()
+    assert torch.equal(sub[fc2].view(torch.uint8), nested[fc2][:rows, :cols].view(torch.uint8))

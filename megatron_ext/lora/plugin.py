@@ -49,6 +49,13 @@ class LoraConfig:
     kernel: str = "auto"
     # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.
     output_dir: str = "runs/lora_sweep"
+    # Checkpoint each pack every N packed steps under <output_dir>/checkpoints/ (resume.py);
+    # None: only when the pack ends.
+    save_interval: Optional[int] = None
+    # Continue the sweep checkpointed under <output_dir>/checkpoints/ (the same jobs).
+    resume: bool = False
+    # Stop this launch after N packed steps (with a checkpoint); None: run to the end.
+    stop_after: Optional[int] = None
 
 
 @register_plugin

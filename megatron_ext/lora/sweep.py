@@ -8,7 +8,9 @@ The world the run is in (one process, or TP ranks under torchrun) is one device 
 the base once. The planner (planner.py) decides how many jobs train at once and in which order
 within `lora.memory_gb`, refusing a job that cannot fit even alone; the packs then run one after
 another through the packed runtime. Each job writes `<output_dir>/<job>/`: `log.txt`,
-`metrics.json`, `adapter/` (PEFT) and `checkpoint/` (megatron dist_checkpointing).
+`metrics.json`, `adapter/` (PEFT) and `checkpoint/` (megatron dist_checkpointing). The packs
+are checkpointed under `<output_dir>/checkpoints/`, and `lora.resume=true` continues a stopped
+sweep (resume.py).
 """
 
 from __future__ import annotations
@@ -171,6 +173,10 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
         problems.append(f"the packed runtime adapts model.arch=gpt only, not {cfg.model.arch!r}")
     if cfg.lora.kernel not in ("auto", "reference", "grouped"):  # else only the first forward says so
         problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} (auto, reference or grouped)")
+    for key in ("save_interval", "stop_after"):
+        value = getattr(cfg.lora, key)
+        if value is not None and value < 1:
+            problems.append(f"lora.{key} must be >= 1 packed steps (or null), got {value}")
     for job in jobs:
         if job.dataset != "synthetic" and not (job.dataset.startswith("task:") and job.dataset[5:] in tasks.TASKS):
             problems.append(f"job {job.name!r}: unknown dataset {job.dataset!r} (synthetic or task:<{'|'.join(tasks.TASKS)}>)")
@@ -193,12 +199,15 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
 
     from megatron_ext.models.convert.world import model_parallel_world
 
+    from megatron_ext.lora.resume import sweep_plan
+
     with model_parallel_world(tp=cfg.parallel.tp):  # the ranks beyond tp are data-parallel replicas
         dp = dist.get_world_size() // cfg.parallel.tp
         uneven = [j.name for j in jobs if j.accumulation_steps % dp]
         if uneven:
             raise ValueError(f"lora sweep: jobs {uneven}: global_batch_size must be a multiple of micro_batch_size x DP ({dp})")
-        return _train(cfg, jobs, schedule, tokenizer)
+        plan = sweep_plan(cfg.lora.output_dir, jobs, schedule.plan, cfg.lora.resume)
+        return _train(cfg, jobs, plan, tokenizer)
 
 
 def _tokenizer(cfg: Config):
@@ -211,8 +220,10 @@ def _tokenizer(cfg: Config):
     return build_tokenizer(spec)
 
 
-def _train(cfg: Config, jobs: Sequence[LoraJob], schedule, tokenizer) -> dict:
+def _train(cfg: Config, jobs: Sequence[LoraJob], plan, tokenizer) -> dict:
     import torch.distributed as dist
+
+    from megatron_ext.lora import resume
 
     from megatron_ext.lora.base import build_base
     from megatron_ext.lora.export import save_megatron, save_peft
@@ -242,11 +253,18 @@ def _train(cfg: Config, jobs: Sequence[LoraJob], schedule, tokenizer) -> dict:
             save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, cfg.model.pretrained)
         save_megatron(out / active.job.name / "checkpoint", active.job, weights)
 
-    results = {}
-    for pack in schedule.plan.packs:
+    results, budget = {}, cfg.lora.stop_after
+    for index, pack in enumerate(plan.packs):
         trainer = PackedTrainer(model, wrappers, routing, _data_resolver(tokenizer, vocab), pack.slots, finish, log)
         trainer.submit([by_name[n] for n in pack.jobs])
-        results.update(trainer.run())
+        folder = resume.pack_folder(out, index)
+        resume.restore(trainer, folder)
+        if not resume.finished(trainer) and budget != 0:
+            taken = resume.run_pack(trainer, folder, cfg.lora.save_interval, budget)
+            budget = None if budget is None else budget - taken
+        results.update(trainer.results)
+    if writer and any(r.status in ("queued", "running") for r in results.values()):
+        print(f"lora sweep: stopped after lora.stop_after={cfg.lora.stop_after} packed steps; continue with lora.resume=true", flush=True)
     summary = {
         name: {
             "status": r.status,

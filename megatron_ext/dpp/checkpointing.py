@@ -9,6 +9,12 @@ forward and during every backward, the saved bytes of the chunks in flight fit t
 after the model states. Activation bytes are linear in c; the one-layer transient of a backward
 that recomputes every layer of its stage is switched on by a binary z_j >= C_j - (L - 1).
 Solved with scipy's HiGHS MILP.
+
+The diagonal sharing prices recompute well when every stage is equally loaded, but it also makes
+a stage recompute what only an earlier stage (more chunks in flight) needs; on the last stage,
+which also runs the output layer, that lands on the critical path. `trim` then lowers each
+(stage, chunk) count to the least its own stage's memory needs, never raising any count, so no
+op gets longer and no stage goes over its budget.
 """
 
 from __future__ import annotations
@@ -169,3 +175,46 @@ def solve(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cos
             break
         C[j] = prob.upper[j]
     return done(C) if _fits(prob, C) else done(full)
+
+
+def trim(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cost: CostModel, layers: Sequence[int],
+         budget_bytes: float, recompute: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """`recompute` (a choice that fits the budget) with every count lowered as far as its
+    stage's memory allows, the slowest chunks first (their recompute costs the most)."""
+    prob = _problem(group, chunks, seq_lengths, cost, layers, budget_bytes)
+    n = len(prob.upper)
+    out = dict(recompute)
+    for p in range(len(group.ops)):
+        # This stage's rows as matrices over the diagonal indices (one chunk per diagonal here).
+        rows = [(const, ct, zt) for q, const, ct, zt in prob.rows if q == p]
+        const, per_layer, transient = np.zeros(len(rows)), np.zeros((len(rows), n)), np.zeros((len(rows), n))
+        for r, (b, ct, zt) in enumerate(rows):
+            const[r] = b
+            for j, a in ct:
+                per_layer[r, j] += a
+            for j, a in zt:
+                transient[r, j] += a
+        chunk_of = {j: c for (q, c), j in prob.var.items() if q == p}
+        x = np.zeros(n)
+        for j, c in chunk_of.items():
+            x[j] = out[(p, c)]
+
+        def fits() -> bool:
+            used = const + per_layer @ x + transient @ (x == layers[p])
+            return bool(np.all(used <= prob.room[p] * (1 + 1e-12)))
+
+        order = sorted(chunk_of, key=lambda j: -cost.layer_forward_s(chunks[chunk_of[j]]))
+        changed = True
+        while changed:  # until no count can drop (leaving a full recompute frees its transient)
+            changed = False
+            for j in order:
+                current = x[j]
+                for lower in range(int(current)):  # the least count that keeps every row in budget
+                    x[j] = lower
+                    if fits():
+                        changed = True
+                        break
+                    x[j] = current
+        for j, c in chunk_of.items():
+            out[(p, c)] = int(x[j])
+    return out

@@ -120,7 +120,11 @@ def _plan_chunks(chunks: tuple[Chunk, ...], lengths: Sequence[int], cost: CostMo
             return max(memory_peaks(StepPlan(pp, tuple(lengths), chunks, (with_recompute(grp, rec),)), cost, layers))
         stats.min_budget = min(stats.min_budget, group_dp(len(classes), need, max_groups, combine=max)[0])
         return None
-    groups = [with_recompute(group_of(i, j, True)[0], group_of(i, j, True)[1].recompute) for i, j in ranges]
+    groups = []
+    for i, j in ranges:
+        grp, sol = group_of(i, j, True)
+        rec = checkpointing.trim(grp, chunks, lengths, cost, layers, budget, sol.recompute) if mode == "ilp" else sol.recompute
+        groups.append(with_recompute(grp, rec))
     return _renumber(chunks, groups, pp, lengths)
 
 

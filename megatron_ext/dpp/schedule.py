@@ -6,14 +6,15 @@ steady phase always has a backward available. A unit's chunks run forward in ord
 in reverse (a slice's dK/dV flows to the earlier slices it attended to).
 
 Every stage runs the forwards in the SAME chunk order and the backwards in the same order. Stage
-p runs its i-th backward after `max(need_i, i + depth) + (pp - 1 - p)` forwards (capped at the
-chunk count): need_i is the number of forwards the i-th backward depends on (all slices of its
-sequence), and depth, the longest unit, keeps that many chunks in flight on the last stage
-through the whole steady phase, so a stage never drains while a long sequence's slices are
-waiting (with units of one chunk this is plain 1F1B). The forward count before the i-th backward
-never decreases with i nor grows with p, and covers that backward's chunk, so both sides of
-every transfer meet in the same order and the pipeline cannot deadlock (the simulator checks
-it).
+p runs its i-th backward after `need_i + (pp - 1 - p)` forwards (capped at the chunk count),
+need_i the running maximum over j <= i of `max(dep_j, j + depth_j)`: dep_j is the number of
+forwards the j-th backward depends on (all slices of its sequence), and depth_j, the longest
+unit at or after backward j, keeps that many chunks in flight on the last stage, so a stage
+never drains while a long sequence's slices are waiting. Once the long units are done, depth
+falls and the short chunks run with plain 1F1B's in-flight count (with units of one chunk this
+is plain 1F1B). The forward count before the i-th backward never decreases with i nor grows
+with p, and covers that backward's chunk, so both sides of every transfer meet in the same
+order and the pipeline cannot deadlock (the simulator checks it).
 """
 
 from __future__ import annotations
@@ -67,11 +68,10 @@ def one_f_one_b(
     fwd = [c for u in unit_list for c in u]
     bwd = backward_order(unit_list)
     fpos = {c: i for i, c in enumerate(fwd)}
-    depth = max((len(u) for u in unit_list), default=1)
     need, most = [], 0
-    for i, c in enumerate(bwd):
-        most = max(most, fpos[c] + 1)
-        need.append(max(most, i + depth))
+    for i, (c, depth) in enumerate(zip(bwd, _depths(unit_list))):
+        most = max(most, fpos[c] + 1, i + depth)
+        need.append(most)
     stages = []
     for p in range(pp):
         ops, done = [], 0
@@ -82,6 +82,18 @@ def one_f_one_b(
             ops.append(Op("B", c))
         stages.append(tuple(ops))
     return Group(tuple(stages))
+
+
+def _depths(unit_list: Sequence[tuple[int, ...]]) -> list[int]:
+    """Per backward position, the longest unit at or after it: the lead of forwards over
+    backwards that lets every later unit be fully forwarded before its first backward without
+    the pipeline refilling. Longest first, it shrinks as the long units finish, so short
+    chunks run with plain 1F1B's in-flight count instead of the longest unit's."""
+    depths, longest = [], 1
+    for u in reversed(unit_list):
+        longest = max(longest, len(u))
+        depths += [longest] * len(u)
+    return depths[::-1]
 
 
 def with_recompute(group: Group, recompute: Mapping[tuple[int, int], int]) -> Group:

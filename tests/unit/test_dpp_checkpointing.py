@@ -40,15 +40,20 @@ def _peak(chunks, lengths, group, rec, layers):
     return max(memory_peaks(plan, TOY, layers))
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_ilp_is_optimal_against_brute_force(name):
+def _case(name):
+    """A case's batch, group and a budget `where` of the way from full to no recompute."""
     lengths, k, pp, per_stage, where = CASES[name]
     chunks, group = _group(lengths, k, pp)
     layers = (per_stage,) * pp
     cells = [(p, c) for p in range(pp) for c in range(len(chunks))]
     low = _peak(chunks, lengths, group, {x: per_stage for x in cells}, layers)
     high = _peak(chunks, lengths, group, {}, layers)
-    budget = low + where * (high - low)
+    return lengths, pp, per_stage, chunks, group, layers, cells, low + where * (high - low)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_ilp_is_optimal_against_brute_force(name):
+    lengths, pp, per_stage, chunks, group, layers, cells, budget = _case(name)
     # Brute force over the diagonal variables (the definition: backward position k on stage p
     # shares C[k + pp - 1 - p]); cost = sum of C_j times the slowest layer on the diagonal.
     bwd = [o.chunk for o in group.ops[0] if o.kind == "B"]
@@ -100,3 +105,33 @@ def test_too_small_budget_names_a_minimum_that_is_feasible():
 def test_model_states_alone_over_budget_is_refused_before_planning():
     with pytest.raises(BudgetTooSmall, match="model states alone"):
         plan_step([10, 20], TOY, 2, 1000.0, "dpp", layers=(2, 2))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_trim_leaves_each_stage_the_least_recompute_its_memory_needs(name):
+    lengths, pp, _, chunks, group, layers, cells, budget = _case(name)
+    ilp = checkpointing.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0).recompute
+    trimmed = checkpointing.trim(group, chunks, lengths, TOY, layers, budget, ilp)
+    assert all(trimmed[x] <= ilp[x] for x in cells)
+
+    def peaks(rec):
+        return memory_peaks(StepPlan(pp, tuple(lengths), chunks, (with_recompute(group, rec),)), TOY, layers)
+
+    assert max(peaks(trimmed)) <= budget
+    # Minimal, judged by the simulator's own memory replay: one layer less anywhere breaks its stage.
+    for p, c in cells:
+        if trimmed[(p, c)]:
+            assert peaks({**trimmed, (p, c): trimmed[(p, c)] - 1})[p] > budget, (p, c)
+    time = lambda rec: simulate(StepPlan(pp, tuple(lengths), chunks, (with_recompute(group, rec),)), TOY, layers).iter_s  # noqa: E731
+    assert time(trimmed) <= time(ilp)
+
+
+def test_trim_spares_the_last_stage_what_only_the_first_needs():
+    # The diagonal ILP gives the last stage the first stage's counts, though it holds one chunk
+    # fewer in flight; here it needs none at all.
+    lengths, pp, _, chunks, group, layers, cells, budget = _case("pp2, three layers, loose")
+    ilp = checkpointing.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0).recompute
+    trimmed = checkpointing.trim(group, chunks, lengths, TOY, layers, budget, ilp)
+    assert sum(ilp[(pp - 1, c)] for c in range(len(chunks))) > 0
+    assert all(trimmed[(pp - 1, c)] == 0 for c in range(len(chunks)))
+    assert [trimmed[(0, c)] for c in range(len(chunks))] == [ilp[(0, c)] for c in range(len(chunks))]

@@ -123,3 +123,25 @@ def test_group_dp_equals_brute_force(seed, max_groups):
         assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         assert sum(table[r] for r in ranges) == pytest.approx(total)
         assert max_groups is None or len(ranges) <= max_groups
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_short_chunks_after_the_long_units_run_with_plain_1f1b_in_flight_counts(pp):
+    # A long sequence of 6 slices, then single-chunk units: once the long unit's backwards are
+    # done, stage p holds at most pp - p chunks, as plain 1F1B does (not 6 + pp - 1 - p).
+    lengths, chunks = _batch([6] + [1] * 12)
+    order = longest_first(units(chunks), lambda c: TOY.layer_forward_s(chunks[c]))
+    group = one_f_one_b(order, pp)
+    plan = StepPlan(pp, tuple(lengths), chunks, (group,))
+    check_plan(plan, (1,) * pp)
+    simulate(plan, TOY, (1,) * pp)
+    for p, ops in enumerate(group.ops):
+        live, backwards = set(), 0
+        for o in ops:
+            if o.kind == "F":
+                live.add(o.chunk)
+            else:
+                live.discard(o.chunk)
+                backwards += 1
+            if backwards >= 6 + 5:  # past the long unit and the 5 backwards that drain its lead
+                assert len(live) <= pp - p, (p, o, sorted(live))

@@ -1,6 +1,7 @@
-"""Step planners: DPP (chunking + longest-first 1F1B + grouping DP + checkpointing ILP, with
-the slice number K searched per batch) and the static baselines it is compared with, all
-producing StepPlans that the simulator and the runtime execute.
+"""Step planners: DPP (chunking + longest-first 1F1B + grouping DP + checkpointing ILP, its
+counts trimmed to what each stage needs, with the slice number K searched per batch) and the
+static baselines it is compared with, all producing StepPlans that the simulator and the
+runtime execute.
 
 Policies:
 - `packed`: whole sequences packed first-fit-decreasing to the context length, FIFO 1F1B, one

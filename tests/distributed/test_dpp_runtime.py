@@ -228,11 +228,16 @@ if __name__ == "__main__":
 # --- the test --------------------------------------------------------------------------------
 
 
-def reference(pp: int, lengths) -> tuple[dict[str, torch.Tensor], float]:
-    """Gradients and loss of the whole batch on one process with megatron's own attention."""
-    import torch.distributed as dist
-
+def named_grads(model_chunks) -> dict[str, torch.Tensor]:
     from megatron.core.utils import unwrap_model
+
+    return {name: p.main_grad.detach().clone() for name, p in unwrap_model(model_chunks[0]).named_parameters()}
+
+
+def reference(pp: int, lengths, grads_of=named_grads) -> tuple[dict, float]:
+    """Gradients (as `grads_of(model chunks)` keys them) and loss of the whole batch on one
+    process with megatron's own attention."""
+    import torch.distributed as dist
 
     from megatron_ext.config.schema import Config
     from megatron_ext.dpp.batch import chunk_inputs
@@ -252,7 +257,7 @@ def reference(pp: int, lengths) -> tuple[dict[str, torch.Tensor], float]:
             loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
             loss.backward()
             total += loss.item()
-        grads = {name: p.main_grad.detach().clone() / tokens for name, p in unwrap_model(model).named_parameters()}
+        grads = {key: grad / tokens for key, grad in grads_of(trainer.model).items()}
         trainer.close()
         return grads, total / tokens
     finally:
@@ -268,21 +273,26 @@ def launch_of(name: str) -> tuple[int, tuple[str, ...]]:
     return world, tuple(n for n, c in CASES.items() if c[0] == world and n not in DEFAULT)
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launcher(out: Path, script: str, launch_of):
+    """`run(name)`: starts the torchrun launch `launch_of(name)` (world size, its cases) of the
+    worker `script` once, writing into `out`, and returns `out`."""
     from _torchrun import torchrun
 
-    out = tmp_path_factory.mktemp("dpp_runtime")
     done = set()
 
     def run(name: str) -> Path:
         world, names = launch_of(name)
         if names not in done:
-            torchrun(__file__, world, str(out), str(world), *names)
+            torchrun(script, world, str(out), str(world), *names)
             done.add(names)
         return out
 
     return run
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    return launcher(tmp_path_factory.mktemp("dpp_runtime"), __file__, launch_of)
 
 
 @pytest.mark.distributed

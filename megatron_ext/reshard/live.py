@@ -218,7 +218,7 @@ def _switch_and_move(trainer, move: Move, source: MegatronState) -> tuple[dict[i
         if move.prebuilt is not None:
             move.prebuilt.discard()
         return errors, 0
-    guarded = _Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
+    guarded = Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
     staged = execute(move.transfer, move.steps, guarded.read, guarded.write)
     return _gather_errors(guarded.error), staged
 
@@ -249,7 +249,7 @@ def _gather_errors(error: Optional[BaseException]) -> dict[int, str]:
     return {rank: message for rank, message in enumerate(everyone) if message is not None}
 
 
-class _Guarded:
+class Guarded:
     """read/write functions for the executor that record the first exception instead of
     raising it, so that this rank still sends and receives what the plan says and no peer
     waits for a message that never comes. What could not be read is sent as zeros; the

@@ -16,10 +16,14 @@ All launched processes form the pool; the first tp·pp·dp·cp of them form mega
    layout, those that join build a trainer from the common state;
 4. the state moves over the pool's own gloo group, then leaving ranks go back to standby.
 
-When the job ends, pool rank 0 tells the standby ranks to exit. Failure policy: unlike a reshard
-within one world, a failure here cannot roll back (the old world is gone), so it ends the job:
-the launcher restarts it (`launcher.max_restarts`) and it resumes from the last checkpoint.
-Transfers go through host memory over gloo, on GPU too.
+When the job ends, pool rank 0 tells the standby ranks to exit. Failure policy: the old world's
+ranks keep their model and optimizer objects untouched until the move succeeded everywhere. An
+exception while building the new layout or during the transfer is agreed on over the pool; then
+the new world is dissolved, the old one formed again, its ranks rebuild the old layout and copy
+their old state into it (ReshardFailed says what happened, and training goes on), and ranks that
+had joined return to standby. A killed worker breaks the pool itself: the launcher restarts the
+job (`launcher.max_restarts`) and it resumes from the last checkpoint. Transfers go through host
+memory over gloo, on GPU too.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from megatron_ext.config.validate import resolve_dp, validate
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
 from megatron_ext.reshard.execute import execute, rounds
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.live import Move, Preparation, planner_model
+from megatron_ext.reshard.live import Move, Preparation, ReshardFailed, Guarded, planner_model
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 
@@ -86,16 +90,24 @@ class WorkerPool:
 
     # --- messages over the pool ----------------------------------------------------------------
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """`obj` of pool rank 0, on every pool rank."""
-        data = pickle.dumps(obj) if self.rank == 0 else b""
+    def broadcast(self, obj: Any = None, root: int = 0) -> Any:
+        """`obj` of pool rank `root`, on every pool rank."""
+        data = pickle.dumps(obj) if self.rank == root else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self.group.broadcast(size, 0).wait()
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else None
+        self.group.broadcast(size, root).wait()
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == root else None
         if buffer is None:
             buffer = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.group.broadcast(buffer, 0).wait()
+        self.group.broadcast(buffer, root).wait()
         return pickle.loads(buffer.numpy().tobytes())
+
+    def failures(self, error: Optional[BaseException]) -> dict[int, str]:
+        """Every pool rank's failure (rank -> message), on every pool rank."""
+        failed = torch.zeros(self.size, dtype=torch.int64)
+        failed[self.rank] = int(error is not None)
+        self.group.allreduce([failed]).wait()
+        mine = f"{type(error).__name__}: {error}" if error is not None else None
+        return {rank: self.broadcast(mine, rank) for rank in failed.nonzero().flatten().tolist()}
 
     def exchange(self, recv: dict[int, torch.Tensor], send: dict[int, torch.Tensor], tag: int) -> list:
         """The executor's channel: every receive and send posted at once on the pool group."""
@@ -173,38 +185,74 @@ def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=(), start
     """Every pool rank's part of `command`. `trainer`: this rank's, if it is in the old world;
     `plugins`: for a trainer built here when this rank joins; `started`: when the stall began
     (default: now). Returns (the trainer of this rank in the new world or None, the
-    ReshardReport)."""
+    ReshardReport). If building or moving failed on any rank, every rank returns to the old
+    layout (ReshardFailed on the old world's ranks; a rank that had joined returns (None, None)
+    and goes back to standby)."""
+    start = time.perf_counter() if started is None else started
+    move = command.move
+    old, source = trainer, None
+    if old is not None:  # its model and optimizer objects are only read from now on
+        ensure_optimizer_states(old.optimizer)
+        source = MegatronState(old.model, old.optimizer)
+        old.close()
+        dist.destroy_process_group()
+    new, error = None, None
+    if pool.form_world(move.transfer.b.active):
+        try:
+            new = _enter(command, old, plugins)
+        except Exception as e:  # noqa: BLE001 - agreed on by every pool rank, then rolled back
+            error = e
+    failures = pool.failures(error)
+    staged = 0
+    if not failures:
+        target = MegatronState(new.model, new.optimizer) if new is not None else None
+        guarded = Guarded(source.read if source else _holds_nothing, target.write if target else _holds_nothing)
+        staged = execute(move.transfer, move.steps, guarded.read, guarded.write, channel=pool)
+        failures = pool.failures(guarded.error)
+    if failures:
+        return _roll_back(pool, command, old, new, source, failures)
+    if old is not None and new is None:
+        old.left = True
+    pool.group.barrier().wait()
+    return new, move.report(staged, time.perf_counter() - start)
+
+
+def _enter(command: Resize, old, plugins):
+    """This rank's trainer in the new world: `old` switched to the new layout, or a new one
+    built from the job's common state; its weights and states are placeholders until the move."""
     from megatron_ext.training.trainer import Trainer
 
-    start = time.perf_counter() if started is None else started
-    cfg, move = command.cfg, command.move
-
-    source = None
-    if trainer is not None:
-        ensure_optimizer_states(trainer.optimizer)
-        source = MegatronState(trainer.model, trainer.optimizer)
-        trainer.close()
-        dist.destroy_process_group()
-    target = None
-    if pool.form_world(move.transfer.b.active):
-        if trainer is None:
-            trainer = Trainer(dataclasses.replace(cfg, parallel=command.target), list(plugins))
+    if old is not None:
+        old.switch_layout(command.target, new_world=True)
+        trainer = old
+    else:
+        trainer = Trainer(dataclasses.replace(command.cfg, parallel=command.target), list(plugins))
+        try:
             trainer.setup(joining=command.common)
-        else:
-            trainer.switch_layout(command.target, new_world=True)
-        ensure_optimizer_states(trainer.optimizer)
-        target = MegatronState(trainer.model, trainer.optimizer)
-    elif trainer is not None:
-        trainer.left, trainer = True, None
-    staged = execute(
-        move.transfer,
-        move.steps,
-        source.read if source else _holds_nothing,
-        target.write if target else _holds_nothing,
-        channel=pool,
-    )
-    pool.group.barrier().wait()
-    return trainer, move.report(staged, time.perf_counter() - start)
+        except Exception:
+            trainer.close()  # megatron's state of the half-built layout: this rank may join again
+            raise
+    ensure_optimizer_states(trainer.optimizer)
+    return trainer
+
+
+def _roll_back(pool: WorkerPool, command: Resize, old, new, source, failures: dict[int, str]):
+    """Every pool rank back to the old world: the old world's ranks rebuild the old layout and
+    copy their untouched old state into it, then raise ReshardFailed; others go to standby."""
+    what = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failures.items()))
+    if new is not None:
+        new.close()
+    if dist.is_initialized():  # this rank was in the new world
+        dist.destroy_process_group()
+    a = command.move.transfer.a
+    if not pool.form_world(a.active):
+        return None, None
+    old.left = False
+    old.switch_layout(command.cfg.parallel, new_world=True)
+    ensure_optimizer_states(old.optimizer)
+    stay = plan(planner_model(old), a, a)  # local copies only: every rank holds its part
+    execute(stay, rounds(stay, 1 << 62), source.read, MegatronState(old.model, old.optimizer).write, channel=pool)
+    raise ReshardFailed(f"reshard failed ({what}); rolled back to {a}, no state lost")
 
 
 def _holds_nothing(*args) -> None:

@@ -7,7 +7,9 @@ destination's state is made in a private copy of that module instead: its own
 in the same order on every rank: here in each rank's background thread) and leaves the running
 layout's globals alone. The model, DDP and optimizer are then built on those groups, passed
 explicitly (megatron's `pg_collection`), with memory allocated and values left as they are: the
-transfer fills every one of them.
+transfer fills every one of them. The one collective of megatron's builders over the default
+group (the optimizer factory agreeing on param groups) goes over a private copy of the world
+group instead, so that it cannot pair up with the running layout's collectives.
 
 At the switch, `Prebuilt.install` copies the private module's state into megatron's, which costs
 a few dictionary writes; what is left of the stall is the transfer.
@@ -18,13 +20,16 @@ training, instead of from the switch on. Both live together during the transfer 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import re
+import threading
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -109,10 +114,34 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device) -> Prebuil
     state = initialize(parallel)
     groups = process_groups(state)
     model, config = trainer.build_model(parallel, groups=groups, initialise=False)
-    optimizer = trainer.build_optimizer(model, config, parallel, groups=groups)
+    with _own_world_group():
+        optimizer = trainer.build_optimizer(model, config, parallel, groups=groups)
     ensure_optimizer_states(optimizer)
     _fault_in(model, optimizer)
     return Prebuilt(parallel, state, groups, model, config, optimizer)
+
+
+@contextlib.contextmanager
+def _own_world_group() -> Iterator[None]:
+    """Within the block, this thread's `all_gather_object` calls without a group go over a
+    private copy of the world group. Megatron's optimizer factory agrees on its param groups by
+    an `all_gather_object` over the default group, which the running layout uses in the main
+    thread meanwhile; two threads' collectives on one group may pair up differently on each
+    rank. Other threads keep calling torch's function unchanged."""
+    world = dist.new_group(list(range(dist.get_world_size())))  # collective: in the same order
+    original, here = dist.all_gather_object, threading.get_ident()
+
+    def all_gather_object(object_list, obj, group=None):
+        if group is None and threading.get_ident() == here:
+            group = world
+        return original(object_list, obj, group=group)
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+        dist.destroy_process_group(world)
 
 
 def _fault_in(model: list, optimizer) -> None:

@@ -219,6 +219,21 @@ def expert_check(before, after) -> dict:
     }
 
 
+def busy_until_prepared(prepared) -> None:
+    """Collectives on the default group in this thread until every rank's background
+    preparation is done, as a running job's own collectives would be (checkpoint saves,
+    loss logging): they must not pair up with the preparation's."""
+    import torch
+    import torch.distributed as dist
+
+    while True:
+        done = torch.tensor([int(prepared.done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        dist.all_gather_object([None] * dist.get_world_size(), dist.get_rank())
+        if done.item():
+            return
+
+
 def run_case(case: str, cache: str, ckpt: str) -> dict:
     from megatron_ext.reshard.live import prepare, reshard
 
@@ -231,6 +246,7 @@ def run_case(case: str, cache: str, ckpt: str) -> dict:
         trainer.train_step()
     prepared = prepare(trainer, b, BUDGET_MB)  # B is built beside A while A trains a step
     trainer.train_step()
+    busy_until_prepared(prepared)
     in_a = snapshot(trainer)
     trainer.save()
     experts_a = experts_by_global_id(trainer) if moe else None

@@ -1,6 +1,6 @@
 """Live reshard of a running job: the loss curve continues as if the layout had never changed,
 also when workers join from standby or leave, and a reshard that fails part-way (an exception,
-a killed worker) loses no state.
+also while workers join; a killed worker) loses no state.
 
 Every layout computes the same per-token loss from the same weights and batches, so a run that
 switches layouts mid-way must follow the uninterrupted run (fp32 reduction order aside). That
@@ -120,6 +120,19 @@ def test_exception_mid_transfer_rolls_back_and_training_goes_on(uninterrupted, c
     assert "rank 1: RuntimeError: injected fault" in failed and "rolled back to tp2" in failed
     # Back in the old layout from the untouched old state: the very same losses.
     assert summary["losses"] == uninterrupted
+
+
+def test_exception_while_workers_join_rolls_back_and_training_goes_on(uninterrupted, cache, tmp_path):
+    # 2 of the 4 workers train; at step 3 all 4 should (another world), but joining rank 3 fails
+    # mid-transfer: the 2 go back to their old world and state, the 2 others back to standby.
+    summary = run_with_fault(
+        tmp_path, cache, "parallel.dp=2", "reshard.schedule=[{step: 3, layout: {dp: 4}}]",
+        "fault.kind=raise", "fault.rank=3",
+    )
+    failed = [n for n in summary["notes"] if "reshard" in n]
+    assert len(failed) == 1 and "rank 3: RuntimeError: injected fault" in failed[0], failed
+    assert "rolled back to tp1·pp1·dp2·+2 standby" in failed[0]
+    assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
 
 
 @pytest.mark.slow  # the job runs twice: outside the default suite (python -m pytest -m slow)

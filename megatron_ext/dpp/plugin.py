@@ -80,6 +80,11 @@ class DppPlugin(Plugin):
         p = trainer.cfg.parallel
         if p.vpp or p.cp > 1:
             raise ValueError("dpp: interleaved pipelines (parallel.vpp) and context parallelism (parallel.cp) are not supported")
+        if p.sequence_parallel and p.tp > 1:
+            # Sequence parallelism splits each chunk's tokens over the TP ranks, but the planner's
+            # chunks are not cut to multiples of tp (TP without it is supported and tested).
+            raise ValueError("dpp: parallel.sequence_parallel is not supported yet (chunk token counts are not "
+                             "multiples of parallel.tp); set it to false")
         if trainer.cfg.model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
             raise ValueError(f"dpp: only model.arch=gpt is supported, not {trainer.cfg.model.arch!r}")
         if trainer.cfg.model.num_experts:

@@ -36,9 +36,21 @@ def test_bad_config_is_refused(field, value, message):
         DppPlugin(DppConfig(**{field: value}))
 
 
-def test_a_hybrid_model_is_refused_at_setup():
+@pytest.mark.parametrize("parallel,arch,message", [
+    ({}, "hybrid", "model.arch=gpt"),
+    ({"tp": 2, "sequence_parallel": True}, "gpt", "sequence_parallel"),
+])
+def test_unsupported_setups_are_refused(parallel, arch, message):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(parallel=SimpleNamespace(vpp=None, cp=1), model=SimpleNamespace(arch="hybrid", num_experts=None))
-    with pytest.raises(ValueError, match="model.arch=gpt"):
+    layout = SimpleNamespace(**{"vpp": None, "cp": 1, "tp": 1, "sequence_parallel": False, **parallel})
+    cfg = SimpleNamespace(parallel=layout, model=SimpleNamespace(arch=arch, num_experts=None))
+    with pytest.raises(ValueError, match=message):
         DppPlugin().setup(SimpleNamespace(cfg=cfg))
+
+
+def test_tensor_parallelism_without_sequence_parallelism_is_accepted():
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(vpp=None, cp=1, tp=2, sequence_parallel=False)
+    DppPlugin().setup(SimpleNamespace(cfg=SimpleNamespace(parallel=layout, model=SimpleNamespace(arch="gpt", num_experts=None))))

@@ -215,8 +215,13 @@ class HiddenAxis(Axis):
         self.touches, self.norms, self.vocab, self.tied = touches, norms, vocab, tied
 
     def attach(self) -> None:
+        # One gate per axis is enough for a gradient: on the model's last touch (the last layer's,
+        # so on the last pipeline stage; the other stages have none).
+        last_stage = not parallel_state.model_parallel_is_initialized() or parallel_state.is_pipeline_last_stage(
+            ignore_virtual=True
+        )
         for i, t in enumerate(self.touches):
-            gated = i == len(self.touches) - 1  # one gate per axis is enough for a gradient
+            gated = last_stage and i == len(self.touches) - 1
             add_rule(t.module, t.param, SliceRule(t.dim, self.cut, self.gate_value if gated else None))
 
     def resize(self, size: int) -> None:
@@ -299,7 +304,10 @@ def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
         touches.append(Touch(final, "weight", 0, resize_norm, owned=True))
         norms.append(final)
     if output is not None and not tied_output:
-        touches.append(Touch(output, "weight", 1, resize_output, owned=True, tp_sharded=True))
+        # Under pipeline parallelism a tied output layer is a copy of the first stage's embedding
+        # on the last: cut and permuted alike, counted once (by the embedding).
+        owned = not model.share_embeddings_and_output_weights
+        touches.append(Touch(output, "weight", 1, resize_output, owned=owned, tp_sharded=True))
     return touches, norms
 
 
@@ -323,7 +331,8 @@ def discover(model: nn.Module) -> list[Axis]:
 
 def reduce_scores(axes: list[Axis], group=None) -> None:
     """Sum calibration scores over the data-parallel replicas `group`, so every replica permutes
-    alike, and the scores of TP-sharded axes over the TP ranks (each scored its own block)."""
+    alike, the scores of TP-sharded axes over the TP ranks (each scored its own block), and the
+    model-wide (hidden) axis's over the pipeline stages."""
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         for axis in axes:
             dist.all_reduce(axis.score, group=group)
@@ -331,3 +340,8 @@ def reduce_scores(axes: list[Axis], group=None) -> None:
         for axis in axes:
             if axis.tp_sharded:
                 dist.all_reduce(axis.score, group=parallel_state.get_tensor_model_parallel_group())
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # The residual stream runs through every stage: each scored the norms it holds.
+        for axis in axes:
+            if axis.layer is None:
+                dist.all_reduce(axis.score, group=parallel_state.get_pipeline_model_parallel_group())

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_ext.elastic.pipeline import is_last_stage
 from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, apply_choice, cost_gap_loss, cost_of
 from megatron_ext.elastic.space import ElasticSpace
 from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token
@@ -78,6 +79,10 @@ class Distiller:
         self._micro = 0
         self.drawn: list[int] = []
         self._expected_gap = ExpectedGap(space, router) if ExpectedGap.fits(router) else None
+        # Under pipeline parallelism: the teacher's logits of the step's micro-batches, in order,
+        # computed before the student's schedule (`pipeline.forward_only`); None runs the
+        # teacher inside each forward step.
+        self.teacher_logits: Optional[list[torch.Tensor]] = None
 
     def begin_step(self, step: int) -> None:
         self.step, self._micro, self.drawn = step, 0, []
@@ -98,13 +103,19 @@ class Distiller:
         apply_choice(self.space, choice)
         tokens, positions = batch["tokens"], batch["position_ids"]
         self.loss_tokens += float(batch["loss_mask"].sum())
-        with torch.no_grad():
-            teacher_logits = self.teacher(tokens, positions, None)
+        reduce = partial(loss_func, batch["loss_mask"])
+        if self.teacher_logits is None:
+            with torch.no_grad():
+                teacher_logits = self.teacher(tokens, positions, None)
+        elif not is_last_stage():
+            return model(tokens, positions, None), reduce  # hidden states for the next stage
+        else:
+            teacher_logits = self.teacher_logits.pop(0)
         logits = model(tokens, positions, None)
         per_token = kd_per_token(logits, teacher_logits, self.cfg.temperature, self.vocab)
         if self.cfg.ce_weight:
             per_token = per_token + self.cfg.ce_weight * ce_per_token(logits, batch["labels"], self.vocab)
-        return per_token, partial(loss_func, batch["loss_mask"])
+        return per_token, reduce
 
     def average_router_grads(self, group, dp_group) -> None:
         """Turn the router's gradient, accumulated over megatron's backward of each micro-batch's

@@ -12,13 +12,16 @@ the data-parallel replicas. Evaluation runs the full model. At the end, with `ex
 nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
 written, plus `report.json` (losses, budgets drawn, the router's choices).
 
-Layouts: data parallelism of any size (DP=2 is checked equal to one process) and tensor
+Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
 global prefix, the losses are vocabulary-parallel, the router's gradient is summed over the TP
-and DP ranks). The Mamba and MoE axes refuse TP; pipeline parallelism is refused by `setup` (the
-teacher runs on each rank beside its student). A resumed run rebuilds the teacher from the
+and DP ranks) and pipeline parallelism of GPT parents (PP=2 is checked equal to one process:
+`pipeline.py`; the teacher is pipelined like the student and runs forward-only through megatron's
+schedule before the student's, the last stage keeps its logits). The Mamba and MoE axes refuse
+TP and PP, and virtual pipeline stages are refused. A resumed run rebuilds the teacher from the
 parent's source and the stored orders and continues the uninterrupted run (checked: the same
-budgets, losses, router choices and weights).
+budgets, losses, router choices and weights). With `fp8`, the student distils with FP8 QAD and
+the nested checkpoint is written in FP8 (`fp8.py`, `slicing.slice_nested_fp8`).
 """
 
 from __future__ import annotations
@@ -82,9 +85,11 @@ class ElasticPlugin(Plugin):
 
     def setup(self, trainer) -> None:
         p = trainer.cfg.parallel
-        if p.pp > 1 or p.vpp:
+        if p.vpp:
+            raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
+        if p.pp > 1 and trainer.cfg.model.arch != "gpt":
             raise ValueError(
-                "elastic: parallel.pp must be 1 (the teacher runs beside the student on each rank); "
+                f"elastic: pipeline parallelism is supported for GPT parents only (model.arch={trainer.cfg.model.arch!r}); "
                 "use tensor or data parallelism"
             )
         self.ready = False
@@ -98,6 +103,10 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic.space import ElasticSpace
 
         c = self.cfg
+        if trainer.cfg.parallel.pp > 1:
+            # A budget's hidden size is the shape one stage sends the next: megatron's p2p must
+            # communicate shapes first.
+            model_chunks[0].config.variable_seq_lengths = True
         self.space = ElasticSpace(model_chunks[0])
         self.grid = {k: [int(v) for v in vs] for k, vs in (c.grid or {}).items()} or default_grid(
             self.space, c.default_choices
@@ -134,7 +143,7 @@ class ElasticPlugin(Plugin):
 
         dp_group = parallel_state.get_data_parallel_group()
         if self.orders is None:  # a fresh run (a resumed one restored the reordered weights)
-            calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(), dp_group)
+            calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(trainer), dp_group)
             self.orders = reorder(self.space.axes)
         teacher = self._build_teacher(trainer)
         if self.cfg.fp8:
@@ -145,23 +154,20 @@ class ElasticPlugin(Plugin):
         if self.router_state is not None:
             self.router.load_state_dict(self.router_state["router"])
             self.router_optimizer.load_state_dict(self.router_state["optimizer"])
-        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         self.distiller = Distiller(
             self.space,
             teacher,
             self.router,
             self.curriculum,
             trainer.tokenizer.vocab_size if trainer.cfg.model.vocab_size is None else trainer.cfg.model.vocab_size,
-            micro_batch_index=lambda m: dp_rank * self._micro_batches(trainer) + m,
+            # Megatron's sampler deals micro-batches to the replicas in turn: rank r's m-th is
+            # the global batch's (m * dp + r)-th, so every layout pairs a sample with one draw.
+            micro_batch_index=lambda m: m * dp + dp_rank,
         )
         if self.router_state is None:  # identical on every rank: no data, seeded draws
             self.distiller.warm_up_router(self.cfg.router_warmup_steps)
         self.ready = True
-
-    def _micro_batches(self, trainer) -> int:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-        return get_num_microbatches()
 
     def _calibration_batches(self, trainer) -> list:
         """The first `calibration_batches` micro-batches of the run, split over the replicas
@@ -186,21 +192,32 @@ class ElasticPlugin(Plugin):
         )
         return [next(iterator) for _ in range(self.cfg.calibration_batches // dp)]
 
-    def _full_forward(self):
+    def _full_forward(self, trainer):
+        """One calibration batch through the model (through the pipeline's stages under PP)."""
+        from megatron_ext.elastic.pipeline import forward_only, stages
         from megatron_ext.platform.device import current_device
 
         model = self.space.model
+        device = current_device()
+
+        def run(chunk, batch):
+            return chunk(batch["tokens"].to(device), batch["position_ids"].to(device), None)
 
         def forward(batch):
-            device = current_device()
             was_training = model.training
             model.eval()
             try:
-                model(batch["tokens"].to(device), batch["position_ids"].to(device), None)
+                if stages() > 1:
+                    forward_only(model, [batch], run, **self._schedule_shape(trainer))
+                else:
+                    run(model, batch)
             finally:
                 model.train(was_training)
 
         return forward
+
+    def _schedule_shape(self, trainer) -> dict:
+        return {"seq_length": trainer.cfg.model.seq_length, "micro_batch_size": trainer.cfg.train.micro_batch_size}
 
     def _build_teacher(self, trainer):
         """The parent, rebuilt from its source (seeded initialisation or `model.pretrained`) and
@@ -216,13 +233,14 @@ class ElasticPlugin(Plugin):
         cfg = trainer.cfg
         # The student's own family (GPT or hybrid), not always a GPT.
         arch = architecture(cfg.model)
+        student = self.space.model  # the teacher holds this rank's pipeline stage, like the student
         teacher = arch.build(
             cfg.model,
             trainer.model_config,
             arch.spec(cfg.model, trainer.on_cpu),
             trainer.vocab_size,
-            pre_process=True,
-            post_process=True,
+            pre_process=student.pre_process,
+            post_process=student.post_process,
         ).to(current_device())
         init_weights_layout_independent([teacher], trainer.model_config, cfg.train.seed)
         if cfg.model.pretrained:
@@ -243,6 +261,8 @@ class ElasticPlugin(Plugin):
     def forward_backward_func(self, trainer):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron_ext.elastic.pipeline import stages
+
         inner = get_forward_backward_func()
 
         def elastic_forward_backward(*, forward_step_func, forward_only, **kwargs):
@@ -250,21 +270,65 @@ class ElasticPlugin(Plugin):
                 self.space.clear_gates()
                 with self.space.at(self.space.full()):
                     return inner(forward_step_func=forward_step_func, forward_only=True, **kwargs)
+            if stages() > 1:
+                kwargs["data_iterator"] = self._teacher_pass(kwargs)
+            config = self.space.model.config
+            finalize = config.finalize_model_grads_func
+            if finalize is not None:
+                config.finalize_model_grads_func = self._at_full_size(finalize)
             try:
                 return inner(forward_step_func=self.distiller.forward_step, forward_only=False, **kwargs)
             finally:
-                self.space.clear_gates()
-                self.space.apply(self.space.full())
+                config.finalize_model_grads_func = finalize
+                self.distiller.teacher_logits = None
+                self._full_size()
 
         return elastic_forward_backward
+
+    def _full_size(self) -> None:
+        self.space.clear_gates()
+        self.space.apply(self.space.full())
+
+    def _at_full_size(self, finalize):
+        """Megatron's end-of-step gradient reductions, run at the full size: they read parameters
+        as module attributes (the tied embedding's copy on the last pipeline stage), and at the
+        last micro-batch's budget an elastic module would return a slice without its gradient."""
+
+        def run(*args, **kwargs):
+            self._full_size()
+            return finalize(*args, **kwargs)
+
+        return run
+
+    def _teacher_pass(self, kwargs: dict):
+        """Under PP: the teacher's logits of the step's micro-batches, through megatron's
+        schedule before the student's (the last stage keeps them); the batches are read once and
+        replayed to the student's schedule (returned as its data iterator)."""
+        import torch
+
+        from megatron_ext.elastic.pipeline import forward_only
+
+        batches = [next(kwargs["data_iterator"]) for _ in range(kwargs["num_microbatches"])]
+        schedule = {k: v for k, v in kwargs.items() if k not in ("data_iterator", "model", "num_microbatches")}
+
+        def run(teacher, batch):
+            return teacher(batch["tokens"], batch["position_ids"], None)
+
+        with torch.no_grad():
+            self.distiller.teacher_logits = forward_only(self.distiller.teacher, batches, run, **schedule)
+        return iter(batches)
 
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        from megatron_ext.elastic.distill import sum_router_grads
+
         group = parallel_state.get_data_parallel_group()
         self.distiller.average_router_grads(parallel_state.get_tensor_and_data_parallel_group(), group)
+        # Each pipeline stage holds the gradient share of the gates of its own layers.
+        sum_router_grads(self.router, parallel_state.get_pipeline_model_parallel_group())
         router_loss = self.distiller.router_loss()  # the same on every rank
         router_loss.backward()
         self.router_optimizer.step()
@@ -276,7 +340,7 @@ class ElasticPlugin(Plugin):
                 "step": step,
                 "loss": metrics["loss"],
                 "router_loss": float(router_loss.detach()),
-                "budgets": torch.cat(gathered).tolist(),
+                "budgets": torch.stack(gathered, 1).reshape(-1).tolist(),  # in global micro-batch order
                 "choices": [self.router.select(b) for b in range(len(self.cfg.budgets))],
             }
         )
@@ -324,8 +388,8 @@ class ElasticPlugin(Plugin):
     def _export(self, trainer, out: Path) -> None:
         from megatron_ext.elastic import fp8, slicing
 
-        if trainer.cfg.parallel.tp > 1:
-            trainer.note("elastic: export skipped under tp>1 (export runs on a whole model in one process)")
+        if trainer.cfg.parallel.tp > 1 or trainer.cfg.parallel.pp > 1:
+            trainer.note("elastic: export skipped under tp>1 or pp>1 (export runs on a whole model in one process)")
             return
         model = self.space.model
         scales = fp8.scales(model) if self.cfg.fp8 else None

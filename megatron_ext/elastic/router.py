@@ -116,7 +116,10 @@ def _key(name: str) -> str:
 
 
 def cost_of(space: ElasticSpace, sizes: Mapping, cost: str) -> torch.Tensor | int:
-    return space.active_params(sizes) if cost == "active_params" else space.params(sizes)
+    """The whole model's cost: this pipeline stage's summed over the stages."""
+    from megatron_ext.elastic.pipeline import stage_sum
+
+    return stage_sum(space.active_params(sizes) if cost == "active_params" else space.params(sizes))
 
 
 def cost_gap_loss(space: ElasticSpace, choice: Choice, target: float, cost: str) -> torch.Tensor:

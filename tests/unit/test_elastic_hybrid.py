@@ -147,6 +147,7 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
     space = ElasticSpace(parent)
     plugin = ElasticPlugin.__new__(ElasticPlugin)
     plugin.orders = {a.name: list(range(len(a.score))) for a in space.axes}
+    plugin.space = space  # the student: the teacher takes its pipeline stage (pre/post process)
     cfg = dataclasses.replace(PARENT, pretrained=None)
     trainer = SimpleNamespace(
         cfg=SimpleNamespace(model=cfg, train=SimpleNamespace(seed=0)), model_config=parent.config, on_cpu=True, vocab_size=VOCAB

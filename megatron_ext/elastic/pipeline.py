@@ -1,0 +1,71 @@
+"""Elastic distillation across pipeline stages.
+
+Each stage holds its layers' axes (global layer numbers) and its share of the hidden axis (the
+embedding on the first stage, the final norm and output layer on the last, the layers' norms and
+projections on each). What must agree over the stages:
+
+  * importance: the hidden axis sums its scores over the stages (`reduce_scores`), so every stage
+    permutes the residual stream alike; per-layer axes are scored where their layer lives;
+  * costs: a submodel's parameters are the sum of every stage's (`stage_sum`), so the router, which
+    runs alike on every rank, sees the whole model's cost;
+  * activations: a budget's hidden size changes the shape a stage sends to the next, so megatron's
+    p2p communicates shapes first (`config.variable_seq_lengths`, set by the plugin);
+  * the teacher: pipelined like the student, run forward-only through megatron's schedule on the
+    step's micro-batches before the student's schedule (`forward_only`); the last stage keeps its
+    logits for the KD loss.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import nn
+
+from megatron_ext.elastic.axes import Size
+
+
+def stages() -> int:
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def is_last_stage() -> bool:
+    return stages() == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def stage_sum(value: Size) -> Size:
+    """A cost summed over the pipeline stages (the value itself without PP). Only numbers: a cost
+    that must carry a gradient to the router (a grid too large to enumerate) is refused."""
+    if stages() == 1:
+        return value
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise ValueError(
+            "elastic: under pipeline parallelism the router needs a grid small enough to enumerate "
+            "(the product of the choices per kind at most 20000); use fewer elastic.grid choices"
+        )
+    total = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return int(total) if isinstance(value, int) else total
+
+
+def forward_only(model: nn.Module, batches: list, forward: Callable[[nn.Module, dict], torch.Tensor], **schedule) -> list:
+    """`forward(model, batch)` of every batch through megatron's pipeline schedule (forward only),
+    one micro-batch per batch: the last stage's outputs, in order (empty on other stages).
+    `schedule`: megatron's seq_length, micro_batch_size (and what else the schedule takes)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def step(data_iterator, chunk):
+        return forward(chunk, next(data_iterator)), None  # no loss function: the schedule keeps outputs
+
+    return get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        forward_only=True,
+        **schedule,
+    )

@@ -155,3 +155,19 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
     teacher = plugin._build_teacher(trainer)
     assert type(teacher) is type(parent)
     assert set(teacher.state_dict()) == set(parent.state_dict())
+
+
+@pytest.mark.parametrize(
+    "parallel, arch, message",
+    [({"pp": 2, "vpp": None}, "hybrid", r"pipeline parallelism is supported for GPT parents only \(model.arch='hybrid'\)"),
+     ({"pp": 2, "vpp": 2}, "gpt", r"virtual pipeline stages \(parallel.vpp\) are not supported")],
+    ids=["pp-hybrid", "vpp"],
+)
+def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, arch, message):
+    from types import SimpleNamespace
+
+    from megatron_ext.elastic.plugin import ElasticPlugin
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(**parallel), model=SimpleNamespace(arch=arch)))
+    with pytest.raises(ValueError, match=message):
+        ElasticPlugin.__new__(ElasticPlugin).setup(trainer)

@@ -40,7 +40,7 @@ class LoraConfig:
     jobs_file: Optional[str] = None
     # Adapters trained at once (None: the planner decides within `memory_gb`).
     slots: Optional[int] = None
-    # Memory of the device group the planner may fill.
+    # Memory of one device (a block of parallel.tp ranks) the planner may fill.
     memory_gb: float = 16.0
     # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
     # uncalibrated CPU_COEFFICIENTS.

@@ -77,7 +77,9 @@ class PackedTrainer:
     """Runs `jobs` through `capacity` slots of one model. `data_for(job)` gives the job's data;
     `on_finish(trainer, active)` runs while a finished job still sits in its slot (export,
     checkpoints); `log(job name, line)` gets a line per job event and optimizer step.
-    `dp_group`: the ranks that share each job's batches (default: megatron's data-parallel group)."""
+    `dp_group`: the ranks that share each job's batches (default: megatron's data-parallel group);
+    `group`: every rank that trains these jobs (default: the world), which agree on a job that
+    fails to start. Checkpoints (`save`, `resume`) are collective over the world."""
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class PackedTrainer:
         on_finish: Optional[Callable[["PackedTrainer", ActiveJob], None]] = None,
         log: Callable[[str, str], None] = lambda job, line: None,
         dp_group: Optional[dist.ProcessGroup] = None,
+        group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.model, self.wrappers, self.routing = model, wrappers, routing
         self.data_for, self.capacity = data_for, capacity
@@ -100,6 +103,7 @@ class PackedTrainer:
         self.t0 = time.perf_counter()
         self.dp_group = dp_group if dp_group is not None else parallel_state.get_data_parallel_group()
         self.dp, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.group = group
 
     # --- job lifecycle --------------------------------------------------------------------------
 
@@ -156,10 +160,10 @@ class PackedTrainer:
         return active
 
     def _failed_on_any_rank(self, failed: bool) -> bool:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
             return failed
         flag = torch.tensor([float(failed)])
-        dist.all_reduce(flag)
+        dist.all_reduce(flag, group=self.group)
         return bool(flag.item())
 
     def _finish(self, active: ActiveJob, status: str) -> None:

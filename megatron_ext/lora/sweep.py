@@ -4,19 +4,19 @@
     jobs = multirun_jobs(argv)                # or a Hydra multirun's combinations
     summary = run_sweep(cfg, jobs)
 
-The world the run is in (one process, or TP ranks under torchrun) is one device group holding
-the base once. The planner (planner.py) decides how many jobs train at once and in which order
-within `lora.memory_gb`, refusing a job that cannot fit even alone; the packs then run one after
-another through the packed runtime. Each job writes `<output_dir>/<job>/`: `log.txt`,
-`metrics.json`, `adapter/` (PEFT) and `checkpoint/` (megatron dist_checkpointing). The packs
-are checkpointed under `<output_dir>/checkpoints/`, and `lora.resume=true` continues a stopped
+The world the run is in (one process, or ranks under torchrun) is split into devices of
+`parallel.tp` ranks. The planner (planner.py) decides which jobs share a pack, how many train at
+once within `lora.memory_gb`, on which devices and in which order, refusing a job that cannot
+fit even alone; execute.py runs the packs through the packed runtime, those on separate devices
+at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/`
+(PEFT) and `checkpoint/` (megatron dist_checkpointing). Packs that span the world are
+checkpointed under `<output_dir>/checkpoints/`, and `lora.resume=true` continues a stopped
 sweep (resume.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -113,8 +113,10 @@ def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]
 CPU_COEFFICIENTS = (0.05, 0.01, 0.05, 0.5, 0.1, 0.0)
 
 
-def plan_sweep(cfg: Config, jobs: Sequence[LoraJob]):
-    """The planner's schedule of `jobs` on this run's device group (refuses what cannot fit)."""
+def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
+    """The planner's schedule of `jobs` on `devices` TP blocks of `parallel.tp` ranks each
+    (refuses what cannot fit). A pack's TP is the run's: a block is one planner device. A pack's
+    DP divides every job's micro-batches per step (the runtime deals them over the DP ranks)."""
     from megatron_ext.lora import planner
     from megatron_ext.lora.costmodel import LinearCostModel
     from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel, gib
@@ -125,17 +127,21 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob]):
     coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
     shapes = shapes_of(cfg.model)
     memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False)
-    problem = planner.Problem(tuple(jobs), Hardware(1, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, coefficients))
+    max_dp = min(j.accumulation_steps & -j.accumulation_steps for j in jobs)  # powers of two
+    problem = planner.Problem(tuple(jobs), Hardware(devices, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, coefficients),
+                              max_tp=1, max_dp=max_dp)
     schedule = planner.plan(problem)
     if cfg.lora.slots is not None:  # the user's slot count, kept within what memory allows
         from megatron_ext.lora.plan import Pack, Plan
 
         names = tuple(j.name for j in jobs)
-        if not problem.fits(jobs, cfg.lora.slots, (1, 1)):
+        if not problem.fits(jobs, cfg.lora.slots, (1, 1)):  # memory per device: the same at any DP
             raise ValueError(f"lora.slots={cfg.lora.slots}: that many of these jobs at once exceed lora.memory_gb={cfg.lora.memory_gb}")
         from megatron_ext.lora.simulate import simulate
 
-        schedule = simulate(Plan("lora.slots", (Pack(names, 1, 1, cfg.lora.slots, (0,)),)), problem.jobs, 1, memory, problem)
+        dp = max(d for d in (2**i for i in range(devices.bit_length())) if d <= min(devices, max_dp))
+        pack = Pack(names, 1, dp, cfg.lora.slots, tuple(range(dp)))
+        schedule = simulate(Plan("lora.slots", (pack,)), problem.jobs, devices, memory, problem)
     return schedule
 
 
@@ -187,27 +193,50 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
 
 
 def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
-    """Plan and train `jobs`; returns {job: {status, steps, loss, eval_loss}}."""
+    """Plan and train `jobs` on this world; returns {job: {status, steps, loss, eval_loss}}."""
+    import torch.distributed as dist
+
+    from megatron_ext.lora import report
+    from megatron_ext.lora.execute import execute, write_summary
+    from megatron_ext.models.convert.world import model_parallel_world
+
     check_jobs(cfg, jobs)
     tokenizer = _tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
-    schedule = plan_sweep(cfg, jobs)
-    from megatron_ext.lora import report
+    with model_parallel_world(tp=cfg.parallel.tp):
+        schedule = plan_sweep(cfg, jobs, dist.get_world_size() // cfg.parallel.tp)
+        if dist.get_rank() == 0:
+            print(report.table(schedule), flush=True)
+        plan = _checkpointed_plan(cfg, jobs, schedule.plan)
+        results = execute(cfg, jobs, plan, _data_resolver(tokenizer, cfg.model.vocab_size))
+        if dist.get_rank() == 0 and any(r.status in ("queued", "running") for r in results.values()):
+            print(f"lora sweep: stopped after lora.stop_after={cfg.lora.stop_after} packed steps; continue with lora.resume=true", flush=True)
+        return write_summary(Path(cfg.lora.output_dir), results)
 
-    print(report.table(schedule), flush=True)
+
+def _checkpointed_plan(cfg: Config, jobs: Sequence[LoraJob], plan):
+    """The plan to run: the recorded one on resume; a plan whose packs span the world is
+    recorded and checkpointed (resume.py); one with packs on separate ranks at once runs
+    without checkpoints (dist_checkpointing saves are world-collective), so it refuses
+    lora.stop_after."""
     import torch.distributed as dist
 
-    from megatron_ext.models.convert.world import model_parallel_world
-
+    from megatron_ext.lora.groups import spans_world
     from megatron_ext.lora.resume import sweep_plan
 
-    with model_parallel_world(tp=cfg.parallel.tp):  # the ranks beyond tp are data-parallel replicas
-        dp = dist.get_world_size() // cfg.parallel.tp
-        uneven = [j.name for j in jobs if j.accumulation_steps % dp]
-        if uneven:
-            raise ValueError(f"lora sweep: jobs {uneven}: global_batch_size must be a multiple of micro_batch_size x DP ({dp})")
-        plan = sweep_plan(cfg.lora.output_dir, jobs, schedule.plan, cfg.lora.resume)
-        return _train(cfg, jobs, plan, tokenizer)
+    if cfg.lora.resume:
+        recorded = sweep_plan(cfg.lora.output_dir, jobs, plan, resume=True)
+        if not spans_world(recorded, cfg.parallel.tp):  # its checkpoints hold one world's packs
+            raise ValueError(f"lora.resume=true: the recorded plan's packs do not span this world's ranks: {recorded}")
+        return recorded
+    if spans_world(plan, cfg.parallel.tp):
+        return sweep_plan(cfg.lora.output_dir, jobs, plan, resume=False)
+    if cfg.lora.stop_after is not None:
+        raise ValueError("lora.stop_after: this plan trains packs on separate ranks at once, which runs without checkpoints; "
+                         "with lora.slots and micro-batches per step that divide over every rank, one pack spans the world")
+    if dist.get_rank() == 0:
+        print("lora sweep: packs on separate ranks at once: no pack checkpoints (lora.save_interval unused)", flush=True)
+    return plan
 
 
 def _tokenizer(cfg: Config):
@@ -218,78 +247,3 @@ def _tokenizer(cfg: Config):
         pretrained.tokenizer_spec(cfg.model.pretrained) if cfg.model.pretrained else "byte"
     )
     return build_tokenizer(spec)
-
-
-def _train(cfg: Config, jobs: Sequence[LoraJob], plan, tokenizer) -> dict:
-    import torch.distributed as dist
-
-    from megatron_ext.lora import resume
-
-    from megatron_ext.lora.base import build_base
-    from megatron_ext.lora.export import save_megatron, save_peft
-    from megatron_ext.lora.layers import logical_weights
-    from megatron_ext.lora.runtime import PackedTrainer
-    from megatron_ext.models.gpt import padded_vocab_size
-
-    vocab = cfg.model.vocab_size
-    model, wrappers, routing = build_base(cfg.model, padded_vocab_size(vocab, cfg.model, cfg.parallel.tp), cfg.train.seed)
-    routing.kernel = cfg.lora.kernel
-    out = Path(cfg.lora.output_dir)
-    writer = dist.get_rank() == 0
-    by_name = {j.name: j for j in jobs}
-
-    def log(name: str, line: str) -> None:
-        if not writer:
-            return
-        (out / name).mkdir(parents=True, exist_ok=True)
-        with open(out / name / "log.txt", "a") as f:
-            f.write(line + "\n")
-        if not line.startswith("step") or "eval" in line:
-            print(f"[{name}] {line}", flush=True)
-
-    def finish(trainer, active) -> None:
-        weights = logical_weights(trainer.wrappers, active.slot)
-        if writer:
-            save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, cfg.model.pretrained)
-        save_megatron(out / active.job.name / "checkpoint", active.job, weights)
-
-    results, budget = {}, cfg.lora.stop_after
-    for index, pack in enumerate(plan.packs):
-        trainer = PackedTrainer(model, wrappers, routing, _data_resolver(tokenizer, vocab), pack.slots, finish, log)
-        trainer.submit([by_name[n] for n in pack.jobs])
-        folder = resume.pack_folder(out, index)
-        resume.restore(trainer, folder)
-        if not resume.finished(trainer) and budget != 0:
-            taken = resume.run_pack(trainer, folder, cfg.lora.save_interval, budget)
-            budget = None if budget is None else budget - taken
-        results.update(trainer.results)
-    if writer and any(r.status in ("queued", "running") for r in results.values()):
-        print(f"lora sweep: stopped after lora.stop_after={cfg.lora.stop_after} packed steps; continue with lora.resume=true", flush=True)
-    summary = {
-        name: {
-            "status": r.status,
-            "steps": r.steps,
-            "loss": r.losses[-1] if r.losses else None,
-            "eval_loss": r.eval_losses.get(r.steps),
-            "first_eval_loss": r.eval_losses.get(0),
-            "seconds": (r.finished_s or 0.0) - (r.started_s or 0.0),
-            "error": r.error,
-        }
-        for name, r in results.items()
-    }
-    if writer:
-        for name, r in results.items():
-            (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "metrics.json").write_text(json.dumps(dataclasses.asdict(r), indent=2) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(summary_table(summary), flush=True)
-    return summary
-
-
-def summary_table(summary: dict) -> str:
-    rows = [("job", "status", "steps", "train loss", "eval loss before", "eval loss after")]
-    for name, s in summary.items():
-        fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
-        rows.append((name, s["status"], str(s["steps"]), fmt(s["loss"]), fmt(s["first_eval_loss"]), fmt(s["eval_loss"])))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows)

@@ -1,0 +1,120 @@
+"""Two packs of a sweep plan on separate ranks train at the same time (4 gloo ranks: one pack on
+ranks {0, 1}, the other on {2, 3}, each data-parallel over its two ranks), and every job ends
+exactly as when its pack runs alone on the same ranks while the other two ranks idle: the same
+losses, eval losses and tokens, and the same adapter in its megatron checkpoint (written by the
+whole world once the packs are done) and its PEFT export (written by the pack's first rank).
+
+A pack summing its gradients over the wrong ranks, voting with the other pack, or writing another
+pack's files breaks the equality or hangs (the worker has a timeout).
+
+This file is also the worker script torchrun starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_lora_sweep import TINY  # noqa: E402
+
+from megatron_ext.lora.job import LoraJob  # noqa: E402
+from megatron_ext.lora.plan import Pack, Plan  # noqa: E402
+
+JOBS = [
+    LoraJob("a", rank=4, lr=1e-2, steps=2, micro_batch_size=1, global_batch_size=2, seq_length=16, dropout=0.1),
+    LoraJob("b", rank=8, lr=3e-2, steps=1, micro_batch_size=1, global_batch_size=2, seq_length=12, seed=5),
+    LoraJob("c", rank=2, lr=2e-2, steps=1, micro_batch_size=1, global_batch_size=4, seq_length=16, seed=9),
+    LoraJob("d", rank=4, lr=5e-3, steps=2, micro_batch_size=2, global_batch_size=4, seq_length=8, seed=3,
+            target_modules=("linear_qkv", "linear_fc2")),
+]
+FIRST, SECOND = Pack(("a", "b"), 1, 2, 2, (0, 1)), Pack(("c", "d"), 1, 2, 1, (2, 3))
+PLANS = {"concurrent": Plan("test", (FIRST, SECOND)), "first": Plan("test", (FIRST,)), "second": Plan("test", (SECOND,))}
+
+
+def worker(out: str, part: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_ext.config import compose_config
+    from megatron_ext.lora.batching import SyntheticData
+    from megatron_ext.lora.execute import execute
+    from megatron_ext.lora.sweep import _checkpointed_plan, jobs_of, run_sweep
+    from megatron_ext.models.convert.world import model_parallel_world
+    from megatron_ext.platform.launch import join_world
+
+    join_world("cpu")
+    if part == "sweep":  # from a config: whatever the planner makes of four ranks runs to the end
+        entries = [{**dataclasses.asdict(j), "target_modules": list(j.target_modules), "dataset": "synthetic"} for j in JOBS]
+        sweep_cfg = compose_config([*TINY, f"lora.output_dir={out}/sweep"])
+        sweep_cfg = dataclasses.replace(sweep_cfg, lora=dataclasses.replace(sweep_cfg.lora, jobs=entries))
+        summary = run_sweep(sweep_cfg, jobs_of(sweep_cfg))
+        assert all(s["status"] == "done" for s in summary.values()), summary
+        return
+    cfg = compose_config(TINY)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=257))
+    with model_parallel_world(tp=1):
+        stopping = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, stop_after=1))
+        try:
+            _checkpointed_plan(stopping, JOBS, PLANS["concurrent"])
+            raise AssertionError("a concurrent plan cannot stop and resume: refused")
+        except ValueError as e:
+            assert "lora.stop_after: this plan trains packs on separate ranks at once" in str(e), e
+        for name, plan in PLANS.items():
+            run_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, output_dir=f"{out}/{name}"))
+            jobs = [j for j in JOBS if any(j.name in p.jobs for p in plan.packs)]
+            results = execute(run_cfg, jobs, plan, lambda job: SyntheticData(job, 257))
+            if dist.get_rank() == 0:
+                (Path(out) / f"{name}.json").write_text(json.dumps({n: dataclasses.asdict(r) for n, r in results.items()}))
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
+
+
+def outcome(out: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    from megatron_ext.lora.export import load_megatron
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    found = {}
+    for job, r in json.loads((out / f"{name}.json").read_text()).items():
+        with model_parallel_world():
+            _, weights = load_megatron(out / name / job / "checkpoint")
+        peft = load_file(out / name / job / "adapter" / "adapter_model.safetensors")
+        found[job] = ({k: r[k] for k in ("status", "steps", "losses", "eval_losses", "tokens")}, weights, peft)
+    return found
+
+
+@pytest.mark.slow  # four ranks run three plans and write every adapter: 50 s of wall time on two cores
+@pytest.mark.distributed
+def test_packs_on_separate_ranks_at_once_equal_each_pack_alone(tmp_path):
+    from _torchrun import torchrun
+
+    torchrun(__file__, 4, str(tmp_path), "packs", timeout=300)
+    concurrent = outcome(tmp_path, "concurrent")
+    alone = {**outcome(tmp_path, "first"), **outcome(tmp_path, "second")}
+    assert concurrent.keys() == alone.keys() == {j.name for j in JOBS}
+    for job in JOBS:
+        (results, weights, peft), (a_results, a_weights, a_peft) = concurrent[job.name], alone[job.name]
+        assert results["status"] == "done" and results["steps"] == job.steps, job.name
+        assert results == a_results, job.name  # floats compared exactly
+        assert weights.keys() == a_weights.keys() and peft.keys() == a_peft.keys()
+        assert all(torch.equal(weights[k][i], a_weights[k][i]) for k in weights for i in (0, 1)), job.name
+        assert all(torch.equal(peft[k], a_peft[k]) for k in peft), job.name
+        assert any(b.abs().max() > 0 for _, b in weights.values()), f"{job.name} never trained"
+
+
+@pytest.mark.slow  # the planner (its exact solver) on four ranks, then the sweep: about a minute
+@pytest.mark.distributed
+def test_a_sweep_planned_over_four_ranks_runs_to_the_end(tmp_path):
+    from _torchrun import torchrun
+
+    torchrun(__file__, 4, str(tmp_path), "sweep", timeout=300)
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert sorted(summary) == sorted(j.name for j in JOBS) and all(s["status"] == "done" for s in summary.values())

@@ -1,5 +1,6 @@
-"""Two packs of a sweep plan on separate ranks train at the same time (4 gloo ranks: one pack on
-ranks {0, 1}, the other on {2, 3}, each data-parallel over its two ranks), and every job ends
+"""Two packs of a sweep plan on separate ranks train at the same time (2 gloo ranks, one pack on
+each; or 4, one pack on ranks {0, 1}, the other on {2, 3}, each data-parallel over its two ranks),
+and every job ends
 exactly as when its pack runs alone on the same ranks while the other two ranks idle: the same
 losses, eval losses and tokens, and the same adapter in its megatron checkpoint (written by the
 whole world once the packs are done) and its PEFT export (written by the pack's first rank).
@@ -33,8 +34,14 @@ JOBS = [
     LoraJob("d", rank=4, lr=5e-3, steps=2, micro_batch_size=2, global_batch_size=4, seq_length=8, seed=3,
             target_modules=("linear_qkv", "linear_fc2")),
 ]
-FIRST, SECOND = Pack(("a", "b"), 1, 2, 2, (0, 1)), Pack(("c", "d"), 1, 2, 1, (2, 3))
-PLANS = {"concurrent": Plan("test", (FIRST, SECOND)), "first": Plan("test", (FIRST,)), "second": Plan("test", (SECOND,))}
+
+
+def plans(world: int) -> dict[str, Plan]:
+    """Two packs, each on half of the world's ranks (data-parallel over them when there are two)."""
+    half = world // 2
+    first = Pack(("a", "b"), 1, half, 2, tuple(range(half)))
+    second = Pack(("c", "d"), 1, half, 1, tuple(range(half, world)))
+    return {"concurrent": Plan("test", (first, second)), "first": Plan("test", (first,)), "second": Plan("test", (second,))}
 
 
 def worker(out: str, part: str) -> None:
@@ -58,13 +65,14 @@ def worker(out: str, part: str) -> None:
     cfg = compose_config(TINY)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=257))
     with model_parallel_world(tp=1):
+        plan_of = plans(dist.get_world_size())
         stopping = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, stop_after=1))
         try:
-            _checkpointed_plan(stopping, JOBS, PLANS["concurrent"])
+            _checkpointed_plan(stopping, JOBS, plan_of["concurrent"])
             raise AssertionError("a concurrent plan cannot stop and resume: refused")
         except ValueError as e:
             assert "lora.stop_after: this plan trains packs on separate ranks at once" in str(e), e
-        for name, plan in PLANS.items():
+        for name, plan in plan_of.items():
             run_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, output_dir=f"{out}/{name}"))
             jobs = [j for j in JOBS if any(j.name in p.jobs for p in plan.packs)]
             results = execute(run_cfg, jobs, plan, lambda job: SyntheticData(job, 257))
@@ -76,29 +84,35 @@ if __name__ == "__main__":
     worker(*sys.argv[1:])
 
 
-def outcome(out: Path, name: str) -> dict:
+def outcome(out: Path, name: str) -> dict:  # in a world of one
     from safetensors.torch import load_file
 
     from megatron_ext.lora.export import load_megatron
-    from megatron_ext.models.convert.world import model_parallel_world
 
     found = {}
     for job, r in json.loads((out / f"{name}.json").read_text()).items():
-        with model_parallel_world():
-            _, weights = load_megatron(out / name / job / "checkpoint")
+        _, weights = load_megatron(out / name / job / "checkpoint")
         peft = load_file(out / name / job / "adapter" / "adapter_model.safetensors")
         found[job] = ({k: r[k] for k in ("status", "steps", "losses", "eval_losses", "tokens")}, weights, peft)
     return found
 
 
-@pytest.mark.slow  # four ranks run three plans and write every adapter: 50 s of wall time on two cores
 @pytest.mark.distributed
-def test_packs_on_separate_ranks_at_once_equal_each_pack_alone(tmp_path):
+@pytest.mark.parametrize(
+    "world",
+    # four ranks: 50 s of wall time on two cores
+    [2, pytest.param(4, marks=pytest.mark.slow)],
+    ids=["one-rank-packs", "dp2-packs"],
+)
+def test_packs_on_separate_ranks_at_once_equal_each_pack_alone(tmp_path, world):
     from _torchrun import torchrun
 
-    torchrun(__file__, 4, str(tmp_path), "packs", timeout=300)
-    concurrent = outcome(tmp_path, "concurrent")
-    alone = {**outcome(tmp_path, "first"), **outcome(tmp_path, "second")}
+    from megatron_ext.models.convert.world import model_parallel_world
+
+    torchrun(__file__, world, str(tmp_path), "packs", timeout=300)
+    with model_parallel_world():
+        concurrent = outcome(tmp_path, "concurrent")
+        alone = {**outcome(tmp_path, "first"), **outcome(tmp_path, "second")}
     assert concurrent.keys() == alone.keys() == {j.name for j in JOBS}
     for job in JOBS:
         (results, weights, peft), (a_results, a_weights, a_peft) = concurrent[job.name], alone[job.name]

@@ -39,7 +39,6 @@ POLICIES = ("dpp", "packed", "split", "chunkflow", "dpp_no_balance", "dpp_no_ckp
 
 
 def worker(args) -> None:
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -46,12 +46,11 @@ _GROUP_LIST = "_global_process_group_list"
 
 @dataclasses.dataclass
 class Prebuilt:
-    """A layout built beside the running one: megatron's state for it (in a private module),
-    its process groups, and the trainer's model chunks, megatron config and optimizer."""
+    """A layout built beside the running one: megatron's state for it (in a private module,
+    its process groups included), and the trainer's model chunks, megatron config and
+    optimizer."""
 
-    parallel: ParallelConfig
     state: types.ModuleType
-    groups: ProcessGroupCollection
     model: list
     model_config: Any  # megatron's TransformerConfig
     optimizer: Any
@@ -118,7 +117,7 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device) -> Prebuil
         optimizer = trainer.build_optimizer(model, config, parallel, groups=groups)
     ensure_optimizer_states(optimizer)
     _fault_in(model, optimizer)
-    return Prebuilt(parallel, state, groups, model, config, optimizer)
+    return Prebuilt(state, model, config, optimizer)
 
 
 @contextlib.contextmanager

@@ -82,7 +82,14 @@ class ReshardPlugin(Plugin):
     config_class = ReshardConfig
 
     def check(self, cfg, world_size: int) -> None:
-        """A scheduled layout that cannot work is a config error: refuse it before launching."""
+        """Settings or a scheduled layout that cannot work are a config error: refuse them
+        before launching."""
+        from megatron_ext.config.validate import ConfigError
+
+        if self.cfg.memory_budget_mb <= 0:
+            raise ConfigError("reshard.memory_budget_mb", f"must be positive, got {self.cfg.memory_budget_mb}")
+        if self.cfg.prepare_steps_ahead < 0:
+            raise ConfigError("reshard.prepare_steps_ahead", f"must be 0 or more, got {self.cfg.prepare_steps_ahead}")
         check_schedule(cfg, self.cfg.schedule, world_size)
 
     def setup(self, trainer) -> None:

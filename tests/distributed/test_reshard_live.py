@@ -80,13 +80,6 @@ def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_pat
     ]
 
 
-def test_bad_scheduled_layout_is_refused_before_training(cache):
-    with pytest.raises(Exception, match="parallel.tp"):
-        run_from_overrides(
-            [*COMMON, cache, "parallel.tp=2", "reshard.schedule=[{step: 2, layout: {tp: 3}}]"]
-        )
-
-
 # --- faults: a reshard that fails part-way loses nothing ---------------------------------------
 
 FAULTS = Path(__file__).with_name("_faults.py")

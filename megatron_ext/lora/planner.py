@@ -9,7 +9,10 @@ The heuristic splits the devices into equal groups of one (tp, dp) shape, gives 
 queue of jobs by longest-processing-time balancing and lets each group train `slots` jobs at a
 time (a finished job's slot goes to the next in its queue). It tries every shape and a range of
 slot counts, improves the best plan by moving and swapping jobs off the group that ends last,
-and keeps the best of that and the baseline strategies (so it is never worse than them).
+reschedules the packs of these plans on mixed shapes (moldable tasks: greedy placement, and
+shapes fixed first from the most device-efficient up, then list scheduling), repacks small
+sweeps by local search, and keeps the best of that and the baseline strategies (so it is never
+worse than them).
 Every candidate is timed by the simulator (simulate.py) under the problem's cost model.
 
 The exact solver (exact.py) optimises over rigid packs (all jobs of a pack start together) on
@@ -330,23 +333,37 @@ def _neighbours(jobs: list[list[str]], worst: int):
                 yield swapped, (worst, other)
 
 
+# One way to run a pack: (seconds, queue, slots, shape).
+Option = tuple[float, tuple[str, ...], int, Shape]
+
+
 def _reshaped(problem: Problem, packs: Sequence[Sequence[str]]) -> Optional[Plan]:
-    """The packs scheduled as moldable tasks: longest first, each on the shape (with that
-    shape's best slot count) and the earliest-free devices that finish it soonest. Lets a long
-    pack take more devices while short ones share the rest, which equal groups cannot. None
-    when a pack fits no shape (padded to its longest sequence, one job may be too many)."""
-    options = {}
+    """The packs scheduled as moldable tasks on mixed shapes, the best of two constructions:
+    - greedy: longest first, each on the shape (with its best slot count) and the earliest-free
+      devices that finish it soonest; lets a long pack take more devices while short ones share
+      the rest, which equal groups cannot;
+    - allotted (`_allotted`): shapes fixed first, then list scheduling. Greedy gives every
+      short pack all devices (each alone ends soonest there); giving short packs their most
+      device-efficient shapes lets them run side by side next to a wide long pack.
+    None when a pack fits no shape (padded to its longest sequence, one job may be too many)."""
+    options = []
     for names in packs:
         jobs = [problem.by_name[n] for n in names]
         shapes = [s for s in problem.shapes if problem.fits(jobs, 1, s)]
         if not shapes:
             return None
-        options[tuple(names)] = [(*_best_pack(problem, names, s), s) for s in shapes]
-    free_at = [(0.0, d) for d in range(problem.hardware.devices)]
-    placed = []
-    for names in sorted(options, key=lambda n: -min(o[0] for o in options[n])):
+        options.append([(*_best_pack(problem, names, s), s) for s in shapes])
+    return min((_greedy_placed(problem.hardware.devices, options), _allotted(problem.hardware.devices, options)),
+               key=lambda c: c[0])[1]
+
+
+def _greedy_placed(devices: int, options: Sequence[Sequence[Option]]) -> tuple[float, Plan]:
+    """Longest first, each pack on the option that ends it soonest; the makespan and the plan."""
+    free_at = [(0.0, d) for d in range(devices)]
+    placed, makespan = [], 0.0
+    for choices in sorted(options, key=lambda o: -min(c[0] for c in o)):
         best = None
-        for seconds, queue, slots, (tp, dp) in options[names]:
+        for seconds, queue, slots, (tp, dp) in choices:
             chosen = heapq.nsmallest(tp * dp, free_at)
             end = max(t for t, _ in chosen) + seconds
             if best is None or (end, tp * dp) < (best[0], best[1].size):
@@ -354,7 +371,52 @@ def _reshaped(problem: Problem, packs: Sequence[Sequence[str]]) -> Optional[Plan
         end, pack = best
         free_at = [f for f in free_at if f[1] not in pack.devices] + [(end, d) for d in pack.devices]
         placed.append(pack)
-    return Plan("planner", tuple(placed))
+        makespan = max(makespan, end)
+    return makespan, Plan("planner", tuple(placed))
+
+
+def _list_placed(devices: int, chosen: Sequence[Option], order: Sequence[int]) -> tuple[list[float], Plan]:
+    """Packs of fixed shapes placed in `order`, each on the devices that free up first; the end
+    of each pack (in `chosen` order) and the plan."""
+    free_at = [(0.0, d) for d in range(devices)]
+    placed, ends = [], [0.0] * len(chosen)
+    for i in order:
+        seconds, queue, slots, (tp, dp) = chosen[i]
+        picked = heapq.nsmallest(tp * dp, free_at)
+        ends[i] = max(t for t, _ in picked) + seconds
+        pack = Pack(queue, tp, dp, slots, tuple(sorted(d for _, d in picked)))
+        free_at = [f for f in free_at if f[1] not in pack.devices] + [(ends[i], d) for d in pack.devices]
+        placed.append(pack)
+    return ends, Plan("planner", tuple(placed))
+
+
+def _area(option: Option) -> float:
+    """Device-seconds."""
+    return option[0] * option[3][0] * option[3][1]
+
+
+def _allotted(devices: int, options: Sequence[Sequence[Option]]) -> tuple[float, Plan]:
+    """Shapes fixed before placing (the two-phase scheme of moldable task scheduling): every
+    pack starts on its most device-efficient shape (fewest device-seconds); then, again and
+    again, of the packs that a shape can shorten the one that ends last moves to the most
+    efficient such shape, and all are placed anew, longest first and (a wide long pack
+    first lets the narrow ones fill in after it) largest area first. The best placement seen."""
+    current = [min(choices, key=lambda o: (_area(o), o[0])) for choices in options]
+    best: Optional[tuple[float, Plan]] = None
+    while True:
+        ends, placed = min(
+            (_list_placed(devices, current, sorted(range(len(current)), key=lambda k: -key(current[k])))
+             for key in (lambda o: o[0], _area)),
+            key=lambda c: max(c[0]),
+        )
+        if best is None or max(ends) < best[0]:
+            best = (max(ends), placed)
+        shorter = {k: [o for o in options[k] if o[0] < current[k][0]] for k in range(len(current))}
+        movable = [k for k in shorter if shorter[k]]
+        if not movable:
+            return best
+        last = max(movable, key=lambda k: (ends[k], current[k][0]))
+        current[last] = min(shorter[last], key=lambda o: (_area(o), o[0]))
 
 
 def _repacked(problem: Problem, plan: Plan, rounds: int) -> Plan:

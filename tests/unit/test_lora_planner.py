@@ -117,6 +117,26 @@ def test_exact_solver_equals_brute_force_on_tiny_sweeps(name, cost):
     assert planner.plan(p).makespan <= brute.makespan * (1 + len(jobs) ** 2 * exact.RESOLUTION)
 
 
+# Sweeps where the best plan runs short packs side by side on a few devices each next to a
+# long one on more devices: a placement that gives each pack the shape that ends it soonest puts
+# every short pack on all devices one after another (5-8% longer here).
+# name -> (rank, batch, steps, seq) per job, devices, room, cost
+SIDE_BY_SIDE = {
+    "three jobs, equal lengths": (((4, 4, 80, 48), (16, 1, 80, 48), (4, 2, 80, 32)), 4, 3, "roofline"),
+    "three jobs, linear cost": (((8, 4, 80, 48), (8, 4, 40, 32), (8, 2, 80, 48)), 4, 2, "linear"),
+    "four jobs": (((4, 2, 80, 48), (32, 2, 40, 48), (8, 4, 10, 48), (8, 1, 80, 48)), 4, 2, "roofline"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIDE_BY_SIDE))
+def test_heuristic_equals_brute_force_when_short_packs_share_the_devices(name):
+    specs, devices, room, cost = SIDE_BY_SIDE[name]
+    jobs = tuple(job(f"j{i}", rank, batch, steps, seq) for i, (rank, batch, steps, seq) in enumerate(specs))
+    p = problem(jobs, devices, room, cost)
+    brute = simulate(exact.brute_force(p), jobs, devices, MEMORY, p.cost).makespan
+    assert simulate(planner.heuristic(p), jobs, devices, MEMORY, p.cost).makespan == pytest.approx(brute, rel=1e-12)
+
+
 def test_event_simulation_equals_stepping_pass_by_pass():
     jobs = mixed(5)
     pack = Pack(tuple(j.name for j in jobs), 1, 2, 2, (0, 1))

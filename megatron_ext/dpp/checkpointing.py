@@ -30,6 +30,7 @@ from scipy.sparse import coo_matrix
 
 from megatron_ext.dpp.costmodel import CostModel
 from megatron_ext.dpp.plan import Chunk, Group
+from megatron_ext.dpp.simulate import hand_down
 
 Mode = Literal["ilp", "none", "full"]
 
@@ -78,6 +79,7 @@ def _problem(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], 
     for p, ops in enumerate(group.ops):
         last = p == pp - 1
         live: dict[int, tuple[float, float]] = {}
+        handed: dict[int, float] = {}  # dK/dV held between slices: no recompute changes it
         for o in ops:
             c = chunks[o.chunk]
             if o.kind == "F":
@@ -90,10 +92,14 @@ def _problem(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], 
                 # it) dominates it, and every op list ends with a backward.
             else:
                 j = var[(p, o.chunk)]
-                transient = [(j, cost.recompute_transient_bytes(c))] if layers[p] == upper[j] else []
-                rows.append((p, sum(a for a, _ in live.values()), [(var[(p, k)], -d) for k, (_, d) in live.items()],
-                             transient))
+                # The backward's transient; recomputing every layer (z_j) re-saves the top one.
+                base = cost.backward_transient_bytes(c, layers[p], 0, last)
+                full = cost.backward_transient_bytes(c, layers[p], layers[p], last) - base
+                transient = [(j, full)] if layers[p] == upper[j] and full else []
+                rows.append((p, sum(a for a, _ in live.values()) + sum(handed.values()) + base,
+                             [(var[(p, k)], -d) for k, (_, d) in live.items()], transient))
                 del live[o.chunk]
+                hand_down(handed, c, cost, layers[p])
     room = np.array([budget_bytes - cost.model_state_bytes(layers[p], p == 0, p == pp - 1) for p in range(pp)])
     return _Problem(var, upper, weight, rows, room)
 

@@ -16,6 +16,14 @@ attention materialises its scores; 0 for flash attention) and `act_bytes_key` pe
 input (`ckpt_bytes_token` per token) and, for a slice that later slices of its sequence attend
 to, that slice's K/V (`kv_bytes_token` per token). Model states are `state_bytes_param` per
 parameter, with the embedding on the first stage and the output layer on the last.
+
+Backward adds transients on top of what the chunks keep. The output layer's bytes and, in the
+top layer, `attn_freed_bytes_token` per token (output projection and MLP) are released before
+that layer's attention runs backward, which then holds `attn_bwd_bytes_pair` per (query, key)
+pair of one segment (a materialised mask or scores), `attn_bwd_bytes_key` per key and
+`attn_bwd_bytes_query` per query; a chunk that recomputes every layer of its stage re-saves
+its top layer first. A later slice hands dK/dV of its prefix (`kv_bytes_token` per token and
+layer) down to the earlier slices, held until their backward.
 """
 
 from __future__ import annotations
@@ -27,6 +35,25 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_ext.dpp.plan import Chunk
+
+
+# The activation-memory model's stated error: with its terms fitted to the runtime
+# (`memory.fit_activation_bytes`), a plan's predicted per-stage activation peak is within this
+# fraction of the exact count (tests/distributed/test_dpp_runtime.py, the measured benchmark).
+# Planners keep this fraction of the activation budget free.
+ACTIVATION_ERROR = 0.01
+
+
+def usable_budget(budget_bytes: float, state_bytes: float) -> float:
+    """The per-stage budget a plan may fill: `budget_bytes` less the model's stated error on
+    the activations (the part above `state_bytes`; with the least states of any stage, every
+    stage keeps at least that fraction of its own activation room free)."""
+    return budget_bytes - ACTIVATION_ERROR * max(0.0, budget_bytes - state_bytes)
+
+
+def budget_for(usable_bytes: float, state_bytes: float) -> float:
+    """The budget whose usable part is `usable_bytes` (the inverse of `usable_budget`)."""
+    return state_bytes + max(0.0, usable_bytes - state_bytes) / (1.0 - ACTIVATION_ERROR)
 
 
 @dataclass(frozen=True)
@@ -83,6 +110,10 @@ class CostModel:
     ckpt_bytes_token: float = 0.0
     kv_bytes_token: float = 0.0
     head_bytes_token: float = 0.0
+    attn_freed_bytes_token: float = 0.0
+    attn_bwd_bytes_pair: float = 0.0
+    attn_bwd_bytes_key: float = 0.0
+    attn_bwd_bytes_query: float = 0.0
     state_bytes_param: float = 0.0
     layer_params: int = 0
     embedding_params: int = 0
@@ -148,12 +179,25 @@ class CostModel:
         kept = (layers - recompute) * full + recompute * self.layer_ckpt_bytes(chunk, seq_lengths)
         return kept + (self.head_bytes_token * chunk.tokens if last else 0.0)
 
-    def recompute_transient_bytes(self, chunk: Chunk) -> float:
-        """Extra bytes during the backward of a chunk that recomputes every layer of its stage:
-        the layer being recomputed re-saves its activations while all checkpoints are held.
-        With a layer left un-recomputed, its (larger) saved bytes are freed before the
-        recomputed layers run, which covers the re-saved layer."""
-        return self.layer_act_bytes(chunk)
+    def attention_backward_bytes(self, chunk: Chunk) -> float:
+        """The most one layer's attention backward holds at once: its segments run backward
+        one after another, each with its own keys (prefix included)."""
+        return max(self.attn_bwd_bytes_pair * s.length * (s.prefix + s.length) + self.attn_bwd_bytes_key * (s.prefix + s.length)
+                   + self.attn_bwd_bytes_query * s.length for s in chunk.segments)
+
+    def backward_transient_bytes(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
+        """Bytes above what the chunk keeps (`activation_bytes`) at the peak of its backward on
+        a stage, which comes in its top layer: the output layer's bytes and the layer's
+        post-attention bytes are released, then its attention backward runs; a recomputed top
+        layer (every layer recomputed) first re-saves its activations over its kept input."""
+        head = self.head_bytes_token * chunk.tokens if last else 0.0
+        attention = max(0.0, self.attention_backward_bytes(chunk) - self.attn_freed_bytes_token * chunk.tokens)
+        resaved = self.layer_act_bytes(chunk) - self.ckpt_bytes_token * chunk.tokens if layers and recompute >= layers else 0.0
+        return max(0.0, resaved + attention - head)
+
+    def handed_grad_bytes(self, prefix: int, layers: int) -> float:
+        """dK/dV a slice hands down for its `prefix` tokens, on every layer of a stage."""
+        return self.kv_bytes_token * prefix * layers
 
     def model_state_bytes(self, layers: int, first: bool, last: bool) -> float:
         params = layers * self.layer_params

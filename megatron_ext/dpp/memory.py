@@ -109,12 +109,44 @@ class Timeline:
         self.records.clear()
 
 
+def attention_backward_bytes(heads: int, groups: int, head_dim: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(per (query, key) pair, per key, per query): what the chunk attention holds while one
+    segment runs backward, beyond what it saved in forward, fitted exactly on a few small
+    segments with and without a cached prefix."""
+    import numpy as np
+
+    from megatron_ext.dpp.attention import PrefixKVCache, _SliceAttention
+
+    rows, held = [], []
+    for q_len, prefix in ((32, 0), (64, 0), (32, 64), (64, 128)):
+        meter, cache = ActivationMeter([]), PrefixKVCache()
+        cache.hold = meter.hold
+
+        def qkv(n: int) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.randn(n, 1, h, head_dim, dtype=dtype, requires_grad=True) for h in (heads, groups, groups))
+
+        with meter.track(0):
+            if prefix:
+                _SliceAttention.apply(*qkv(prefix), cache, (0, 0), 0, True, 1.0)
+            out = _SliceAttention.apply(*qkv(q_len), cache, (0, 0), prefix, False, 1.0)
+            before = meter.live_bytes
+            meter.reset_peak()
+            out.backward(torch.ones_like(out))
+        rows.append([q_len * (prefix + q_len), prefix + q_len, q_len])
+        held.append(meter.peak_bytes - before)
+    pair, key, query = np.linalg.lstsq(np.array(rows, dtype=float), np.array(held, dtype=float), rcond=None)[0]
+    return float(pair), float(key), float(query)
+
+
 def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int] = (192, 384, 768)):
     """`cost` with its activation terms fitted to this runtime (collective over the world):
     each stage forwards one whole sequence of T tokens with none and with all of its layers
     recomputed (random input on later stages, no pipeline), and the meter's bytes held until
     backward give bytes/token of a kept layer, of a recomputed layer, and of the stage itself
-    (its RoPE table; the output layer and loss on the last stage). Returns (model, fit details)."""
+    (its RoPE table; the output layer and loss on the last stage). The bytes still held when
+    the top layer's attention starts its backward give what backward releases before it; the
+    attention's own backward transient is fitted on bare segments
+    (`attention_backward_bytes`). Returns (model, fit details)."""
     import dataclasses
 
     import numpy as np
@@ -132,7 +164,10 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     layers = len(get_attr_wrapped_model(model, "decoder").layers)
     meter = ActivationMeter(model_chunks)
-    rows = []
+    rows, freed = [], []
+    at_attention: list[int] = []  # bytes held when the top layer's attention starts backward
+    top = get_attr_wrapped_model(model, "decoder").layers[-1].self_attention.core_attention
+    hook = top.register_full_backward_pre_hook(lambda module, grad: at_attention.append(meter.live_bytes))
     set_input = get_attr_wrapped_model(model, "set_input_tensor")
     recompute_before = config.recompute_num_layers
     try:  # the model leaves as it came, even when a forward raises: no input, recompute, grads
@@ -146,39 +181,55 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
                 with meter.track(0):
                     out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
                 rows.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, recompute, layers, meter.live_bytes))
+                at_attention.clear()
                 out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+                if not recompute:
+                    freed.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, rows[-1][-1] - at_attention[0]))
                 del out
                 context.leave()
     finally:
+        hook.remove()
         context.leave()
         set_input([None])
         config.recompute_num_layers = recompute_before
         for m in model_chunks:
             m.zero_grad_buffer()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    rows = [r for part in gathered for r in part]
-    stages = sorted({r[0] for r in rows})
-    # bytes = T * (stage term + (L - r) * kept layer + r * recomputed layer)
-    X = np.array([[t * (s == p) for p in stages] + [t * (n - r), t * r] for s, t, r, n, _ in rows], dtype=float)
+    dist.all_gather_object(gathered, (rows, freed))
+    rows = [r for part, _ in gathered for r in part]
+    freed = [r for _, part in gathered for r in part]
+    last_stage = max(r[0] for r in rows)
+    # bytes = T * ((L - r) * kept layer + r * recomputed layer + head on the last stage). A stage's
+    # own bytes (its RoPE table, the token ids) are spread over its layers: stages are equally
+    # deep, so every (layers, recompute) combination stays exact, and what is fitted is
+    # determined by the rows (a separate stage term would not be: with r in {0, L} it trades
+    # off against the per-layer terms). With one stage the head is spread over the layers too.
+    X = np.array([[t * (n - r), t * r, t * (0 < s == last_stage)] for s, t, r, n, _ in rows], dtype=float)
     y = np.array([b for *_, b in rows], dtype=float)
-    coef = np.linalg.lstsq(X, y, rcond=None)[0]
-    stage_terms, kept, recomputed = coef[: len(stages)], coef[-2], coef[-1]
-    n = rows[0][3]
-    kv_dim = config.kv_channels * (config.num_query_groups or config.num_attention_heads)
-    # The cost model has a stage term on the last stage only (the head): the first stage's
-    # term (its RoPE table and token ids) is spread over the layers, which keeps every
-    # (layers, recompute) combination exact for stages of equal depth.
+    kept, recomputed, head = np.linalg.lstsq(X, y, rcond=None)[0]
+    residual = float(np.max(np.abs(X @ [kept, recomputed, head] / y - 1)))
+    groups = config.num_query_groups or config.num_attention_heads
+    kv_dim = config.kv_channels * groups
+    # Released before the top layer's attention backward, per token: the layer's output
+    # projection and MLP (and on the last stage the head, which the cost model counts apart).
+    # The least over stages, so that no stage's transient is underestimated.
+    released = min(b / t - (head if 0 < s == last_stage else 0.0) for s, t, b in freed)
+    pair, key, query = attention_backward_bytes(config.num_attention_heads, groups, config.kv_channels, config.params_dtype)
     fitted = dataclasses.replace(
         cost,
-        act_bytes_token=kept + stage_terms[0] / n,
+        act_bytes_token=kept,
         # The chunk attention saves no scores and reads a slice's prefix from the K/V cache
         # (counted by kv_bytes_token), not from a saved concatenation.
         act_bytes_attn=0.0,
         act_bytes_key=0.0,
-        ckpt_bytes_token=recomputed + stage_terms[0] / n,
+        ckpt_bytes_token=recomputed,
         kv_bytes_token=2 * kv_dim * torch.finfo(config.params_dtype).bits // 8,
-        head_bytes_token=stage_terms[-1] - stage_terms[0],
+        head_bytes_token=head,
+        attn_freed_bytes_token=released,
+        attn_bwd_bytes_pair=pair,
+        attn_bwd_bytes_key=key,
+        attn_bwd_bytes_query=query,
     )
     return fitted, {"rows": rows, "kept_layer_bytes_token": kept, "recomputed_layer_bytes_token": recomputed,
-                    "stage_bytes_token": list(stage_terms)}
+                    "head_bytes_token": head, "max_relative_residual": residual, "released_before_attention": freed,
+                    "attention_backward": {"pair": pair, "key": key, "query": query}}

@@ -15,7 +15,8 @@ Policies:
 - `dpp`, and the ablations `dpp_no_balance` (even token mesh, packing to the token target only),
   `dpp_no_ckpt` (no recomputation), `dpp_full_ckpt` (every layer recomputed).
 Static policies are tuned once per (model, context, pp, budget) by `tune_static` on a tuning
-batch and then plan each batch with `plan_static`; nothing is re-tuned per batch.
+batch and then plan each batch with `plan_static`; nothing is re-tuned per batch. Every policy
+plans against the budget less the memory model's stated error (`costmodel.usable_budget`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Sequence
 from megatron_ext.dpp import checkpointing
 from megatron_ext.dpp.checkpointing import BudgetTooSmall, Mode
 from megatron_ext.dpp.chunking import chunk_batch, chunk_on_mesh
-from megatron_ext.dpp.costmodel import CostModel, stage_layers
+from megatron_ext.dpp.costmodel import CostModel, budget_for, stage_layers, usable_budget
 from megatron_ext.dpp.plan import Chunk, Group, Segment, StepPlan
 from megatron_ext.dpp.schedule import group_dp, longest_first, one_f_one_b, units, with_recompute
 from megatron_ext.dpp.simulate import memory_peaks, simulate
@@ -157,6 +158,11 @@ def _plan_dpp(lengths, cost, pp, budget, layers, policy, k_candidates, max_group
     return best
 
 
+def _states(cost: CostModel, layers: Sequence[int]) -> list[float]:
+    """Model-state bytes of each stage (the embedding on the first, the output layer on the last)."""
+    return [cost.model_state_bytes(n, p == 0, p == len(layers) - 1) for p, n in enumerate(layers)]
+
+
 def plan_step_info(
     lengths: Sequence[int],
     cost_model: CostModel,
@@ -176,7 +182,7 @@ def plan_step_info(
     if not lengths or min(lengths) < 1:
         raise ValueError("dpp: a batch needs at least one sequence, all of positive length")
     layers = tuple(layers or stage_layers(cost_model.num_layers, pp))
-    states = max(cost_model.model_state_bytes(layers[p], p == 0, p == pp - 1) for p in range(pp))
+    states = max(_states(cost_model, layers))
     if states >= budget_bytes:
         raise BudgetTooSmall(budget_bytes, states, "the model states alone")
     # CPU time of this process (the solver's threads included): the planner's own cost,
@@ -184,9 +190,11 @@ def plan_step_info(
     t = time.process_time()
     stats = _Stats()
     if policy in DPP_POLICIES:
-        plan = _plan_dpp(lengths, cost_model, pp, budget_bytes, layers, policy, k_candidates, max_groups, mip_rel_gap, stats)
+        usable = usable_budget(budget_bytes, min(_states(cost_model, layers)))
+        plan = _plan_dpp(lengths, cost_model, pp, usable, layers, policy, k_candidates, max_groups, mip_rel_gap, stats)
         if plan is None:
-            raise BudgetTooSmall(budget_bytes, stats.min_budget, f"this batch ({len(lengths)} sequences, longest {max(lengths)}) with {policy}")
+            raise BudgetTooSmall(budget_bytes, budget_for(stats.min_budget, min(_states(cost_model, layers))),
+                                 f"this batch ({len(lengths)} sequences, longest {max(lengths)}) with {policy}")
         k = stats.extra["k"]
     else:
         if static is None or static.policy != policy:
@@ -291,13 +299,14 @@ def tune_static(policy: str, tuning_lengths: Sequence[int], cost: CostModel, pp:
     packed/split the least recompute that fits. If none fits, the most memory-frugal one
     (full recompute, finest split), which the simulator will flag OOM on large batches."""
     layers = tuple(layers or stage_layers(cost.num_layers, pp))
+    usable = usable_budget(budget_bytes, min(_states(cost, layers)))
     batches = ([context] * (pp + 2), tuning_lengths)
     fitting, frugal, frugal_peak = [], None, math.inf
     for cfg in _static_candidates(policy, context, cost.num_layers, pp):
         if fitting and fitting[-1].policy != "chunkflow" and fitting[-1].param == cfg.param:
             continue  # the least recompute that fits this span size is already found
         peak = max(max(memory_peaks(plan_static(b, cfg, cost, pp, layers), cost, layers)) for b in batches)
-        if peak <= budget_bytes:
+        if peak <= usable:
             fitting.append(cfg)
         elif peak < frugal_peak:
             frugal, frugal_peak = cfg, peak

@@ -2,8 +2,8 @@
 
 Each stage runs its ops in plan order; a forward waits for the previous stage's forward of the
 chunk (plus the p2p time), a backward for the next stage's backward. Memory is counted per stage
-by replaying the ops with the cost model's per-chunk bytes: this is independent of the
-checkpointing ILP's own (diagonal, matrix) accounting, so it checks the ILP's claims.
+by replaying the ops with the cost model's per-chunk bytes (`StageMemory`): this is independent
+of the checkpointing ILP's own (diagonal, matrix) accounting, so it checks the ILP's claims.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_ext.dpp.costmodel import CostModel, stage_layers
-from megatron_ext.dpp.plan import StepPlan
+from megatron_ext.dpp.plan import Chunk, StepPlan
 
 
 class PlanError(ValueError):
@@ -52,6 +52,49 @@ class SimResult:
     @property
     def peak_act_bytes(self) -> tuple[float, ...]:
         return tuple(m - s for m, s in zip(self.peak_bytes, self.state_bytes))
+
+
+def hand_down(handed: dict[int, float], chunk: Chunk, cost: CostModel, layers: int) -> float:
+    """Update `handed` (sequence -> dK/dV bytes held for its earlier slices) for the backward of
+    `chunk`: a segment takes what later slices handed it and hands its own prefix's down.
+    Returns the change in bytes held."""
+    change = 0.0
+    for s in chunk.segments:
+        change -= handed.pop(s.seq, 0.0)
+        if s.prefix:
+            handed[s.seq] = cost.handed_grad_bytes(s.prefix, layers)
+            change += handed[s.seq]
+    return change
+
+
+class StageMemory:
+    """Activation bytes of one stage as its ops run in order: what each chunk keeps between its
+    forward and backward, the dK/dV handed between slices, and the peak with the transients of
+    backward. Bytes start at `start` (the model states)."""
+
+    def __init__(self, plan: StepPlan, cost: CostModel, layers: int, last: bool, start: float = 0.0) -> None:
+        self.plan, self.cost, self.layers, self.last = plan, cost, layers, last
+        self.bytes = self.peak = start
+        self._live: dict[int, float] = {}
+        self._recompute: dict[int, int] = {}
+        self._handed: dict[int, float] = {}
+
+    def forward(self, chunk: int, recompute: int) -> float:
+        """Run a forward; returns the bytes held after it."""
+        c = self.plan.chunks[chunk]
+        self._recompute[chunk] = recompute
+        self._live[chunk] = self.cost.activation_bytes(c, self.plan.seq_lengths, self.layers, recompute, self.last)
+        self.bytes += self._live[chunk]
+        self.peak = max(self.peak, self.bytes)
+        return self.bytes
+
+    def backward(self, chunk: int) -> float:
+        """Run a backward; returns the bytes held at its peak (`self.bytes` is what is left)."""
+        c = self.plan.chunks[chunk]
+        during = self.bytes + self.cost.backward_transient_bytes(c, self.layers, self._recompute.pop(chunk), self.last)
+        self.bytes += hand_down(self._handed, c, self.cost, self.layers) - self._live.pop(chunk)
+        self.peak = max(self.peak, during, self.bytes)
+        return during
 
 
 def check_plan(plan: StepPlan, layers: Sequence[int]) -> None:
@@ -110,16 +153,14 @@ def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = Non
     if check:
         check_plan(plan, layers)
     pp, last = plan.pp, plan.pp - 1
-    chunks, seqs = plan.chunks, plan.seq_lengths
+    chunks = plan.chunks
     ops = [[(g, o) for g, grp in enumerate(plan.groups) for o in grp.ops[p]] for p in range(pp)]
     state = tuple(cost.model_state_bytes(layers[p], p == 0, p == last) for p in range(pp))
     end: dict[tuple[str, int, int], float] = {}
     rec: dict[tuple[int, int], int] = {}
     free, nxt = [0.0] * pp, [0] * pp
-    mem = list(state)
+    stages = [StageMemory(plan, cost, layers[p], p == last, state[p]) for p in range(pp)]
     memory = [[(0.0, state[p])] for p in range(pp)]
-    peak = list(state)
-    live: list[dict[int, float]] = [{} for _ in range(pp)]
     events, busy, recompute_s = [], 0.0, 0.0
     remaining = sum(len(o) for o in ops)
     while remaining:
@@ -140,19 +181,13 @@ def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = Non
                 if o.kind == "F":
                     dur, r_s = cost.forward_s(c, layers[p], p == last), 0.0
                     rec[(p, o.chunk)] = o.recompute
-                    live[p][o.chunk] = cost.activation_bytes(c, seqs, layers[p], o.recompute, p == last)
-                    mem[p] += live[p][o.chunk]
-                    memory[p].append((start + dur, mem[p]))
-                    peak[p] = max(peak[p], mem[p])
+                    memory[p].append((start + dur, stages[p].forward(o.chunk, o.recompute)))
                 else:
                     r = rec[(p, o.chunk)]
                     dur = cost.backward_s(c, layers[p], r, p == last)
                     r_s = r * cost.layer_forward_s(c)
-                    during = mem[p] + (cost.recompute_transient_bytes(c) if r and r == layers[p] else 0.0)
-                    peak[p] = max(peak[p], during)
-                    memory[p].append((start, during))
-                    mem[p] -= live[p].pop(o.chunk)
-                    memory[p].append((start + dur, mem[p]))
+                    memory[p].append((start, stages[p].backward(o.chunk)))
+                    memory[p].append((start + dur, stages[p].bytes))
                 end[(o.kind, o.chunk, p)] = free[p] = start + dur
                 events.append(Event(p, o.kind, o.chunk, g, start, start + dur, r_s))
                 busy += dur
@@ -168,7 +203,7 @@ def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = Non
         iter_s=iter_s,
         bubble_ratio=1.0 - busy / (pp * iter_s) if iter_s > 0 else 0.0,
         recompute_fraction=recompute_s / busy if busy > 0 else 0.0,
-        peak_bytes=tuple(peak),
+        peak_bytes=tuple(m.peak for m in stages),
         state_bytes=state,
         budget_bytes=budget_bytes,
         events=tuple(events),
@@ -181,19 +216,12 @@ def memory_peaks(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None =
     layers = tuple(layers or stage_layers(cost.num_layers, plan.pp))
     last, peaks = plan.pp - 1, []
     for p in range(plan.pp):
-        mem = peak = cost.model_state_bytes(layers[p], p == 0, p == last)
-        live, rec = {}, {}
+        stage = StageMemory(plan, cost, layers[p], p == last, cost.model_state_bytes(layers[p], p == 0, p == last))
         for g in plan.groups:
             for o in g.ops[p]:
-                c = plan.chunks[o.chunk]
                 if o.kind == "F":
-                    rec[o.chunk] = o.recompute
-                    live[o.chunk] = cost.activation_bytes(c, plan.seq_lengths, layers[p], o.recompute, p == last)
-                    mem += live[o.chunk]
-                    peak = max(peak, mem)
+                    stage.forward(o.chunk, o.recompute)
                 else:
-                    full = rec[o.chunk] and rec[o.chunk] == layers[p]
-                    peak = max(peak, mem + (cost.recompute_transient_bytes(c) if full else 0.0))
-                    mem -= live.pop(o.chunk)
-        peaks.append(peak)
+                    stage.backward(o.chunk)
+        peaks.append(stage.peak)
     return tuple(peaks)

@@ -1,11 +1,14 @@
 """Curriculum distillation of the nested submodels from the frozen parent.
 
-Every micro-batch draws one budget (stage 1: uniform over the budgets; stage 2: skewed toward
-the full model, e.g. 0.5 / 0.3 / 0.2 from largest to smallest), the router picks that budget's
-sizes, the student runs at them and learns the teacher's distribution: forward KL(teacher ||
-student) at temperature T (times T^2), optionally plus `ce_weight` times the next-token loss.
-The draw depends only on (seed, step, global micro-batch index), so any data-parallel layout
-draws the same budgets for the same samples.
+Every sample draws its own budget (stage 1: uniform over the budgets; stage 2: skewed toward the
+full model, e.g. 0.5 / 0.3 / 0.2 from largest to smallest). The draw depends only on (seed, step,
+global sample index), so any data-parallel layout and any micro-batch size draws the same budget
+for the same sample. The router samples each budget's sizes once per step (its Gumbel noise
+depends on (seed, step, budget)), so a sample's sizes are layout independent too. Inside a
+micro-batch the samples are grouped by budget and the student runs each group at its sizes
+(`grouped.py`); the teacher runs once on the whole micro-batch. Every token learns the teacher's
+distribution: forward KL(teacher || student) at temperature T (times T^2), optionally plus
+`ce_weight` times the next-token loss, reduced per token over the micro-batch as megatron does.
 
 `Distiller.forward_step` has megatron's `forward_step(data_iterator, model)` contract, so the
 Trainer runs it through megatron's own schedules (the `elastic` plugin), and `train_plain` runs
@@ -25,8 +28,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_ext.elastic.grouped import BudgetGroup, group_by_budget, run_groups
 from megatron_ext.elastic.pipeline import is_last_stage
-from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, apply_choice, cost_gap_loss, cost_of
+from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, cost_gap_loss, cost_of
 from megatron_ext.elastic.space import ElasticSpace
 from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token
 from megatron_ext.training.step import loss_func
@@ -36,7 +40,7 @@ from megatron_ext.training.step import loss_func
 class CurriculumConfig:
     # Fractions of the parent's cost, largest first.
     budgets: list[float] = field(default_factory=lambda: [1.0, 0.75, 0.5])
-    # Steps of stage 1 (uniform budget draws); stage 2 draws with `skew` after them.
+    # Steps of stage 1 (uniform per-sample budget draws); stage 2 draws with `skew` after them.
     uniform_steps: int = 50
     # Stage-2 probabilities in the order of `budgets` (None: uniform throughout).
     skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
@@ -51,8 +55,9 @@ def budget_probabilities(cfg: CurriculumConfig, step: int) -> list[float]:
     return list(cfg.skew)
 
 
-def draw_generator(seed: int, step: int, micro_batch: int) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}/{step}/{micro_batch}".encode()).digest()
+def draw_generator(*key: object) -> torch.Generator:
+    """A generator seeded by `key` alone, e.g. (seed, step, global sample index)."""
+    digest = hashlib.sha256("/".join(map(str, key)).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
@@ -73,11 +78,13 @@ class Distiller:
     ) -> None:
         self.space, self.teacher, self.router, self.cfg, self.vocab = space, teacher, router, curriculum, vocab
         self.full_cost = float(cost_of(space, space.full(), router.cfg.cost))
-        # Global index of the m-th micro-batch of this rank within a step (data parallelism).
+        # Global index of the m-th micro-batch of this rank within a step (data parallelism):
+        # its sample i is the step's sample micro_batch_index(m) * micro_batch_size + i.
         self.micro_batch_index = micro_batch_index
         self.step = 0
         self._micro = 0
-        self.drawn: list[int] = []
+        # This step's budgets: one list per micro-batch of this rank, one entry per sample.
+        self.drawn: list[list[int]] = []
         self._expected_gap = ExpectedGap(space, router) if ExpectedGap.fits(router) else None
         # Under pipeline parallelism: the teacher's logits of the step's micro-batches, in order,
         # computed before the student's schedule (`pipeline.forward_only`); None runs the
@@ -88,34 +95,44 @@ class Distiller:
         self.step, self._micro, self.drawn = step, 0, []
         self.loss_tokens = 0.0  # tokens of this rank's micro-batches that the loss counts
 
-    def choose(self) -> tuple[int, Choice]:
-        g = draw_generator(self.cfg.seed, self.step, self.micro_batch_index(self._micro))
+    def draw(self, samples: int) -> list[int]:
+        """The budgets of the next micro-batch's `samples` samples (recorded in `drawn`)."""
+        first = self.micro_batch_index(self._micro) * samples
         self._micro += 1
-        budget = draw_budget(self.cfg, self.step, g)
-        choice = self.router.sample(budget, self.step, g)
-        self.drawn.append(budget)
-        return budget, choice
+        budgets = [
+            draw_budget(self.cfg, self.step, draw_generator(self.cfg.seed, self.step, first + i)) for i in range(samples)
+        ]
+        self.drawn.append(budgets)
+        return budgets
+
+    def choice(self, budget: int) -> Choice:
+        """The router's sizes of `budget` this step: the same noise in every micro-batch and on
+        every rank, sampled afresh each call (each micro-batch's backward frees its graph)."""
+        return self.router.sample(budget, self.step, draw_generator(self.cfg.seed, self.step, "router", budget))
 
     def forward_step(self, data_iterator, model):
-        """Megatron's forward_step contract: (per-token loss [b, s], loss_func)."""
+        """Megatron's forward_step contract: (per-token loss [b, s], loss_func); on a pipeline
+        stage before the last, the activations to send."""
         batch = next(data_iterator)
-        _, choice = self.choose()
-        apply_choice(self.space, choice)
         tokens, positions = batch["tokens"], batch["position_ids"]
+        groups = group_by_budget(self.draw(tokens.shape[0]), self.choice)
         self.loss_tokens += float(batch["loss_mask"].sum())
         reduce = partial(loss_func, batch["loss_mask"])
         if self.teacher_logits is None:
             with torch.no_grad():
                 teacher_logits = self.teacher(tokens, positions, None)
         elif not is_last_stage():
-            return model(tokens, positions, None), reduce  # hidden states for the next stage
+            return run_groups(model, self.space, groups, tokens, positions, lambda g, out: out, False), reduce
         else:
             teacher_logits = self.teacher_logits.pop(0)
-        logits = model(tokens, positions, None)
-        per_token = kd_per_token(logits, teacher_logits, self.cfg.temperature, self.vocab)
-        if self.cfg.ce_weight:
-            per_token = per_token + self.cfg.ce_weight * ce_per_token(logits, batch["labels"], self.vocab)
-        return per_token, reduce
+
+        def per_token(group: BudgetGroup, logits: torch.Tensor) -> torch.Tensor:
+            loss = kd_per_token(logits, group.of(teacher_logits), self.cfg.temperature, self.vocab)
+            if self.cfg.ce_weight:
+                loss = loss + self.cfg.ce_weight * ce_per_token(logits, group.of(batch["labels"]), self.vocab)
+            return loss
+
+        return run_groups(model, self.space, groups, tokens, positions, per_token, True), reduce
 
     def average_router_grads(self, group, dp_group) -> None:
         """Turn the router's gradient, accumulated over megatron's backward of each micro-batch's
@@ -172,6 +189,13 @@ class Distiller:
                 total += float((per_token * batch["loss_mask"]).sum())
                 count += float(batch["loss_mask"].sum())
         return total / max(count, 1.0)
+
+
+def in_sample_order(drawn: list[torch.Tensor]) -> list[int]:
+    """Every replica's `Distiller.drawn` ([micro-batches, samples] each, replicas in rank order)
+    as one list in the step's global sample order: replica r's m-th micro-batch holds the
+    samples from (m * dp + r) * micro_batch_size on."""
+    return torch.stack(drawn, 1).reshape(-1).tolist()
 
 
 def sum_router_grads(router: BudgetRouter, group) -> None:

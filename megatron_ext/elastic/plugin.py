@@ -5,19 +5,22 @@
 Before the first step the parent is calibrated (a few training batches, forward only), every
 axis is reordered by importance, and a frozen teacher copy of the reordered parent is built
 beside the student on every rank. Each step then runs megatron's own schedule with the
-distillation forward step (`distill.py`): per micro-batch a budget is drawn, the router picks
-its sizes, the student runs at them and learns the teacher's distribution. The router has its
+distillation forward step (`distill.py`): per sample a budget is drawn, the router picks each
+budget's sizes, the student runs each micro-batch's budget groups at their sizes (`grouped.py`)
+and learns the teacher's distribution. The router has its
 own Adam and learning rate and steps after the model's optimizer; its gradients are summed over
 the data-parallel replicas. Evaluation runs the full model. At the end, with `export_dir`, the
 nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
-written, plus `report.json` (losses, budgets drawn, the router's choices).
+written, plus `report.json` (losses, the budget of every sample in global sample order, the
+router's choices).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
 global prefix, the losses are vocabulary-parallel, the router's gradient is summed over the TP
 and DP ranks) and pipeline parallelism of GPT parents (PP=2 is checked equal to one process:
 `pipeline.py`; the teacher is pipelined like the student and runs forward-only through megatron's
-schedule before the student's, the last stage keeps its logits). The Mamba and MoE axes refuse
+schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
+sends its groups' activations zero-padded to the widest group's hidden size). The Mamba and MoE axes refuse
 TP and PP, and virtual pipeline stages are refused. A resumed run rebuilds the teacher from the
 parent's source and the stored orders and continues the uninterrupted run (checked: the same
 budgets, losses, router choices and weights). With `fp8`, the student distils with FP8 QAD and
@@ -46,7 +49,8 @@ class ElasticConfig:
     # A budget must be within this (relative) of some submodel of the grid.
     tolerance: float = 0.05
     cost: str = "params"
-    # Curriculum: uniform budget draws for `uniform_steps`, then `skew` (largest budget first).
+    # Curriculum: each sample draws its budget, uniformly for `uniform_steps`, then with `skew`
+    # (largest budget first).
     uniform_steps: int = 50
     skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
     temperature: float = 1.0
@@ -104,8 +108,8 @@ class ElasticPlugin(Plugin):
 
         c = self.cfg
         if trainer.cfg.parallel.pp > 1:
-            # A budget's hidden size is the shape one stage sends the next: megatron's p2p must
-            # communicate shapes first.
+            # The micro-batch's (widest) hidden size is the shape one stage sends the next:
+            # megatron's p2p must communicate shapes first.
             model_chunks[0].config.variable_seq_lengths = True
         self.space = ElasticSpace(model_chunks[0])
         self.grid = {k: [int(v) for v in vs] for k, vs in (c.grid or {}).items()} or default_grid(
@@ -162,7 +166,8 @@ class ElasticPlugin(Plugin):
             self.curriculum,
             trainer.tokenizer.vocab_size if trainer.cfg.model.vocab_size is None else trainer.cfg.model.vocab_size,
             # Megatron's sampler deals micro-batches to the replicas in turn: rank r's m-th is
-            # the global batch's (m * dp + r)-th, so every layout pairs a sample with one draw.
+            # the global batch's (m * dp + r)-th, so every layout gives a sample one global index
+            # (hence one draw).
             micro_batch_index=lambda m: m * dp + dp_rank,
         )
         if self.router_state is None:  # identical on every rank: no data, seeded draws
@@ -323,7 +328,7 @@ class ElasticPlugin(Plugin):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from megatron_ext.elastic.distill import sum_router_grads
+        from megatron_ext.elastic.distill import in_sample_order, sum_router_grads
 
         group = parallel_state.get_data_parallel_group()
         self.distiller.average_router_grads(parallel_state.get_tensor_and_data_parallel_group(), group)
@@ -340,7 +345,7 @@ class ElasticPlugin(Plugin):
                 "step": step,
                 "loss": metrics["loss"],
                 "router_loss": float(router_loss.detach()),
-                "budgets": torch.stack(gathered, 1).reshape(-1).tolist(),  # in global micro-batch order
+                "budgets": in_sample_order(gathered),
                 "choices": [self.router.select(b) for b in range(len(self.cfg.budgets))],
             }
         )

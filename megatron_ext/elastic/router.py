@@ -83,7 +83,7 @@ class BudgetRouter(nn.Module):
         return getattr(self, f"choices_{_key(key)}")
 
     def logits(self, budget: int) -> dict[str, torch.Tensor]:
-        x = F.one_hot(torch.tensor(budget), len(self.budgets)).float()
+        x = F.one_hot(torch.tensor(budget), len(self.budgets)).to(next(self.parameters()).dtype)
         return {k: self.nets[_key(k)](x) for k in self.keys}
 
     def sample(self, budget: int, step: int, generator: Optional[torch.Generator] = None) -> Choice:

@@ -52,16 +52,17 @@ def test_router_gradient_is_the_mean_over_loss_tokens(world):  # noqa: F811
     brute = distiller(space, teacher)
     total, count = 0.0, 0
     for b in micro:
-        _, choice = brute.choose()  # the same draws: same seed, step and micro-batch index
-        apply_choice(space, choice)
-        s = student(b["tokens"], b["position_ids"], None)[..., :VOCAB]
-        with torch.no_grad():
-            t = teacher(b["tokens"], b["position_ids"], None)[..., :VOCAB]
-        for i, j in b["loss_mask"].nonzero().tolist():
-            total = total + F.kl_div(
-                F.log_softmax(s[i, j], -1), F.log_softmax(t[i, j], -1), log_target=True, reduction="sum"
-            )
-            count += 1
+        # The same draws: same seed, step and sample index; each sample alone at its budget.
+        for i, budget in enumerate(brute.draw(len(b["tokens"]))):
+            apply_choice(space, brute.choice(budget))
+            s = student(b["tokens"][i : i + 1], b["position_ids"][i : i + 1], None)[0, :, :VOCAB]
+            with torch.no_grad():
+                t = teacher(b["tokens"][i : i + 1], b["position_ids"][i : i + 1], None)[0, :, :VOCAB]
+            for j in b["loss_mask"][i].nonzero().flatten().tolist():
+                total = total + F.kl_div(
+                    F.log_softmax(s[j], -1), F.log_softmax(t[j], -1), log_target=True, reduction="sum"
+                )
+                count += 1
     (total / count).backward()
     space.clear_gates()
     for name, want in ((n, p.grad) for n, p in brute.router.named_parameters()):

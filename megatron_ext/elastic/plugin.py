@@ -11,8 +11,8 @@ and learns the teacher's distribution. The router has its
 own Adam and learning rate and steps after the model's optimizer; its gradients are summed over
 the data-parallel replicas. Evaluation runs the full model. At the end, with `export_dir`, the
 nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
-written, plus `report.json` (losses, the budget of every sample in global sample order, the
-router's choices).
+written, plus `report.json` (per step: the loss, the budget of every sample in global sample
+order, the sizes each budget trained at, the router's choices after the step).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
@@ -336,6 +336,8 @@ class ElasticPlugin(Plugin):
         sum_router_grads(self.router, parallel_state.get_pipeline_model_parallel_group())
         router_loss = self.distiller.router_loss()  # the same on every rank
         router_loss.backward()
+        with torch.no_grad():  # what each budget's samples trained at, before the router moves
+            trained = [self.distiller.choice(b).sizes for b in range(len(self.cfg.budgets))]
         self.router_optimizer.step()
         drawn = torch.tensor(self.distiller.drawn, dtype=torch.long)
         gathered = [torch.zeros_like(drawn) for _ in range(dist.get_world_size(group))]
@@ -346,6 +348,7 @@ class ElasticPlugin(Plugin):
                 "loss": metrics["loss"],
                 "router_loss": float(router_loss.detach()),
                 "budgets": in_sample_order(gathered),
+                "sizes": trained,
                 "choices": [self.router.select(b) for b in range(len(self.cfg.budgets))],
             }
         )

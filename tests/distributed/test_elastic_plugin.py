@@ -1,5 +1,6 @@
 """The elastic plugin inside the Trainer: data parallelism (2 gloo ranks) distils the same nested
-models as one process (same budgets drawn per sample, same losses, router and weights), a run
+models as one process (same budgets drawn per sample, same losses, router and weights), also with
+micro-batches that mix budgets (and then equal to one-sample micro-batches), a run
 resumed from a checkpoint continues the uninterrupted one, pipeline parallelism (2 stages)
 distils as one process, and `elastic.fp8` distils with FP8
 QAD and writes a nested FP8 checkpoint that the slicing CLI cuts into a standalone FP8 one."""
@@ -48,22 +49,48 @@ def run(tmp_path, name: str, *overrides: str) -> tuple[dict, dict]:
     return json.loads((out / "report.json").read_text()), load_file(str(weights)) if weights.exists() else None
 
 
-@pytest.mark.parametrize("global_batch", [2, 4], ids=["one-micro-batch", "two-micro-batches"])
-def test_data_parallel_distillation_equals_one_process(tmp_path, global_batch):
+def mixes_hidden_sizes(history: list[dict], micro_batch: int) -> bool:
+    """Whether some micro-batch held samples whose budgets trained at different hidden sizes."""
+    return any(
+        len({h["sizes"][b]["hidden"] for b in h["budgets"][i : i + micro_batch]}) > 1
+        for h in history
+        for i in range(0, len(h["budgets"]), micro_batch)
+    )
+
+
+def assert_same_run(a: dict, b: dict, rel: float) -> None:
+    """The same budgets per sample, sizes, losses, router losses and router choices."""
+    assert [h["budgets"] for h in a["history"]] == [h["budgets"] for h in b["history"]]
+    assert len({x for h in a["history"] for x in h["budgets"]}) > 1, "one budget only: a vacuous check"
+    for x, y in zip(a["history"], b["history"], strict=True):
+        assert x["sizes"] == y["sizes"] and x["choices"] == y["choices"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=rel)
+        assert x["router_loss"] == pytest.approx(y["router_loss"], rel=max(rel, 1e-6))  # all-reduced sums
+
+
+@pytest.mark.parametrize(
+    "global_batch, micro_batch",
+    [(2, 1), (4, 1), (4, 2)],
+    ids=["one-micro-batch", "two-micro-batches", "two-sample-micro-batches"],
+)
+def test_data_parallel_distillation_equals_one_process(tmp_path, global_batch, micro_batch):
     """With two micro-batches per replica megatron's sampler deals rank r the global batch's
     micro-batches r, r + 2, ...: drawing budgets by rank-major index paired samples with other
-    budgets than one process does (8e-2 off at step 1, measured)."""
-    batch = f"train.global_batch_size={global_batch}"
-    one, one_weights = run(tmp_path, "one", batch)
-    two, two_weights = run(tmp_path, "two", batch, "launcher.nproc=2", "parallel.dp=2")
-    # Budgets are drawn per global micro-batch, whichever replica runs it.
-    assert [h["budgets"] for h in one["history"]] == [h["budgets"] for h in two["history"]]
-    assert len({b for h in one["history"] for b in h["budgets"]}) > 1, "one budget only: a vacuous check"
-    for a, b in zip(one["history"], two["history"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["router_loss"] == pytest.approx(b["router_loss"], rel=1e-5)
-    assert one["choices"] == two["choices"]
+    budgets than one process does (8e-2 off at step 1, measured). With two samples per
+    micro-batch the samples of one micro-batch train at different budgets, and the run equals
+    one with one-sample micro-batches."""
+    batch = f"train.global_batch_size={global_batch}", f"train.micro_batch_size={micro_batch}"
+    one, one_weights = run(tmp_path, "one", *batch)
+    two, two_weights = run(tmp_path, "two", *batch, "launcher.nproc=2", "parallel.dp=2")
+    # Budgets are drawn per global sample index, whichever replica and micro-batch hold it.
+    assert_same_run(one, two, 1e-5)
     assert one_weights.keys() == two_weights.keys()
+    if micro_batch > 1:
+        assert mixes_hidden_sizes(one["history"], micro_batch), "no micro-batch mixes budgets: vacuous"
+        # Calibrated on the same samples (4 one-sample micro-batches, not 2).
+        calibration = f"elastic.calibration_batches={2 * micro_batch}"
+        single, _ = run(tmp_path, "single", f"train.global_batch_size={global_batch}", calibration)
+        assert_same_run(single, one, 1e-5)
     if global_batch > 2:
         return  # accumulated in another order: one weight of 24576 measured 1.2e-6 (1.4e-4 relative) apart
     for key in one_weights:
@@ -71,29 +98,29 @@ def test_data_parallel_distillation_equals_one_process(tmp_path, global_batch):
 
 
 @pytest.mark.parametrize(
-    "tied, rel",
+    "tied, micro_batch, rel",
     # Untied, the stages compute what one process computes in the same order: equal to the bit
     # (measured). Tied, the embedding's gradient is the sum of the first stage's and the last
     # stage's copy, accumulated in another order: 2e-5 relative after 6 steps (measured).
     # Reducing the tied copy's gradient at the last micro-batch's budget (its slice has no
     # gradient: skipped) was off by 7e-4 at step 4 and 2e-2 at step 5.
-    [(False, 1e-12), (True, 1e-4)],
-    ids=["untied", "tied"],
+    # Two-sample micro-batches (2 per step) mix budgets: the first stage sends its groups'
+    # activations padded to the wider hidden size, the second cuts them back out (measured equal
+    # to the bit too).
+    [(False, 1, 1e-12), (True, 1, 1e-4), (False, 2, 1e-12)],
+    ids=["untied", "tied", "untied-mixed-micro-batches"],
 )
-def test_pipeline_parallel_distillation_equals_one_process(tmp_path, tied, rel):
-    """PP=2 (one layer per stage, 4 micro-batches per step through megatron's 1F1B): the same
+def test_pipeline_parallel_distillation_equals_one_process(tmp_path, tied, micro_batch, rel):
+    """PP=2 (one layer per stage, 4 samples per step through megatron's 1F1B): the same
     calibration orders (hence budgets' sizes), budget draws, losses, router losses and router
     choices as one process. The losses of steps 2-6 depend on every gradient of the steps before
     (model and router), the first on the teacher's pipelined logits and the reorder."""
-    common = ["train.global_batch_size=4", f"model.tie_embeddings={str(tied).lower()}"]
+    common = ["train.global_batch_size=4", f"train.micro_batch_size={micro_batch}", f"model.tie_embeddings={str(tied).lower()}"]
     one, _ = run(tmp_path, "one", *common)
     two, _ = run(tmp_path, "pp", *common, "launcher.nproc=2", "parallel.pp=2")
-    assert [h["budgets"] for h in one["history"]] == [h["budgets"] for h in two["history"]]
-    assert len({b for h in one["history"] for b in h["budgets"]}) > 1, "one budget only: a vacuous check"
-    for a, b in zip(one["history"], two["history"], strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=rel)
-        assert a["router_loss"] == pytest.approx(b["router_loss"], rel=max(rel, 1e-6))  # all-reduced sums
-        assert a["choices"] == b["choices"]
+    assert_same_run(one, two, rel)
+    if micro_batch > 1:
+        assert mixes_hidden_sizes(one["history"], micro_batch), "no micro-batch mixes hidden sizes: vacuous"
 
 
 def test_resumed_run_continues_the_uninterrupted_one(tmp_path):

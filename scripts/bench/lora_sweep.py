@@ -6,12 +6,14 @@ against the baseline strategies (sequential, per_job, pack_all).
                           datasheet peaks, assumed efficiencies: no GPU was measured)
   small_instance_max_gap  the heuristic planner's worst makespan ratio to the exact optimum
                           (CP-SAT over rigid packs) on random small sweeps
-  measured                a 12-configuration sweep executed for real on this machine: each
-                          "device" is a one-thread worker process running its packs with the
-                          packed runtime (runtime.PackedTrainer); the planner uses the linear
-                          cost model calibrated here first (calibrate.py). Makespans are CPU
-                          seconds of the busiest worker (on a shared machine the wall clock
-                          counts other people's work) and, separately, wall seconds.
+  measured                a 12-configuration sweep executed for real on this machine by the
+                          sweep's executor (lora/execute.py) in one launch of `--devices`
+                          one-thread gloo ranks, a rank per device: packs on separate ranks train
+                          at the same time, each job writes its PEFT adapter and megatron
+                          checkpoint. The planner uses the linear cost model calibrated here
+                          first (calibrate.py). Makespans are CPU seconds of the busiest rank (on
+                          a shared machine the wall clock counts other people's work) and,
+                          separately, wall seconds, from a barrier to the executor's return.
 
 Run alone: python scripts/bench/lora_sweep.py --json sweep.json [--plot sweep.png]
 """
@@ -24,7 +26,6 @@ import itertools
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from megatron_ext.lora import exact, planner, report  # noqa: E402
 from megatron_ext.lora.costmodel import A100_80GB, GpuCostModel  # noqa: E402
 from megatron_ext.lora.job import LoraJob  # noqa: E402
 from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel  # noqa: E402
-from megatron_ext.lora.plan import Plan  # noqa: E402
+from megatron_ext.lora.plan import Pack, Plan  # noqa: E402
 from megatron_ext.lora.simulate import Schedule, simulate  # noqa: E402
 from megatron_ext.lora.workload import shapes_of  # noqa: E402
 
@@ -143,73 +144,60 @@ def small_instance_gaps(instances: int, seed: int = 0) -> dict:
 # --- the measured sweep ---------------------------------------------------------------------------
 
 
-def run_worker(spec_path: str, out_path: str) -> None:
-    """One device: build the base once, run its packs in order with the packed runtime."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def run_ranks(plans: dict[str, Plan], jobs: list[LoraJob], out_dir: str) -> dict:
+    """One rank of the measured sweep: each strategy's plan through the sweep's executor
+    (execute.py: packs on separate ranks at the same time, one base per rank, per-job PEFT
+    adapters and megatron checkpoints), timed from a barrier to the executor's return."""
+    import torch.distributed as dist
 
-    from megatron_ext.lora.base import build_base
+    from megatron_ext.config import compose_config
     from megatron_ext.lora.batching import SyntheticData
-    from megatron_ext.lora.runtime import PackedTrainer
-    from megatron_ext.platform.launch import join_world
+    from megatron_ext.lora.execute import execute
+    from megatron_ext.models.convert.world import model_parallel_world
 
-    spec = json.loads(Path(spec_path).read_text())
-    join_world("cpu")
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-    model_cfg = ModelConfig(**spec["model"])
-    model, wrappers, routing = build_base(model_cfg, model_cfg.vocab_size)
-    packs = []
-    for pack in spec["packs"]:
-        jobs = [LoraJob(**j) for j in pack["jobs"]]
-        trainer = PackedTrainer(model, wrappers, routing, lambda job: SyntheticData(job, model_cfg.vocab_size), pack["slots"])
-        trainer.submit(jobs)
-        cpu, wall = time.process_time(), time.perf_counter()
-        results = trainer.run()
-        packs.append({"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall,
-                      "jobs": {n: [r.started_s, r.finished_s, r.status] for n, r in results.items()}})
-    Path(out_path).write_text(json.dumps({"packs": packs}))
+    cfg = dataclasses.replace(compose_config(["experiment=lora_sweep"]), model=CPU_MODEL)
+    runs = {}
+    with model_parallel_world(tp=1):
+        # Untimed first: a one-step job per rank pays every first-use cost (allocator, kernels,
+        # the first checkpoint) that the first timed strategy would otherwise pay alone.
+        warmup = [jobs[0].replace(name=f"warmup{r}", steps=1) for r in range(dist.get_world_size())]
+        execute(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, output_dir=f"{out_dir}/warmup")), warmup,
+                Plan("warmup", tuple(Pack((j.name,), 1, 1, 1, (r,)) for r, j in enumerate(warmup))),
+                lambda job: SyntheticData(job, CPU_MODEL.vocab_size))
+        for name, plan in plans.items():
+            run_cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, output_dir=f"{out_dir}/{name}"))
+            dist.barrier()
+            cpu, wall = time.process_time(), time.perf_counter()
+            results = execute(run_cfg, jobs, plan, lambda job: SyntheticData(job, CPU_MODEL.vocab_size))
+            mine = {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            runs[name] = {"cpu_s": [r["cpu_s"] for r in everyone], "wall_s": [r["wall_s"] for r in everyone],
+                          "not_done": sorted(n for n, r in results.items() if r.status != "done")}
+    return runs
 
 
-def execute(plan: Plan, jobs: dict[str, LoraJob], workdir: Path) -> dict:
-    """Run a plan of one-device packs: one worker process per device, all devices at once."""
-    devices = sorted({d for p in plan.packs for d in p.devices})
-    if any(p.size != 1 for p in plan.packs):
-        raise ValueError("measured sweep: only one-device packs (tp = dp = 1) run on this machine")
-    procs, outputs = [], []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    for d in devices:
-        spec = {"model": dataclasses.asdict(CPU_MODEL),
-                "packs": [{"slots": p.slots, "jobs": [dataclasses.asdict(jobs[n]) for n in p.jobs]} for p in plan.packs if p.devices == (d,)]}
-        spec_path, out_path = workdir / f"{plan.strategy}_{d}.json", workdir / f"{plan.strategy}_{d}.out.json"
-        spec_path.write_text(json.dumps(spec))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path), str(out_path)], env=env))
-        outputs.append(out_path)
-    for proc in procs:
-        if proc.wait() != 0:
-            raise RuntimeError(f"measured sweep: a worker of {plan.strategy} failed ({proc.returncode})")
-    launch_wall = time.perf_counter() - start
-    workers = [json.loads(p.read_text()) for p in outputs]
+def execute_all(plans: dict[str, Plan], jobs: list[LoraJob], devices: int, workdir: Path) -> dict:
+    """Every plan run by one launch of `devices` one-thread ranks (a rank is a device)."""
+    from megatron_ext.platform.launch import launch_local
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    runs = launch_local(devices, run_ranks, (plans, jobs, str(workdir)), "127.0.0.1", 0)[0]
     return {
-        "makespan_cpu_s": max(sum(p["cpu_s"] for p in w["packs"]) for w in workers),
-        "makespan_wall_s": max(sum(p["wall_s"] for p in w["packs"]) for w in workers),
-        "launch_wall_s": launch_wall,
-        "diverged": [n for w in workers for p in w["packs"] for n, (_, _, s) in p["jobs"].items() if s != "done"],
+        name: {**run, "makespan_cpu_s": max(run["cpu_s"]), "makespan_wall_s": max(run["wall_s"])}
+        for name, run in runs.items()
     }
 
 
-def measured(samples: int, devices: int, out_dir: Path) -> dict:
-    from megatron.core import parallel_state
+def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.lora.calibrate import calibrate, fit_record, save_fit
-    from megatron_ext.platform.launch import join_world
+    from megatron_ext.models.convert.world import model_parallel_world
 
-    join_world("cpu")
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(1234)
-    fit, calibration = calibrate(CPU_MODEL, CPU_MODEL.vocab_size)
+    with model_parallel_world():  # left before the ranks launch
+        model_parallel_cuda_manual_seed(1234)
+        fit, calibration = calibrate(CPU_MODEL, CPU_MODEL.vocab_size)
     save_fit(out_dir / "lora_cost_model.json", fit, len(calibration))  # for lora.cost_model=
     shapes = shapes_of(CPU_MODEL)
     memory = MemoryModel(shapes, FP32, fused_attention=False)
@@ -220,21 +208,19 @@ def measured(samples: int, devices: int, out_dir: Path) -> dict:
     problem = planner.Problem(tuple(jobs), hardware, memory, fit.model, max_tp=1, max_dp=1)
     schedules = strategy_schedules(problem)
     (out_dir / "lora_sweep_measured_plan.txt").write_text(report.table(schedules["planner"]) + "\n")
-    by_name = {j.name: j for j in jobs}
-    runs = {}
+    plans = {name: dataclasses.replace(s.plan, strategy=name) for name, s in schedules.items() if s is not None}
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        for name, schedule in schedules.items():
-            if schedule is not None:
-                runs[name] = execute(dataclasses.replace(schedule.plan, strategy=name), by_name, Path(tmp))
+        runs = execute_all(plans, jobs, devices, Path(tmp))
     return {
-        "makespan_s": {k: (v["makespan_cpu_s"] if v else None) for k, v in ((n, runs.get(n)) for n in STRATEGIES)},
-        "makespan_wall_s": {k: (v["makespan_wall_s"] if v else None) for k, v in ((n, runs.get(n)) for n in STRATEGIES)},
+        "makespan_s": {n: (runs[n]["makespan_cpu_s"] if n in runs else None) for n in STRATEGIES},
+        "makespan_wall_s": {n: (runs[n]["makespan_wall_s"] if n in runs else None) for n in STRATEGIES},
         "predicted_s": {k: (None if s is None else s.makespan) for k, s in schedules.items()},
         "planner_strategy": schedules["planner"].plan.strategy,
         "runs": runs,
         "cost_model": fit_record(fit, len(calibration)),
         "setup": {"model": dataclasses.asdict(CPU_MODEL), "devices": devices, "memory_bytes": hardware.memory_bytes,
-                  "jobs": [dataclasses.asdict(j) for j in jobs]},
+                  "executor": "megatron_ext.lora.execute.execute, one gloo rank per device (launch_local)",
+                  "machine": machine, "jobs": [dataclasses.asdict(j) for j in jobs]},
     }
 
 
@@ -250,7 +236,7 @@ def sweep(args: argparse.Namespace) -> dict:
         "small_instance_gaps": gaps,
     }
     if not args.skip_measured:
-        m = measured(args.samples, args.devices, out_dir)
+        m = measured(args.samples, args.devices, out_dir, args.machine)
         result["measured"], result["measured_details"] = m["makespan_s"], m
     return result
 
@@ -277,15 +263,13 @@ def plot(result: dict, path: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap-instances", type=int, default=40, help="random small sweeps for the optimality gap")
     p.add_argument("--samples", type=int, default=24, help="samples each job of the measured sweep trains on")
-    p.add_argument("--devices", type=int, default=2, help="worker processes of the measured sweep")
+    p.add_argument("--devices", type=int, default=2, help="ranks (devices) of the measured sweep")
     p.add_argument("--skip-measured", action="store_true", help="leave out the measured sweep")
+    p.add_argument("--machine", default="", help="what else ran on the machine while measuring (kept in the JSON)")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        run_worker(argv[1], argv[2])
-        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", required=True)
     p.add_argument("--plot")

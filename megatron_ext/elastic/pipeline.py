@@ -8,7 +8,8 @@ projections on each). What must agree over the stages:
     permutes the residual stream alike; per-layer axes are scored where their layer lives;
   * costs: a submodel's parameters are the sum of every stage's (`stage_sum`), so the router, which
     runs alike on every rank, sees the whole model's cost;
-  * activations: a budget's hidden size changes the shape a stage sends to the next, so megatron's
+  * activations: a budget's hidden size changes the shape a stage sends to the next (a micro-batch
+    of several budgets sends its groups padded to the widest one's, `grouped.py`), so megatron's
     p2p communicates shapes first (`config.variable_seq_lengths`, set by the plugin);
   * the teacher: pipelined like the student, run forward-only through megatron's schedule on the
     step's micro-batches before the student's schedule (`forward_only`); the last stage keeps its

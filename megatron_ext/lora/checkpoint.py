@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.lora.export import Weights, load_megatron_state, save_megatron, sharded_weights, weights_from
+from megatron_ext.lora.groups import as_world
 from megatron_ext.lora.job import LoraJob
 
 if TYPE_CHECKING:  # runtime.py imports this module
@@ -39,8 +41,11 @@ class JobState:
     counters: dict[str, float]  # step_count, micro, step_loss, consumed
 
 
-def save_job(folder: Path, active: "ActiveJob", wrappers: dict[tuple[int, str], "MultiLoraLinear"]) -> None:
-    """Write `active`'s state to `folder` (collective over the world)."""
+def save_job(
+    folder: Path, active: "ActiveJob", wrappers: dict[tuple[int, str], "MultiLoraLinear"], group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Write `active`'s state to `folder` (collective over `group`, default the world: the
+    ranks that train the job)."""
     weights, moments, steps, grads = {}, {name: {} for name in MOMENTS}, {}, {}
     adam = active.optimizer.optimizer.state
     for key, wrapper in wrappers.items():
@@ -54,22 +59,22 @@ def save_job(folder: Path, active: "ActiveJob", wrappers: dict[tuple[int, str], 
             steps[f"{key[0]}.{key[1]}"] = (adam[adapter.a]["step"].clone(), adam[adapter.b]["step"].clone())
         if adapter.a.grad is not None:
             grads[key] = wrapper.logical_pair(adapter.a.grad, adapter.b.grad)
-    extra = sharded_weights(grads, "grad")
-    for name in MOMENTS:
-        extra.update(sharded_weights(moments[name], f"adam.{name}"))
-    extra["adam_steps"] = steps
-    extra["counters"] = {
-        "step_count": active.optimizer.step_count,
-        "micro": active.micro,
-        "step_loss": active.step_loss,
-        "consumed": active.consumed,
-    }
-    save_megatron(folder, active.job, weights, extra)
+    counters = {"step_count": active.optimizer.step_count, "micro": active.micro, "step_loss": active.step_loss,
+                "consumed": active.consumed}
+    # The TP gathers above run over megatron's groups; the save over `group` alone (replicas
+    # are numbered by rank in it, so its first rank writes).
+    with as_world(group):
+        extra = sharded_weights(grads, "grad")
+        for name in MOMENTS:
+            extra.update(sharded_weights(moments[name], f"adam.{name}"))
+        save_megatron(folder, active.job, weights, {**extra, "adam_steps": steps, "counters": counters})
 
 
-def load_job(folder: Path, job: LoraJob) -> JobState:
-    """The state `save_job` wrote for `job` (collective); refuses a checkpoint of another job."""
-    saved, state = load_megatron_state(folder)
+def load_job(folder: Path, job: LoraJob, group: Optional[dist.ProcessGroup] = None) -> JobState:
+    """The state `save_job` wrote for `job` (collective over `group`, default the world);
+    refuses a checkpoint of another job."""
+    with as_world(group):
+        saved, state = load_megatron_state(folder)
     changed = [f.name for f in dataclasses.fields(LoraJob) if getattr(saved, f.name) != getattr(job, f.name)]
     if changed:
         raise ValueError(f"lora job {job.name!r}: the checkpoint in {folder} was written with other {changed}")

@@ -2,11 +2,8 @@
 the same time (groups.py), one frozen base per rank.
 
 Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/` (PEFT, by its pack's
-leader rank) and `checkpoint/` (megatron dist_checkpointing). When every pack spans the world,
-packs run one after another and are checkpointed (resume.py). dist_checkpointing saves are
-collective over the whole world, so when packs train on separate ranks at once there are no pack
-checkpoints, and the finished jobs' megatron checkpoints are written together once every pack
-has ended (each pack's leader hands its adapters to every rank first).
+leader rank) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed over its
+own ranks (resume.py), also while other packs train on theirs, so a stopped sweep resumes.
 """
 
 from __future__ import annotations
@@ -14,15 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_ext.config.schema import Config
 from megatron_ext.lora import resume
 from megatron_ext.lora.base import build_base
-from megatron_ext.lora.export import Weights, save_megatron, save_peft
-from megatron_ext.lora.groups import pack_groups, spans_world
+from megatron_ext.lora.export import save_megatron, save_peft
+from megatron_ext.lora.groups import as_world, pack_groups
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import logical_weights
 from megatron_ext.lora.plan import Plan
@@ -31,38 +29,43 @@ from megatron_ext.models.gpt import padded_vocab_size
 
 
 def execute(cfg: Config, jobs: Sequence[LoraJob], plan: Plan, data_for: Callable) -> dict[str, JobResult]:
-    """Train `plan` (collective over the world); every rank returns every job's result."""
-    tp = cfg.parallel.tp
-    groups = pack_groups(plan, tp)
-    whole = spans_world(plan, tp)
-    model, wrappers, routing = build_base(cfg.model, padded_vocab_size(cfg.model.vocab_size, cfg.model, tp), cfg.train.seed)
+    """Train `plan` (collective over the world); every rank returns every job's result.
+    `lora.stop_after` counts the packed steps of each rank's packs; a pack runs at most what is
+    left to the rank with the least left."""
+    groups = pack_groups(plan, cfg.parallel.tp)
+    model, wrappers, routing = build_base(cfg.model, padded_vocab_size(cfg.model.vocab_size, cfg.model, cfg.parallel.tp), cfg.train.seed)
     routing.kernel = cfg.lora.kernel
     out = Path(cfg.lora.output_dir)
     by_name = {j.name: j for j in jobs}
     results: dict[str, JobResult] = {}
-    held: dict[str, tuple[LoraJob, Weights]] = {}  # finished adapters whose megatron checkpoint waits
     budget = cfg.lora.stop_after
     for index, pack in enumerate(plan.packs):
         if index not in groups:
             continue
         mine = groups[index]
         writer = dist.get_rank() == mine.leader
-        trainer = PackedTrainer(model, wrappers, routing, data_for, pack.slots, _finisher(cfg, out, writer, whole, held),
+        trainer = PackedTrainer(model, wrappers, routing, data_for, pack.slots, _finisher(cfg, out, writer, mine.group),
                                 _logger(out, writer), dp_group=mine.dp_group, group=mine.group)
         trainer.submit([by_name[n] for n in pack.jobs])
-        if whole:
-            folder = resume.pack_folder(out, index)
-            resume.restore(trainer, folder)
-            if not resume.finished(trainer) and budget != 0:
-                taken = resume.run_pack(trainer, folder, cfg.lora.save_interval, budget)
-                budget = None if budget is None else budget - taken
-        else:
-            trainer.run()
+        folder = resume.pack_folder(out, index)
+        resume.restore(trainer, folder)
+        budget = _least_left(budget, mine.group)
+        if not resume.finished(trainer) and budget != 0:
+            taken = resume.run_pack(trainer, folder, cfg.lora.save_interval, budget)
+            budget = None if budget is None else budget - taken
         if writer:
             results.update(trainer.results)
-    if not whole:
-        _save_held(out, held)
     return _gathered(results, jobs)
+
+
+def _least_left(budget: Optional[int], group: dist.ProcessGroup) -> Optional[int]:
+    """The packed steps every rank of the pack still has (ranks that ran other packs before
+    differ), so that all of them stop at the same step."""
+    if budget is None:
+        return None
+    left = torch.tensor([budget])
+    dist.all_reduce(left, op=dist.ReduceOp.MIN, group=group)
+    return int(left.item())
 
 
 def _logger(out: Path, writer: bool) -> Callable[[str, str], None]:
@@ -78,26 +81,15 @@ def _logger(out: Path, writer: bool) -> Callable[[str, str], None]:
     return log
 
 
-def _finisher(cfg: Config, out: Path, writer: bool, whole: bool, held: dict) -> Callable:
+def _finisher(cfg: Config, out: Path, writer: bool, group: dist.ProcessGroup) -> Callable:
     def finish(trainer: PackedTrainer, active) -> None:
-        weights = logical_weights(trainer.wrappers, active.slot)
+        weights = logical_weights(trainer.wrappers, active.slot)  # over megatron's TP group
         if writer:
             save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, cfg.model.pretrained)
-        if whole:
+        with as_world(group):
             save_megatron(out / active.job.name / "checkpoint", active.job, weights)
-        elif writer:
-            held[active.job.name] = (active.job, weights)
 
     return finish
-
-
-def _save_held(out: Path, held: dict[str, tuple[LoraJob, Weights]]) -> None:
-    """Every pack leader's finished adapters, written as megatron checkpoints by the world."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, held)
-    merged = {name: entry for part in everyone for name, entry in part.items()}
-    for name in sorted(merged):
-        save_megatron(out / name / "checkpoint", *merged[name])
 
 
 def _gathered(results: dict[str, JobResult], jobs: Sequence[LoraJob]) -> dict[str, JobResult]:

@@ -178,8 +178,9 @@ def weights_from(state: dict, prefix: str = "lora") -> Weights:
 
 
 def save_megatron(folder: str | Path, job: LoraJob, weights: Weights, extra: Optional[dict] = None) -> Path:
-    """A dist_checkpointing checkpoint of the adapter (collective over the world); `extra`: more
-    entries (ShardedTensors or common state) beside it."""
+    """A dist_checkpointing checkpoint of the adapter (collective over the default group: the
+    world, or a pack's ranks inside groups.as_world); `extra`: more entries (ShardedTensors or
+    common state) beside it."""
     folder = Path(folder)
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
@@ -191,7 +192,8 @@ def save_megatron(folder: str | Path, job: LoraJob, weights: Weights, extra: Opt
 
 
 def load_megatron_state(folder: str | Path) -> tuple[LoraJob, dict]:
-    """The job and every entry of a `save_megatron` checkpoint (collective over the world)."""
+    """The job and every entry of a `save_megatron` checkpoint (collective over the default
+    group, like `save_megatron`)."""
     folder = Path(folder)
     job = LoraJob(**json.loads((folder / "lora_job.json").read_text()))
     metadata = dist_checkpointing.load_tensors_metadata(str(folder))

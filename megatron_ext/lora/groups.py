@@ -8,13 +8,21 @@ model and the adapters use megatron's TP groups unchanged. What differs per pack
 Every rank runs the packs it belongs to in plan order. A pack's ranks have all finished every
 earlier pack they share a device with, so the earliest unfinished pack always has all its ranks
 and the order cannot deadlock.
+
+Megatron's dist_checkpointing (0.16) has no process-group argument: its saves and loads are
+collective over torch.distributed's default group. `as_world(group)` makes a pack's group this
+process's default group for the length of one save or load, so that a pack checkpoints over its
+own ranks while other packs train on theirs.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from megatron_ext.lora.plan import Plan
 
@@ -56,8 +64,19 @@ def pack_groups(plan: Plan, tp: int) -> dict[int, PackGroups]:
     return mine
 
 
-def spans_world(plan: Plan, tp: int) -> bool:
-    """Every pack on every rank: the packs run one after another and world-collective
-    operations (megatron's dist_checkpointing) can run inside them."""
-    world = dist.get_world_size()
-    return all(len(pack.devices) * tp == world for pack in plan.packs)
+@contextmanager
+def as_world(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Inside, `group` is the default process group of this process (`None`: the world stays):
+    default-group collectives and `dist.get_rank()` / `get_world_size()` are the group's. Only
+    for calls that never name another group (ranks in named groups are looked up by world
+    rank, which is the group's rank in here)."""
+    if group is None:
+        yield
+        return
+    world = distributed_c10d._get_default_group()
+    # torch's own setter of the default group (init_process_group's); its C++ rank is for logs.
+    distributed_c10d._update_default_pg(group)
+    try:
+        yield
+    finally:
+        distributed_c10d._update_default_pg(world)

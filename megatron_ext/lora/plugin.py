@@ -54,7 +54,8 @@ class LoraConfig:
     save_interval: Optional[int] = None
     # Continue the sweep checkpointed under <output_dir>/checkpoints/ (the same jobs).
     resume: bool = False
-    # Stop this launch after N packed steps (with a checkpoint); None: run to the end.
+    # Stop this launch after N packed steps (with a checkpoint), counted on each rank over the
+    # packs it runs; None: run to the end.
     stop_after: Optional[int] = None
 
 

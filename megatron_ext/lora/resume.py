@@ -3,9 +3,10 @@
     <output_dir>/checkpoints/sweep.json          the jobs and the plan the sweep runs
     <output_dir>/checkpoints/pack_<i>/iter_<n>/  pack i after n packed steps (PackedTrainer.save)
 
-Each pack is checkpointed every `lora.save_interval` packed steps and when it ends (a finished
-pack's checkpoint holds only its results, so a re-launch skips it). `lora.stop_after=N` ends a
-launch after N packed steps, with a checkpoint. A re-launch with `lora.resume=true` and the same
+Each pack is checkpointed over its own ranks (also while packs on other ranks train) every
+`lora.save_interval` packed steps and when it ends (a finished pack's checkpoint holds only its
+results, so a re-launch skips it). `lora.stop_after=N` ends a launch after N packed steps of each
+rank, with a checkpoint. A re-launch with `lora.resume=true` and the same
 jobs runs the plan recorded in sweep.json (not a new one: the planner's exact solver has a time
 limit, so planning again may not give the same packs) and continues every pack from its latest
 checkpoint, bitwise like a sweep that never stopped.

@@ -79,7 +79,7 @@ class PackedTrainer:
     checkpoints); `log(job name, line)` gets a line per job event and optimizer step.
     `dp_group`: the ranks that share each job's batches (default: megatron's data-parallel group);
     `group`: every rank that trains these jobs (default: the world), which agree on a job that
-    fails to start. Checkpoints (`save`, `resume`) are collective over the world."""
+    fails to start, and write and read its checkpoints (`save`, `resume`)."""
 
     def __init__(
         self,
@@ -145,7 +145,7 @@ class PackedTrainer:
 
     def _prepare(self, job: LoraJob, slot: int, saved: Optional[Path]) -> ActiveJob:
         data = self.data_for(job)
-        state = checkpoint.load_job(saved, job) if saved is not None else None
+        state = checkpoint.load_job(saved, job, self.group) if saved is not None else None
         params = install_job(self.wrappers, slot, job, state.weights if state else None)
         sharded = []
         for wrapper in self.wrappers.values():
@@ -297,16 +297,17 @@ class PackedTrainer:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def save(self, folder: str | Path) -> Path:
-        """Checkpoint the run (collective) as `<folder>/iter_<packed step>/`: each active job's
-        training state under `<job>/` (checkpoint.save_job), then the queue, the slots and every
-        job's results in `trainer.json`. Written like the trainer's checkpoints (a staging
-        folder, renamed and recorded in the tracker once complete); only the latest is kept."""
-        return ckpt.write_staged(folder, self.packed_steps, self._write, keep_last=1)
+        """Checkpoint the run (collective over `group`) as `<folder>/iter_<packed step>/`: each
+        active job's training state under `<job>/` (checkpoint.save_job), then the queue, the
+        slots and every job's results in `trainer.json`. Written like the trainer's checkpoints
+        (a staging folder, renamed and recorded in the tracker once complete); only the latest
+        is kept."""
+        return ckpt.write_staged(folder, self.packed_steps, self._write, keep_last=1, group=self.group)
 
     def _write(self, folder: Path) -> None:
         for slot in sorted(self.active):
-            checkpoint.save_job(folder / self.active[slot].job.name, self.active[slot], self.wrappers)
-        if dist.get_rank() == 0:
+            checkpoint.save_job(folder / self.active[slot].job.name, self.active[slot], self.wrappers, self.group)
+        if dist.get_rank(self.group) == 0:
             state = {
                 "packed_steps": self.packed_steps,
                 "slots": {active.job.name: slot for slot, active in self.active.items()},

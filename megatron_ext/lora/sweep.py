@@ -9,8 +9,8 @@ The world the run is in (one process, or ranks under torchrun) is split into dev
 once within `lora.memory_gb`, on which devices and in which order, refusing a job that cannot
 fit even alone; execute.py runs the packs through the packed runtime, those on separate devices
 at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/`
-(PEFT) and `checkpoint/` (megatron dist_checkpointing). Packs that span the world are
-checkpointed under `<output_dir>/checkpoints/`, and `lora.resume=true` continues a stopped
+(PEFT) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed under
+`<output_dir>/checkpoints/` over its own ranks, and `lora.resume=true` continues a stopped
 sweep (resume.py).
 """
 
@@ -198,6 +198,7 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
 
     from megatron_ext.lora import report
     from megatron_ext.lora.execute import execute, write_summary
+    from megatron_ext.lora.resume import sweep_plan
     from megatron_ext.models.convert.world import model_parallel_world
 
     check_jobs(cfg, jobs)
@@ -207,36 +208,12 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
         schedule = plan_sweep(cfg, jobs, dist.get_world_size() // cfg.parallel.tp)
         if dist.get_rank() == 0:
             print(report.table(schedule), flush=True)
-        plan = _checkpointed_plan(cfg, jobs, schedule.plan)
+        # On resume the recorded plan: its packs' checkpoints are of it (resume.py).
+        plan = sweep_plan(cfg.lora.output_dir, jobs, schedule.plan, resume=cfg.lora.resume)
         results = execute(cfg, jobs, plan, _data_resolver(tokenizer, cfg.model.vocab_size))
         if dist.get_rank() == 0 and any(r.status in ("queued", "running") for r in results.values()):
             print(f"lora sweep: stopped after lora.stop_after={cfg.lora.stop_after} packed steps; continue with lora.resume=true", flush=True)
         return write_summary(Path(cfg.lora.output_dir), results)
-
-
-def _checkpointed_plan(cfg: Config, jobs: Sequence[LoraJob], plan):
-    """The plan to run: the recorded one on resume; a plan whose packs span the world is
-    recorded and checkpointed (resume.py); one with packs on separate ranks at once runs
-    without checkpoints (dist_checkpointing saves are world-collective), so it refuses
-    lora.stop_after."""
-    import torch.distributed as dist
-
-    from megatron_ext.lora.groups import spans_world
-    from megatron_ext.lora.resume import sweep_plan
-
-    if cfg.lora.resume:
-        recorded = sweep_plan(cfg.lora.output_dir, jobs, plan, resume=True)
-        if not spans_world(recorded, cfg.parallel.tp):  # its checkpoints hold one world's packs
-            raise ValueError(f"lora.resume=true: the recorded plan's packs do not span this world's ranks: {recorded}")
-        return recorded
-    if spans_world(plan, cfg.parallel.tp):
-        return sweep_plan(cfg.lora.output_dir, jobs, plan, resume=False)
-    if cfg.lora.stop_after is not None:
-        raise ValueError("lora.stop_after: this plan trains packs on separate ranks at once, which runs without checkpoints; "
-                         "with lora.slots and micro-batches per step that divide over every rank, one pack spans the world")
-    if dist.get_rank() == 0:
-        print("lora sweep: packs on separate ranks at once: no pack checkpoints (lora.save_interval unused)", flush=True)
-    return plan
 
 
 def _tokenizer(cfg: Config):

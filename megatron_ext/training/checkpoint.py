@@ -116,22 +116,23 @@ def write_staged(
     iteration: int,
     write: Callable[[Path], None],
     keep_last: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> Path:
-    """Write checkpoint `iteration` under `root` by calling `write(folder)` on every rank
-    (collective). The folder is a staging one, renamed to `iteration_dir` and recorded in the
-    tracker only after every rank has written: a crash mid-save leaves the previous checkpoint
-    the latest, and no half-written one."""
+    """Write checkpoint `iteration` under `root` by calling `write(folder)` on every rank of
+    `group` (collective; default the world, whose rank 0 renames). The folder is a staging one,
+    renamed to `iteration_dir` and recorded in the tracker only after every rank has written: a
+    crash mid-save leaves the previous checkpoint the latest, and no half-written one."""
     root = Path(root)
     final = iteration_dir(root, iteration)
     staging = root / f".{final.name}.tmp"
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale_staging(root)
         staging.mkdir()
-    dist.barrier()
+    dist.barrier(group=group)
     write(staging)
-    dist.barrier()
+    dist.barrier(group=group)
     if rank == 0:
         if final.exists():  # a re-save of the same iteration replaces it
             shutil.rmtree(final)
@@ -139,7 +140,7 @@ def write_staged(
         _write_tracker(root, iteration)
         if keep_last:
             _prune(root, keep_last)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
 
 

@@ -7,7 +7,8 @@ job with every training state carried over.
     vps.py       every rank's pieces of every training state, from megatron's own metadata
     plan.py      plan(model, A, B): the minimal transfer plan by box intersection (pure, cached)
     execute.py   rounds(plan, budget): memory-budgeted rounds; execute(): one packed message per
-                 peer per round over point-to-point
+                 peer per round
+    transport.py how the messages travel: shared memory within a host, else point-to-point
     state_access.py  read/write a piece in megatron's params and distributed-optimizer states
     prebuild.py  the destination's groups, model, DDP and optimizer, built beside the running
                  layout (a private copy of megatron's parallel state), installed at the switch

@@ -11,13 +11,16 @@ op larger than the budget is split along its box's leading axes into slabs that 
 a box is still a box both its source and its destination hold, so the plan stays valid); the
 smallest budget is therefore one element of the plan's widest dtype.
 
-In a round each rank packs everything it sends to one peer into one buffer and receives one
-buffer from each peer; these are parts of two staging arenas, allocated once per move at the
-largest round's size and reused by every round. All sends and receives of the round are posted at once, as one
-`batch_isend_irecv` tagged with the round's index: gloo matches a message by (peer, tag)
-(checked with torch 2.13: crossed posting orders deliver correctly) and NCCL runs a batch as
-one group launch, so posting order cannot deadlock and no barrier is needed; ranks with nothing
-to move in a round skip it. Local ops (source rank = destination rank) are plain copies.
+In a round each rank packs everything it sends to one peer into one buffer; the buffers travel
+by one of two transports (transport.py). Between processes of one host, through shared memory:
+each rank packs into its own arena, which its peers have mapped, and they unpack from it in
+place after a barrier (a gloo message would add two socket copies). Otherwise as point-to-point
+messages: all sends and receives of the round are posted at once, as one `batch_isend_irecv`
+tagged with the round's index: gloo matches a message by (peer, tag) (checked with torch 2.13:
+crossed posting orders deliver correctly) and NCCL runs a batch as one group launch, so posting
+order cannot deadlock and no barrier is needed. Either way the staging arenas are allocated once
+per move at the largest round's size and reused by every round. Local ops (source rank =
+destination rank) are plain copies.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from megatron_ext.reshard.boxes import Box, box_shape, numel
 from megatron_ext.reshard.plan import Op, TransferPlan
+from megatron_ext.reshard.transport import Messages, open_shared_memory
 from megatron_ext.reshard.vps import Piece
 
 ReadLocal = Callable[[Piece, Box], torch.Tensor]
@@ -124,6 +128,9 @@ class GroupChannel:
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
+        # NCCL carries device tensors, gloo host tensors.
+        nccl = dist.get_backend(group) == "nccl"
+        self.buffer_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def exchange(self, recv: dict[int, torch.Tensor], send: dict[int, torch.Tensor], tag: int) -> list:
         """Post every receive and send at once; returns the requests to wait for."""
@@ -131,8 +138,20 @@ class GroupChannel:
         messages += [dist.P2POp(dist.isend, b, self._peer(p), self.group, tag) for p, b in send.items()]
         return dist.batch_isend_irecv(messages) if messages else []
 
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)
+
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class Executed:
+    staged_bytes: int  # the most staging bytes this rank held at once
+    transport: str  # how the messages travelled: "shared memory" or "messages"
+
+
+NOTHING_MOVED = Executed(0, "nothing")
 
 
 def execute(
@@ -142,49 +161,40 @@ def execute(
     write_local: WriteLocal,
     group: Optional[dist.ProcessGroup] = None,
     channel=None,
-) -> int:
+    shared_memory: bool = True,
+) -> Executed:
     """Run `steps` of `plan` on this rank: plan rank r is rank r of `channel` (default: of
-    `group`, default the world; the worker pool has its own channel, see pool.py).
+    `group`, default the world; the worker pool has its own channel, see pool.py). Between the
+    processes of one host the messages go through shared memory when every rank can
+    (`shared_memory`, host tensors only; transport.py), else as point-to-point messages.
 
     `read_local(source_piece, box)` returns this rank's values of `box` (⊆ the piece's box) in
     the source layout; `write_local(target_piece, box, values)` stores them in the destination
-    layout. Returns the most staging bytes this rank held at once (what `peak_bytes` predicts).
+    layout.
     """
     channel = channel or GroupChannel(group)
     by_round = [_by_peer(plan, step, channel.rank) for step in steps]
-    send_arena = _arena(max((_size_all(outgoing) for outgoing, _ in by_round), default=0))
-    recv_arena = _arena(max((_size_all(incoming) for _, incoming in by_round), default=0))
-    peak = 0
-    for index, (step, (outgoing, incoming)) in enumerate(zip(steps, by_round)):
-        send = _messages(send_arena, outgoing)
-        recv = _messages(recv_arena, incoming)
-        for peer, ops in outgoing.items():
-            _pack(plan, ops, read_local, send[peer])
-        requests = channel.exchange(recv, send, index)
-        for op in step.ops:  # the local copies, while the messages travel
-            if op.local and op.dst == channel.rank:
-                write_local(plan.targets[op.target], op.box, read_local(plan.sources[op.source], op.box))
-        for request in requests:
-            request.wait()
-        for peer, ops in incoming.items():
-            _unpack(plan, ops, recv[peer], write_local)
-        peak = max(peak, _size_all(outgoing) + _size_all(incoming))
-    return peak
-
-
-def _arena(nbytes: int) -> torch.Tensor:
-    """A staging buffer that every round reuses, written once here: fresh host memory is mapped
-    on first write, and faulting in new buffers every round doubled a 100M model's transfer."""
-    return torch.zeros(nbytes, dtype=torch.uint8)
-
-
-def _messages(arena: torch.Tensor, by_peer: dict[int, list[Op]]) -> dict[int, torch.Tensor]:
-    """Each peer's message buffer: consecutive parts of `arena`, in peer order."""
-    buffers, offset = {}, 0
-    for peer, ops in by_peer.items():
-        buffers[peer] = arena[offset : offset + _size(ops)]
-        offset += _size(ops)
-    return buffers
+    transport = None
+    network = any(not op.local for step in steps for op in step.ops)
+    if shared_memory and network and channel.buffer_device.type == "cpu":
+        transport = open_shared_memory(channel, [step.ops for step in steps], plan.world)
+    transport = transport or Messages(channel, by_round)
+    try:
+        for index, (step, (outgoing, incoming)) in enumerate(zip(steps, by_round)):
+            send = transport.send_buffers(outgoing)
+            for peer, ops in outgoing.items():
+                _pack(plan, ops, read_local, send[peer])
+            received = transport.start(index, send, incoming)
+            for op in step.ops:  # the local copies, while the messages travel
+                if op.local and op.dst == channel.rank:
+                    write_local(plan.targets[op.target], op.box, read_local(plan.sources[op.source], op.box))
+            recv = received()
+            for peer, ops in incoming.items():
+                _unpack(plan, ops, recv[peer], write_local)
+            transport.finish()
+        return Executed(transport.staged, transport.name)
+    finally:
+        transport.close()
 
 
 def _by_peer(plan: TransferPlan, step: Round, rank: int) -> tuple[dict, dict]:
@@ -207,14 +217,6 @@ def _packing_order(plan: TransferPlan, by_peer: dict[int, list[Op]]) -> dict[int
     return {
         peer: sorted(ops, key=lambda op: -_itemsize(plan, op)) for peer, ops in sorted(by_peer.items())
     }
-
-
-def _size(ops: list[Op]) -> int:
-    return sum(op.nbytes for op in ops)
-
-
-def _size_all(by_peer: dict[int, list[Op]]) -> int:
-    return sum(_size(ops) for ops in by_peer.values())
 
 
 def _segments(plan: TransferPlan, ops: list[Op], buffer: torch.Tensor):

@@ -46,7 +46,7 @@ from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
 from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.boxes import Box
-from megatron_ext.reshard.execute import Round, execute, peak_bytes, rounds
+from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, peak_bytes, rounds
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.plan import TransferPlan, plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
@@ -66,13 +66,15 @@ class ReshardReport:
     rounds: int
     peak_bound_bytes: int  # the largest staging any rank may need, from the plan
     peak_extra_bytes: int  # the staging this rank held at most, measured
+    transport: str  # how the state travelled: "shared memory" or "messages" (execute.py)
     prepare_seconds: float  # plan and rounds: before the stall, in the background if prepared
     stall_seconds: float  # build the new layout and move the state: training stands still
 
     def __str__(self) -> str:
         return (
             f"reshard {self.source} -> {self.target}: {self.network_bytes / 2**20:.1f} MiB over the "
-            f"network in {self.rounds} rounds (staging peak {self.peak_bound_bytes / 2**20:.1f} MiB), "
+            f"network in {self.rounds} rounds through {self.transport} (staging peak "
+            f"{self.peak_bound_bytes / 2**20:.1f} MiB), "
             f"prepare {self.prepare_seconds:.2f} s, stall {self.stall_seconds:.2f} s"
         )
 
@@ -87,15 +89,16 @@ class Move:
     seconds: float  # planning (and prebuilding) time
     prebuilt: Optional[Prebuilt] = None  # the target layout, built beside the running one
 
-    def report(self, staged_bytes: int, stall_seconds: float) -> ReshardReport:
-        """The report of this move once carried out (`staged_bytes`: the measured staging peak)."""
+    def report(self, executed: Executed, stall_seconds: float) -> ReshardReport:
+        """The report of this move once carried out."""
         return ReshardReport(
             source=str(self.transfer.a),
             target=str(self.transfer.b),
             network_bytes=self.transfer.network_bytes,
             rounds=len(self.steps),
             peak_bound_bytes=max(peak_bytes(self.transfer, self.steps).values(), default=0),
-            peak_extra_bytes=staged_bytes,
+            peak_extra_bytes=executed.staged_bytes,
+            transport=executed.transport,
             prepare_seconds=self.seconds,
             stall_seconds=stall_seconds,
         )
@@ -163,8 +166,10 @@ def reshard(
     target: ParallelConfig,
     budget_mb: float = 64.0,
     prepared: Optional[Preparation] = None,
+    shared_memory: bool = True,
 ) -> ReshardReport:
-    """Move `trainer` (at a step boundary) to the layout `target` of the same world."""
+    """Move `trainer` (at a step boundary) to the layout `target` of the same world (the state
+    through shared memory where every rank can, with `shared_memory`; see execute.py)."""
     move = prepared.move() if prepared is not None else plan_move(trainer, target, budget_mb)
     if move.target != target:
         raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
@@ -173,10 +178,10 @@ def reshard(
     ensure_optimizer_states(trainer.optimizer)  # a job that has not stepped yet has none
     source = MegatronState(trainer.model, trainer.optimizer)
     start = time.perf_counter()
-    errors, staged = _switch_and_move(trainer, move, source)
+    errors, executed = _switch_and_move(trainer, move, source, shared_memory)
     if errors:
         _roll_back(trainer, source_parallel, source, errors)
-    return move.report(staged, time.perf_counter() - start)
+    return move.report(executed, time.perf_counter() - start)
 
 
 def _check_same_plan(transfer: TransferPlan) -> None:
@@ -204,8 +209,10 @@ def _layout(parallel: ParallelConfig) -> ParallelLayout:
     return ParallelLayout.from_config(parallel, dist.get_world_size())
 
 
-def _switch_and_move(trainer, move: Move, source: MegatronState) -> tuple[dict[int, str], int]:
-    """Build `move.target` and fill it from `source`. Returns (failures by rank, staged bytes);
+def _switch_and_move(
+    trainer, move: Move, source: MegatronState, shared_memory: bool = False
+) -> tuple[dict[int, str], Executed]:
+    """Build `move.target` and fill it from `source`. Returns (failures by rank, the transfer);
     every rank returns the same failures."""
     try:
         trainer.switch_layout(move.target, prebuilt=move.prebuilt)
@@ -217,10 +224,10 @@ def _switch_and_move(trainer, move: Move, source: MegatronState) -> tuple[dict[i
     if errors:
         if move.prebuilt is not None:
             move.prebuilt.discard()
-        return errors, 0
+        return errors, NOTHING_MOVED
     guarded = Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
-    staged = execute(move.transfer, move.steps, guarded.read, guarded.write)
-    return _gather_errors(guarded.error), staged
+    executed = execute(move.transfer, move.steps, guarded.read, guarded.write, shared_memory=shared_memory)
+    return _gather_errors(guarded.error), executed
 
 
 def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors: dict[int, str]) -> None:

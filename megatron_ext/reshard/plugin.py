@@ -49,6 +49,9 @@ class ReshardConfig:
     prebuild: bool = True
     # Start preparing a scheduled move this many steps before it.
     prepare_steps_ahead: int = 20
+    # Between the processes of one host, move the state through shared memory (/dev/shm)
+    # rather than as gloo messages; falls back to messages by itself where it cannot.
+    shared_memory: bool = True
 
 
 SIZES = ("tp", "pp", "dp", "ep", "cp", "vpp")
@@ -172,9 +175,9 @@ class ReshardPlugin(Plugin):
         self._discard_prepared()  # from the layout this move leaves: of no use after it
         try:
             if _changes_world(trainer, planned.target):
-                report = resize(trainer, planned.target, budget, planned.prepared)
+                report = resize(trainer, planned.target, budget, planned.prepared, self.cfg.shared_memory)
             else:
-                report = reshard(trainer, planned.target, budget, planned.prepared)
+                report = reshard(trainer, planned.target, budget, planned.prepared, self.cfg.shared_memory)
         except ReshardFailed as e:
             trainer.note(f"step {step}: {e}; training goes on")
             return

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
-from megatron_ext.reshard.execute import execute, rounds
+from megatron_ext.reshard.execute import NOTHING_MOVED, execute, rounds
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.live import Move, Preparation, ReshardFailed, Guarded, planner_model
 from megatron_ext.reshard.plan import plan
@@ -109,10 +109,17 @@ class WorkerPool:
         mine = f"{type(error).__name__}: {error}" if error is not None else None
         return {rank: self.broadcast(mine, rank) for rank in failed.nonzero().flatten().tolist()}
 
+    # --- the executor's channel: the pool group (gloo: host buffers) ---------------------------
+
+    buffer_device = torch.device("cpu")
+
     def exchange(self, recv: dict[int, torch.Tensor], send: dict[int, torch.Tensor], tag: int) -> list:
-        """The executor's channel: every receive and send posted at once on the pool group."""
+        """Every receive and send posted at once on the pool group."""
         works = [self.group.recv([b], peer, tag) for peer, b in recv.items()]
         return works + [self.group.send([b], peer, tag) for peer, b in send.items()]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self.group.allreduce([tensor]).wait()
 
     def close(self) -> None:
         global _POOL
@@ -131,6 +138,7 @@ class Resize:
     target: ParallelConfig
     common: dict  # Trainer.common_state() of the old world
     move: Move  # the plan over the pool, made on pool rank 0
+    shared_memory: bool = True  # the executor's transport between processes of one host
 
 
 def active_workers(cfg: Config, pool_size: int) -> int:
@@ -165,7 +173,13 @@ def prepare_resize(trainer, target: ParallelConfig, budget_mb: float) -> Prepara
     return Preparation(target, functools.partial(plan_resize, trainer, target, budget_mb))
 
 
-def resize(trainer, target: ParallelConfig, budget_mb: float, prepared: Optional[Preparation] = None):
+def resize(
+    trainer,
+    target: ParallelConfig,
+    budget_mb: float,
+    prepared: Optional[Preparation] = None,
+    shared_memory: bool = True,
+):
     """On the old world's ranks, at a step boundary: move the job to `target`. `prepared`
     matters on pool rank 0 only. Returns the ReshardReport; afterwards `trainer` is in the new
     world, or has `left` it."""
@@ -177,7 +191,7 @@ def resize(trainer, target: ParallelConfig, budget_mb: float, prepared: Optional
         move = prepared.move() if prepared is not None else plan_resize(trainer, target, budget_mb)
         if move.target != target:
             raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
-        command = Resize(trainer.cfg, target, trainer.common_state(), move)
+        command = Resize(trainer.cfg, target, trainer.common_state(), move, shared_memory)
     return carry_out(pool, pool.broadcast(command), trainer, started=start)[1]
 
 
@@ -203,18 +217,20 @@ def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=(), start
         except Exception as e:  # noqa: BLE001 - agreed on by every pool rank, then rolled back
             error = e
     failures = pool.failures(error)
-    staged = 0
+    executed = NOTHING_MOVED
     if not failures:
         target = MegatronState(new.model, new.optimizer) if new is not None else None
         guarded = Guarded(source.read if source else _holds_nothing, target.write if target else _holds_nothing)
-        staged = execute(move.transfer, move.steps, guarded.read, guarded.write, channel=pool)
+        executed = execute(
+            move.transfer, move.steps, guarded.read, guarded.write, channel=pool, shared_memory=command.shared_memory
+        )
         failures = pool.failures(guarded.error)
     if failures:
         return _roll_back(pool, command, old, new, source, failures)
     if old is not None and new is None:
         old.left = True
     pool.group.barrier().wait()
-    return new, move.report(staged, time.perf_counter() - start)
+    return new, move.report(executed, time.perf_counter() - start)
 
 
 def _enter(command: Resize, old, plugins):

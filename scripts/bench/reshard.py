@@ -15,6 +15,8 @@ transition, measured on every route from the same training state:
               its report's stall and prepare seconds, network bytes, measured staging peak and
               its bound
   live_built  the live route with B built at the switch instead (no prebuild): its stall only
+  live_msgs   the live route with the state sent as gloo messages instead of through shared
+              memory (reshard.shared_memory=false): its stall only
   gather      all-gather then slice: Trainer.switch_layout(B), then every state of every logical
               tensor is all-gathered whole over the world and each rank copies out its pieces of B
   ckpt_tmpfs  trainer.save() in A into /dev/shm (megatron dist_checkpointing, the optimizer fully
@@ -380,6 +382,12 @@ def run_trial(
     built = reshard(trainer, target, budget_mb)
     built_equal = fingerprint(trainer) == live
     back_to(trainer, source, reference)
+    prepared = prepare(trainer, target, budget_mb)
+    prepared.move()
+    dist.barrier()
+    messages = reshard(trainer, target, budget_mb, prepared, shared_memory=False)
+    messages_equal = fingerprint(trainer) == live
+    back_to(trainer, source, reference)
     gather_s, gather_bytes = timed(lambda: gather_and_slice(trainer, target))
     gather_equal = fingerprint(trainer) == live
     back_to(trainer, source, reference)
@@ -391,6 +399,7 @@ def run_trial(
     seconds = over_ranks({
         "stall_s": report.stall_seconds,
         "stall_built_at_switch_s": built.stall_seconds,
+        "stall_messages_s": messages.stall_seconds,
         "stall_switch_s": sum(switched),
         "stall_transfer_s": report.stall_seconds - sum(switched),
         "prepare_s": report.prepare_seconds,
@@ -409,7 +418,8 @@ def run_trial(
         "peak_bound_bytes": report.peak_bound_bytes,
         "gather_bytes": gather_bytes,
         **seconds,
-        "state_equal": agree(tmpfs_equal and disk_equal and built_equal),
+        "transport": report.transport,
+        "state_equal": agree(tmpfs_equal and disk_equal and built_equal and messages_equal),
         "gather_state_equal": agree(gather_equal),
     }
     return trial, live
@@ -757,6 +767,7 @@ def pool_transition(a: dict, b: dict, reports: list[dict], restarts: list[float]
         "prepare_s": statistics.median(r["prepare_seconds"] for r in reports),
         "bytes_moved": reports[0]["network_bytes"],
         "rounds": reports[0]["rounds"],
+        "transport": reports[0]["transport"],
         "peak_extra_bytes": max(r["peak_extra_bytes"] for r in reports),
         "peak_bound_bytes": reports[0]["peak_bound_bytes"],
         "baseline_restart_s": restart,
@@ -783,6 +794,8 @@ def aggregate(hop: Hop) -> dict:
         "to": first["to"],
         "stall_s": med(lambda t: t["stall_s"]),
         "stall_built_at_switch_s": med(lambda t: t["stall_built_at_switch_s"]),
+        "stall_messages_s": med(lambda t: t["stall_messages_s"]),
+        "transport": first["transport"],
         "prepare_s": med(lambda t: t["prepare_s"]),
         "prepare_first_s": first["prepare_s"],
         "bytes_moved": first["bytes_moved"],
@@ -850,6 +863,7 @@ COLUMNS: dict[str, Callable[[dict], str]] = {
     "stall": lambda t: f"{t['stall_s']:.2f}",
     "switch": lambda t: f"{t['parts']['stall_switch_s']:.2f}",
     "w/o pre": lambda t: f"{t['stall_built_at_switch_s']:.2f}",
+    "msgs": lambda t: f"{t['stall_messages_s']:.2f}",
     "prepare": lambda t: f"{t['prepare_s']:.2f}",
     "gather": lambda t: f"{t['baseline_gather_s']:.2f}",
     "tmpfs": lambda t: f"{t['baseline_ckpt_tmpfs_s']:.2f}",
@@ -894,6 +908,7 @@ def plot(report: dict, path: str) -> None:
     bars = {
         "stall_s": "live reshard (stall)",
         "stall_built_at_switch_s": "live, B built at the switch",
+        "stall_messages_s": "live, gloo messages",
         "baseline_gather_s": "all-gather + slice",
         "baseline_ckpt_tmpfs_s": "checkpoint via tmpfs",
         "baseline_ckpt_disk_s": "checkpoint via disk",

@@ -5,11 +5,12 @@ Each state element gets a value computed from its logical coordinates (tensor, s
 index in the logical tensor), so the expected destination is known without a reference run.
 
   - Plain tensors: each rank's source pieces as tensors in a dict, moved by `execute` into
-    NaN-filled destination pieces, under a small budget (hundreds of rounds) and an unlimited
-    one (one round); fp32 and bf16 (mixed dtypes in one packed buffer), a growing and a
-    shrinking world, experts, and a plan run on a sub-group (plan rank r = group rank r). The
-    staging each rank used equals `peak_bytes`, and the plan and rounds hash the same on every
-    rank.
+    NaN-filled destination pieces, as point-to-point messages and through shared memory,
+    under a small budget (hundreds of rounds) and an unlimited one (one round); fp32 and bf16
+    (mixed dtypes in one packed buffer), a growing and a shrinking world, experts, and a plan
+    run on a sub-group (plan rank r = group rank r). The staging each rank used equals
+    `peak_bytes` (messages) or its largest round of sends (shared memory), and the plan and
+    rounds hash the same on every rank.
   - Megatron: the trainer's own model, DDP and DistributedOptimizer, built layout after layout
     in the same processes (tp2·pp2 -> pp2·dp2 -> tp2·dp2 -> dp4 -> back to tp2·pp2; and
     tp2·pp2 -> pp2·dp2 in bf16, with fp32 main params), each destination poisoned with NaN
@@ -34,6 +35,7 @@ from megatron_ext.reshard.layout import ParallelLayout as L
 
 WORLD = 4
 SMALL_BUDGET = 16 << 10
+TRANSPORTS = ("messages", "shared memory")
 SUBGROUP = [1, 2, 3]
 STEP_VALUE = 7.0
 
@@ -94,16 +96,28 @@ def run_plain() -> dict:
     for name, (model, a, b) in cases().items():
         p = plan(model, a, b)
         for budget in (SMALL_BUDGET, 1 << 40):
-            report[f"{name} @{budget}"] = transfer(p, budget)
+            for transport in TRANSPORTS:
+                report[f"{name} @{budget} {transport}"] = transfer(p, budget, transport)
+    # One rank cannot create its shared-memory arena: every rank sends messages instead.
+    from megatron_ext.reshard import transport
+
+    model, a, b = cases()["dp2->dp4 (world grows)"]
+    shm_dir = transport.SHM_DIR
+    if dist.get_rank() == 1:
+        transport.SHM_DIR = Path("/nonexistent")
+    report["dp2->dp4, rank 1 without /dev/shm: messages"] = transfer(plan(model, a, b), SMALL_BUDGET, "shared memory")
+    transport.SHM_DIR = shm_dir
     # Plan ranks 0, 1, 2 are world ranks 1, 2, 3; world rank 0 takes no part.
     group = dist.new_group(SUBGROUP)
     model, a, b = preset("llama_tiny"), L(dp=3), L(tp=2)
     if dist.get_rank() in SUBGROUP:
-        report["dp3->tp2 (world shrinks) on world ranks 1-3"] = transfer(plan(model, a, b), SMALL_BUDGET, group)
+        for transport in TRANSPORTS:
+            name = f"dp3->tp2 (world shrinks) on world ranks 1-3 {transport}"
+            report[name] = transfer(plan(model, a, b), SMALL_BUDGET, transport, group)
     return report
 
 
-def transfer(p, budget: int, group=None) -> dict:
+def transfer(p, budget: int, transport: str, group=None) -> dict:
     """Plain tensors holding each piece's logical values, moved by `execute` into NaN-filled
     destination pieces: what arrived wrong, the staging used and predicted, the round count."""
     import torch
@@ -126,7 +140,7 @@ def transfer(p, budget: int, group=None) -> dict:
     def write(piece, box, values):
         want[piece][_relative(piece.box, box)].copy_(values)
 
-    staged = execute(p, steps, read, write, group)
+    executed = execute(p, steps, read, write, group, shared_memory=transport == "shared memory")
     wrong = [
         f"{t.name.key}{list(t.name.index)} {t.state} {t.box}"
         for t, values in want.items()
@@ -138,8 +152,11 @@ def transfer(p, budget: int, group=None) -> dict:
     return {
         "rounds": len(steps),
         "wrong": wrong[:5],
-        "staged": staged,
+        "staged": executed.staged_bytes,
+        "transport": executed.transport,
         "predicted": peak_bytes(p, steps)[rank],
+        # shared memory stages only what a rank sends: its arena holds its largest round's sends
+        "predicted_sent": max((step.sent(rank) for step in steps), default=0),
         "same_plan_everywhere": len(set(everyone)) == 1,
     }
 
@@ -322,12 +339,16 @@ def test_plain_tensors_arrive_exactly_with_the_predicted_staging(reports):
     for rank, report in enumerate(reports):
         for name, result in report["plain"].items():
             assert result["wrong"] == [], (rank, name)
-            assert result["staged"] == result["predicted"], (rank, name)
+            assert name.endswith(result["transport"]), (rank, name)  # no silent fallback
+            if result["transport"] == "messages":
+                assert result["staged"] == result["predicted"], (rank, name)
+            else:
+                assert result["staged"] == result["predicted_sent"] <= result["predicted"], (rank, name)
             assert result["same_plan_everywhere"], name
     assert [any("world ranks 1-3" in name for name in r["plain"]) for r in reports] == [
         rank in SUBGROUP for rank in range(WORLD)
     ]
-    small = [r for name, r in reports[0]["plain"].items() if name.endswith(f"@{SMALL_BUDGET}")]
+    small = [r for name, r in reports[0]["plain"].items() if f"@{SMALL_BUDGET} " in name]
     assert min(r["rounds"] for r in small) > 50  # the small budget really makes many rounds
 
 

@@ -105,9 +105,11 @@ class SharedMemory:
         return slices(self.mine, outgoing)
 
     def start(self, index: int, send: dict[int, torch.Tensor], incoming: ByPeer) -> Callable[[], dict]:
-        _barrier(self.channel)  # every rank has packed this round
+        """Nothing to post: the wait is for every rank to have packed (this rank's local copies
+        run meanwhile), then the messages are read where their senders packed them."""
 
         def received() -> dict[int, torch.Tensor]:
+            _barrier(self.channel)
             starts = {peer: self._offsets[index, peer] for peer in incoming}
             return {peer: self.peers[peer][starts[peer] : starts[peer] + size(ops)] for peer, ops in incoming.items()}
 

@@ -39,9 +39,10 @@ from megatron_ext.dpp.plan import Chunk
 
 # The activation-memory model's stated error: with its terms fitted to the runtime
 # (`memory.fit_activation_bytes`), a plan's predicted per-stage activation peak is within this
-# fraction of the exact count (tests/distributed/test_dpp_runtime.py, the measured benchmark).
-# Planners keep this fraction of the activation budget free.
-ACTIVATION_ERROR = 0.01
+# fraction of the exact count (tests/distributed/test_dpp_runtime.py: at most 0.3% off at PP 2,
+# 1.1% at PP 3 and 4, where stages hold more chunks at once; the measured benchmark). Planners
+# keep this fraction of the activation budget free.
+ACTIVATION_ERROR = 0.02
 
 
 def usable_budget(budget_bytes: float, state_bytes: float) -> float:

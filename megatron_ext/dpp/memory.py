@@ -199,13 +199,16 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     rows = [r for part, _ in gathered for r in part]
     freed = [r for _, part in gathered for r in part]
     last_stage = max(r[0] for r in rows)
-    # bytes = T * ((L - r) * kept layer + r * recomputed layer + head on the last stage). A stage's
-    # own bytes (its RoPE table, the token ids) are spread over its layers: stages are equally
-    # deep, so every (layers, recompute) combination stays exact, and what is fitted is
-    # determined by the rows (a separate stage term would not be: with r in {0, L} it trades
-    # off against the per-layer terms). With one stage the head is spread over the layers too.
-    X = np.array([[t * (n - r), t * r, t * (0 < s == last_stage)] for s, t, r, n, _ in rows], dtype=float)
-    y = np.array([b for *_, b in rows], dtype=float)
+    # bytes = T * ((L - r) * kept layer + r * recomputed layer + head on the last stage), fitted
+    # on the first and the last stage. The first stage's own bytes (its RoPE table, the token
+    # ids) are spread over its layers: stages are equally deep, so every (layers, recompute)
+    # combination stays exact there, middle stages (which hold a little less) are over-counted,
+    # never under, and what is fitted is determined by the rows (a separate stage term would
+    # not be: with r in {0, L} it trades off against the per-layer terms). With one stage the
+    # head is spread over the layers too.
+    ends = [row for row in rows if row[0] in (0, last_stage)]
+    X = np.array([[t * (n - r), t * r, t * (0 < s == last_stage)] for s, t, r, n, _ in ends], dtype=float)
+    y = np.array([b for *_, b in ends], dtype=float)
     kept, recomputed, head = np.linalg.lstsq(X, y, rcond=None)[0]
     residual = float(np.max(np.abs(X @ [kept, recomputed, head] / y - 1)))
     groups = config.num_query_groups or config.num_attention_heads

@@ -6,8 +6,9 @@ order share a value: the chunk at backward position k on stage p uses C[k + pp -
 (n + pp - 1 integers instead of n * pp). Minimise the recompute time on the critical path,
 sum_j C_j * (largest per-layer forward time on diagonal j), such that on every stage, after every
 forward and during every backward, the saved bytes of the chunks in flight fit the budget left
-after the model states. Activation bytes are linear in c; the one-layer transient of a backward
-that recomputes every layer of its stage is switched on by a binary z_j >= C_j - (L - 1).
+after the model states. Activation bytes are linear in c; a backward's transient (the
+attention's, and the dK/dV held between slices) does not depend on c, except that recomputing
+every layer of the stage re-saves the top layer, switched on by a binary z_j >= C_j - (L - 1).
 Solved with scipy's HiGHS MILP.
 
 The diagonal sharing prices recompute well when every stage is equally loaded, but it also makes

@@ -7,8 +7,9 @@ order share a value: the chunk at backward position k on stage p uses C[k + pp -
 sum_j C_j * (largest per-layer forward time on diagonal j), such that on every stage, after every
 forward and during every backward, the saved bytes of the chunks in flight fit the budget left
 after the model states. Activation bytes are linear in c; a backward's transient (the
-attention's, and the dK/dV held between slices) does not depend on c, except that recomputing
-every layer of the stage re-saves the top layer, switched on by a binary z_j >= C_j - (L - 1).
+attention's, dK/dV handed between slices, a recomputed layer re-saved) is bounded by its most
+over c < L, a constant, plus what recomputing every layer of the stage adds (the top layer
+re-saved), switched on by a binary z_j >= C_j - (L - 1).
 Solved with scipy's HiGHS MILP.
 
 The diagonal sharing prices recompute well when every stage is equally loaded, but it also makes
@@ -20,6 +21,7 @@ op gets longer and no stage goes over its budget.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -62,6 +64,13 @@ class _Problem:
     room: np.ndarray  # per stage: budget minus model states
 
 
+@functools.lru_cache(maxsize=4096)
+def _transients(cost: CostModel, chunk: Chunk, seq_lengths: tuple[int, ...], layers: int, last: bool) -> tuple[float, ...]:
+    """The backward transient of `chunk` for every recompute count 0..layers (the grouping DP
+    solves many ranges of the same chunks)."""
+    return tuple(cost.backward_transient_bytes(chunk, seq_lengths, layers, r, last) for r in range(layers + 1))
+
+
 def _problem(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cost: CostModel,
              layers: Sequence[int], budget_bytes: float) -> _Problem:
     pp = len(group.ops)
@@ -93,10 +102,12 @@ def _problem(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], 
                 # it) dominates it, and every op list ends with a backward.
             else:
                 j = var[(p, o.chunk)]
-                # The backward's transient; recomputing every layer (z_j) re-saves the top one.
-                base = cost.backward_transient_bytes(c, layers[p], 0, last)
-                full = cost.backward_transient_bytes(c, layers[p], layers[p], last) - base
-                transient = [(j, full)] if layers[p] == upper[j] and full else []
+                # The backward's transient: its most over the counts below L as a constant, and
+                # what recomputing every layer (z_j) adds to that.
+                extra = _transients(cost, c, tuple(seq_lengths), layers[p], last)
+                whole = layers[p] == upper[j]
+                base = max(extra[: int(upper[j]) + (0 if whole else 1)])
+                transient = [(j, extra[-1] - base)] if whole and extra[-1] > base else []
                 rows.append((p, sum(a for a, _ in live.values()) + sum(handed.values()) + base,
                              [(var[(p, k)], -d) for k, (_, d) in live.items()], transient))
                 del live[o.chunk]

@@ -39,10 +39,10 @@ from megatron_ext.dpp.plan import Chunk
 
 # The activation-memory model's stated error: with its terms fitted to the runtime
 # (`memory.fit_activation_bytes`), a plan's predicted per-stage activation peak is within this
-# fraction of the exact count (tests/distributed/test_dpp_runtime.py: at most 0.3% off at PP 2,
-# 1.1% at PP 3 and 4, where stages hold more chunks at once; the measured benchmark). Planners
-# keep this fraction of the activation budget free.
-ACTIVATION_ERROR = 0.02
+# fraction of the exact count (tests/distributed/test_dpp_runtime.py: at most 0.3% under at
+# PP 2, 3 and 4; the measured benchmark). Planners keep this fraction of the activation budget
+# free.
+ACTIVATION_ERROR = 0.01
 
 
 def usable_budget(budget_bytes: float, state_bytes: float) -> float:
@@ -186,15 +186,26 @@ class CostModel:
         return max(self.attn_bwd_bytes_pair * s.length * (s.prefix + s.length) + self.attn_bwd_bytes_key * (s.prefix + s.length)
                    + self.attn_bwd_bytes_query * s.length for s in chunk.segments)
 
-    def backward_transient_bytes(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
+    def backward_transient_bytes(self, chunk: Chunk, seq_lengths: Sequence[int], layers: int, recompute: int,
+                                 last: bool) -> float:
         """Bytes above what the chunk keeps (`activation_bytes`) at the peak of its backward on
-        a stage, which comes in its top layer: the output layer's bytes and the layer's
-        post-attention bytes are released, then its attention backward runs; a recomputed top
-        layer (every layer recomputed) first re-saves its activations over its kept input."""
-        head = self.head_bytes_token * chunk.tokens if last else 0.0
+        a stage. The output layer's bytes go first; then layer by layer from the top, a layer
+        (re-saved over its kept input and cached K/V if recomputed) releases its post-attention
+        bytes and runs its attention backward, while the layers above it are released and a
+        last slice has handed its prefix's dK/dV down for each of them."""
+        full = self.layer_act_bytes(chunk)
+        kept = self.layer_ckpt_bytes(chunk, seq_lengths)
         attention = max(0.0, self.attention_backward_bytes(chunk) - self.attn_freed_bytes_token * chunk.tokens)
-        resaved = self.layer_act_bytes(chunk) - self.ckpt_bytes_token * chunk.tokens if layers and recompute >= layers else 0.0
-        return max(0.0, resaved + attention - head)
+        # A middle slice adds to dK/dV buffers its later slices made; a last one makes new ones.
+        handed = self.kv_bytes_token * sum(s.prefix for s in chunk.segments if s.start + s.length >= seq_lengths[s.seq])
+        retained = self.activation_bytes(chunk, seq_lengths, layers, recompute, last)
+        below, peak = retained - (self.head_bytes_token * chunk.tokens if last else 0.0), 0.0
+        for layer in reversed(range(layers)):
+            recomputed = layer < recompute
+            below -= kept if recomputed else full
+            own = kept + full - self.ckpt_bytes_token * chunk.tokens if recomputed else full
+            peak = max(peak, below + own + attention + handed * (layers - 1 - layer))
+        return max(0.0, peak - retained)
 
     def handed_grad_bytes(self, prefix: int, layers: int) -> float:
         """dK/dV a slice hands down for its `prefix` tokens, on every layer of a stage."""

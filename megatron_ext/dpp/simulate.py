@@ -91,7 +91,7 @@ class StageMemory:
     def backward(self, chunk: int) -> float:
         """Run a backward; returns the bytes held at its peak (`self.bytes` is what is left)."""
         c = self.plan.chunks[chunk]
-        during = self.bytes + self.cost.backward_transient_bytes(c, self.layers, self._recompute.pop(chunk), self.last)
+        during = self.bytes + self.cost.backward_transient_bytes(c, self.plan.seq_lengths, self.layers, self._recompute.pop(chunk), self.last)
         self.bytes += hand_down(self._handed, c, self.cost, self.layers) - self._live.pop(chunk)
         self.peak = max(self.peak, during, self.bytes)
         return during

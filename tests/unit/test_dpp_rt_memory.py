@@ -44,7 +44,7 @@ def test_cached_kv_shares_storage_with_saved_tensors():
 def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_raises(one_rank_world):
     """A forward that raises half-way through the fit (here: the third one, after two
     backwards have accumulated gradients) leaves the recompute count, the chunk context, the
-    model's input and its gradients as they were; bad token counts are refused first."""
+    model's input, its hooks and its gradients as they were; bad token counts are refused first."""
     import dataclasses
 
     import pytest
@@ -80,6 +80,7 @@ def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_rais
     with pytest.raises(MemoryError):
         fit_activation_bytes([ddp], context, cost, tokens=(16, 24))
     assert config.recompute_num_layers == 1
+    assert not model.decoder.layers[-1].self_attention.core_attention._backward_pre_hooks  # the fit's probe
     assert context.segments is None and len(context.cache) == 0
     assert model.decoder.input_tensor is None
     assert all(not p.main_grad.any() for p in model.parameters())

@@ -43,6 +43,9 @@ setup(
         ],
         # The LoRA planner's exact solver (CP-SAT); without it small sweeps use brute force.
         "lora": ["ortools>=9.10"],
+        # The LoRA Triton kernels (lora/kernels/triton_segmm.py): "auto" picks them on CUDA when
+        # triton imports. Not in "test": without it test_lora_triton.py skips.
+        "triton": ["triton>=3.0"],
         "slurm": ["hydra-submitit-launcher>=1.2", "submitit"],
         # scripts/bench/: the PNG plots.
         "bench": ["matplotlib"],

@@ -45,7 +45,7 @@ class LoraConfig:
     # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
     # uncalibrated CPU_COEFFICIENTS.
     cost_model: Optional[str] = None
-    # reference | grouped | auto (grouped GEMM on CUDA)
+    # reference | grouped | triton | auto (CUDA: grouped GEMM for bf16, else triton if installed)
     kernel: str = "auto"
     # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.
     output_dir: str = "runs/lora_sweep"

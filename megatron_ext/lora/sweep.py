@@ -177,8 +177,8 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
         problems.append("the packed runtime needs parallel.pp=1 and no sequence parallelism")
     if cfg.model.arch != "gpt":  # the base, the cost model and the PEFT export are LLaMA-style GPT
         problems.append(f"the packed runtime adapts model.arch=gpt only, not {cfg.model.arch!r}")
-    if cfg.lora.kernel not in ("auto", "reference", "grouped"):  # else only the first forward says so
-        problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} (auto, reference or grouped)")
+    if cfg.lora.kernel not in ("auto", "reference", "grouped", "triton"):  # else only the first forward says so
+        problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} (auto, reference, grouped or triton)")
     for key in ("save_interval", "stop_after"):
         value = getattr(cfg.lora, key)
         if value is not None and value < 1:

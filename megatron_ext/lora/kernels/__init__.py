@@ -7,6 +7,11 @@ Two interchangeable paths with one signature, picked by `select()`:
     largest one with zeros (padding is transient: slots keep their own-rank tensors, so no
     padded entry exists to drift); chosen for bf16 on CUDA, where one launch should beat K
     small ones (not yet measured on a GPU: no GPU was available to this work).
+  - `triton_segmm`: Triton kernels, one launch per phase (forward and backward) over all
+    segments, no rank padding of the weights; "triton", chosen by "auto" on CUDA when triton
+    imports and the dtype is not bf16 with a grouped GEMM (there the vendor-tuned grouped GEMM is
+    kept: these kernels use fixed block sizes and neither path has been timed on a GPU yet).
+    Imported only when selected, so CPU runs never import triton.
 """
 
 from __future__ import annotations
@@ -16,14 +21,35 @@ import torch
 from megatron_ext.lora.kernels import grouped, reference
 
 
+def _triton():
+    """The Triton kernel module, or None where triton does not import (it is an optional extra)."""
+    try:
+        from megatron_ext.lora.kernels import triton_segmm
+    except ImportError:
+        return None
+    return triton_segmm
+
+
 def select(device: torch.device, dtype: torch.dtype, name: str = "auto"):
-    """The kernel module: "reference", "grouped" or "auto" (grouped for bf16 on CUDA, the only
-    case where torch's grouped GEMM is both supported and worth it)."""
+    """The kernel module: "reference", "grouped", "triton" or "auto": on CUDA, grouped for bf16
+    where torch has the grouped GEMM, else triton where it imports, else reference; on CPU
+    always reference."""
     if name == "auto":
-        fast = device.type == "cuda" and dtype == torch.bfloat16 and grouped.available()
-        name = "grouped" if fast else "reference"
-    if name not in ("reference", "grouped"):
-        raise ValueError(f"lora.kernel: unknown kernel {name!r}; use auto, reference or grouped")
+        if device.type != "cuda":
+            name = "reference"
+        elif dtype == torch.bfloat16 and grouped.available():
+            name = "grouped"
+        else:
+            name = "triton" if _triton() is not None else "reference"
+    if name not in ("reference", "grouped", "triton"):
+        raise ValueError(f"lora.kernel: unknown kernel {name!r}; use auto, reference, grouped or triton")
     if name == "grouped" and not grouped.available():
         raise RuntimeError("lora kernels: torch._grouped_mm is not available in this torch build")
+    if name == "triton":
+        module = _triton()
+        if module is None:
+            raise RuntimeError("lora kernels: triton does not import (pip install megatron_ext[triton])")
+        if device.type != "cuda" and not module.interpreted():
+            raise RuntimeError("lora kernels: triton runs on CUDA tensors only (or under TRITON_INTERPRET=1, set before import)")
+        return module
     return {"reference": reference, "grouped": grouped}[name]

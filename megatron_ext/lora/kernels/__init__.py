@@ -8,10 +8,9 @@ Two interchangeable paths with one signature, picked by `select()`:
     padded entry exists to drift); chosen for bf16 on CUDA, where one launch should beat K
     small ones (not yet measured on a GPU: no GPU was available to this work).
   - `triton_segmm`: Triton kernels, one launch per phase (forward and backward) over all
-    segments, no rank padding of the weights; "triton", chosen by "auto" on CUDA when triton
-    imports and the dtype is not bf16 with a grouped GEMM (there the vendor-tuned grouped GEMM is
-    kept: these kernels use fixed block sizes and neither path has been timed on a GPU yet).
-    Imported only when selected, so CPU runs never import triton.
+    segments, no rank padding of the weights; "triton", chosen by name only: they are checked
+    in Triton's interpreter but have never run on a GPU, so "auto" does not pick them until a
+    GPU run has checked them. Imported only when selected, so CPU runs never import triton.
 """
 
 from __future__ import annotations
@@ -31,16 +30,11 @@ def _triton():
 
 
 def select(device: torch.device, dtype: torch.dtype, name: str = "auto"):
-    """The kernel module: "reference", "grouped", "triton" or "auto": on CUDA, grouped for bf16
-    where torch has the grouped GEMM, else triton where it imports, else reference; on CPU
-    always reference."""
+    """The kernel module: "reference", "grouped", "triton" or "auto" (grouped for bf16 on CUDA
+    where torch has the grouped GEMM, else reference)."""
     if name == "auto":
-        if device.type != "cuda":
-            name = "reference"
-        elif dtype == torch.bfloat16 and grouped.available():
-            name = "grouped"
-        else:
-            name = "triton" if _triton() is not None else "reference"
+        fast = device.type == "cuda" and dtype == torch.bfloat16 and grouped.available()
+        name = "grouped" if fast else "reference"
     if name not in ("reference", "grouped", "triton"):
         raise ValueError(f"lora.kernel: unknown kernel {name!r}; use auto, reference, grouped or triton")
     if name == "grouped" and not grouped.available():

@@ -1,9 +1,14 @@
 """Curriculum distillation of the nested submodels from the frozen parent.
 
-Every sample draws its own budget (stage 1: uniform over the budgets; stage 2: skewed toward the
-full model, e.g. 0.5 / 0.3 / 0.2 from largest to smallest). The draw depends only on (seed, step,
-global sample index), so any data-parallel layout and any micro-batch size draws the same budget
-for the same sample. The router samples each budget's sizes once per step (its Gumbel noise
+Budgets are drawn by the curriculum (stage 1: uniform over the budgets; stage 2: skewed toward
+the full model, e.g. 0.5 / 0.3 / 0.2 from largest to smallest); `budget_draw` says what draws one.
+"micro_batch" (the default): every micro-batch draws one budget from (seed, step, global
+micro-batch index), and the router's Gumbel sample of its sizes comes from the same generator
+right after, so every micro-batch trains at sizes of its own; all its samples carry that budget
+(one group in `grouped.py`). The draw does not depend on the data-parallel layout, but does on
+the micro-batch size. "sample": every sample draws its own budget from (seed, step, global
+sample index), so any data-parallel layout and any micro-batch size draws the same budget for
+the same sample; the router samples each budget's sizes once per step (its Gumbel noise
 depends on (seed, step, budget)), so a sample's sizes are layout independent too. Inside a
 micro-batch the samples are grouped by budget and the student runs each group at its sizes
 (`grouped.py`); the teacher runs once on the whole micro-batch. Every token learns the teacher's
@@ -47,6 +52,20 @@ class CurriculumConfig:
     temperature: float = 1.0
     ce_weight: float = 0.0
     seed: int = 0
+    # "micro_batch": one budget (and one router sample) per micro-batch; "sample": one budget per
+    # sample, one router sample per budget and step.
+    budget_draw: str = "micro_batch"
+
+    def __post_init__(self) -> None:
+        check_budget_draw(self.budget_draw)
+
+
+BUDGET_DRAWS = ("micro_batch", "sample")
+
+
+def check_budget_draw(value: str) -> None:
+    if value not in BUDGET_DRAWS:
+        raise ValueError(f"elastic.budget_draw={value!r}: must be one of {', '.join(map(repr, BUDGET_DRAWS))}")
 
 
 def budget_probabilities(cfg: CurriculumConfig, step: int) -> list[float]:
@@ -85,6 +104,7 @@ class Distiller:
         self._micro = 0
         # This step's budgets: one list per micro-batch of this rank, one entry per sample.
         self.drawn: list[list[int]] = []
+        self.micro_choice: Optional[Choice] = None  # budget_draw "micro_batch": the last draw's
         self._expected_gap = ExpectedGap(space, router) if ExpectedGap.fits(router) else None
         # Under pipeline parallelism: the teacher's logits of the step's micro-batches, in order,
         # computed before the student's schedule (`pipeline.forward_only`); None runs the
@@ -96,9 +116,18 @@ class Distiller:
         self.loss_tokens = 0.0  # tokens of this rank's micro-batches that the loss counts
 
     def draw(self, samples: int) -> list[int]:
-        """The budgets of the next micro-batch's `samples` samples (recorded in `drawn`)."""
-        first = self.micro_batch_index(self._micro) * samples
+        """The budgets of the next micro-batch's `samples` samples (recorded in `drawn`). With
+        budget_draw "micro_batch" they are its one draw, and the router's sample of that budget,
+        taken from the same generator, is kept for the micro-batch (`micro_choice`)."""
+        index = self.micro_batch_index(self._micro)
         self._micro += 1
+        if self.cfg.budget_draw == "micro_batch":
+            g = draw_generator(self.cfg.seed, self.step, index)
+            budget = draw_budget(self.cfg, self.step, g)
+            self.micro_choice = self.router.sample(budget, self.step, g)
+            self.drawn.append([budget] * samples)
+            return self.drawn[-1]
+        first = index * samples
         budgets = [
             draw_budget(self.cfg, self.step, draw_generator(self.cfg.seed, self.step, first + i)) for i in range(samples)
         ]
@@ -106,8 +135,9 @@ class Distiller:
         return budgets
 
     def choice(self, budget: int) -> Choice:
-        """The router's sizes of `budget` this step: the same noise in every micro-batch and on
-        every rank, sampled afresh each call (each micro-batch's backward frees its graph)."""
+        """With budget_draw "sample": the router's sizes of `budget` this step, the same noise in
+        every micro-batch and on every rank, sampled afresh each call (each micro-batch's
+        backward frees its graph). With "micro_batch" see `micro_batch_choices`."""
         return self.router.sample(budget, self.step, draw_generator(self.cfg.seed, self.step, "router", budget))
 
     def forward_step(self, data_iterator, model):
@@ -115,7 +145,11 @@ class Distiller:
         stage before the last, the activations to send."""
         batch = next(data_iterator)
         tokens, positions = batch["tokens"], batch["position_ids"]
-        groups = group_by_budget(self.draw(tokens.shape[0]), self.choice)
+        budgets = self.draw(tokens.shape[0])
+        if self.cfg.budget_draw == "micro_batch":
+            groups = group_by_budget(budgets, lambda b: self.micro_choice)  # one group
+        else:
+            groups = group_by_budget(budgets, self.choice)
         self.loss_tokens += float(batch["loss_mask"].sum())
         reduce = partial(loss_func, batch["loss_mask"])
         if self.teacher_logits is None:
@@ -133,6 +167,17 @@ class Distiller:
             return loss
 
         return run_groups(model, self.space, groups, tokens, positions, per_token, True), reduce
+
+    @torch.no_grad()
+    def micro_batch_choices(self, count: int) -> list[tuple[int, dict[str, int]]]:
+        """With budget_draw "micro_batch": (budget, sizes) of the step's global micro-batches
+        0..count-1, as `draw` drew them (the router as it was then: call before it steps)."""
+        out = []
+        for index in range(count):
+            g = draw_generator(self.cfg.seed, self.step, index)
+            budget = draw_budget(self.cfg, self.step, g)
+            out.append((budget, self.router.sample(budget, self.step, g).sizes))
+        return out
 
     def average_router_grads(self, group, dp_group) -> None:
         """Turn the router's gradient, accumulated over megatron's backward of each micro-batch's

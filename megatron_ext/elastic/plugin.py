@@ -5,14 +5,16 @@
 Before the first step the parent is calibrated (a few training batches, forward only), every
 axis is reordered by importance, and a frozen teacher copy of the reordered parent is built
 beside the student on every rank. Each step then runs megatron's own schedule with the
-distillation forward step (`distill.py`): per sample a budget is drawn, the router picks each
-budget's sizes, the student runs each micro-batch's budget groups at their sizes (`grouped.py`)
-and learns the teacher's distribution. The router has its
-own Adam and learning rate and steps after the model's optimizer; its gradients are summed over
-the data-parallel replicas. Evaluation runs the full model. At the end, with `export_dir`, the
+distillation forward step (`distill.py`): per micro-batch (`budget_draw=micro_batch`, the default)
+a budget is drawn and the router samples its sizes, or per sample (`budget_draw=sample`) a budget
+is drawn, the router picks each budget's sizes and the student runs each micro-batch's budget
+groups at their sizes (`grouped.py`); the student learns the teacher's distribution. The router
+has its own Adam and learning rate and steps after the model's optimizer; its gradients are
+summed over the data-parallel replicas. Evaluation runs the full model. At the end, with `export_dir`, the
 nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
 written, plus `report.json` (per step: the loss, the budget of every sample in global sample
-order, the sizes each budget trained at, the router's choices after the step).
+order, the sizes trained at: per budget with budget_draw=sample, per micro-batch in global
+micro-batch order with micro_batch; the router's choices after the step).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
@@ -49,10 +51,14 @@ class ElasticConfig:
     # A budget must be within this (relative) of some submodel of the grid.
     tolerance: float = 0.05
     cost: str = "params"
-    # Curriculum: each sample draws its budget, uniformly for `uniform_steps`, then with `skew`
-    # (largest budget first).
+    # Curriculum: each micro-batch or sample (`budget_draw`) draws its budget, uniformly for
+    # `uniform_steps`, then with `skew` (largest budget first).
     uniform_steps: int = 50
     skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
+    # What draws a budget: "micro_batch" (one budget and one router sample per micro-batch, from
+    # (seed, step, global micro-batch index)) or "sample" (one budget per sample, from (seed,
+    # step, global sample index); the router samples each budget once per step; `grouped.py`).
+    budget_draw: str = "micro_batch"
     temperature: float = 1.0
     ce_weight: float = 0.0
     # Micro-batches of the whole run (all replicas together) the importance is measured on.
@@ -96,6 +102,9 @@ class ElasticPlugin(Plugin):
                 f"elastic: pipeline parallelism is supported for GPT parents only (model.arch={trainer.cfg.model.arch!r}); "
                 "use tensor or data parallelism"
             )
+        from megatron_ext.elastic.distill import check_budget_draw
+
+        check_budget_draw(self.cfg.budget_draw)
         self.ready = False
         self.orders: Optional[dict] = None
         self.router_state: Optional[dict] = None
@@ -132,6 +141,7 @@ class ElasticPlugin(Plugin):
             temperature=c.temperature,
             ce_weight=c.ce_weight,
             seed=trainer.cfg.train.seed,
+            budget_draw=c.budget_draw,
         )
         return model_chunks
 
@@ -336,8 +346,12 @@ class ElasticPlugin(Plugin):
         sum_router_grads(self.router, parallel_state.get_pipeline_model_parallel_group())
         router_loss = self.distiller.router_loss()  # the same on every rank
         router_loss.backward()
-        with torch.no_grad():  # what each budget's samples trained at, before the router moves
-            trained = [self.distiller.choice(b).sizes for b in range(len(self.cfg.budgets))]
+        with torch.no_grad():  # what was trained at, before the router moves
+            if self.cfg.budget_draw == "sample":  # per budget
+                trained = [self.distiller.choice(b).sizes for b in range(len(self.cfg.budgets))]
+            else:  # per micro-batch, in global micro-batch order
+                count = len(self.distiller.drawn) * dist.get_world_size(group)
+                trained = [sizes for _, sizes in self.distiller.micro_batch_choices(count)]
         self.router_optimizer.step()
         drawn = torch.tensor(self.distiller.drawn, dtype=torch.long)
         gathered = [torch.zeros_like(drawn) for _ in range(dist.get_world_size(group))]

@@ -20,7 +20,7 @@ VOCAB = 100
 
 def distiller(space: ElasticSpace, teacher) -> Distiller:
     router = BudgetRouter(BUDGETS, GRID, RouterConfig(), seed=0)
-    d = Distiller(space, teacher, router, CurriculumConfig(budgets=BUDGETS, skew=None, seed=2), vocab=VOCAB)
+    d = Distiller(space, teacher, router, CurriculumConfig(budgets=BUDGETS, skew=None, seed=2, budget_draw="sample"), vocab=VOCAB)
     d.begin_step(0)
     return d  # seed 2: both micro-batches cut every axis (every router net gets a gradient)
 

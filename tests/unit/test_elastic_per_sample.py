@@ -1,4 +1,4 @@
-"""Per-sample budgets: a micro-batch whose samples drew different budgets trains exactly as each
+"""Per-sample budgets (budget_draw="sample"): a micro-batch whose samples drew different budgets trains exactly as each
 sample alone at its budget, and the draw does not depend on the data-parallel layout or the
 micro-batch size.
 
@@ -37,7 +37,8 @@ def micro_batch() -> dict:
 
 def distiller(space: ElasticSpace, teacher) -> Distiller:
     router = BudgetRouter(BUDGETS, GRID, RouterConfig(anneal_steps=100), seed=0).double()
-    d = Distiller(space, teacher, router, CurriculumConfig(BUDGETS, temperature=TEMPERATURE, ce_weight=CE, seed=SEED), VOCAB)
+    cfg = CurriculumConfig(BUDGETS, temperature=TEMPERATURE, ce_weight=CE, seed=SEED, budget_draw="sample")
+    d = Distiller(space, teacher, router, cfg, VOCAB)
     d.warm_up_router(20)  # the budgets' sizes differ (a fresh router picks at random)
     d.begin_step(STEP)
     return d
@@ -119,7 +120,7 @@ def draws(d: Distiller, dp: int, micro_batch_size: int, samples: int, step: int)
 
 
 def test_budget_draw_is_layout_independent_and_follows_the_curriculum(world):  # noqa: F811
-    cfg = CurriculumConfig(budgets=BUDGETS, uniform_steps=1, skew=[0.6, 0.3, 0.1], seed=3)
+    cfg = CurriculumConfig(budgets=BUDGETS, uniform_steps=1, skew=[0.6, 0.3, 0.1], seed=3, budget_draw="sample")
     d = Distiller(ElasticSpace(build_parent()), None, BudgetRouter(BUDGETS, GRID, RouterConfig()), cfg, VOCAB)
     for step in 0, 1:
         one = draws(d, 1, 1, 16, step)

@@ -8,7 +8,8 @@ pack's ranks) and its PEFT export (written by the pack's first rank).
 A pack summing its gradients over the wrong ranks, voting with the other pack, or writing another
 pack's files breaks the equality or hangs (the worker has a timeout).
 
-This file is also the worker script torchrun starts.
+This file is also the worker script torchrun starts for four ranks; on two, its worker runs in the
+launch it shares with test_lora_dp (_lora_two_ranks.py).
 """
 
 from __future__ import annotations
@@ -112,15 +113,21 @@ def assert_same_outcomes(found: dict, expected: dict, jobs: list[LoraJob]) -> No
     [2, pytest.param(4, marks=pytest.mark.slow)],
     ids=["one-rank-packs", "dp2-packs"],
 )
-def test_packs_on_separate_ranks_at_once_equal_each_pack_alone(tmp_path, world):
+def test_packs_on_separate_ranks_at_once_equal_each_pack_alone(tmp_path, tmp_path_factory, world):
     from _torchrun import torchrun
 
     from megatron_ext.models.convert.world import model_parallel_world
 
-    torchrun(__file__, world, str(tmp_path), "packs", timeout=300)
+    if world == 2:  # the launch test_lora_dp shares (_lora_two_ranks.py): one startup for both
+        from _lora_two_ranks import outputs
+
+        out = outputs(tmp_path_factory) / "concurrent"
+    else:
+        out = tmp_path
+        torchrun(__file__, world, str(out), "packs", timeout=300)
     with model_parallel_world():
-        concurrent = outcome(tmp_path, "concurrent")
-        alone = {**outcome(tmp_path, "first"), **outcome(tmp_path, "second")}
+        concurrent = outcome(out, "concurrent")
+        alone = {**outcome(out, "first"), **outcome(out, "second")}
     assert_same_outcomes(concurrent, alone, JOBS)
 
 

@@ -8,7 +8,7 @@ fp64 models; the two runs group the same samples into different GEMMs and sum th
 another order, so they agree to rounding, not bitwise. A rank that trains the wrong half, a
 missing or doubled reduction, or a wrong normalisation is off by O(1).
 
-This file is also the worker script torchrun starts.
+Its worker runs in the two-rank launch it shares with test_lora_concurrent (_lora_two_ranks.py).
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ if __name__ == "__main__":
 
 
 @pytest.mark.distributed
-def test_dp2_equals_dp1_for_every_adapter(one_rank_world, tmp_path):
-    from _torchrun import torchrun
+def test_dp2_equals_dp1_for_every_adapter(one_rank_world, tmp_path_factory):
+    from _lora_two_ranks import outputs  # the launch test_lora_concurrent shares: one startup for both
 
-    torchrun(__file__, 2, str(tmp_path), timeout=300)
-    dp2 = torch.load(tmp_path / "dp2.pt", weights_only=False)
+    dp2 = torch.load(outputs(tmp_path_factory) / "dp" / "dp2.pt", weights_only=False)
     dp1, results, _, _ = train(JOBS, capacity=2, dtype=torch.float64)
     for job in JOBS:
         one, two = results[job.name], dp2["results"][job.name]

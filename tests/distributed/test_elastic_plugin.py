@@ -33,6 +33,7 @@ COMMON = [
     "train.iters=6",
     "train.eval_interval=0",
     "elastic.uniform_steps=3",
+    "elastic.budget_draw=sample",  # the checks of mixed micro-batches need per-sample draws
     "elastic.calibration_batches=2",
     "elastic.grid={hidden: [32,48,64], heads: [2,4], ffn: [32,48,64,80,96,112,128]}",
 ]

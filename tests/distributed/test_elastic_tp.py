@@ -54,7 +54,7 @@ def distil() -> dict:
         axis.permute(torch.tensor(orders[axis.name]))
     teacher.eval().requires_grad_(False)
     router = BudgetRouter(BUDGETS, GRID, RouterConfig(anneal_steps=20))
-    curriculum = CurriculumConfig(budgets=BUDGETS, uniform_steps=2, ce_weight=0.5)
+    curriculum = CurriculumConfig(budgets=BUDGETS, uniform_steps=2, ce_weight=0.5, budget_draw="sample")
     distiller = Distiller(space, teacher, router, curriculum, vocab=100)
     distiller.warm_up_router(40)
     drawn = []

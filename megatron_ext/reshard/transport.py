@@ -13,8 +13,8 @@ Two transports with one interface:
   when any rank cannot create its arena (a full /dev/shm: the space is reserved up front, so a
   full tmpfs is an error here and never a SIGBUS later) or cannot map a peer's (another host).
 
-A rank's arena file is unlinked as soon as its peers have mapped it, so a worker killed during
-the transfer leaves nothing behind in /dev/shm.
+A rank's arena file is unlinked as soon as its peers have mapped it (at the end of the setup's
+collectives), so a worker killed during the transfer leaves nothing behind in /dev/shm.
 """
 
 from __future__ import annotations

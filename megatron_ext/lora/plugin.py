@@ -45,7 +45,8 @@ class LoraConfig:
     # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
     # uncalibrated CPU_COEFFICIENTS.
     cost_model: Optional[str] = None
-    # reference | grouped | triton | auto (CUDA: grouped GEMM for bf16, else triton if installed)
+    # reference | grouped | triton | auto (grouped GEMM for bf16 on CUDA, else reference; triton
+    # only by name until it has run on a GPU)
     kernel: str = "auto"
     # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.
     output_dir: str = "runs/lora_sweep"

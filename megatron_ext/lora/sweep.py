@@ -177,8 +177,10 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
         problems.append("the packed runtime needs parallel.pp=1 and no sequence parallelism")
     if cfg.model.arch != "gpt":  # the base, the cost model and the PEFT export are LLaMA-style GPT
         problems.append(f"the packed runtime adapts model.arch=gpt only, not {cfg.model.arch!r}")
-    if cfg.lora.kernel not in ("auto", "reference", "grouped", "triton"):  # else only the first forward says so
-        problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} (auto, reference, grouped or triton)")
+    from megatron_ext.lora import kernels
+
+    if cfg.lora.kernel not in kernels.NAMES:  # else only the first forward says so
+        problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} ({', '.join(kernels.NAMES)})")
     for key in ("save_interval", "stop_after"):
         value = getattr(cfg.lora, key)
         if value is not None and value < 1:

@@ -20,6 +20,9 @@ import torch
 from megatron_ext.lora.kernels import grouped, reference
 
 
+NAMES = ("auto", "reference", "grouped", "triton")
+
+
 def _triton():
     """The Triton kernel module, or None where triton does not import (it is an optional extra)."""
     try:
@@ -35,8 +38,8 @@ def select(device: torch.device, dtype: torch.dtype, name: str = "auto"):
     if name == "auto":
         fast = device.type == "cuda" and dtype == torch.bfloat16 and grouped.available()
         name = "grouped" if fast else "reference"
-    if name not in ("reference", "grouped", "triton"):
-        raise ValueError(f"lora.kernel: unknown kernel {name!r}; use auto, reference, grouped or triton")
+    if name not in NAMES:
+        raise ValueError(f"lora.kernel: unknown kernel {name!r}; use one of {', '.join(NAMES)}")
     if name == "grouped" and not grouped.available():
         raise RuntimeError("lora kernels: torch._grouped_mm is not available in this torch build")
     if name == "triton":

@@ -45,7 +45,8 @@ def execute(cfg: Config, jobs: Sequence[LoraJob], plan: Plan, data_for: Callable
         mine = groups[index]
         writer = dist.get_rank() == mine.leader
         trainer = PackedTrainer(model, wrappers, routing, data_for, pack.slots, _finisher(cfg, out, writer, mine.group),
-                                _logger(out, writer), dp_group=mine.dp_group, group=mine.group)
+                                _logger(out, writer), dp_group=mine.dp_group, group=mine.group,
+                                max_pass_tokens=cfg.lora.max_pass_tokens)
         trainer.submit([by_name[n] for n in pack.jobs])
         folder = resume.pack_folder(out, index)
         resume.restore(trainer, folder)

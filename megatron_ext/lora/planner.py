@@ -31,7 +31,7 @@ from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.memory import Hardware, MemoryModel
 from megatron_ext.lora.plan import Pack, Plan
 from megatron_ext.lora.simulate import Schedule, run_pack, simulate
-from megatron_ext.lora.workload import padded_length, tp_divides
+from megatron_ext.lora.workload import pass_jobs, tp_divides
 
 Shape = tuple[int, int]  # (tp, dp)
 
@@ -86,10 +86,13 @@ class Problem:
         return self._durations[key]
 
     def pass_time(self, jobs: Sequence[LoraJob], tp: int, dp: int) -> float:
-        """The cost model's pass time, remembered: the heuristic meets the same sets often."""
+        """The cost model's time of a packed step of `jobs`, remembered (the heuristic meets the
+        same sets often): one pass, or under the runtime's cap (memory.max_pass_tokens) the
+        sum of its passes, each paying the per-pass costs again."""
         key = (tuple(j.name for j in jobs), tp, dp)
         if key not in self._pass_times:
-            self._pass_times[key] = self.cost.pass_time(jobs, tp, dp)
+            passes = pass_jobs(jobs, dp, self.memory.max_pass_tokens)
+            self._pass_times[key] = sum(self.cost.pass_time(p, tp, dp) for p in passes)
         return self._pass_times[key]
 
     @functools.cached_property
@@ -115,12 +118,10 @@ class Problem:
 
 def pack_memory_bound(memory: MemoryModel, jobs: Sequence[LoraJob], slots: int, shape: Shape) -> int:
     """Bytes per device that no `slots` jobs of `jobs` active together can exceed: the base, the
-    largest adapters and the largest activations, all padded to the queue's longest sequence."""
+    largest adapters and the bound on activations (memory.activation_bound)."""
     tp, dp = shape
-    seq = padded_length(jobs)
     adapters = sorted((memory.adapter_bytes(j, tp) for j in jobs), reverse=True)[:slots]
-    activations = sorted((memory.activation_bytes([j], tp, dp, seq) for j in jobs), reverse=True)[:slots]
-    return memory.base_bytes(tp) + sum(adapters) + sum(activations)
+    return memory.base_bytes(tp) + sum(adapters) + memory.activation_bound(jobs, slots, tp, dp)
 
 
 def check_feasible(problem: Problem) -> None:

@@ -42,6 +42,12 @@ class LoraConfig:
     slots: Optional[int] = None
     # Memory of one device (a block of parallel.tp ranks) the planner may fill.
     memory_gb: float = 16.0
+    # The most padded tokens (samples x length) of one forward/backward: a packed step over
+    # more splits into passes of whole micro-batches, in slot order, whose gradients add up
+    # (each adapter's gradient is the same; activations are one pass's, not every job's; a
+    # micro-batch over the cap runs alone). The planner's memory and time count the passes.
+    # None: one pass per packed step.
+    max_pass_tokens: Optional[int] = None
     # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
     # uncalibrated CPU_COEFFICIENTS.
     cost_model: Optional[str] = None

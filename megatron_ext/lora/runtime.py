@@ -3,7 +3,11 @@
 Every step takes one micro-batch from each active job. The packed loss is the SUM over jobs of
 each job's own loss (its per-token mean over the micro-batch, divided by its number of
 accumulation micro-batches): adapter i's parameters only touch job i's batch columns, so
-d(packed loss)/d(adapter i) is exactly the gradient job i gets alone. Each job steps its own
+d(packed loss)/d(adapter i) is exactly the gradient job i gets alone. With `max_pass_tokens`
+a step runs its micro-batches as several passes (whole micro-batches in slot order, each pass
+at most that many padded tokens, workload.split_passes), each a forward and backward whose
+gradients add to the others': a job sits in one pass, so its gradient is still its own, and
+the activations held at once are one pass's, not the whole step's. Each job steps its own
 optimizer when it has accumulated its global batch, and leaves when it has taken its steps (or
 its loss stops being finite); the next queued job takes the free slot at the next step.
 
@@ -37,6 +41,7 @@ from megatron_ext.lora.batching import JobData, MicroBatch, pack
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import MultiLoraLinear, Routing, install_job, remove_job
 from megatron_ext.lora.optim import JobOptimizer
+from megatron_ext.lora.workload import split_passes
 
 Wrappers = dict[tuple[int, str], MultiLoraLinear]
 
@@ -79,7 +84,8 @@ class PackedTrainer:
     checkpoints); `log(job name, line)` gets a line per job event and optimizer step.
     `dp_group`: the ranks that share each job's batches (default: megatron's data-parallel group);
     `group`: every rank that trains these jobs (default: the world), which agree on a job that
-    fails to start, and write and read its checkpoints (`save`, `resume`)."""
+    fails to start, and write and read its checkpoints (`save`, `resume`).
+    `max_pass_tokens`: the most padded tokens of one forward/backward (None: one per step)."""
 
     def __init__(
         self,
@@ -92,7 +98,10 @@ class PackedTrainer:
         log: Callable[[str, str], None] = lambda job, line: None,
         dp_group: Optional[dist.ProcessGroup] = None,
         group: Optional[dist.ProcessGroup] = None,
+        max_pass_tokens: Optional[int] = None,
     ) -> None:
+        if max_pass_tokens is not None and max_pass_tokens < 1:
+            raise ValueError(f"lora: max_pass_tokens must be >= 1 (or None), got {max_pass_tokens}")
         self.model, self.wrappers, self.routing = model, wrappers, routing
         self.data_for, self.capacity = data_for, capacity
         self.on_finish, self.log = on_finish, log
@@ -104,6 +113,7 @@ class PackedTrainer:
         self.dp_group = dp_group if dp_group is not None else parallel_state.get_data_parallel_group()
         self.dp, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         self.group = group
+        self.max_pass_tokens = max_pass_tokens
 
     # --- job lifecycle --------------------------------------------------------------------------
 
@@ -198,26 +208,17 @@ class PackedTrainer:
         return self.results
 
     def step(self) -> None:
-        """One packed forward/backward; optimizer steps for the jobs whose batch is complete."""
+        """One micro-batch of every active job, forward/backward in one pass or several (the
+        pass cap); optimizer steps for the jobs whose batch is complete. Under DP the earlier
+        gradients are set aside before the first pass and this step's summed after the last."""
         self.model.train()
         order = sorted(self.active)
         parts = [(slot, next(self.active[slot].data)) for slot in order]
-        batch = pack(parts)
-        self.routing.segments = batch.segments
         self.routing.generators = {slot: self._dropout_generator(self.active[slot]) for slot in order}
-        losses = token_losses(self.model, batch.tokens, batch.position_ids, batch.labels)
-        mask = batch.loss_mask.to(losses.device, losses.dtype)
-        job_losses = {}
-        for seg in batch.segments:
-            active = self.active[seg.slot]
-            rows = slice(seg.start, seg.stop)
-            job_losses[seg.slot] = (losses[rows] * mask[rows]).sum() / mask[rows].sum().clamp(min=1) / active.job.accumulation_steps
-            active.result.tokens += mask[rows].numel() * self.dp
-        values = self._sum_over_dp(job_losses)
-        kept = [job_losses[slot] for slot in order if math.isfinite(values[slot])]
         earlier = self._take_grads(order) if self.dp > 1 else {}
-        if kept:
-            torch.stack(kept).sum().backward()
+        values: dict[int, float] = {}
+        for group in split_passes([tuple(mb.tokens.shape) for _, mb in parts], self.max_pass_tokens):
+            values.update(self._pass([parts[i] for i in group]))
         if self.dp > 1:
             self._reduce_grads(earlier)
         self.packed_steps += 1
@@ -231,6 +232,25 @@ class PackedTrainer:
             active.micro += self.dp
             if active.micro == active.job.accumulation_steps:
                 self._optimizer_step(active)
+
+    def _pass(self, parts: list[tuple[int, MicroBatch]]) -> dict[int, float]:
+        """Forward and backward of one packed batch of `parts`; each job's loss summed over DP.
+        A job whose loss is not finite on some rank is left out of the backward."""
+        batch = pack(parts)
+        self.routing.segments = batch.segments
+        losses = token_losses(self.model, batch.tokens, batch.position_ids, batch.labels)
+        mask = batch.loss_mask.to(losses.device, losses.dtype)
+        job_losses = {}
+        for seg in batch.segments:
+            active = self.active[seg.slot]
+            rows = slice(seg.start, seg.stop)
+            job_losses[seg.slot] = (losses[rows] * mask[rows]).sum() / mask[rows].sum().clamp(min=1) / active.job.accumulation_steps
+            active.result.tokens += mask[rows].numel() * self.dp
+        values = self._sum_over_dp(job_losses)
+        kept = [loss for slot, loss in job_losses.items() if math.isfinite(values[slot])]
+        if kept:
+            torch.stack(kept).sum().backward()
+        return values
 
     def _dropout_generator(self, active: ActiveJob) -> torch.Generator:
         index = active.consumed + self.dp_rank  # this rank's micro-batch of the job's stream

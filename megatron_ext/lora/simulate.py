@@ -1,11 +1,12 @@
 """Execute a sweep plan under a cost model: when each job starts and ends, the makespan, and
 the memory each device holds at its fullest.
 
-The simulation is event driven. Inside a pack, every pass trains one micro-batch of each
-active job and takes `cost.pass_time(active jobs)`; between two events (a job finishing) the
-active set is fixed, so the time to the next event is (fewest remaining passes) x pass time.
-Memory is evaluated on every active set that actually occurs, independently of the bound the
-planner used to size the pack.
+The simulation is event driven. Inside a pack, every packed step trains one micro-batch of
+each active job and takes `cost.pass_time(active jobs)` (a Problem's counts each pass of a step
+split by a pass cap); between two events (a job finishing) the active set is fixed, so the time
+to the next event is (fewest remaining steps) x step time. Memory is evaluated on every active
+set that actually occurs, in slot order, independently of the bound the planner used to size
+the pack.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def run_pack(
         while queue and free_slots:
             name = queue.pop(0)
             active[name] = (free_slots.pop(0), replica_work(jobs[name], pack.dp).passes, now)
-        members = [jobs[n] for n in active]
+        # In slot order, as the runtime packs them: a pass cap splits a step in that order.
+        members = [jobs[n] for n in sorted(active, key=lambda n: active[n][0])]
         if memory is not None:
             peak = max(peak, memory.per_device(members, pack.tp, pack.dp).total)
         passes = min(left for _, left, _ in active.values())

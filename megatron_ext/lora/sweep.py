@@ -126,7 +126,8 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
 
     coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
     shapes = shapes_of(cfg.model)
-    memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False)
+    memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False,
+                         max_pass_tokens=cfg.lora.max_pass_tokens)
     max_dp = min(j.accumulation_steps & -j.accumulation_steps for j in jobs)  # powers of two
     problem = planner.Problem(tuple(jobs), Hardware(devices, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, coefficients),
                               max_tp=1, max_dp=max_dp)
@@ -181,10 +182,10 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
 
     if cfg.lora.kernel not in kernels.NAMES:  # else only the first forward says so
         problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} ({', '.join(kernels.NAMES)})")
-    for key in ("save_interval", "stop_after"):
+    for key, unit in (("save_interval", "packed steps"), ("stop_after", "packed steps"), ("max_pass_tokens", "tokens")):
         value = getattr(cfg.lora, key)
         if value is not None and value < 1:
-            problems.append(f"lora.{key} must be >= 1 packed steps (or null), got {value}")
+            problems.append(f"lora.{key} must be >= 1 {unit} (or null), got {value}")
     for job in jobs:
         if job.dataset != "synthetic" and not (job.dataset.startswith("task:") and job.dataset[5:] in tasks.TASKS):
             problems.append(f"job {job.name!r}: unknown dataset {job.dataset!r} (synthetic or task:<{'|'.join(tasks.TASKS)}>)")

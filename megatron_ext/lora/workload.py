@@ -8,13 +8,16 @@ its samples; the packed batch is right-padded to the longest sequence among them
 With DP degree `dp`, a job's global batch is split over the replicas: each replica trains
 `ceil(global_batch / dp)` samples per optimizer step, in micro-batches of at most
 `micro_batch_size` samples.
+
+Under a cap on a pass's tokens (`split_passes`, the runtime's `max_pass_tokens`) a packed step
+is several passes, each of whole micro-batches in slot order, padded to its own longest sequence.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.lora.job import LoraJob
@@ -110,3 +113,27 @@ def replica_work(job: LoraJob, dp: int) -> ReplicaWork:
 
 def padded_length(jobs: Sequence[LoraJob]) -> int:
     return max(j.seq_length for j in jobs)
+
+
+def split_passes(sizes: Sequence[tuple[int, int]], max_tokens: Optional[int]) -> list[list[int]]:
+    """Micro-batches of (samples, sequence length), in order, grouped into passes: greedily,
+    whole micro-batches, a pass's padded tokens (its samples x its longest length) at most
+    `max_tokens`; a micro-batch over the cap is a pass of its own. None: all in one pass."""
+    if max_tokens is None:
+        return [list(range(len(sizes)))] if sizes else []
+    passes: list[list[int]] = []
+    samples = longest = 0
+    for i, (batch, seq) in enumerate(sizes):
+        if passes and (samples + batch) * max(longest, seq) <= max_tokens:
+            passes[-1].append(i)
+            samples, longest = samples + batch, max(longest, seq)
+        else:
+            passes.append([i])
+            samples, longest = batch, seq
+    return passes
+
+
+def pass_jobs(jobs: Sequence[LoraJob], dp: int, max_tokens: Optional[int]) -> list[list[LoraJob]]:
+    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas."""
+    sizes = [(replica_work(j, dp).samples_per_pass, j.seq_length) for j in jobs]
+    return [[jobs[i] for i in group] for group in split_passes(sizes, max_tokens)]

@@ -118,6 +118,9 @@ class Trainer:
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
         self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
+        # The indexed datasets' prefixes, resolved once per run: a layout switch and a worker
+        # joining a running job reuse them (resolving the default corpus walks its files).
+        self.data_path: Optional[list[str]] = None
         # Set when a shrinking reshard leaves this rank out of the new world: train() returns.
         self.left = False
 
@@ -136,6 +139,7 @@ class Trainer:
         self.resumed_from = resume[1] if resume is not None else None
         if joining is not None:
             self.vocab_size = joining["padded_vocab_size"]
+            self.data_path = joining["data_path"]
         else:
             self.vocab_size = self._vocab_size(resume)
         fresh = resume is None and joining is None
@@ -320,15 +324,16 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg = self.cfg
-        data_path = list(cfg.data.data_path) or [
-            default_corpus_prefix(self._cache_dir(), cfg.data.corpus, self.tokenizer_spec)
-        ]
+        if self.data_path is None:
+            self.data_path = list(cfg.data.data_path) or [
+                default_corpus_prefix(self._cache_dir(), cfg.data.corpus, self.tokenizer_spec)
+            ]
         gbs = self._global_batch_size()
         # Every evaluation reads the same held-out batches, so one round of them is enough.
         eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
         num_samples = (cfg.train.iters * gbs, eval_samples, 0)
         self.train_ds, self.valid_ds, _ = build_gpt_datasets(
-            data_path,
+            self.data_path,
             self.tokenizer,
             cfg.model.seq_length,
             cfg.data.split,
@@ -474,6 +479,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "padded_vocab_size": self.vocab_size,
             "tokenizer": self.tokenizer_spec,
+            "data_path": self.data_path,
             "layout": self._layout_key(),
             "plugins": {p.name: p.state_dict() for p in self.plugins},
             "config": dataclasses.asdict(self.cfg),

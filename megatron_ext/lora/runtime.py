@@ -53,7 +53,7 @@ class JobResult:
     steps: int = 0
     losses: list[float] = field(default_factory=list)  # per optimizer step
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss
-    tokens: int = 0  # trained tokens (loss-counted or not)
+    tokens: int = 0  # trained tokens (loss-counted or not; padding not)
     started_s: Optional[float] = None
     finished_s: Optional[float] = None
     error: Optional[str] = None  # why a failed job could not start
@@ -241,11 +241,13 @@ class PackedTrainer:
         losses = token_losses(self.model, batch.tokens, batch.position_ids, batch.labels)
         mask = batch.loss_mask.to(losses.device, losses.dtype)
         job_losses = {}
-        for seg in batch.segments:
+        for seg, (_, mb) in zip(batch.segments, parts):
             active = self.active[seg.slot]
-            rows = slice(seg.start, seg.stop)
-            job_losses[seg.slot] = (losses[rows] * mask[rows]).sum() / mask[rows].sum().clamp(min=1) / active.job.accumulation_steps
-            active.result.tokens += mask[rows].numel() * self.dp
+            # Its own tokens only: the padding its pass partners' lengths add would change the
+            # rounding of its loss and its token count.
+            own = (slice(seg.start, seg.stop), slice(0, mb.tokens.shape[1]))
+            job_losses[seg.slot] = (losses[own] * mask[own]).sum() / mask[own].sum().clamp(min=1) / active.job.accumulation_steps
+            active.result.tokens += mb.tokens.numel() * self.dp
         values = self._sum_over_dp(job_losses)
         kept = [loss for slot, loss in job_losses.items() if math.isfinite(values[slot])]
         if kept:

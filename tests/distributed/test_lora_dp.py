@@ -2,7 +2,8 @@
 one rank with the same global batches: each rank trains half of each job's micro-batches and
 the adapter gradients are summed over the ranks (the frozen base has none). Jobs differ in
 accumulation, batch, rank, targets, dropout, clipping and schedule; three jobs pass through two
-slots.
+slots. A second DP=2 run caps a pass's tokens, so ranks split their steps into passes (and
+still reduce once a step): it too must give the DP=1 update.
 
 fp64 models; the two runs group the same samples into different GEMMs and sum the gradients in
 another order, so they agree to rounding, not bitwise. A rank that trains the wrong half, a
@@ -32,6 +33,9 @@ JOBS = [
             lr_decay_style="cosine", lr_warmup_steps=1),
 ]
 REL_TOL = 1e-9
+# name -> the DP=2 run's cap on a pass's tokens: per rank a, b, c hold 16, 24, 16 tokens, so a
+# and b train in passes of their own, a and c in one.
+CAPS = {"uncapped": None, "capped": 32}
 
 
 def worker(out: str) -> None:
@@ -42,10 +46,11 @@ def worker(out: str) -> None:
 
     with model_parallel_world(tp=1):
         assert parallel_state.get_data_parallel_world_size() == 2
-        weights, results, before, after = train(JOBS, capacity=2, dtype=torch.float64)
-        assert all(torch.equal(before[k], after[k]) for k in before)
-        if dist.get_rank() == 0:
-            torch.save({"weights": weights, "results": results}, Path(out) / "dp2.pt")
+        for name, cap in CAPS.items():
+            weights, results, before, after = train(JOBS, capacity=2, dtype=torch.float64, max_pass_tokens=cap)
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            if dist.get_rank() == 0:
+                torch.save({"weights": weights, "results": results}, Path(out) / f"dp2-{name}.pt")
 
 
 if __name__ == "__main__":
@@ -53,10 +58,11 @@ if __name__ == "__main__":
 
 
 @pytest.mark.distributed
-def test_dp2_equals_dp1_for_every_adapter(one_rank_world, tmp_path_factory):
+@pytest.mark.parametrize("name", sorted(CAPS))
+def test_dp2_equals_dp1_for_every_adapter(one_rank_world, tmp_path_factory, name):
     from _lora_two_ranks import outputs  # the launch test_lora_concurrent shares: one startup for both
 
-    dp2 = torch.load(outputs(tmp_path_factory) / "dp" / "dp2.pt", weights_only=False)
+    dp2 = torch.load(outputs(tmp_path_factory) / "dp" / f"dp2-{name}.pt", weights_only=False)
     dp1, results, _, _ = train(JOBS, capacity=2, dtype=torch.float64)
     for job in JOBS:
         one, two = results[job.name], dp2["results"][job.name]

@@ -16,6 +16,7 @@ from megatron_ext.lora.batching import MicroBatch, SyntheticData, pack
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import install_job, logical_weights
 from megatron_ext.lora.runtime import PackedTrainer, token_losses
+from megatron_ext.lora.workload import split_passes
 
 VOCAB = 128
 MODEL = ModelConfig(
@@ -37,7 +38,7 @@ def base_state(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items() if ".adapters." not in k and "_extra_state" not in k}
 
 
-def train(jobs, capacity, dtype, data=SyntheticData):
+def train(jobs, capacity, dtype, data=SyntheticData, max_pass_tokens=None):
     """(final logical weights per job, results, base before, base after)."""
     model, wrappers, routing = build_base(MODEL, VOCAB, dtype=dtype)
     before = base_state(model)
@@ -46,7 +47,8 @@ def train(jobs, capacity, dtype, data=SyntheticData):
     def keep(trainer, active):
         final[active.job.name] = logical_weights(trainer.wrappers, active.slot)
 
-    trainer = PackedTrainer(model, wrappers, routing, lambda job: data(job, VOCAB), capacity, on_finish=keep)
+    trainer = PackedTrainer(model, wrappers, routing, lambda job: data(job, VOCAB), capacity, on_finish=keep,
+                            max_pass_tokens=max_pass_tokens)
     trainer.submit(jobs)
     results = trainer.run()
     base_params = [p for n, p in model.named_parameters() if ".adapters." not in n]
@@ -71,6 +73,45 @@ def test_packed_equals_solo(one_rank_world, dtype, atol):
         assert max_diff(packed[job.name], solo[job.name]) <= atol, job.name
         expected_keys = {(layer, t) for layer in (1, 2) for t in job.target_modules}
         assert set(packed[job.name]) == expected_keys
+
+
+def passes_taken(monkeypatch) -> list:
+    """Every packed step's passes as the runtime splits it (tuples of indices in slot order)."""
+    from megatron_ext.lora import runtime
+
+    taken = []
+
+    def recording(sizes, max_tokens):
+        passes = split_passes(sizes, max_tokens)
+        taken.append(tuple(tuple(p) for p in passes))
+        return passes
+
+    monkeypatch.setattr(runtime, "split_passes", recording)
+    return taken
+
+
+# name -> (cap on a pass's padded tokens, the passes of the steps it gives). JOBS' micro-batches
+# hold 16 (a), 24 (b) and 48 (c) tokens; through two slots a trains with b (48 tokens together,
+# padded to 16), then with c (64), then alone.
+CAPS = {
+    "below every micro-batch": (1, {((0,), (1,)), ((0,),)}),
+    "a with b, a apart from c": (48, {((0, 1),), ((0,), (1,)), ((0,),)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAPS))
+def test_a_pass_cap_changes_no_adapter(one_rank_world, monkeypatch, name):
+    cap, layouts = CAPS[name]
+    uncapped, _, _, _ = train(JOBS, capacity=2, dtype=torch.float64)
+    taken = passes_taken(monkeypatch)
+    capped, results, before, after = train(JOBS, capacity=2, dtype=torch.float64, max_pass_tokens=cap)
+    assert set(taken) == layouts
+    assert all(torch.equal(before[k], after[k]) for k in before), "the frozen base changed"
+    for job in JOBS:
+        assert results[job.name].status == "done" and results[job.name].steps == job.steps
+        solo, _, _, _ = train([job], capacity=1, dtype=torch.float64)
+        assert max_diff(capped[job.name], uncapped[job.name]) <= 1e-12, job.name
+        assert max_diff(capped[job.name], solo[job.name]) <= 1e-12, job.name
 
 
 class OtherStream(SyntheticData):
@@ -115,9 +156,11 @@ class Diverging(SyntheticData):
             yield mb
 
 
-def test_a_diverging_job_stops_alone(one_rank_world):
+# The capped run puts "boom" in a pass with job a (16 tokens each), c in a pass of its own.
+@pytest.mark.parametrize("cap", [None, 32], ids=["uncapped", "capped"])
+def test_a_diverging_job_stops_alone(one_rank_world, cap):
     boom = LoraJob("boom", rank=4, lr=1e-2, steps=50, seq_length=16, seed=3)
-    packed, results, _, _ = train([JOBS[0], boom, JOBS[2]], capacity=3, dtype=torch.float64, data=Diverging)
+    packed, results, _, _ = train([JOBS[0], boom, JOBS[2]], capacity=3, dtype=torch.float64, data=Diverging, max_pass_tokens=cap)
     assert results["boom"].status == "diverged" and results["boom"].steps == 2
     for job in (JOBS[0], JOBS[2]):
         assert results[job.name].status == "done"

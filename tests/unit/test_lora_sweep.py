@@ -53,8 +53,9 @@ def test_plain_multi_job_config(tmp_path):
         (["parallel.pp=2"], "needs parallel.pp=1"),
         (["model.arch=hybrid"], "model.arch=gpt only"),
         (["lora.kernel=fused"], "unknown lora.kernel 'fused'"),
+        (["lora.max_pass_tokens=0"], r"lora.max_pass_tokens must be >= 1 tokens \(or null\), got 0"),
     ],
-    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel"],
+    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap"],
 )
 def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     out = tmp_path / "out"
@@ -62,6 +63,20 @@ def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
         cfg = compose_config([*TINY, f"lora.output_dir={out}", *overrides])
         run_sweep(cfg, jobs_of(cfg))
     assert not out.exists()
+
+
+def test_the_pass_cap_reaches_the_planners_memory():
+    """Four equal jobs of 32 tokens a micro-batch in four slots hold four jobs' activations in a
+    step, two under a cap of 64 tokens, one under a cap of one token."""
+    from megatron_ext.lora.sweep import plan_sweep
+
+    def peak(cap: str) -> int:
+        cfg = compose_config([*TINY, "model.vocab_size=256", "lora.slots=4", f"lora.max_pass_tokens={cap}",
+                              "lora.jobs=[{name: a}, {name: b}, {name: c}, {name: d}]"])
+        return max(plan_sweep(cfg, jobs_of(cfg)).peak_bytes)
+
+    four, two, one = peak("null"), peak("64"), peak("1")
+    assert four - two == 2 * (two - one) > 0
 
 
 @pytest.mark.slow  # 3 jobs trained and exported, 15 s: the default suite keeps the pieces' tests

@@ -4,7 +4,10 @@
 
 `throughput`: tokens/s of K = 1, 2, 4, 8, 16 LoRA jobs (rank 8 on every linear, each its own
 data) trained
-  packed      in one process, one base, one packed pass per step (runtime.PackedTrainer);
+  packed      in one process, one base, one packed pass per step (runtime.PackedTrainer), and
+              again under each pass cap of --pass-micro-batches N: passes of at most N jobs'
+              micro-batches (max_pass_tokens = N x batch x seq_length; the record's field,
+              null for the uncapped run);
   sequential  in one process, one job after another on the same base;
   processes   as K concurrent processes, each with its own copy of the base;
 at a small and a larger per-job micro-batch. Every measurement runs in fresh worker processes
@@ -12,6 +15,8 @@ at a small and a larger per-job micro-batch. Every measurement runs in fresh wor
 all K in one worker each (K growing, so the worker's peak RSS read after each K is that K's
 peak); processes' peak RSS is summed over the concurrent processes. tokens_per_s uses the wall clock,
 tokens_per_cpu_s the CPU time (on a shared machine the wall clock counts other people's work).
+`throughput_targets` compares each packed run (capped ones suffixed `_cap<tokens>`) with
+sequential, and its K=8 peak with a single job's (packed K=1, uncapped).
 
 `sweep`: scripts/bench/lora_sweep.py (planner vs sequential / per_job / pack_all makespans,
 measured here and simulated on 8 x 80 GB GPUs, and the gap to the exact optimum).
@@ -52,11 +57,12 @@ def jobs(k: int, batch: int, steps: int):
 # --- one worker process ---------------------------------------------------------------------------
 
 
-def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, start_file: Optional[str]) -> list[dict]:
+def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, cap: Optional[int], start_file: Optional[str]) -> list[dict]:
     """Train and time `mode` for each K in `ks` (increasing) in this process. Peak RSS only
     grows, so it is read after each K: sequential (one job at a time) first, then packed with
-    growing K, each reading is the peak of that configuration. `start_file`: wait for it before
-    the timed steps (concurrent processes start their timed windows together)."""
+    growing K, each reading is the peak of that configuration. `cap`: packed's max_pass_tokens.
+    `start_file`: wait for it before the timed steps (concurrent processes start their timed
+    windows together)."""
     import torch
 
     from megatron_ext.config.schema import ModelConfig
@@ -72,7 +78,7 @@ def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, start_
         data = lambda job: SyntheticData(job, VOCAB)  # noqa: E731
 
         def run(js, capacity):
-            trainer = PackedTrainer(model, wrappers, routing, data, capacity)
+            trainer = PackedTrainer(model, wrappers, routing, data, capacity, max_pass_tokens=cap)
             trainer.submit(js)
             trainer.run()
 
@@ -97,10 +103,11 @@ def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, start_
     return results
 
 
-def spawn(mode: str, k, batch: int, steps: int, warmup: int, out: Path, start_file: Optional[str] = None) -> subprocess.Popen:
+def spawn(mode: str, k, batch: int, steps: int, warmup: int, out: Path, start_file: Optional[str] = None,
+          cap: Optional[int] = None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     ks = ",".join(map(str, k)) if isinstance(k, (list, tuple)) else str(k)
-    command = [sys.executable, "-W", "ignore", __file__, "--worker", mode, ks, str(batch), str(steps), str(warmup), str(out)]
+    command = [sys.executable, "-W", "ignore", __file__, "--worker", mode, ks, str(batch), str(steps), str(warmup), str(cap), str(out)]
     if start_file:
         command.append(start_file)
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -118,9 +125,9 @@ def record(r: dict) -> dict:
             "peak_mem_bytes": r["peak_rss_bytes"]}
 
 
-def measure_in_process(mode: str, ks: list[int], batch: int, steps: int, warmup: int, tmp: Path) -> list[dict]:
-    out = tmp / f"{mode}-{batch}.json"
-    return [{"k": r["k"], **record(r)} for r in finished(spawn(mode, ks, batch, steps, warmup, out), out)]
+def measure_in_process(mode: str, ks: list[int], batch: int, steps: int, warmup: int, tmp: Path, cap: Optional[int] = None) -> list[dict]:
+    out = tmp / f"{mode}-{batch}-{cap}.json"
+    return [{"k": r["k"], **record(r)} for r in finished(spawn(mode, ks, batch, steps, warmup, out, cap=cap), out)]
 
 
 def measure_processes(k: int, batch: int, steps: int, warmup: int, tmp: Path) -> dict:
@@ -144,29 +151,39 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for size in args.batches:
             batch = BATCHES[size]
-            rows = [dict(r, mode=m) for m in ("sequential", "packed") for r in measure_in_process(m, args.ks, batch, args.steps, args.warmup, Path(tmp))]
-            rows += [dict(measure_processes(k, batch, args.steps, args.warmup, Path(tmp)), mode="processes")
+            runs = [("sequential", None), ("packed", None)] + [("packed", n * batch * MODEL["seq_length"]) for n in args.pass_micro_batches]
+            rows = [dict(r, mode=m, max_pass_tokens=cap) for m, cap in runs
+                    for r in measure_in_process(m, args.ks, batch, args.steps, args.warmup, Path(tmp), cap)]
+            rows += [dict(measure_processes(k, batch, args.steps, args.warmup, Path(tmp)), mode="processes", max_pass_tokens=None)
                      for k in args.ks if k <= args.max_processes]
             for r in rows:
-                records.append({"k": r["k"], "batch": batch, "batch_size": size, "mode": r["mode"],
+                records.append({"k": r["k"], "batch": batch, "batch_size": size, "mode": r["mode"], "max_pass_tokens": r["max_pass_tokens"],
                                 **{key: r[key] for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_mem_bytes")}})
-                print(f"K={r['k']:2d} batch={batch} {r['mode']:10s} {r['tokens_per_s']:8.0f} tok/s "
+                cap = f" cap {r['max_pass_tokens']}" if r["max_pass_tokens"] else ""
+                print(f"K={r['k']:2d} batch={batch} {r['mode'] + cap:18s} {r['tokens_per_s']:8.0f} tok/s "
                       f"({r['tokens_per_cpu_s']:8.0f} per CPU s)  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB", flush=True)
     return records
 
 
+def run_of(r: dict) -> tuple[str, int]:
+    """(mode, pass cap or 0): results written before the cap have no max_pass_tokens."""
+    return r["mode"], r.get("max_pass_tokens") or 0
+
+
 def targets(records: list[dict]) -> dict:
     """The CPU targets: packed at least as fast as sequential (per CPU second and per wall
-    second), and packed K=8 peak memory at most 1.5x a single job's."""
-    get = {(r["k"], r["batch"], r["mode"]): r for r in records}
+    second), and packed K=8 peak memory at most 1.5x a single job's (packed K=1, uncapped);
+    for the uncapped packed run and each capped one (keys suffixed `_cap<max_pass_tokens>`)."""
+    get = {(r["k"], r["batch"], *run_of(r)): r for r in records}
     out = {}
-    for (k, batch, mode), r in get.items():
-        if mode == "packed" and (k, batch, "sequential") in get:
-            seq = get[(k, batch, "sequential")]
-            out[f"packed_vs_sequential_k{k}_b{batch}"] = {
+    for (k, batch, mode, cap), r in get.items():
+        suffix = f"_cap{cap}" if cap else ""
+        if mode == "packed" and (k, batch, "sequential", 0) in get:
+            seq = get[(k, batch, "sequential", 0)]
+            out[f"packed_vs_sequential_k{k}_b{batch}{suffix}"] = {
                 "wall": r["tokens_per_s"] / seq["tokens_per_s"], "cpu": r["tokens_per_cpu_s"] / seq["tokens_per_cpu_s"]}
-        if mode == "packed" and k == 8 and (1, batch, "packed") in get:
-            out[f"peak_mem_k8_over_k1_b{batch}"] = r["peak_mem_bytes"] / get[(1, batch, "packed")]["peak_mem_bytes"]
+        if mode == "packed" and k == 8 and (1, batch, "packed", 0) in get:
+            out[f"peak_mem_k8_over_k1_b{batch}{suffix}"] = r["peak_mem_bytes"] / get[(1, batch, "packed", 0)]["peak_mem_bytes"]
     return out
 
 
@@ -180,11 +197,11 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, label in ((axes[0], "tokens_per_cpu_s", "tokens / CPU s"), (axes[1], "peak_mem_bytes", "peak memory (MiB)")):
         for batch in sorted({r["batch"] for r in records}):
-            for mode, style in (("packed", "-o"), ("sequential", "--s"), ("processes", ":^")):
-                rs = sorted((r for r in records if r["batch"] == batch and r["mode"] == mode), key=lambda r: r["k"])
-                if rs:
-                    ys = [r[key] / (2**20 if key == "peak_mem_bytes" else 1) for r in rs]
-                    ax.plot([r["k"] for r in rs], ys, style, label=f"{mode}, batch {batch}")
+            for mode, cap in sorted({run_of(r) for r in records if r["batch"] == batch}):
+                rs = sorted((r for r in records if r["batch"] == batch and run_of(r) == (mode, cap)), key=lambda r: r["k"])
+                ys = [r[key] / (2**20 if key == "peak_mem_bytes" else 1) for r in rs]
+                style = "-.d" if cap else {"packed": "-o", "sequential": "--s", "processes": ":^"}[mode]
+                ax.plot([r["k"] for r in rs], ys, style, label=f"{mode}{f' (cap {cap})' if cap else ''}, batch {batch}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("jobs K")
         ax.set_ylabel(label)
@@ -201,8 +218,9 @@ def plot(result: dict, path: str) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        mode, k, batch, steps, warmup, out = argv[1:7]
-        result = worker(mode, [int(x) for x in k.split(",")], int(batch), int(steps), int(warmup), argv[7] if len(argv) > 7 else None)
+        mode, k, batch, steps, warmup, cap, out = argv[1:8]
+        result = worker(mode, [int(x) for x in k.split(",")], int(batch), int(steps), int(warmup),
+                        None if cap == "None" else int(cap), argv[8] if len(argv) > 8 else None)
         Path(out).write_text(json.dumps(result))
         return
     import lora_sweep
@@ -215,6 +233,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per job")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-processes", type=int, default=16, help="largest K run as concurrent processes")
+    p.add_argument("--pass-micro-batches", type=int, nargs="*", default=[2],
+                   help="packed again with passes of at most N jobs' micro-batches, for each N (none: uncapped only)")
     p.add_argument("--tmp", default=None, help="folder for the workers' files")
     p.add_argument("--skip-sweep", action="store_true")
     lora_sweep.add_arguments(p)

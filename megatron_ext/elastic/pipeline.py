@@ -13,12 +13,14 @@ projections on each). What must agree over the stages:
     p2p communicates shapes first (`config.variable_seq_lengths`, set by the plugin);
   * the teacher: pipelined like the student, run forward-only through megatron's schedule on the
     step's micro-batches before the student's schedule (`forward_only`); the last stage keeps its
-    logits for the KD loss.
+    logits for the KD loss;
+  * export: the stages' tensors gathered on the first stage under the keys one process holding
+    the whole model has (`gather_stages`), so the nested checkpoint does not depend on PP.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,16 @@ def stage_sum(value: Size) -> Size:
     return int(total) if isinstance(value, int) else total
 
 
+def merge_stages(local: dict) -> dict:
+    """Every stage's `local` entries in one dict (in stage order, so in layer order where keyed
+    by layer), on every stage; `local` itself without PP."""
+    if stages() == 1:
+        return dict(local)
+    per_stage = [None] * stages()
+    dist.all_gather_object(per_stage, local, group=parallel_state.get_pipeline_model_parallel_group())
+    return {k: v for stage in per_stage for k, v in stage.items()}
+
+
 def forward_only(model: nn.Module, batches: list, forward: Callable[[nn.Module, dict], torch.Tensor], **schedule) -> list:
     """`forward(model, batch)` of every batch through megatron's pipeline schedule (forward only),
     one micro-batch per batch: the last stage's outputs, in order (empty on other stages).
@@ -70,3 +82,29 @@ def forward_only(model: nn.Module, batches: list, forward: Callable[[nn.Module, 
         forward_only=True,
         **schedule,
     )
+
+
+def global_key(model: nn.Module, key: str) -> str:
+    """A state-dict key of this stage as a model holding every stage names it: a stage numbers
+    its `decoder.layers` from 0, megatron's `layer_number` counts from the model's first layer
+    (in a MambaStack and a TransformerBlock alike)."""
+    prefix = "decoder.layers."
+    if not key.startswith(prefix):
+        return key
+    local, rest = key[len(prefix) :].split(".", 1)
+    return f"{prefix}{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
+
+
+def gather_stages(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
+    """This stage's `tensors` (by state-dict key) and every other stage's, under global keys, on
+    the first stage (None on the others; `tensors` itself without PP). The last stage's copy of a
+    tied output layer is left out: one process holds the embedding alone."""
+    tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
+    mine = {global_key(model, k): v.detach().cpu() for k, v in tensors.items() if not (tied_copy and k.startswith("output_layer."))}
+    if stages() == 1:
+        return mine
+    group = parallel_state.get_pipeline_model_parallel_group()
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    per_stage = [None] * stages() if first else None
+    dist.gather_object(mine, per_stage, dst=dist.get_global_rank(group, 0), group=group)
+    return {k: v for stage in per_stage for k, v in stage.items()} if first else None

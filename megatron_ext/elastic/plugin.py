@@ -10,22 +10,26 @@ a budget is drawn and the router samples its sizes, or per sample (`budget_draw=
 is drawn, the router picks each budget's sizes and the student runs each micro-batch's budget
 groups at their sizes (`grouped.py`); the student learns the teacher's distribution. The router
 has its own Adam and learning rate and steps after the model's optimizer; its gradients are
-summed over the data-parallel replicas. Evaluation runs the full model. At the end, with `export_dir`, the
-nested checkpoint (every budget at once) and one standalone megatron checkpoint per budget are
-written, plus `report.json` (per step: the loss, the budget of every sample in global sample
-order, the sizes trained at: per budget with budget_draw=sample, per micro-batch in global
-micro-batch order with micro_batch; the router's choices after the step).
+summed over the data-parallel replicas. Evaluation runs the full model. At the end, with
+`export_dir`, the nested checkpoint (every budget at once; under PP gathered from the stages onto
+rank 0 under the keys one process has) is written, plus `report.json` (per step: the loss, the
+budget of every sample in global sample order, the sizes trained at: per budget with
+budget_draw=sample, per micro-batch in global micro-batch order with micro_batch; the router's
+choices after the step).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
 global prefix, the losses are vocabulary-parallel, the router's gradient is summed over the TP
-and DP ranks) and pipeline parallelism of GPT parents (PP=2 is checked equal to one process:
-`pipeline.py`; the teacher is pipelined like the student and runs forward-only through megatron's
+and DP ranks) and pipeline parallelism of GPT and hybrid parents (PP=2 is checked equal to one
+process, nested checkpoint included: `pipeline.py`; each stage holds its layers' axes under their
+global layer numbers and knows the whole model's axis kinds, which differ between the stages of a
+hybrid; the teacher is pipelined like the student and runs forward-only through megatron's
 schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
-sends its groups' activations zero-padded to the widest group's hidden size). The Mamba and MoE axes refuse
-TP and PP, and virtual pipeline stages are refused. A resumed run rebuilds the teacher from the
-parent's source and the stored orders and continues the uninterrupted run (checked: the same
-budgets, losses, router choices and weights). With `fp8`, the student distils with FP8 QAD and
+sends its groups' activations zero-padded to the widest group's hidden size). The Mamba axes
+refuse TP, the MoE axes TP and EP, and virtual pipeline stages are refused; export is skipped
+under TP. A resumed run rebuilds the teacher from the parent's source and the stored orders (every
+stage's) and continues the uninterrupted run (checked at one process: the same budgets, losses,
+router choices and weights). With `fp8`, the student distils with FP8 QAD and
 the nested checkpoint is written in FP8 (`fp8.py`, `slicing.slice_nested_fp8`).
 """
 
@@ -97,11 +101,6 @@ class ElasticPlugin(Plugin):
         p = trainer.cfg.parallel
         if p.vpp:
             raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
-        if p.pp > 1 and trainer.cfg.model.arch != "gpt":
-            raise ValueError(
-                f"elastic: pipeline parallelism is supported for GPT parents only (model.arch={trainer.cfg.model.arch!r}); "
-                "use tensor or data parallelism"
-            )
         from megatron_ext.elastic.distill import check_budget_draw
 
         check_budget_draw(self.cfg.budget_draw)
@@ -154,11 +153,14 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic.distill import Distiller
         from megatron_ext.elastic.importance import calibrate
         from megatron_ext.elastic.permute import reorder
+        from megatron_ext.elastic.pipeline import merge_stages
 
         dp_group = parallel_state.get_data_parallel_group()
         if self.orders is None:  # a fresh run (a resumed one restored the reordered weights)
             calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(trainer), dp_group)
-            self.orders = reorder(self.space.axes)
+            # Every stage's: a checkpoint keeps rank 0's plugin state, and a resumed stage
+            # rebuilds its teacher from it.
+            self.orders = merge_stages(reorder(self.space.axes))
         teacher = self._build_teacher(trainer)
         if self.cfg.fp8:
             from megatron_ext.elastic import fp8
@@ -243,21 +245,29 @@ class ElasticPlugin(Plugin):
         from megatron_ext.models.init import init_weights_layout_independent
         from megatron_ext.platform.device import current_device
 
+        import copy
+
         import torch
 
         cfg = trainer.cfg
         # The student's own family (GPT or hybrid), not always a GPT.
         arch = architecture(cfg.model)
         student = self.space.model  # the teacher holds this rank's pipeline stage, like the student
+        # The student's config without the runtime's schedule hooks (DDP's gradient sync, the
+        # optimizer's loss scale): the teacher never trains, and megatron's MoE experts deep-copy
+        # their config, which the hooks' process groups refuse.
+        config = copy.copy(trainer.model_config)
+        config.finalize_model_grads_func = config.no_sync_func = config.grad_sync_func = None
+        config.param_sync_func = config.grad_scale_func = None
         teacher = arch.build(
             cfg.model,
-            trainer.model_config,
+            config,
             arch.spec(cfg.model, trainer.on_cpu),
             trainer.vocab_size,
             pre_process=student.pre_process,
             post_process=student.post_process,
         ).to(current_device())
-        init_weights_layout_independent([teacher], trainer.model_config, cfg.train.seed)
+        init_weights_layout_independent([teacher], config, cfg.train.seed)
         if cfg.model.pretrained:
             pretrained.load_into([teacher], cfg.model, trainer.vocab_size)
         space = ElasticSpace(teacher)
@@ -404,17 +414,32 @@ class ElasticPlugin(Plugin):
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps({"history": self.history, "choices": self.choices()}, indent=1))
-            self._export(trainer, out)
+        self._export(trainer, out)
         dist.barrier()
 
     def _export(self, trainer, out: Path) -> None:
-        from megatron_ext.elastic import fp8, slicing
+        """The nested checkpoint, written by rank 0 from the tensors of its replica's pipeline
+        stages (every replica holds the same weights)."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
 
-        if trainer.cfg.parallel.tp > 1 or trainer.cfg.parallel.pp > 1:
-            trainer.note("elastic: export skipped under tp>1 or pp>1 (export runs on a whole model in one process)")
+        from megatron_ext.elastic import fp8, slicing
+        from megatron_ext.elastic.pipeline import gather_stages
+
+        if trainer.cfg.parallel.tp > 1:
+            if dist.get_rank() == 0:
+                trainer.note("elastic: export skipped under tp>1 (the stages' tensors are gathered, not TP shards)")
+            return
+        if parallel_state.get_data_parallel_rank() != 0:
             return
         model = self.space.model
-        scales = fp8.scales(model) if self.cfg.fp8 else None
-        slicing.save_nested(out / "nested", model, trainer.cfg.model, trainer.vocab_size, self.choices(), fp8_scales=scales)
+        tensors = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        state = gather_stages(model, tensors)
+        scales = gather_stages(model, fp8.scales(model)) if self.cfg.fp8 else None
+        if state is None:  # a later pipeline stage: the first one writes
+            return
+        nested = out / "nested"
+        slicing.save_nested_state(nested, state, trainer.cfg.model, trainer.vocab_size, self.choices(), fp8_scales=scales)
         kind = "FP8 nested" if self.cfg.fp8 else "nested"
-        trainer.note(f"elastic: {kind} checkpoint of budgets {list(self.choices())} in {out / 'nested'}")
+        trainer.note(f"elastic: {kind} checkpoint of budgets {list(self.choices())} in {nested}")

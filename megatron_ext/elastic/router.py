@@ -169,11 +169,11 @@ def check_grid(space: ElasticSpace, grid: Mapping[str, list[int]]) -> None:
     """Every choice must be a size its axes can take (multiple of the axis quantum, e.g. the
     query groups, within the parent's size); the error names the nearest valid sizes."""
     for key, choices in grid.items():
-        axes = [a for a in space.axes if key in (a.name, a.kind)]
-        if not axes:
+        if key not in space.model_axes and key not in space.kinds:
             raise ValueError(f"elastic.grid: unknown axis or kind {key!r}; this model has kinds {space.kinds}")
         if not choices:
             raise ValueError(f"elastic.grid.{key}: no sizes given")
+        axes = [a for a in space.axes if key in (a.name, a.kind)]  # this pipeline stage's
         for size in choices:
             for axis in axes:
                 try:

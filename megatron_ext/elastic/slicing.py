@@ -172,7 +172,24 @@ def save_nested(
 ) -> Path:
     """One checkpoint for every budget: the reordered parent's tensors and each budget's sizes;
     with `fp8_scales` (`fp8.scales` of the parent) its quantised weights as FP8 codes."""
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return save_nested_state(out, parent_state(model), parent, padded_vocab, budgets, extra, fp8_scales)
+
+
+def parent_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors at full size (copies; no `_extra_state`)."""
+    return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def save_nested_state(
+    out: str | os.PathLike,
+    state: Mapping[str, torch.Tensor],
+    parent: ModelConfig,
+    padded_vocab: int,
+    budgets: Mapping[str, Mapping[str, int]],
+    extra: Optional[dict] = None,
+    fp8_scales: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Path:
+    """`save_nested` of a parent given by its tensors (e.g. gathered from pipeline stages)."""
     if fp8_scales is not None:
         state = fp8.fp8_state(state, fp8_scales)  # refuses an unknown key before anything is written
     return write_nested(out, state, parent, padded_vocab, budgets, {**(extra or {}), "fp8": fp8_scales is not None})

@@ -14,6 +14,7 @@ from typing import Iterator, Mapping
 from torch import nn
 
 from megatron_ext.elastic.axes import Axis, Size, discover
+from megatron_ext.elastic.pipeline import merge_stages
 
 
 class ElasticSpace:
@@ -21,23 +22,27 @@ class ElasticSpace:
         self.model = model
         self.axes: list[Axis] = discover(model)
         self.by_name = {a.name: a for a in self.axes}
+        # (kind, full, quantum) of every axis of the whole model by name: under pipeline
+        # parallelism `axes` are this stage's (a hybrid stage may have no MoE layer at all),
+        # while grids, sizes and the router name the whole model's kinds and axes.
+        self.model_axes = merge_stages({a.name: (a.kind, a.full, a.quantum) for a in self.axes})
 
     @property
     def kinds(self) -> list[str]:
-        return list(dict.fromkeys(a.kind for a in self.axes))
+        return list(dict.fromkeys(kind for kind, _, _ in self.model_axes.values()))
 
     def full(self) -> dict[str, int]:
         return {a.name: a.full for a in self.axes}
 
     def full_of(self, kind: str) -> int:
-        return next(a.full for a in self.axes if a.kind == kind)
+        return next(full for k, full, _ in self.model_axes.values() if k == kind)
 
     def quantum_of(self, kind: str) -> int:
-        return next(a.quantum for a in self.axes if a.kind == kind)
+        return next(quantum for k, _, quantum in self.model_axes.values() if k == kind)
 
     def expand(self, sizes: Mapping[str, Size]) -> dict[str, Size]:
-        """Per-axis sizes of a (partly) per-kind choice."""
-        unknown = [k for k in sizes if k not in self.by_name and k not in self.kinds]
+        """Per-axis sizes (of this stage's axes) of a (partly) per-kind choice."""
+        unknown = [k for k in sizes if k not in self.model_axes and k not in self.kinds]
         if unknown:
             raise ValueError(f"elastic: unknown axis or kind {unknown}; this model has kinds {self.kinds}")
         return {a.name: sizes.get(a.name, sizes.get(a.kind, a.full)) for a in self.axes}

@@ -159,9 +159,9 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
 
 @pytest.mark.parametrize(
     "parallel, arch, message",
-    [({"pp": 2, "vpp": None}, "hybrid", r"pipeline parallelism is supported for GPT parents only \(model.arch='hybrid'\)"),
+    [({"pp": 2, "vpp": 2}, "hybrid", r"virtual pipeline stages \(parallel.vpp\) are not supported"),
      ({"pp": 2, "vpp": 2}, "gpt", r"virtual pipeline stages \(parallel.vpp\) are not supported")],
-    ids=["pp-hybrid", "vpp"],
+    ids=["vpp-hybrid", "vpp-gpt"],
 )
 def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, arch, message):
     from types import SimpleNamespace

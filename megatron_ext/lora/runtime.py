@@ -16,7 +16,9 @@ round-robin (rank r takes micro-batches r, r+D, ...) and every packed step sums 
 gradients over the group (the base is frozen and has none), so each optimizer step sees the same
 global batch, normalised the same way, as on one rank. A job's micro-batches per step must be a
 multiple of D. Dropout masks are drawn per micro-batch from (job seed, micro-batch index), so they
-do not depend on D either, nor on where a resumed run stopped.
+do not depend on D either, nor on where a resumed run stopped. Under a pass cap every rank
+splits a step alike (a job's micro-batches have one shape on every rank), and the gradients
+are still summed once per step, after its last pass.
 """
 
 from __future__ import annotations

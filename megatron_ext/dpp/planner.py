@@ -13,7 +13,9 @@ Policies:
   packed to it; of each sequence's chunks only the last `keep` keep their activations, the others
   recompute every layer. ChunkSize and keep tuned offline.
 - `dpp`, and the ablations `dpp_no_balance` (even token mesh, packing to the token target only),
-  `dpp_no_ckpt` (no recomputation), `dpp_full_ckpt` (every layer recomputed).
+  `dpp_no_ckpt` (no recomputation), `dpp_full_ckpt` (every layer recomputed). DPP searches the
+  even mesh beside the balanced one: a balanced mesh's first slice is its largest, and where
+  memory binds (the prefix's K/V and dK/dV of a very long sequence) only even slices may fit.
 Static policies are tuned once per (model, context, pp, budget) by `tune_static` on a tuning
 batch and then plan each batch with `plan_static`; nothing is re-tuned per batch. Every policy
 plans against the budget less the memory model's stated error (`costmodel.usable_budget`).
@@ -34,7 +36,14 @@ from megatron_ext.dpp.plan import Chunk, Group, Segment, StepPlan
 from megatron_ext.dpp.schedule import group_dp, longest_first, one_f_one_b, units, with_recompute
 from megatron_ext.dpp.simulate import memory_peaks, simulate
 
-DPP_POLICIES = {"dpp": (True, "ilp"), "dpp_no_balance": (False, "ilp"), "dpp_no_ckpt": (True, "none"), "dpp_full_ckpt": (True, "full")}
+# policy -> (the meshes searched: True = equal-time (balanced), False = even; recompute mode)
+BOTH_MESHES = (True, False)
+DPP_POLICIES = {
+    "dpp": (BOTH_MESHES, "ilp"),
+    "dpp_no_balance": ((False,), "ilp"),
+    "dpp_no_ckpt": (BOTH_MESHES, "none"),
+    "dpp_full_ckpt": (BOTH_MESHES, "full"),
+}
 STATIC_POLICIES = ("packed", "split", "chunkflow")
 POLICIES = STATIC_POLICIES + tuple(DPP_POLICIES)
 K_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -131,21 +140,22 @@ def _plan_chunks(chunks: tuple[Chunk, ...], lengths: Sequence[int], cost: CostMo
 
 
 def _plan_dpp(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap, stats):
-    balanced, mode = DPP_POLICIES[policy]
+    meshes, mode = DPP_POLICIES[policy]
     best, best_k, best_time = None, 0, math.inf
     longest = max(lengths)
-    # Recompute and extra pipelines only add time, so the plain one-group schedule of a K
-    # bounds its plan from below: try K in order of that bound and stop at the first K whose
-    # bound cannot beat the best plan found (branch and bound over K).
+    # Recompute and extra pipelines only add time, so the plain one-group schedule of a
+    # chunking bounds its plan from below: try (mesh, K) in order of that bound and stop at the
+    # first whose bound cannot beat the best plan found (branch and bound).
     bounded = []
-    for k in k_candidates:
-        if k > 1 and longest / k < MIN_SLICE_TOKENS:
-            break
-        chunks = chunk_batch(lengths, cost, k, balanced)
-        order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))
-        bound = simulate(_renumber(chunks, [one_f_one_b(order, pp)], pp, lengths), cost, layers, check=False).iter_s
-        bounded.append((bound, k, chunks))
-    for bound, k, chunks in sorted(bounded, key=lambda x: (x[0], x[1])):
+    for balanced in meshes:
+        for k in k_candidates:
+            if k > 1 and longest / k < MIN_SLICE_TOKENS:
+                break
+            chunks = chunk_batch(lengths, cost, k, balanced)
+            order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))
+            bound = simulate(_renumber(chunks, [one_f_one_b(order, pp)], pp, lengths), cost, layers, check=False).iter_s
+            bounded.append((bound, k, not balanced, chunks))
+    for bound, k, _, chunks in sorted(bounded, key=lambda x: x[:3]):
         if bound >= best_time:
             break
         plan = _plan_chunks(chunks, lengths, cost, pp, budget, layers, mode, max_groups, gap, stats)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_ext.dpp.costmodel import MODEL_SHAPES, analytic_gpu
 from megatron_ext.dpp.planner import POLICIES, STATIC_POLICIES, plan_step, plan_step_info, tune_static
 from megatron_ext.dpp.simulate import check_plan, simulate
 from tests.unit._dpp_cases import TOY
@@ -48,3 +49,21 @@ def test_dpp_plan_mixes_split_packed_and_hybrid_chunks():
 def test_bad_requests_are_refused(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
+
+
+# (cost model, lengths, pp, budget, layers): with one 128K sequence the balanced mesh's large
+# first slice only fits unsliced (K=1), while two even slices fit and run 1.3x faster.
+SEARCH_CASES = {
+    "toy": (TOY, LENGTHS, 2, BUDGET, LAYERS),
+    "13b_one_128k_sequence": (analytic_gpu(MODEL_SHAPES["llama-13b"]), [131072, 4000, 3000, 2000, 1000], 4, 80e9, None),
+}
+
+
+@pytest.mark.parametrize("case", SEARCH_CASES)
+def test_dpp_is_never_slower_than_its_even_mesh_ablation(case):
+    cost, lengths, pp, budget, layers = SEARCH_CASES[case]
+    times = {
+        policy: plan_step_info(lengths, cost, pp, budget, policy, layers=layers, k_candidates=(1, 2, 4, 8))[1].predicted_iter_s
+        for policy in ("dpp", "dpp_no_balance")
+    }
+    assert times["dpp"] <= times["dpp_no_balance"] * (1 + 1e-12)

@@ -17,6 +17,10 @@ loss, median forward latency of the exported model, tokens spent. The thinking c
 accuracy and answer loss vs wall time over thinking budgets, for think-50% / answer-100%,
 100% / 100% and 50% / 50%. With `--fp8`: the FP8 student's held-out KD and next-token loss per
 budget, quantised after the elastic run (PTQ) against a second elastic run with FP8 QAD.
+`--budget-draw sample` draws a budget per sample instead of per micro-batch, and `--draw-seed`
+reseeds the budget draws and the router's Gumbel noise alone (the parent stays that of
+`--seed`): one draw seed is one sample of the held-out losses, whose spread over draw seeds is
+as large as the difference between the two draws (compare them over several).
 """
 
 from __future__ import annotations
@@ -152,7 +156,9 @@ def distil_elastic(student, space, teacher, budgets: list[float], grid: dict, he
     from megatron_ext.elastic.router import BudgetRouter, RouterConfig
 
     router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
-    curriculum = CurriculumConfig(budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2])
+    curriculum = CurriculumConfig(
+        budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2], seed=args.draw_seed, budget_draw=args.budget_draw
+    )
     distiller = Distiller(space, teacher, router, curriculum, VOCAB)
     distiller.warm_up_router(args.router_warmup)
     kd_before = {b: distiller.heldout_kd(student, held, router.select(i)) for i, b in enumerate(budgets)}
@@ -272,7 +278,7 @@ def run(args) -> dict:
         "parent": f"{args.parent} (megatron {'GPTModel' if args.parent == 'gpt' else 'MambaModel'}, local spec): "
         + json.dumps(dataclasses.asdict(parent_cfg)),
         "parent_heldout_loss": parent_loss,
-        "steps": args.steps, "router_warmup": args.router_warmup, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
+        "steps": args.steps, "budget_draw": args.budget_draw, "draw_seed": args.draw_seed, "router_warmup": args.router_warmup, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
         "budgets": rows,
         "thinking": curve,
         "targets": {
@@ -321,6 +327,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent", choices=("gpt", "hybrid"), default="hybrid")
+    parser.add_argument("--budget-draw", choices=("micro_batch", "sample"), default="micro_batch")
+    parser.add_argument("--draw-seed", type=int, default=0, help="seed of the budget draws and router noise alone")
     parser.add_argument("--router-warmup", type=int, default=300, help="cost-only router steps before distilling")
     parser.add_argument("--fp8", action="store_true", help="also compare FP8 QAD with FP8 after training (one more elastic run)")
     args = parser.parse_args()

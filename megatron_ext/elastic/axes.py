@@ -159,26 +159,31 @@ def permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
         tensor.copy_(tensor.index_select(dim, index.to(tensor.device)))
 
 
+def gather_across_tp(tensor: torch.Tensor, dim: int, halves: int = 1) -> list[torch.Tensor]:
+    """The whole of each of the `halves` equal runs of a tensor that each TP rank holds a block
+    of along `dim` (SwiGLU's fc1 holds its block's gate rows, then its up rows)."""
+    local = tensor.shape[dim] // halves
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return [tensor.narrow(dim, i * local, local) for i in range(halves)]
+    blocks = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(blocks, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return [torch.cat([b.narrow(dim, i * local, local) for b in blocks], dim) for i in range(halves)]
+
+
 def permute_across_tp_(tensor: torch.Tensor, dim: int, order: torch.Tensor, halves: int = 1) -> None:
     """Reorder, by a global `order`, the units of a tensor that each TP rank holds a block of
-    along `dim` (as `halves` equal runs: SwiGLU's fc1 holds its block's gate rows, then its up
-    rows). Units move between ranks, so the blocks are gathered first."""
+    along `dim` (as `halves` equal runs, `gather_across_tp`). Units move between ranks, so the
+    blocks are gathered first."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
         n = tensor.shape[dim] // halves
         permute_(tensor, dim, torch.cat([order + i * n for i in range(halves)]))
         return
-    group = parallel_state.get_tensor_model_parallel_group()
     local = tensor.shape[dim] // halves
     with torch.no_grad():
-        blocks = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(blocks, tensor.contiguous(), group=group)
         mine = order[parallel_state.get_tensor_model_parallel_rank() * local :][:local].to(tensor.device)
-        parts = []
-        for i in range(halves):
-            whole = torch.cat([b.narrow(dim, i * local, local) for b in blocks], dim)
-            parts.append(whole.index_select(dim, mine))
-        tensor.copy_(torch.cat(parts, dim))
+        tensor.copy_(torch.cat([whole.index_select(dim, mine) for whole in gather_across_tp(tensor, dim, halves)], dim))
 
 
 def resize_norm(norm: nn.Module, size: int) -> None:

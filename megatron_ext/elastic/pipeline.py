@@ -15,12 +15,12 @@ projections on each). What must agree over the stages:
     step's micro-batches before the student's schedule (`forward_only`); the last stage keeps its
     logits for the KD loss;
   * export: the stages' tensors gathered on the first stage under the keys one process holding
-    the whole model has (`gather_stages`), so the nested checkpoint does not depend on PP.
+    the whole model has (`gather.py`), so the nested checkpoint does not depend on PP.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,28 +83,3 @@ def forward_only(model: nn.Module, batches: list, forward: Callable[[nn.Module, 
         **schedule,
     )
 
-
-def global_key(model: nn.Module, key: str) -> str:
-    """A state-dict key of this stage as a model holding every stage names it: a stage numbers
-    its `decoder.layers` from 0, megatron's `layer_number` counts from the model's first layer
-    (in a MambaStack and a TransformerBlock alike)."""
-    prefix = "decoder.layers."
-    if not key.startswith(prefix):
-        return key
-    local, rest = key[len(prefix) :].split(".", 1)
-    return f"{prefix}{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
-
-
-def gather_stages(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
-    """This stage's `tensors` (by state-dict key) and every other stage's, under global keys, on
-    the first stage (None on the others; `tensors` itself without PP). The last stage's copy of a
-    tied output layer is left out: one process holds the embedding alone."""
-    tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
-    mine = {global_key(model, k): v.detach().cpu() for k, v in tensors.items() if not (tied_copy and k.startswith("output_layer."))}
-    if stages() == 1:
-        return mine
-    group = parallel_state.get_pipeline_model_parallel_group()
-    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-    per_stage = [None] * stages() if first else None
-    dist.gather_object(mine, per_stage, dst=dist.get_global_rank(group, 0), group=group)
-    return {k: v for stage in per_stage for k, v in stage.items()} if first else None

@@ -11,8 +11,8 @@ is drawn, the router picks each budget's sizes and the student runs each micro-b
 groups at their sizes (`grouped.py`); the student learns the teacher's distribution. The router
 has its own Adam and learning rate and steps after the model's optimizer; its gradients are
 summed over the data-parallel replicas. Evaluation runs the full model. At the end, with
-`export_dir`, the nested checkpoint (every budget at once; under PP gathered from the stages onto
-rank 0 under the keys one process has) is written, plus `report.json` (per step: the loss, the
+`export_dir`, the nested checkpoint (every budget at once; under TP and PP joined from the ranks'
+pieces onto rank 0 as one process holds the model, `gather.py`) is written, plus `report.json` (per step: the loss, the
 budget of every sample in global sample order, the sizes trained at: per budget with
 budget_draw=sample, per micro-batch in global micro-batch order with micro_batch; the router's
 choices after the step).
@@ -26,9 +26,10 @@ global layer numbers and knows the whole model's axis kinds, which differ betwee
 hybrid; the teacher is pipelined like the student and runs forward-only through megatron's
 schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
 sends its groups' activations zero-padded to the widest group's hidden size). The Mamba axes
-refuse TP, the MoE axes TP and EP, and virtual pipeline stages are refused; export is skipped
-under TP. A resumed run rebuilds the teacher from the parent's source and the stored orders (every
-stage's) and continues the uninterrupted run (checked at one process: the same budgets, losses,
+refuse TP, the MoE axes TP and EP, and virtual pipeline stages are refused; the FP8 nested
+checkpoint is not written under TP (its scales are per TP shard). A resumed run rebuilds the
+teacher from the parent's source and the stored orders (every stage's) and continues the
+uninterrupted run (checked at one process and for the hybrid at PP=2: the same budgets, losses,
 router choices and weights). With `fp8`, the student distils with FP8 QAD and
 the nested checkpoint is written in FP8 (`fp8.py`, `slicing.slice_nested_fp8`).
 """
@@ -418,26 +419,21 @@ class ElasticPlugin(Plugin):
         dist.barrier()
 
     def _export(self, trainer, out: Path) -> None:
-        """The nested checkpoint, written by rank 0 from the tensors of its replica's pipeline
-        stages (every replica holds the same weights)."""
-        import torch
+        """The nested checkpoint, written by rank 0 from the pieces of every TP and pipeline rank
+        of its replica, as one process holding the whole model would write it (`gather.py`)."""
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
         from megatron_ext.elastic import fp8, slicing
-        from megatron_ext.elastic.pipeline import gather_stages
+        from megatron_ext.elastic.gather import whole_parent
 
-        if trainer.cfg.parallel.tp > 1:
-            if dist.get_rank() == 0:
-                trainer.note("elastic: export skipped under tp>1 (the stages' tensors are gathered, not TP shards)")
-            return
-        if parallel_state.get_data_parallel_rank() != 0:
+        if self.cfg.fp8 and trainer.cfg.parallel.tp > 1:
+            if dist.get_rank() == 0:  # each TP rank's FP8 scales are its shard's
+                trainer.note("elastic: FP8 export skipped under tp>1 (the scales are per TP shard)")
             return
         model = self.space.model
-        tensors = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        state = gather_stages(model, tensors)
-        scales = gather_stages(model, fp8.scales(model)) if self.cfg.fp8 else None
-        if state is None:  # a later pipeline stage: the first one writes
+        state = whole_parent(model)
+        scales = whole_parent(model, fp8.scales(model)) if self.cfg.fp8 else None
+        if state is None:  # not rank 0
             return
         nested = out / "nested"
         slicing.save_nested_state(nested, state, trainer.cfg.model, trainer.vocab_size, self.choices(), fp8_scales=scales)

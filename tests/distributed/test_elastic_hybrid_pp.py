@@ -63,6 +63,24 @@ def test_hybrid_pipeline_distillation_equals_one_process(tmp_path, draw, micro_b
         assert torch.equal(two_weights[key], one_weights[key]), key
 
 
+def test_resumed_pipeline_run_continues_the_uninterrupted_one(tmp_path):
+    """PP=2, checkpointed at step 2 and resumed: each stage rebuilds its teacher from the stored
+    calibration orders, which rank 0 writes and so must hold every stage's axes. The same
+    budgets, sizes, losses and choices at steps 3-4, and the same nested checkpoint."""
+    pp = ["train.micro_batch_size=1", "launcher.nproc=2", "parallel.pp=2"]
+    ckpt = tmp_path / "ckpt"
+    straight, straight_weights = run(tmp_path, "straight", *pp, f"checkpoint.save={ckpt}", "checkpoint.interval=2", common=HYBRID)
+    resumed, resumed_weights = run(tmp_path, "resumed", *pp, f"checkpoint.load={ckpt}", "checkpoint.step=2", common=HYBRID)
+    tail = [h for h in straight["history"] if h["step"] > 2]
+    assert [h["step"] for h in resumed["history"]] == [h["step"] for h in tail] == [3, 4]
+    for a, b in zip(tail, resumed["history"]):
+        assert a["budgets"] == b["budgets"] and a["sizes"] == b["sizes"] and a["choices"] == b["choices"]
+        assert a["loss"] == b["loss"] and a["router_loss"] == b["router_loss"]  # measured equal to the bit
+    assert straight_weights.keys() == resumed_weights.keys()
+    for key in straight_weights:
+        assert torch.equal(resumed_weights[key], straight_weights[key]), key
+
+
 def test_tensor_parallel_mamba_axes_are_refused_before_training(tmp_path):
     """TP=2 cuts Mamba groups over the ranks, which the Mamba axes do not follow: refused when the
     axes are discovered, naming the setting, before a step (the dense hybrid, as MoE under TP

@@ -2,7 +2,8 @@
 models as one process (same budgets drawn per sample, same losses, router and weights), also with
 micro-batches that mix budgets (and then equal to one-sample micro-batches), a run
 resumed from a checkpoint continues the uninterrupted one, pipeline parallelism (2 stages)
-distils as one process, and `elastic.fp8` distils with FP8
+distils as one process (nested checkpoint included), a TP=2 run writes the one-process nested
+checkpoint, and `elastic.fp8` distils with FP8
 QAD and writes a nested FP8 checkpoint that the slicing CLI cuts into a standalone FP8 one."""
 
 from __future__ import annotations
@@ -134,6 +135,20 @@ def test_pipeline_parallel_distillation_equals_one_process(tmp_path, tied, micro
     for key in one_weights:
         scale = float(one_weights[key].abs().max())
         torch.testing.assert_close(two_weights[key], one_weights[key], rtol=0, atol=rel * scale)
+
+
+def test_tensor_parallel_export_equals_one_process(tmp_path):
+    """TP=2: the nested checkpoint joins every rank's shards (the embedding's and output layer's
+    vocabulary, QKV's query groups, the projection's heads, SwiGLU's gate and up halves, fc2's
+    neurons) into the tensors one process writes. At learning rate 0 the student stays the
+    reordered parent, so a right gather is equal to the bit (trained, TP=2 differs from one
+    process by summation order) and a misplaced block is off by whole weights."""
+    common = ["optim.lr=0.0", "optim.min_lr=0.0", "train.iters=2"]
+    _, one = run(tmp_path, "one", *common)
+    _, two = run(tmp_path, "tp", *common, "launcher.nproc=2", "parallel.tp=2")
+    assert one.keys() == two.keys()
+    for key in one:
+        assert torch.equal(two[key], one[key]), key
 
 
 def test_resumed_run_continues_the_uninterrupted_one(tmp_path):

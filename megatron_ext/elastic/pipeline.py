@@ -82,4 +82,3 @@ def forward_only(model: nn.Module, batches: list, forward: Callable[[nn.Module, 
         forward_only=True,
         **schedule,
     )
-

@@ -12,10 +12,10 @@ groups at their sizes (`grouped.py`); the student learns the teacher's distribut
 has its own Adam and learning rate and steps after the model's optimizer; its gradients are
 summed over the data-parallel replicas. Evaluation runs the full model. At the end, with
 `export_dir`, the nested checkpoint (every budget at once; under TP and PP joined from the ranks'
-pieces onto rank 0 as one process holds the model, `gather.py`) is written, plus `report.json` (per step: the loss, the
-budget of every sample in global sample order, the sizes trained at: per budget with
-budget_draw=sample, per micro-batch in global micro-batch order with micro_batch; the router's
-choices after the step).
+pieces onto rank 0 as one process holds the model, `gather.py`) is written, plus `report.json`
+(per step: the loss, the budget of every sample in global sample order, the sizes trained at: per
+budget with budget_draw=sample, per micro-batch in global micro-batch order with micro_batch; the
+router's choices after the step).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
 parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
@@ -30,8 +30,8 @@ refuse TP, the MoE axes TP and EP, and virtual pipeline stages are refused; the 
 checkpoint is not written under TP (its scales are per TP shard). A resumed run rebuilds the
 teacher from the parent's source and the stored orders (every stage's) and continues the
 uninterrupted run (checked at one process and for the hybrid at PP=2: the same budgets, losses,
-router choices and weights). With `fp8`, the student distils with FP8 QAD and
-the nested checkpoint is written in FP8 (`fp8.py`, `slicing.slice_nested_fp8`).
+router choices and weights). With `fp8`, the student distils with FP8 QAD and the nested
+checkpoint is written in FP8 (`fp8.py`, `slicing.slice_nested_fp8`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def save_job(
             grads[key] = wrapper.logical_pair(adapter.a.grad, adapter.b.grad)
     counters = {"step_count": active.optimizer.step_count, "micro": active.micro, "step_loss": active.step_loss,
                 "consumed": active.consumed}
-    # The TP gathers above run over megatron's groups; the save over `group` alone (replicas
+    # The TP gathers above run over the pack's TP group (the wrappers'); the save over `group` alone (replicas
     # are numbered by rank in it, so its first rank writes).
     with as_world(group):
         extra = sharded_weights(grads, "grad")

@@ -1,5 +1,7 @@
-"""A sweep's plan run on this world: every pack on its own ranks, packs on separate devices at
-the same time (groups.py), one frozen base per rank.
+"""A sweep's plan run on this world: every pack on its own ranks at its own TP degree, packs on
+separate ranks at the same time (groups.py). A rank holds one frozen base at a time, built on its
+pack's TP group: packs that follow on the same TP group train on it too, and a pack on another
+one frees it before building its own.
 
 Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/` (PEFT, by its pack's
 leader rank) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed over its
@@ -10,53 +12,88 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ext.config.schema import Config
 from megatron_ext.lora import resume
 from megatron_ext.lora.base import build_base
 from megatron_ext.lora.export import save_megatron, save_peft
-from megatron_ext.lora.groups import as_world, pack_groups
+from megatron_ext.lora.groups import PackGroups, as_world, pack_groups
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.layers import logical_weights
+from megatron_ext.lora.layers import Routing, logical_weights
 from megatron_ext.lora.plan import Plan
 from megatron_ext.lora.runtime import JobResult, PackedTrainer
 from megatron_ext.models.gpt import padded_vocab_size
 
 
-def execute(cfg: Config, jobs: Sequence[LoraJob], plan: Plan, data_for: Callable) -> dict[str, JobResult]:
+@dataclass
+class Base:
+    """A rank's frozen base and the model groups (groups.PackGroups.model_groups) it is built on."""
+
+    groups: ProcessGroupCollection
+    model: torch.nn.Module
+    wrappers: dict
+    routing: Routing
+
+
+def execute(
+    cfg: Config, jobs: Sequence[LoraJob], plan: Plan, data_for: Callable, dtype: Optional[torch.dtype] = None
+) -> dict[str, JobResult]:
     """Train `plan` (collective over the world); every rank returns every job's result.
     `lora.stop_after` counts the packed steps of each rank's packs; a pack runs at most what is
-    left to the rank with the least left."""
-    groups = pack_groups(plan, cfg.parallel.tp)
-    model, wrappers, routing = build_base(cfg.model, padded_vocab_size(cfg.model.vocab_size, cfg.model, cfg.parallel.tp), cfg.train.seed)
-    routing.kernel = cfg.lora.kernel
-    out = Path(cfg.lora.output_dir)
+    left to the rank with the least left. `dtype` casts every base (torch.float64 for exactness
+    checks)."""
+    groups = pack_groups(plan)
+    # One vocabulary padding for every pack's TP, so that all packs train the same logical model.
+    vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model, math.lcm(*(p.tp for p in plan.packs)))
     by_name = {j.name: j for j in jobs}
     results: dict[str, JobResult] = {}
     budget = cfg.lora.stop_after
+    base: Optional[Base] = None
     for index, pack in enumerate(plan.packs):
         if index not in groups:
             continue
         mine = groups[index]
-        writer = dist.get_rank() == mine.leader
-        trainer = PackedTrainer(model, wrappers, routing, data_for, pack.slots, _finisher(cfg, out, writer, mine.group),
-                                _logger(out, writer), dp_group=mine.dp_group, group=mine.group,
-                                max_pass_tokens=cfg.lora.max_pass_tokens)
-        trainer.submit([by_name[n] for n in pack.jobs])
-        folder = resume.pack_folder(out, index)
-        resume.restore(trainer, folder)
+        if base is None or base.groups is not mine.model_groups:
+            base = None  # freed before the next one is built: one base per rank at a time
+            base = _build_base(cfg, vocab, mine.model_groups, dtype)
         budget = _least_left(budget, mine.group)
-        if not resume.finished(trainer) and budget != 0:
-            taken = resume.run_pack(trainer, folder, cfg.lora.save_interval, budget)
-            budget = None if budget is None else budget - taken
-        if writer:
-            results.update(trainer.results)
+        trained, taken = _train_pack(cfg, base, mine, [by_name[n] for n in pack.jobs], pack.slots, index, data_for, budget)
+        results.update(trained)
+        budget = None if budget is None else budget - taken
     return _gathered(results, jobs)
+
+
+def _build_base(cfg: Config, vocab: int, groups: ProcessGroupCollection, dtype: Optional[torch.dtype]) -> Base:
+    model, wrappers, routing = build_base(cfg.model, vocab, cfg.train.seed, dtype, groups)
+    routing.kernel = cfg.lora.kernel
+    return Base(groups, model, wrappers, routing)
+
+
+def _train_pack(
+    cfg: Config, base: Base, mine: PackGroups, jobs: list[LoraJob], slots: int, index: int, data_for: Callable, budget: Optional[int]
+) -> tuple[dict[str, JobResult], int]:
+    """Run (or continue) pack `index` on `base` for at most `budget` packed steps; its jobs'
+    results (on its leader rank; none elsewhere) and the packed steps taken."""
+    out = Path(cfg.lora.output_dir)
+    writer = dist.get_rank() == mine.leader
+    trainer = PackedTrainer(base.model, base.wrappers, base.routing, data_for, slots, _finisher(cfg, out, writer, mine.group),
+                            _logger(out, writer), dp_group=mine.dp_group, group=mine.group,
+                            max_pass_tokens=cfg.lora.max_pass_tokens)
+    trainer.submit(jobs)
+    folder = resume.pack_folder(out, index)
+    resume.restore(trainer, folder)
+    taken = 0
+    if not resume.finished(trainer) and budget != 0:
+        taken = resume.run_pack(trainer, folder, cfg.lora.save_interval, budget)
+    return (trainer.results if writer else {}), taken
 
 
 def _least_left(budget: Optional[int], group: dist.ProcessGroup) -> Optional[int]:
@@ -84,7 +121,7 @@ def _logger(out: Path, writer: bool) -> Callable[[str, str], None]:
 
 def _finisher(cfg: Config, out: Path, writer: bool, group: dist.ProcessGroup) -> Callable:
     def finish(trainer: PackedTrainer, active) -> None:
-        weights = logical_weights(trainer.wrappers, active.slot)  # over megatron's TP group
+        weights = logical_weights(trainer.wrappers, active.slot)  # over the pack's TP group
         if writer:
             save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, cfg.model.pretrained)
         with as_world(group):

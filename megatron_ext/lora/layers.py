@@ -13,6 +13,8 @@ and B [out, r]):
     A is split by input columns, B replicated; the partial S is all-reduced in forward (identity
     backward) and the adapter output is added after the base's own reduction.
 Neither layout constrains the rank by the TP size. All slots of a layer share one collective.
+The TP group is the wrapped linear's own (megatron's `tp_group`), not parallel_state's: a
+sweep builds each pack's base on that pack's groups (groups.py).
 
 Each slot holds its own-rank A and B as separate parameters: every job gets its own optimizer
 state, and a finished job's slot takes the next job's tensors without touching the others.
@@ -26,7 +28,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -103,8 +104,8 @@ class MultiLoraLinear(nn.Module):
         self.routing = routing
         self.glu = target == "linear_fc1" and base.config.gated_linear_unit
         self.adapters = nn.ModuleDict()
-        self.tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = base.tp_group
+        self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
 
     # --- slots --------------------------------------------------------------------------------
 
@@ -133,8 +134,8 @@ class MultiLoraLinear(nn.Module):
         if self.tp == 1:
             return a.clone(), b.clone()
         if self.column:
-            return a.clone(), self._unshard_rows(_all_gather(b, dim=0))
-        return _all_gather(a, dim=1), b.clone()
+            return a.clone(), self._unshard_rows(_all_gather(b, 0, self.tp_group))
+        return _all_gather(a, 1, self.tp_group), b.clone()
 
     def remove(self, slot: int) -> None:
         if str(slot) in self.adapters:
@@ -203,7 +204,8 @@ class MultiLoraLinear(nn.Module):
         if self.tp == 1:
             return ss
         flat = torch.cat([s.reshape(-1) for s in ss])
-        mapped = copy_to_tensor_model_parallel_region(flat) if self.column else reduce_from_tensor_model_parallel_region(flat)
+        region = copy_to_tensor_model_parallel_region if self.column else reduce_from_tensor_model_parallel_region
+        mapped = region(flat, group=self.tp_group)
         return [piece.view_as(s) for piece, s in zip(mapped.split([s.numel() for s in ss]), ss)]
 
     def _dropped(self, x: torch.Tensor, slot: int, p: float) -> torch.Tensor:
@@ -217,8 +219,7 @@ class MultiLoraLinear(nn.Module):
         return x * keep.to(x.device, x.dtype) / (1.0 - p)
 
 
-def _all_gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-    group = parallel_state.get_tensor_model_parallel_group()
+def _all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)

@@ -6,10 +6,10 @@ all parameters, which would couple the adapters)."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_ext.lora.job import LoraJob
 
@@ -31,13 +31,16 @@ def learning_rate(job: LoraJob, step: int) -> float:
 
 
 class JobOptimizer:
-    """AdamW over one job's adapter tensors. `sharded[i]`: parameter i is split over TP (its
-    squared norm is summed over the TP group; replicated ones count once)."""
+    """AdamW over one job's adapter tensors. `sharded[i]`: parameter i is split over `tp_group`
+    (its squared norm is summed over the group; replicated ones count once); None: no TP."""
 
-    def __init__(self, job: LoraJob, params: list[torch.nn.Parameter], sharded: list[bool]) -> None:
+    def __init__(
+        self, job: LoraJob, params: list[torch.nn.Parameter], sharded: list[bool], tp_group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         self.job = job
         self.params = params
         self.sharded = sharded
+        self.tp_group = tp_group
         self.step_count = 0
         self.optimizer = torch.optim.AdamW(
             params,
@@ -53,10 +56,9 @@ class JobOptimizer:
         for p, split in zip(self.params, self.sharded):
             if p.grad is not None:
                 local[int(split)] += p.grad.detach().double().pow(2).sum().cpu()
-        group = parallel_state.get_tensor_model_parallel_group()
-        if dist.get_world_size(group) > 1:
+        if self.tp_group is not None and self.tp_group.size() > 1:
             split = local[1:].clone()
-            dist.all_reduce(split, group=group)
+            dist.all_reduce(split, group=self.tp_group)
             local[1] = split[0]
         return float(local.sum().sqrt())
 

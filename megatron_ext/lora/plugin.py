@@ -40,7 +40,8 @@ class LoraConfig:
     jobs_file: Optional[str] = None
     # Adapters trained at once (None: the planner decides within `memory_gb`).
     slots: Optional[int] = None
-    # Memory of one device (a block of parallel.tp ranks) the planner may fill.
+    # Memory of one device (a rank) the planner may fill. parallel.tp is the largest TP a pack
+    # may use: the planner picks each pack's TP, a power of two up to it.
     memory_gb: float = 16.0
     # The most padded tokens (samples x length) of one forward/backward: a packed step over
     # more splits into passes of whole micro-batches, in slot order, whose gradients add up

@@ -75,7 +75,8 @@ class ActiveJob:
 
 
 def token_losses(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Megatron's per-token cross entropy [b, s] (the causal mask is megatron's default)."""
+    """The model's per-token cross entropy [b, s] (build_base gives it loss.py's, over the model's
+    own TP group; the causal mask is megatron's default)."""
     device = next(model.parameters()).device
     return model(tokens.to(device), position_ids.to(device), None, labels=labels.to(device))
 
@@ -159,12 +160,13 @@ class PackedTrainer:
         data = self.data_for(job)
         state = checkpoint.load_job(saved, job, self.group) if saved is not None else None
         params = install_job(self.wrappers, slot, job, state.weights if state else None)
-        sharded = []
+        sharded, tp_group = [], None
         for wrapper in self.wrappers.values():
             if wrapper.slot(slot) is not None:
                 split = wrapper.sharded(slot)
                 sharded += [split["a"], split["b"]]
-        optimizer = JobOptimizer(job, params, sharded)
+                tp_group = wrapper.tp_group  # one base: every wrapper's is the same
+        optimizer = JobOptimizer(job, params, sharded, tp_group)
         active = ActiveJob(job, slot, optimizer, iter(()), data.eval(), self.results[job.name])
         if state is not None:
             checkpoint.restore(self.wrappers, active, state)

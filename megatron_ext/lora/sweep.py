@@ -4,11 +4,12 @@
     jobs = multirun_jobs(argv)                # or a Hydra multirun's combinations
     summary = run_sweep(cfg, jobs)
 
-The world the run is in (one process, or ranks under torchrun) is split into devices of
-`parallel.tp` ranks. The planner (planner.py) decides which jobs share a pack, how many train at
-once within `lora.memory_gb`, on which devices and in which order, refusing a job that cannot
-fit even alone; execute.py runs the packs through the packed runtime, those on separate devices
-at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/`
+The world the run is in (one process, or ranks under torchrun) is the planner's devices, one a
+rank. The planner (planner.py) decides which jobs share a pack, how many train at once within
+`lora.memory_gb` per rank, at which TP and DP degree (TP a power of two up to `parallel.tp`, the
+largest a pack may use), on which ranks and in which order, refusing a job that cannot fit even
+alone; execute.py runs the packs through the packed runtime, each at its own TP, those on
+separate ranks at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/`
 (PEFT) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed under
 `<output_dir>/checkpoints/` over its own ranks, and `lora.resume=true` continues a stopped
 sweep (resume.py).
@@ -114,9 +115,9 @@ CPU_COEFFICIENTS = (0.05, 0.01, 0.05, 0.5, 0.1, 0.0)
 
 
 def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
-    """The planner's schedule of `jobs` on `devices` TP blocks of `parallel.tp` ranks each
-    (refuses what cannot fit). A pack's TP is the run's: a block is one planner device. A pack's
-    DP divides every job's micro-batches per step (the runtime deals them over the DP ranks)."""
+    """The planner's schedule of `jobs` on `devices` ranks (refuses what cannot fit). A pack's
+    TP is a power of two up to `parallel.tp` that splits the model's heads; its DP divides every
+    job's micro-batches per step (the runtime deals them over the DP ranks)."""
     from megatron_ext.lora import planner
     from megatron_ext.lora.costmodel import LinearCostModel
     from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel, gib
@@ -124,26 +125,52 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
 
     from megatron_ext.lora.calibrate import load_coefficients
 
-    coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
     shapes = shapes_of(cfg.model)
+    check_max_tp(cfg.parallel.tp, devices, shapes)
+    coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
     memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False,
                          max_pass_tokens=cfg.lora.max_pass_tokens)
     max_dp = min(j.accumulation_steps & -j.accumulation_steps for j in jobs)  # powers of two
     problem = planner.Problem(tuple(jobs), Hardware(devices, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, coefficients),
-                              max_tp=1, max_dp=max_dp)
-    schedule = planner.plan(problem)
-    if cfg.lora.slots is not None:  # the user's slot count, kept within what memory allows
-        from megatron_ext.lora.plan import Pack, Plan
+                              max_tp=cfg.parallel.tp, max_dp=max_dp)
+    if cfg.lora.slots is None:
+        return planner.plan(problem)
+    return _slots_schedule(problem, cfg.lora.slots)
 
-        names = tuple(j.name for j in jobs)
-        if not problem.fits(jobs, cfg.lora.slots, (1, 1)):  # memory per device: the same at any DP
-            raise ValueError(f"lora.slots={cfg.lora.slots}: that many of these jobs at once exceed lora.memory_gb={cfg.lora.memory_gb}")
-        from megatron_ext.lora.simulate import simulate
 
-        dp = max(d for d in (2**i for i in range(devices.bit_length())) if d <= min(devices, max_dp))
-        pack = Pack(names, 1, dp, cfg.lora.slots, tuple(range(dp)))
-        schedule = simulate(Plan("lora.slots", (pack,)), problem.jobs, devices, memory, problem)
-    return schedule
+def check_max_tp(max_tp: int, devices: int, shapes) -> None:
+    """Refuse a largest pack TP (`parallel.tp`) that the planner could not use as asked."""
+    from megatron_ext.lora.workload import tp_divides
+
+    problems = []
+    if max_tp < 1 or max_tp & (max_tp - 1):
+        problems.append("is not a power of two")
+    if devices % max_tp:
+        problems.append(f"does not divide the world of {devices} rank(s)")
+    if not tp_divides(shapes, max_tp):
+        problems.append(f"does not split the model evenly (attention heads {shapes.heads}, query groups "
+                        f"{shapes.groups}, FFN {shapes.ffn})")
+    if problems:
+        raise ValueError(f"lora sweep: parallel.tp={max_tp} (the largest TP a pack may use) " + " and ".join(problems))
+
+
+def _slots_schedule(problem, slots: int):
+    """The user's slot count (`lora.slots`), kept within what memory allows: every job in one
+    pack at the smallest TP that holds `slots` of them, over as many DP ranks as the rest allow."""
+    from megatron_ext.lora.plan import Pack, Plan
+    from megatron_ext.lora.planner import check_feasible
+    from megatron_ext.lora.simulate import simulate
+
+    check_feasible(problem)
+    names = tuple(j.name for j in problem.jobs)
+    fitting = sorted(tp for tp, dp in problem.shapes if dp == 1 and problem.fits(problem.jobs, slots, (tp, 1)))
+    if not fitting:
+        raise ValueError(f"lora.slots={slots}: that many of these jobs at once exceed lora.memory_gb per rank "
+                         f"at every TP up to parallel.tp={problem.max_tp}")
+    tp = fitting[0]
+    dp = max(dp for t, dp in problem.shapes if t == tp)
+    pack = Pack(names, tp, dp, slots, tuple(range(tp * dp)))
+    return simulate(Plan("lora.slots", (pack,)), problem.jobs, problem.hardware.devices, problem.memory, problem)
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -207,8 +234,9 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
     check_jobs(cfg, jobs)
     tokenizer = _tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
-    with model_parallel_world(tp=cfg.parallel.tp):
-        schedule = plan_sweep(cfg, jobs, dist.get_world_size() // cfg.parallel.tp)
+    # Megatron's global state at TP=1: each pack builds its base on its own groups (groups.py).
+    with model_parallel_world(tp=1):
+        schedule = plan_sweep(cfg, jobs, dist.get_world_size())
         if dist.get_rank() == 0:
             print(report.table(schedule), flush=True)
         # On resume the recorded plan: its packs' checkpoints are of it (resume.py).

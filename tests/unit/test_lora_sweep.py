@@ -54,8 +54,9 @@ def test_plain_multi_job_config(tmp_path):
         (["model.arch=hybrid"], "model.arch=gpt only"),
         (["lora.kernel=fused"], "unknown lora.kernel 'fused'"),
         (["lora.max_pass_tokens=0"], r"lora.max_pass_tokens must be >= 1 tokens \(or null\), got 0"),
+        (["parallel.tp=2"], r"parallel.tp=2 \(the largest TP a pack may use\) does not divide the world of 1 rank"),
     ],
-    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap"],
+    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap", "max-tp"],
 )
 def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     out = tmp_path / "out"

@@ -360,10 +360,10 @@ def budget_row(budget: float, reps: list[Replicate], full_params: int, tokens: i
     }
 
 
-def difference(row: dict) -> dict:
-    """Elastic minus baseline mean held-out CE against two combined standard errors."""
-    gap = row["heldout_loss"] - row["baseline_heldout_loss"]
-    ses = (row["heldout_loss_se"], row["baseline_heldout_loss_se"])
+def difference(row: dict, key: str) -> dict:
+    """Elastic minus baseline mean of `key` (held-out CE or KD) against two combined standard errors."""
+    gap = row[key] - row[f"baseline_{key}"]
+    ses = (row[f"{key}_se"], row[f"baseline_{key}_se"])
     two_se = 2 * math.hypot(*ses) if None not in ses else None
     return {"elastic_minus_baseline": gap, "two_combined_se": two_se, "within_noise": None if two_se is None else abs(gap) <= two_se}
 
@@ -372,7 +372,8 @@ def targets(rows: list[dict]) -> dict:
     full_latency = rows[0]["latency_s"]
     return {
         "heldout_within_2pct_of_baseline": {f"{r['budget']:g}": r["heldout_loss"] <= 1.02 * r["baseline_heldout_loss"] for r in rows},
-        "heldout_difference": {f"{r['budget']:g}": difference(r) for r in rows},
+        "heldout_difference": {f"{r['budget']:g}": difference(r, "heldout_loss") for r in rows},
+        "kd_difference": {f"{r['budget']:g}": difference(r, "kd_loss") for r in rows},
         "elastic_tokens_at_most_baseline_total_over_n": rows[0]["tokens_elastic"] <= sum(r["tokens_baseline"] for r in rows) / len(rows),
         "latency_50_at_most_0.6x_full": rows[-1]["latency_s"] <= 0.6 * full_latency,
         "latency_50_over_full": rows[-1]["latency_s"] / full_latency,

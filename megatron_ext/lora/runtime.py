@@ -154,7 +154,8 @@ class PackedTrainer:
             result.started_s = self._now()
             if active.eval_data:  # the starting point each job's eval losses compare with
                 result.eval_losses[0] = self.evaluate(active)
-        self.log(job.name, f"{'resumed' if saved else 'started'} in slot {slot} (rank {job.rank}, lr {job.lr:g}, batch {job.global_batch_size})")
+        tp = next(iter(self.wrappers.values())).tp
+        self.log(job.name, f"{'resumed' if saved else 'started'} in slot {slot} (rank {job.rank}, lr {job.lr:g}, batch {job.global_batch_size}, TP {tp})")
 
     def _prepare(self, job: LoraJob, slot: int, saved: Optional[Path]) -> ActiveJob:
         data = self.data_for(job)

@@ -86,3 +86,5 @@ def test_packs_at_tp2_and_tp1_equal_each_job_alone_at_tp1(tmp_path_factory):
         assert any(b.abs().max() > 0 for _, b in e_weights.values()), f"{job.name} never trained"
         assert max(relative(weights[k][i], e_weights[k][i]) for k in weights for i in (0, 1)) <= REL_TOL, job.name
         assert max(relative(peft[k], e_peft[k]) for k in peft) <= REL_TOL, job.name
+        tp = next(p.tp for p in PLANS["mixed"].packs if job.name in p.jobs)  # not TP=1 replicas
+        assert f"TP {tp})" in (out / "mixed" / job.name / "log.txt").read_text(), job.name

@@ -9,8 +9,8 @@ rank. The planner (planner.py) decides which jobs share a pack, how many train a
 `lora.memory_gb` per rank, at which TP and DP degree (TP a power of two up to `parallel.tp`, the
 largest a pack may use), on which ranks and in which order, refusing a job that cannot fit even
 alone; execute.py runs the packs through the packed runtime, each at its own TP, those on
-separate ranks at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`, `metrics.json`, `adapter/`
-(PEFT) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed under
+separate ranks at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`,
+`metrics.json`, `adapter/` (PEFT) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed under
 `<output_dir>/checkpoints/` over its own ranks, and `lora.resume=true` continues a stopped
 sweep (resume.py).
 """
@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from megatron_ext.config.schema import Config
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
+from megatron_ext.lora.workload import Shapes, tp_divides
 
 # Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.
 JOB_SECTIONS = ("lora", "optim", "train")
@@ -138,18 +139,17 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
     return _slots_schedule(problem, cfg.lora.slots)
 
 
-def check_max_tp(max_tp: int, devices: int, shapes) -> None:
+def check_max_tp(max_tp: int, devices: int, shapes: Shapes) -> None:
     """Refuse a largest pack TP (`parallel.tp`) that the planner could not use as asked."""
-    from megatron_ext.lora.workload import tp_divides
-
     problems = []
     if max_tp < 1 or max_tp & (max_tp - 1):
         problems.append("is not a power of two")
-    if devices % max_tp:
-        problems.append(f"does not divide the world of {devices} rank(s)")
-    if not tp_divides(shapes, max_tp):
-        problems.append(f"does not split the model evenly (attention heads {shapes.heads}, query groups "
-                        f"{shapes.groups}, FFN {shapes.ffn})")
+    else:
+        if devices % max_tp:
+            problems.append(f"does not divide the world of {devices} rank(s)")
+        if not tp_divides(shapes, max_tp):
+            problems.append(f"does not split the model evenly (attention heads {shapes.heads}, query groups "
+                            f"{shapes.groups}, FFN {shapes.ffn})")
     if problems:
         raise ValueError(f"lora sweep: parallel.tp={max_tp} (the largest TP a pack may use) " + " and ".join(problems))
 

@@ -127,9 +127,10 @@ def join_world(device_request: str = "auto", timeout_s: int = 600) -> tuple[Laun
 
 
 def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.device]:
-    """This process's place in the launch and its device, with CPU threads limited and the CPU
-    compatibility layer applied when the device is the CPU."""
-    from megatron_ext.platform import cpu_compat
+    """This process's place in the launch and its device, with CPU threads limited, the CPU
+    compatibility layer applied when the device is the CPU, and megatron's checkpoint writer
+    made to leave no process behind (writer_queue.py)."""
+    from megatron_ext.platform import cpu_compat, writer_queue
     from megatron_ext.platform.device import resolve_device
 
     launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
@@ -137,6 +138,7 @@ def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.devi
     if device.type == "cpu":
         limit_cpu_threads(launch.world_size)
     cpu_compat.apply(on_cpu=device.type == "cpu")
+    writer_queue.apply()
     return launch, device
 
 

@@ -1,0 +1,54 @@
+"""The helper process of megatron's checkpoint writer goes when its worker goes.
+
+megatron-core's dist_checkpointing (torch_dist format) collects a rank's write results through a
+queue served by a `multiprocessing` manager process, which it starts at the rank's first save and
+never stops. A worker that dies abruptly (killed, `os._exit`, the OOM killer) leaves that process
+running for ever, and it holds the worker's stdout and stderr: whoever waits for the end of the
+job's output (a launcher, a test's `subprocess.run`) then waits for ever too. Here the manager
+is started with a watchdog that ends it once its worker is gone; everything else is megatron's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from multiprocessing.managers import SyncManager
+from typing import Optional
+
+# How often the manager looks for its worker, in seconds.
+WATCH_INTERVAL_S = 1.0
+
+_manager: Optional[SyncManager] = None
+_queue = None
+
+
+def _end_with(worker: int) -> None:
+    """Runs in the manager process before it serves: exit once `worker` is no longer its parent
+    (an orphan is adopted by init or a subreaper)."""
+
+    def watch() -> None:
+        while os.getppid() == worker:
+            time.sleep(WATCH_INTERVAL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="end-with-worker", daemon=True).start()
+
+
+def results_queue():
+    """Megatron's results queue (one per process, as megatron's own), served by a manager that
+    ends with this process."""
+    global _manager, _queue
+    if _queue is None:
+        _manager = SyncManager(ctx=mp.get_context("spawn"))  # megatron's context
+        _manager.start(_end_with, (os.getpid(),))
+        _queue = _manager.Queue()
+    return _queue
+
+
+def apply() -> None:
+    """Make megatron's checkpoint writer use `results_queue`."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = results_queue

@@ -42,7 +42,7 @@ axis). The dense adapter (attention + SwiGLU MLP) lives in `dense_axes.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -159,16 +159,29 @@ def permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
         tensor.copy_(tensor.index_select(dim, index.to(tensor.device)))
 
 
-def gather_across_tp(tensor: torch.Tensor, dim: int, halves: int = 1) -> list[torch.Tensor]:
-    """The whole of each of the `halves` equal runs of a tensor that each TP rank holds a block
-    of along `dim` (SwiGLU's fc1 holds its block's gate rows, then its up rows)."""
-    local = tensor.shape[dim] // halves
+def gather_across_tp(tensor: torch.Tensor, dim: int, runs: Union[int, Sequence[int]] = 1) -> list[torch.Tensor]:
+    """The whole of each run of a tensor that each TP rank holds a block of along `dim`, as
+    consecutive runs: `runs` equal ones, or runs of the given local lengths (SwiGLU's fc1 holds
+    its block's gate rows, then its up rows; the Mamba in_proj its z, x, B, C and dt rows)."""
+    sizes = [tensor.shape[dim] // runs] * runs if isinstance(runs, int) else list(runs)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
-        return [tensor.narrow(dim, i * local, local) for i in range(halves)]
+        return list(tensor.split(sizes, dim))
     blocks = [torch.empty_like(tensor) for _ in range(tp)]
     dist.all_gather(blocks, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return [torch.cat([b.narrow(dim, i * local, local) for b in blocks], dim) for i in range(halves)]
+    per_rank = [b.split(sizes, dim) for b in blocks]
+    return [torch.cat([runs_of[i] for runs_of in per_rank], dim) for i in range(len(sizes))]
+
+
+def rank_block(order: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The part of a global `order` that TP rank `rank` applies to its block of `len(order) / tp`
+    units, in the block's local indices. For axes ranked within groups that each lie whole on
+    one rank (query groups, Mamba groups), so no unit leaves its rank."""
+    local = len(order) // tp
+    mine = order[rank * local : (rank + 1) * local] - rank * local
+    if not torch.equal(mine.sort().values, torch.arange(local)):
+        raise ValueError(f"elastic: the order moves units between TP ranks (rank {rank} of {tp})")
+    return mine
 
 
 def permute_across_tp_(tensor: torch.Tensor, dim: int, order: torch.Tensor, halves: int = 1) -> None:

@@ -20,6 +20,7 @@ from megatron_ext.elastic.axes import (
     Touch,
     permute_,
     permute_across_tp_,
+    rank_block,
     register_layer_adapter,
     resize_norm,
     set_input_size,
@@ -100,7 +101,7 @@ class HeadsAxis(Axis):
         return [self.attention.linear_proj.register_forward_pre_hook(hook)]
 
     def permute(self, order: torch.Tensor) -> None:
-        local = order[self.offset : self.offset + self.full // self.tp] - self.offset
+        local = rank_block(order, self.tp, parallel_state.get_tensor_model_parallel_rank())
         permute_(full_tensor(self.attention.linear_qkv, "weight"), 0, self._qkv_rows(self.per_group, local))
         permute_(full_tensor(self.attention.linear_proj, "weight"), 1, self._proj_cols(local))
 

@@ -246,8 +246,8 @@ def in_sample_order(drawn: list[torch.Tensor]) -> list[int]:
 def sum_router_grads(router: BudgetRouter, group) -> None:
     """Sum the distillation loss's gradient of the router over `group` (before the cost-gap loss,
     which every rank computes alike, adds its own). Every gate multiplies a TP-sharded weight
-    (linear_proj, fc2: `Axis.tp_sharded`), so each TP rank holds its block's share of the
-    gradient; each data-parallel replica holds its samples' share."""
+    (linear_proj, fc2, the Mamba in_proj and out_proj), so each TP rank holds its block's share
+    of the gradient; each data-parallel replica holds its samples' share."""
     for p in router.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)

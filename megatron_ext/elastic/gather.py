@@ -3,15 +3,17 @@ the nested checkpoint stores, so it does not depend on the layout that trained i
 
 Each TP rank holds a block of every TP-sharded tensor along the dimension megatron marks
 (`partition_dim`: the vocabulary of the embedding and output layer, the query groups of QKV,
-the heads of the attention projection, the neurons of the MLP); the blocks are joined in rank
-order, SwiGLU's fc1 half by half (each rank holds its gate rows, then its up rows). Each pipeline
-stage numbers its layers from 0; the first stage receives the others' tensors under the model's
-layer numbers, without the last stage's copy of a tied output layer.
+the heads of the attention projection, the neurons of the MLP, the groups of a Mamba mixer);
+the blocks are joined in rank order, run by run where a rank's block is several tensors' (SwiGLU's
+fc1: its gate rows, then its up rows; the Mamba in_proj: its z, x, B, C and dt rows; the conv:
+its x, B and C channels). Each pipeline stage numbers its layers from 0; the first stage
+receives the others' tensors under the model's layer numbers, without the last stage's copy of
+a tied output layer.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from torch import nn
 from megatron_ext.elastic.axes import gather_across_tp
 from megatron_ext.elastic.pipeline import stages
 from megatron_ext.elastic.slicing import parent_state
+from megatron_ext.models.mamba2 import TorchMambaMixer
 
 
 def whole_parent(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
@@ -41,18 +44,25 @@ def join_tp(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors (full size, no `_extra_state`) with every TP-sharded one whole, on
     every TP rank."""
     params = dict(model.named_parameters())
-    halves = {
-        f"{prefix}.linear_fc1.{name}": 2
-        for prefix, m in model.named_modules()
-        if isinstance(m, MLP) and m.config.gated_linear_unit
-        for name in ("weight", "bias")
-    }
+    runs = _runs(model)
     joined = parent_state(model)
     for key, value in joined.items():
         param = params.get(key)
         if param is not None and getattr(param, "tensor_model_parallel", False):
-            joined[key] = torch.cat(gather_across_tp(value, param.partition_dim, halves.get(key, 1)), param.partition_dim)
+            joined[key] = torch.cat(gather_across_tp(value, param.partition_dim, runs.get(key, 1)), param.partition_dim)
     return joined
+
+
+def _runs(model: nn.Module) -> dict[str, Union[int, list[int]]]:
+    """The keys whose block on a rank is several runs (`gather_across_tp`), at the full size."""
+    runs: dict[str, Union[int, list[int]]] = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, MLP) and m.config.gated_linear_unit:
+            runs.update({f"{prefix}.linear_fc1.{name}": 2 for name in ("weight", "bias")})
+        if isinstance(m, TorchMambaMixer):
+            runs[f"{prefix}.in_proj.weight"] = list(m.shape.in_proj_parts.values())
+            runs.update({f"{prefix}.conv1d.{name}": list(m.shape.conv_parts.values()) for name in ("weight", "bias")})
+    return runs
 
 
 def global_key(model: nn.Module, key: str) -> str:

@@ -11,6 +11,11 @@ mixer's parameters, the channel axis only adds its size to them.
 Why the cut is exact: every head and every channel runs independently through the conv, the
 scan and the skip; the gated RMSNorm normalises per group, and a group keeps the same number of
 heads, so the elastic mixer's group statistics are those of the sliced mixer's.
+
+Under tensor parallelism each rank holds whole groups (megatron's layout: `mamba2.py`), and a
+head count is a multiple of the groups, so every rank keeps the same number of its own heads:
+the cuts, the head order (ranked inside groups) and the tensors stay rank-local, on the rows of
+the rank's [z | x | B | C | dt]. Only the scores are reduced over the ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 from typing import Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.ssm.mamba_layer import MambaLayer
 from torch import nn
@@ -29,6 +35,7 @@ from megatron_ext.elastic.axes import (
     Size,
     Touch,
     permute_,
+    rank_block,
     register_layer_adapter,
     resize_norm,
     set_input_size,
@@ -39,13 +46,14 @@ from megatron_ext.models.mamba2 import TorchMambaMixer
 
 
 class _MixerCut:
-    """The rows/columns of each mixer tensor that the active (heads, head_dim) keep."""
+    """The rows/columns of this TP rank's mixer tensors that the active (heads, head_dim) keep;
+    every count is the rank's own (local)."""
 
     def __init__(self, mixer: TorchMambaMixer) -> None:
         s = mixer.shape
         self.mixer = mixer
-        self.heads, self.head_dim, self.per_group = s.heads, s.head_dim, s.heads // s.groups
-        self.bc = 2 * s.groups * s.d_state
+        self.heads, self.head_dim, self.per_group = s.local_heads, s.head_dim, s.heads // s.groups
+        self.bc = 2 * s.local_bc
         self.kept_heads_n = self.heads
         self.kept_dim_n = self.head_dim
 
@@ -81,18 +89,13 @@ class _MixerCut:
         return torch.cat([inner, self.heads * self.head_dim + torch.arange(self.bc)])
 
 
-def _check_tp(kind: str) -> None:
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        raise ValueError(f"elastic: the {kind} axis needs parallel.tp=1 (each TP rank holds a block of Mamba groups)")
-
-
 class MambaHeadsAxis(Axis):
     """Mamba heads of one layer (a multiple of the groups). Owns every mixer parameter."""
 
     kind = "mamba_heads"
+    tp_sharded = True  # each rank scores its own heads
 
     def __init__(self, mixer: TorchMambaMixer, layer: int, cut: _MixerCut) -> None:
-        _check_tp(self.kind)
         s = mixer.shape
         self.layer, self.full = layer, s.heads
         self.quantum = self.groups = s.groups
@@ -112,7 +115,7 @@ class MambaHeadsAxis(Axis):
         add_rule(m.out_proj, "weight", SliceRule(1, c.inner, self.gate_value))
 
     def resize(self, size: int) -> None:
-        self.cut_of.kept_heads_n = size
+        self.cut_of.kept_heads_n = size // self.mixer.shape.tp
         _resize_mixer(self.mixer, heads=size)
 
     def observe(self) -> list:
@@ -120,6 +123,7 @@ class MambaHeadsAxis(Axis):
 
     def permute(self, order: torch.Tensor) -> None:
         c = self.cut_of
+        order = rank_block(order, self.mixer.shape.tp, parallel_state.get_tensor_model_parallel_rank())
         all_dims = torch.arange(c.head_dim)
         inner = c.channels(order, all_dims)
         d_inner = c.heads * c.head_dim
@@ -146,7 +150,6 @@ class MambaHeadDimAxis(Axis):
     kind = "mamba_head_dim"
 
     def __init__(self, mixer: TorchMambaMixer, layer: int, cut: _MixerCut) -> None:
-        _check_tp(self.kind)
         self.layer, self.full = layer, mixer.shape.head_dim
         super().__init__()
         self.mixer, self.cut_of = mixer, cut
@@ -183,16 +186,31 @@ def _resize_mixer(mixer: TorchMambaMixer, **sizes: int) -> None:
 
 def _x_branch_hook(axis: Axis, per_head: bool):
     """Importance from the x branch of in_proj (before the conv), at full width: per head the
-    L2 norm over its channels, per channel the L2 norm over the heads; summed over tokens."""
+    L2 norm over its channels (this rank's heads), per channel the L2 norm over the heads (of
+    every rank); summed over tokens."""
 
     def hook(module, inputs, output):
         s = axis.mixer.shape
         out = (output[0] if isinstance(output, tuple) else output).detach()
         x = out[..., s.local_d_inner : 2 * s.local_d_inner].reshape(-1, s.local_heads, s.head_dim).double()
-        score = x.norm(dim=2) if per_head else x.norm(dim=1)
-        axis.score += score.sum(0).cpu()
+        if per_head:
+            offset = parallel_state.get_tensor_model_parallel_rank() * s.local_heads
+            axis.score[offset : offset + s.local_heads] += x.norm(dim=2).sum(0).cpu()
+        else:
+            axis.score += _norm_over_heads(x, s.tp).sum(0).cpu()
 
     return hook
+
+
+def _norm_over_heads(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Per token and channel, the L2 norm over the heads of x [tokens, local heads, head_dim],
+    whose heads are split over the TP ranks: squares summed over the ranks before the root (a
+    norm does not add up). One process keeps torch's norm (its scores, bitwise)."""
+    if tp == 1:
+        return x.norm(dim=1)
+    squares = x.pow(2).sum(1)
+    dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+    return squares.sqrt()
 
 
 def _permute_mixer(

@@ -54,8 +54,15 @@ modules._ELASTIC_CLASSES.setdefault(
 
 
 def _check_layout(kind: str) -> None:
-    if parallel_state.get_tensor_model_parallel_world_size() > 1 or parallel_state.get_expert_model_parallel_world_size() > 1:
-        raise ValueError(f"elastic: the {kind} axis needs parallel.tp=1 and parallel.ep=1")
+    # Megatron-core 0.16's MoELayer refuses to train under TP without sequence parallelism,
+    # which needs Transformer Engine's layers (the hybrid's are torch's): no TP run to follow.
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if tp > 1 or ep > 1:
+        raise ValueError(
+            f"elastic: the {kind} axis needs parallel.tp=1 and parallel.ep=1 (got tp={tp}, ep={ep}: megatron-core "
+            "0.16 trains MoE under tensor parallelism only with sequence parallelism)"
+        )
 
 
 class ExpertsAxis(Axis):

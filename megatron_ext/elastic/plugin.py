@@ -18,20 +18,22 @@ budget with budget_draw=sample, per micro-batch in global micro-batch order with
 router's choices after the step).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
-parallelism of GPT parents (TP=2 is checked equal to TP=1: each rank slices its block of the
-global prefix, the losses are vocabulary-parallel, the router's gradient is summed over the TP
+parallelism of GPT parents and of hybrid parents without MoE (TP=2 is checked equal to TP=1,
+nested checkpoint included: each rank slices its block of the global prefix, or its own Mamba
+groups' heads, the losses are vocabulary-parallel, the router's gradient is summed over the TP
 and DP ranks) and pipeline parallelism of GPT and hybrid parents (PP=2 is checked equal to one
 process, nested checkpoint included: `pipeline.py`; each stage holds its layers' axes under their
 global layer numbers and knows the whole model's axis kinds, which differ between the stages of a
 hybrid; the teacher is pipelined like the student and runs forward-only through megatron's
 schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
-sends its groups' activations zero-padded to the widest group's hidden size). The Mamba axes
-refuse TP, the MoE axes TP and EP, and virtual pipeline stages are refused; the FP8 nested
-checkpoint is not written under TP (its scales are per TP shard). A resumed run rebuilds the
-teacher from the parent's source and the stored orders (every stage's) and continues the
-uninterrupted run (checked at one process and for the hybrid at PP=2: the same budgets, losses,
-router choices and weights). With `fp8`, the student distils with FP8 QAD and the nested
-checkpoint is written in FP8 (`fp8.py`, `slicing.slice_nested_fp8`).
+sends its groups' activations zero-padded to the widest group's hidden size). The MoE axes
+refuse TP and EP (megatron-core 0.16 trains MoE under TP only with sequence parallelism), and
+virtual pipeline stages are refused; the FP8 nested checkpoint is not written under TP (its
+scales are per TP shard). A resumed run rebuilds the teacher from the parent's source and the
+stored orders (every stage's) and continues the uninterrupted run (checked at one process and
+for the hybrid at PP=2: the same budgets, losses, router choices and weights). With `fp8`, the
+student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
+`slicing.slice_nested_fp8`).
 """
 
 from __future__ import annotations

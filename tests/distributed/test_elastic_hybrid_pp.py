@@ -20,17 +20,21 @@ from test_elastic_plugin import assert_same_run, mixes_hidden_sizes, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-HYBRID = [
+# The tiny hybrid parent's distillation run, shared with test_elastic_hybrid_tp.py.
+HYBRID_RUN = [
     "experiment=none",
     "plugin=elastic",
     "logging.progress_bar=false",
     "model=hybrid_tiny",
     "model.seq_length=32",
     "train.global_batch_size=4",
-    "train.iters=4",
     "train.eval_interval=0",
     "elastic.uniform_steps=2",
     "elastic.calibration_batches=2",
+]
+HYBRID = [
+    *HYBRID_RUN,
+    "train.iters=4",
     # The grid's largest submodel is 72% of the parent (4 of 8 Mamba heads, 2 of 4 experts).
     "elastic.budgets=[0.7,0.5,0.3]",
     "elastic.grid={hidden: [32,48,64], heads: [2,4], ffn: [64,128], mamba_heads: [4], mamba_head_dim: [8,16], "

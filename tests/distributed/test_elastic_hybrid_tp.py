@@ -24,21 +24,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_elastic_hybrid_pp import HYBRID_RUN
 from test_elastic_plugin import assert_same_run, launch, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HYBRID = [
-    "experiment=none",
-    "plugin=elastic",
-    "logging.progress_bar=false",
-    "model=hybrid_tiny",
-    "model.seq_length=32",
+    *HYBRID_RUN,
     "train.micro_batch_size=1",
-    "train.global_batch_size=4",
-    "train.eval_interval=0",
-    "elastic.uniform_steps=2",
-    "elastic.calibration_batches=2",
     "elastic.budget_draw=sample",
     "elastic.budgets=[0.8,0.6,0.4]",
 ]

@@ -141,6 +141,8 @@ class Touch:
     owned: bool = False
     # Each TP rank holds a block of the tensor along its other dimension (the vocabulary).
     tp_sharded: bool = False
+    # It computes the logits: the output layer, or the embedding tied to it on a single stage.
+    logits: bool = False
 
 
 @dataclass
@@ -233,14 +235,11 @@ class HiddenAxis(Axis):
         self.touches, self.norms, self.vocab, self.tied = touches, norms, vocab, tied
 
     def attach(self) -> None:
-        # One gate per axis is enough for a gradient: on the model's last touch (the last layer's,
-        # so on the last pipeline stage; the other stages have none).
-        last_stage = not parallel_state.model_parallel_is_initialized() or parallel_state.is_pipeline_last_stage(
-            ignore_virtual=True
-        )
-        for i, t in enumerate(self.touches):
-            gated = last_stage and i == len(self.touches) - 1
-            add_rule(t.module, t.param, SliceRule(t.dim, self.cut, self.gate_value if gated else None))
+        # One gate per axis is enough for a gradient: on the tensor that computes the logits,
+        # which every budget reads (a layer's tensor may be cut away: an MoE layer's last expert),
+        # on the last pipeline stage only. It is TP-sharded, as sum_router_grads expects.
+        for t in self.touches:
+            add_rule(t.module, t.param, SliceRule(t.dim, self.cut, self.gate_value if t.logits else None))
 
     def resize(self, size: int) -> None:
         for t in self.touches:
@@ -315,6 +314,7 @@ def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
                 resize_output if tied_output else None,
                 owned=True,
                 tp_sharded=True,
+                logits=tied_output,
             )
         )
     final = getattr(model.decoder, "final_layernorm", None) or getattr(model.decoder, "final_norm", None)
@@ -325,7 +325,7 @@ def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
         # Under pipeline parallelism a tied output layer is a copy of the first stage's embedding
         # on the last: cut and permuted alike, counted once (by the embedding).
         owned = not model.share_embeddings_and_output_weights
-        touches.append(Touch(output, "weight", 1, resize_output, owned=owned, tp_sharded=True))
+        touches.append(Touch(output, "weight", 1, resize_output, owned=owned, tp_sharded=True, logits=True))
     return touches, norms
 
 

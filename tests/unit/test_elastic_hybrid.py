@@ -171,3 +171,18 @@ def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, arch, m
     trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(**parallel), model=SimpleNamespace(arch=arch)))
     with pytest.raises(ValueError, match=message):
         ElasticPlugin.__new__(ElasticPlugin).setup(trainer)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_the_hidden_axis_gate_gets_a_gradient_at_every_budget(parent, budget):
+    """The router learns an axis from its gate's gradient. The hidden axis's gate sits on the
+    output layer, which every budget reads: not on a layer's tensor that a budget may cut away
+    (hybrid_tiny's last touched tensor is its last expert's, dropped at 50%)."""
+    space = ElasticSpace(parent)
+    for axis in space.axes:
+        axis.gate = torch.ones((), requires_grad=True)
+    with space.at(BUDGETS[budget]):
+        parent.train()(TOKENS, POSITIONS, None).float().logsumexp(-1).mean().backward()
+    hidden = [a for a in space.axes if a.kind == "hidden"]
+    assert hidden and all(a.gate.grad is not None and a.gate.grad.abs() > 0 for a in hidden)
+    space.clear_gates()

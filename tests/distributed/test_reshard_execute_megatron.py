@@ -98,9 +98,9 @@ def run_plain() -> dict:
     report = {}
     for name, (model, a, b) in cases().items():
         p = plan(model, a, b)
-        for transport, budgets in BUDGETS.items():
+        for route, budgets in BUDGETS.items():
             for budget in budgets:
-                report[f"{name} @{budget} {transport}"] = transfer(p, budget, transport)
+                report[f"{name} @{budget} {route}"] = transfer(p, budget, route)
     # One rank cannot create its shared-memory arena: every rank sends messages instead.
     from megatron_ext.reshard import transport
 
@@ -114,9 +114,9 @@ def run_plain() -> dict:
     group = dist.new_group(SUBGROUP)
     model, a, b = preset("llama_tiny"), L(dp=3), L(tp=2)
     if dist.get_rank() in SUBGROUP:
-        for transport, (budget, _) in BUDGETS.items():
-            name = f"dp3->tp2 (world shrinks) on world ranks 1-3 {transport}"
-            report[name] = transfer(plan(model, a, b), budget, transport, group)
+        for route, (budget, _) in BUDGETS.items():
+            name = f"dp3->tp2 (world shrinks) on world ranks 1-3 {route}"
+            report[name] = transfer(plan(model, a, b), budget, route, group)
     return report
 
 
@@ -234,8 +234,6 @@ def states_of(tensor, opt) -> dict:
 
 def set_logical(trainer, poison: bool) -> None:
     """Every param and Adam moment to its logical value (or NaN), every step to 7 (or -1)."""
-    import torch
-
     for tensor, opt, shards in megatron_tensors(trainer).values():
         for state, (local, (a, b)) in states_of(tensor, opt).items():
             if poison:

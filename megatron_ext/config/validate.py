@@ -316,16 +316,6 @@ def sequence_parallel_needs_te(cfg: Config, world: int, device: str) -> Optional
     return None
 
 
-def context_parallel_needs_te(cfg: Config, world: int, device: str) -> Optional[str]:
-    # megatron-core 0.16's local DotProductAttention asserts context_parallel_size == 1.
-    if cfg.parallel.cp > 1 and not _uses_te(cfg, device):
-        return (
-            "parallel.cp > 1 needs Transformer Engine attention (CUDA, model.spec=te or auto): "
-            "megatron-core 0.16's local attention has no context-parallel path"
-        )
-    return None
-
-
 def seq_length_fits_cp(cfg: Config, world: int, device: str) -> Optional[str]:
     # Megatron's load-balanced context parallelism gives each CP rank two chunks of the sequence.
     seq, cp = cfg.model.seq_length, cfg.parallel.cp
@@ -467,7 +457,6 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("train.global_batch_size", global_batch_divisible),
     ("parallel.sequence_parallel", sequence_parallel_needs_tp),
     ("parallel.sequence_parallel", sequence_parallel_needs_te),
-    ("parallel.cp", context_parallel_needs_te),
     ("model.seq_length", seq_length_fits_cp),
     ("optim.lr_warmup_iters", warmup_before_decay_end),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),

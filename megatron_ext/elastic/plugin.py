@@ -104,6 +104,8 @@ class ElasticPlugin(Plugin):
         p = trainer.cfg.parallel
         if p.vpp:
             raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
+        if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
+            raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
         from megatron_ext.elastic.distill import check_budget_draw
 
         check_budget_draw(self.cfg.budget_draw)

@@ -201,8 +201,8 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
     from megatron_ext.lora import tasks
 
     problems = []
-    if cfg.parallel.pp != 1 or cfg.parallel.sequence_parallel:
-        problems.append("the packed runtime needs parallel.pp=1 and no sequence parallelism")
+    if cfg.parallel.pp != 1 or cfg.parallel.cp != 1 or cfg.parallel.sequence_parallel:
+        problems.append("the packed runtime needs parallel.pp=1, parallel.cp=1 and no sequence parallelism")
     if cfg.model.arch != "gpt":  # the base, the cost model and the PEFT export are LLaMA-style GPT
         problems.append(f"the packed runtime adapts model.arch=gpt only, not {cfg.model.arch!r}")
     from megatron_ext.lora import kernels

@@ -20,6 +20,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.models.context_parallel import ContextParallelAttention
 from megatron_ext.platform import optional
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,7 +108,9 @@ def use_transformer_engine(model: ModelConfig, on_cpu: bool) -> bool:
 def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts)
-    return get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
 
 
 def build_gpt_model(

@@ -156,7 +156,7 @@ def _redirect_torch(*module_names: str) -> None:
 
 def _fix_device_literals() -> None:
     """`torch.cuda.current_device()`, `device="cuda"`, streams, events and synchronize in the
-    modules a GPT/MoE training step goes through (buffers, DDP, attention, RoPE, router, MoE
+    modules a GPT/MoE training step goes through (buffers, DDP, attention, RoPE and its CP index, router, MoE
     dispatch, optimizer, grad clipping, rerun machine, checkpoint exchange)."""
     _redirect_torch(
         "megatron.core.utils",
@@ -166,6 +166,7 @@ def _fix_device_literals() -> None:
         "megatron.core.tensor_parallel.data",
         "megatron.core.tensor_parallel.utils",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "megatron.core.models.common.embeddings.rope_utils",
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.transformer.dot_product_attention",
         "megatron.core.transformer.attention",

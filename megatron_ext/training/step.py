@@ -13,6 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_ext.platform.device import current_device
 
@@ -28,6 +29,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     device = current_device()
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+    batch = get_batch_on_this_cp_rank(batch)  # this rank's two chunks of each sequence (cp > 1)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 

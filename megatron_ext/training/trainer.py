@@ -39,6 +39,7 @@ from megatron.core.pipeline_parallel.utils import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp
@@ -130,6 +131,10 @@ class Trainer:
         """Build everything. `joining`: the common state (`common_state()`) of a running job
         this rank joins; its weights and optimizer states are then left for the caller to fill
         (the reshard worker pool moves them in)."""
+        # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user: a
+        # backward outside megatron's schedules earlier in this process leaves a shape the
+        # schedules then cannot copy into.
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         self._init_layout()
         for p in self.plugins:
             p.setup(self)

@@ -1,7 +1,7 @@
 """A live reshard leaves exactly the state a checkpoint save in layout A and a load in B leave.
 
-One 4-rank gloo world runs the cases one after another (dense fp32, dense bf16 with separate
-fp32 main params, interleaved pipeline, MoE across an expert-parallel change). Each case trains
+One 4-rank gloo world runs the cases one after another (dense fp32, context parallelism, dense
+bf16 with separate fp32 main params, interleaved pipeline, MoE across an expert-parallel change). Each case trains
 a few steps in A, so that params, main params and Adam moments are non-trivial, saves a
 checkpoint, then reshards live and compares, rank by rank and bitwise (torch.equal on the raw
 bytes), every tensor megatron holds: params, the DistributedOptimizer's main param, exp_avg,
@@ -45,6 +45,7 @@ FIRST_FC1 = (0, "linear_fc1.weight", "param")  # (layer, expert param, state) to
 # name -> (model preset, precision, layout A, layout B)
 CASES = {
     "tp2pp2->dp4": ("llama_tiny", "fp32", P(tp=2, pp=2), P(dp=4)),
+    "tp2dp2->cp2dp2": ("llama_tiny", "fp32", P(tp=2, dp=2), P(cp=2, dp=2)),
     "tp2pp2->pp2dp2 bf16": ("llama_tiny", "bf16", P(tp=2, pp=2), P(pp=2, dp=2)),
     "pp2vpp2dp2->tp2dp2": ("llama_tiny", "fp32", P(pp=2, vpp=2, dp=2), P(tp=2, dp=2)),
     MOE_CASE: ("llama_moe_tiny", "fp32", P(ep=2), P(ep=4)),

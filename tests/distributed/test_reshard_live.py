@@ -48,7 +48,8 @@ def uninterrupted(cache) -> list[float]:
 
 
 def test_scheduled_reshards_follow_the_uninterrupted_run(uninterrupted, cache, tmp_path):
-    schedule = "[{step: 3, layout: {tp: 1, pp: 2, dp: 2}}, {step: 6, layout: {tp: 2, pp: 1, dp: 2}}]"
+    # The second move also enters context parallelism (each rank then holds half of each sequence).
+    schedule = "[{step: 3, layout: {tp: 1, pp: 2, dp: 2}}, {step: 6, layout: {tp: 2, pp: 1, cp: 2, dp: 1}}]"
     summary = run_from_overrides(
         [*COMMON, cache, "parallel.tp=2", "parallel.pp=2", f"reshard.schedule={schedule}",
          "reshard.memory_budget_mb=0.05", f"checkpoint.save={tmp_path}"]
@@ -56,7 +57,7 @@ def test_scheduled_reshards_follow_the_uninterrupted_run(uninterrupted, cache, t
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
     # The final checkpoint is written in the last layout and resumes there.
     resumed = run_from_overrides(
-        [*COMMON[:-1], cache, "parallel.tp=2", "parallel.dp=2", f"checkpoint.load={tmp_path}",
+        [*COMMON[:-1], cache, "parallel.tp=2", "parallel.cp=2", f"checkpoint.load={tmp_path}",
          f"train.iters={ITERS + 1}"]
     )
     assert len(resumed["losses"]) == 1

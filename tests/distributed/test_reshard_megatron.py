@@ -11,6 +11,7 @@ megatron coordinates, and the pieces the VPS computes for another layout while t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -25,15 +26,17 @@ WORLD = 4
 TINY = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)
 MOE = dataclasses.replace(MODEL_PRESETS["llama_moe_tiny"], vocab_size=256)
 # (model, layout) pairs the 4 ranks build in turn: both ends of tp1->tp2 and tp2pp2->pp2dp2,
-# interleaved pipeline, and experts (with expert-TP = TP).
+# interleaved pipeline, context parallelism, and experts (with expert-TP = TP, and over CP).
 LAYOUTS = [
     (TINY, L(dp=4)),
     (TINY, L(tp=2, dp=2)),
     (TINY, L(tp=2, pp=2)),
     (TINY, L(pp=2, dp=2)),
     (TINY, L(pp=2, vpp=2, dp=2)),
+    (TINY, L(cp=2, dp=2)),
     (MOE, L(dp=4, ep=2)),
     (MOE, L(tp=2, dp=2, ep=2)),
+    (MOE, L(cp=2, dp=2, ep=4)),
 ]
 # While (TINY, tp2·pp2) is live, each rank also computes its VPS pieces for this layout.
 PROBE = (2, L(pp=2, dp=2))
@@ -95,21 +98,21 @@ def coords() -> dict:
 
 def every_layout(world: int) -> list:
     """Every (model, layout) of exactly `world` ranks that the runtime accepts: tp, pp (even, or
-    uneven with a smaller first stage), vpp, dp and, for the MoE model, ep. CP needs Transformer
-    Engine in megatron-core 0.16 and is left out."""
+    uneven with a smaller first stage), vpp, cp, dp and, for the MoE model, ep."""
     found = []
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     for model in (TINY, MOE):
-        for tp in divisors:
-            for pp in (d for d in divisors if (world // tp) % d == 0):
-                dp = world // (tp * pp)
-                firsts = [None] if model.num_layers % pp == 0 else list(range(1, model.num_layers))
-                for first in firsts:
-                    for vpp in (None, 2) if pp > 1 else (None,):
-                        for ep in ([1] if model is TINY else [d for d in divisors if dp % d == 0 and d > 1]):
-                            layout = L(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, first_stage_layers=first)
-                            if not layout.violations(model):
-                                found.append((model, layout))
+        for tp, pp, cp in itertools.product(divisors, repeat=3):
+            if world % (tp * pp * cp):
+                continue
+            dp = world // (tp * pp * cp)
+            firsts = [None] if model.num_layers % pp == 0 else list(range(1, model.num_layers))
+            for first in firsts:
+                for vpp in (None, 2) if pp > 1 else (None,):
+                    for ep in ([1] if model is TINY else [d for d in divisors if (dp * cp) % d == 0 and d > 1]):
+                        layout = L(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=vpp, first_stage_layers=first)
+                        if not layout.violations(model):
+                            found.append((model, layout))
     return found
 
 

@@ -43,6 +43,13 @@ LAYOUTS = {
     "pp3_uneven": (
         ["parallel.pp=3", "parallel.first_stage_layers=1", "parallel.last_stage_layers=1"], 3
     ),
+    # Context parallelism on the local layers: each rank holds 2 of 4 load-balanced chunks.
+    "cp2": (["parallel.cp=2"], 2),
+}
+# Larger worlds, run with -m slow.
+SLOW_LAYOUTS = {
+    "tp2_cp2": (["parallel.tp=2", "parallel.cp=2"], 4),
+    "cp2_pp2": (["parallel.cp=2", "parallel.pp=2"], 4),
 }
 
 
@@ -63,9 +70,11 @@ def reference(data_cache) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "name", [*LAYOUTS, *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_LAYOUTS)]
+)
 def test_layout_matches_single_rank(name, reference, data_cache):
-    overrides, nproc = LAYOUTS[name]
+    overrides, nproc = {**LAYOUTS, **SLOW_LAYOUTS}[name]
     losses = train(data_cache, *overrides, nproc=nproc)["losses"]
     assert losses == pytest.approx(reference, abs=LOSS_ATOL)
 
@@ -75,6 +84,9 @@ def test_moe_expert_parallel_matches_single_rank(data_cache):
     single = train(data_cache, *moe)["losses"]
     ep2 = train(data_cache, *moe, "parallel.ep=2", "parallel.dp=2", nproc=2)["losses"]
     assert ep2 == pytest.approx(single, abs=LOSS_ATOL)
+    # Experts spread over the context-parallel ranks (ep divides dp * cp).
+    ep2_cp2 = train(data_cache, *moe, "parallel.ep=2", "parallel.cp=2", nproc=2)["losses"]
+    assert ep2_cp2 == pytest.approx(single, abs=LOSS_ATOL)
 
 
 @pytest.fixture(scope="module")

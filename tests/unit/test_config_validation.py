@@ -100,8 +100,6 @@ BAD = [
      "parallel.sequence_parallel", "requires parallel.tp > 1"),
     ("sp_on_local_layers", {"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu",
      "parallel.sequence_parallel", "needs Transformer Engine layers"),
-    ("cp_on_local_layers", {"parallel.cp": 2}, 2, "cpu",
-     "parallel.cp", "needs Transformer Engine attention"),
     ("warmup_vs_decay", {"optim.lr_warmup_iters": 300}, 1, "cpu",
      "optim.lr_warmup_iters", "< the lr decay iters (200)"),
     ("precision", {"model.precision": "fp8"}, 1, "cpu",
@@ -178,17 +176,18 @@ def test_sequence_parallel_on_te_layers(monkeypatch, spec):
     validate(cfg, 2, "cuda")
 
 
-# Context parallelism runs on Transformer Engine attention only (CUDA).
-TE_GOOD = [
+# Context parallelism runs on Transformer Engine attention (CUDA) and on the local layers.
+CP_GOOD = [
     ("cp2", {"parallel.cp": 2}, 2),
     ("moe_ep_over_dp_cp", {"model.num_experts": 4, "parallel.ep": 4, "parallel.cp": 2}, 4),
 ]
 
 
-@pytest.mark.parametrize("fields, world", [c[1:] for c in TE_GOOD], ids=[c[0] for c in TE_GOOD])
-def test_context_parallel_on_te_layers(monkeypatch, fields, world):
-    monkeypatch.setattr(optional, "HAVE_TE", True)
-    validate(make(**fields), world, "cuda")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("fields, world", [c[1:] for c in CP_GOOD], ids=[c[0] for c in CP_GOOD])
+def test_context_parallel(monkeypatch, fields, world, device):
+    monkeypatch.setattr(optional, "HAVE_TE", device == "cuda")
+    validate(make(**fields), world, device)
 
 
 def test_seq_length_vs_cp(monkeypatch):

@@ -2,12 +2,15 @@
 
     python -m megatron_ext.dpp.calibrate --out costmodel_cpu.json [--model llama_tiny]
 
-Times (CPU time of the process) one TransformerLayer of the local spec (fp32, CPU) forward and
-backward on a grid of (q new tokens, p prefix tokens). A prefix is timed through the core
-attention alone: time(q, p) = layer(q) + attention(q queries, p + q keys) - attention(q, q),
-with an explicit bottom-right causal mask. Saved activation bytes are counted with saved-tensor
-hooks the same way. Fits alpha, beta, gamma (and the backward ratio) by least squares on
-alternate grid points and reports the relative error on the held-out others.
+Times (CPU time of the process) one TransformerLayer as the DPP runtime builds it (the local
+spec with `ChunkCoreAttention`, fp32, CPU) forward and backward on a grid of (q new tokens, p
+prefix tokens): each point is the last slice of a sequence, its prefix's K/V in the chunk
+context's cache as earlier chunks leave them, RoPE at the slice's positions. Saved activation
+bytes are counted with saved-tensor hooks on the same runs. The output layer (hidden to the
+padded vocabulary) and the cross entropy are timed on their own over the grid's token counts.
+Fits alpha, beta, beta_self, gamma (and the backward's own, and the backward ratio) by
+relative least squares on alternate grid points and reports the relative error on the held-out
+others; the head's fixed and per-token forward and backward likewise.
 """
 
 from __future__ import annotations
@@ -33,30 +36,59 @@ class Sample:
     act_bytes: float
 
 
+@dataclass(frozen=True)
+class HeadSample:
+    tokens: int
+    fwd_s: float
+    bwd_s: float
+
+
 def time_features(q: int, prefix: int) -> list[float]:
-    return [1.0, q, q * (prefix + q / 2)]
+    return [1.0, q, q * prefix, q * q]
 
 
-def _fit(samples: Sequence[Sample], y: np.ndarray) -> tuple[float, float, float]:
-    """(gamma, alpha, beta) by least squares relative to each sample's size, so small chunks
-    count as much as large ones."""
+def _fit(samples: Sequence[Sample], y: np.ndarray) -> tuple[float, float, float, float]:
+    """(gamma, alpha, beta, beta_self) by least squares relative to each sample's size, so
+    small chunks count as much as large ones."""
     X = np.array([time_features(s.q, s.prefix) for s in samples])
-    gamma, alpha, beta = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
-    return float(gamma), float(alpha), float(beta)
+    gamma, alpha, beta, beta_self = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
+    return float(gamma), float(alpha), float(beta), float(beta_self)
 
 
-def fit_time(samples: Sequence[Sample]) -> tuple[float, float, float, float]:
-    """(gamma, alpha, beta, bwd_ratio) of the forward; the ratio is the relative least-squares
-    backward/forward factor."""
+def fit_time(samples: Sequence[Sample]) -> tuple[float, float, float, float, float]:
+    """(gamma, alpha, beta, beta_self, bwd_ratio) of the forward; the ratio is the relative
+    least-squares backward/forward factor."""
     y = np.array([s.fwd_s for s in samples])
     b = np.array([s.bwd_s for s in samples])
     ratio = float(np.mean(b / y))
     return (*_fit(samples, y), ratio)
 
 
-def fit_backward(samples: Sequence[Sample]) -> tuple[float, float, float]:
-    """(gamma, alpha, beta) of the backward, fitted on its own."""
+def fit_backward(samples: Sequence[Sample]) -> tuple[float, float, float, float]:
+    """(gamma, alpha, beta, beta_self) of the backward, fitted on its own."""
     return _fit(samples, np.array([s.bwd_s for s in samples]))
+
+
+def fit_head(samples: Sequence[HeadSample]) -> tuple[float, float, float, float]:
+    """(forward fixed s, forward s per token, backward fixed s, backward s per token) of the
+    output layer and loss, by relative least squares."""
+    X = np.array([[1.0, s.tokens] for s in samples])
+
+    def fit(y: np.ndarray) -> tuple[float, float]:
+        fixed, per_token = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
+        return float(fixed), float(per_token)
+
+    return (*fit(np.array([s.fwd_s for s in samples])), *fit(np.array([s.bwd_s for s in samples])))
+
+
+def head_errors(model: CostModel, samples: Sequence[HeadSample]) -> dict[str, float]:
+    """Relative errors of the head's forward, its backward, and of `bwd_ratio` times the
+    forward as a backward estimate (what a model without the head_bwd_* terms predicts)."""
+    fwd = [abs(model.head_forward_s(s.tokens) / s.fwd_s - 1) for s in samples]
+    bwd = [abs(model.head_backward_s(s.tokens) / s.bwd_s - 1) for s in samples]
+    by_ratio = [abs(model.bwd_ratio * model.head_forward_s(s.tokens) / s.bwd_s - 1) for s in samples]
+    return {f"{k}_{agg.__name__}": float(agg(v))
+            for k, v in (("fwd", fwd), ("bwd", bwd), ("bwd_by_ratio", by_ratio)) for agg in (np.mean, np.max)}
 
 
 def fit_memory(samples: Sequence[Sample]) -> tuple[float, float, float]:
@@ -119,57 +151,93 @@ def _best_of_rounds(runs: dict, rounds: int) -> dict:
     return best
 
 
-def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats: int) -> tuple[list[Sample], dict]:
+def default_vocab(model_name: str) -> int:
+    """The vocabulary the trainer gives the preset: its own size, else the byte tokenizer's
+    (the default tokenizer, which scripts/bench/dpp_measured.py trains with)."""
+    from megatron_ext.config.store import MODEL_PRESETS
+    from megatron_ext.data.tokenizers import ByteTokenizer
+
+    return MODEL_PRESETS[model_name].vocab_size or ByteTokenizer().vocab_size
+
+
+def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats: int,
+            vocab: int) -> tuple[list[Sample], list[HeadSample], dict]:
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.models.gpt import transformer_config
+    from megatron_ext.dpp.attention import ChunkContext, PrefixKVCache, dpp_layer_spec
+    from megatron_ext.dpp.plan import Segment
+    from megatron_ext.models.gpt import layer_spec, padded_vocab_size, transformer_config
 
     mc = MODEL_PRESETS[model_name]
     config = transformer_config(mc, ParallelConfig(), on_cpu=True)
-    layer = build_module(get_gpt_layer_local_spec(normalization="RMSNorm"), config=config, layer_number=1)
+    context = ChunkContext()
+    layer = build_module(dpp_layer_spec(layer_spec(mc, use_te=False), context), config=config, layer_number=1)
     params = {p.data_ptr() for p in layer.parameters()}
-    attn = layer.self_attention.core_attention
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     dim = config.kv_channels
+    rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=int(mc.rotary_base),
+                           use_cpu_initialization=True, cp_group=parallel_state.get_context_parallel_group())
+    padded = padded_vocab_size(vocab, mc, tp=1)
+    output_layer = tensor_parallel.ColumnParallelLinear(
+        config.hidden_size, padded, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
+        gather_output=False)
 
-    def causal(q: int, k: int):  # True = masked; query i sees keys up to k - q + i
-        return torch.ones(q, k, dtype=torch.bool).triu(k - q + 1)[None, None]
-
-    def layer_run(q: int):
+    def layer_run(q: int, p: int):
         x = torch.randn(q, 1, config.hidden_size, requires_grad=True)
-        return lambda: _saved_bytes(lambda: layer(x, attention_mask=causal(q, q))[0], params)
+        emb = rope(p + q)[p:]
+        prefix_kv = [torch.randn(p, 1, groups, dim) for _ in range(2)]
+        segments = (Segment(0, p, q),)
 
-    def attn_run(q: int, k: int):
-        qt = torch.randn(q, 1, heads, dim, requires_grad=True)
-        kt, vt = (torch.randn(k, 1, groups, dim, requires_grad=True) for _ in range(2))
-        return lambda: _saved_bytes(lambda: attn(qt, kt, vt, causal(q, k)), params)
+        def run():
+            # A fresh cache per run: only the prefix's K/V, as the earlier slices left them, so
+            # the dK/dV handed down start from nothing every time.
+            context.cache = PrefixKVCache()
+            if p:
+                context.cache.put((0, layer.layer_number), 0, *prefix_kv)
+            context.enter(segments, (p + q,))
+            return _saved_bytes(lambda: layer(x, attention_mask=None, rotary_pos_emb=emb)[0], params)
 
-    runs = {("layer", q, 0): layer_run(q) for q in qs}
-    runs.update({("attn", q, p): attn_run(q, p + q) for q in qs for p in {0, *prefixes}})
+        return run
+
+    def head_run(n: int):
+        x = torch.randn(n, 1, config.hidden_size, requires_grad=True)
+        labels = torch.randint(padded, (n, 1))
+
+        def loss():  # GPTModel's output layer and its unfused compute_language_model_loss
+            logits, _ = output_layer(x)
+            return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+
+        return lambda: (loss(), 0)
+
+    runs = {("layer", q, p): layer_run(q, p) for q in qs for p in prefixes}
+    runs.update({("head", q, 0): head_run(q) for q in qs})
     best = _best_of_rounds(runs, repeats)
-    samples = []
-    for q in qs:
-        for p in prefixes:
-            f, b, m = (best[("layer", q, 0)][i] + best[("attn", q, p)][i] - best[("attn", q, 0)][i] for i in range(3))
-            samples.append(Sample(q, p, f, b, float(m)))
+    context.leave()
+    samples = [Sample(q, p, *best[("layer", q, p)][:2], float(best[("layer", q, p)][2])) for q in qs for p in prefixes]
+    head = [HeadSample(q, *best[("head", q, 0)][:2]) for q in qs]
     shape = dict(hidden=config.hidden_size, ffn=config.ffn_hidden_size, heads=heads, kv_heads=groups,
                  layer_params=sum(p.numel() for p in layer.parameters()), num_layers=mc.num_layers,
-                 vocab=mc.vocab_size)
-    return samples, shape
+                 vocab=mc.vocab_size, padded_vocab=padded)
+    return samples, head, shape
 
 
-def calibrate(samples: Sequence[Sample], shape: dict, bytes_per_value: int = 4) -> tuple[CostModel, dict]:
+def calibrate(samples: Sequence[Sample], head: Sequence[HeadSample], shape: dict,
+              bytes_per_value: int = 4) -> tuple[CostModel, dict]:
     train, held = samples[0::2], samples[1::2]
-    gamma, alpha, beta, ratio = fit_time(train)
-    bwd_gamma, bwd_alpha, bwd_beta = fit_backward(train)
+    gamma, alpha, beta, beta_self, ratio = fit_time(train)
+    bwd_gamma, bwd_alpha, bwd_beta, bwd_beta_self = fit_backward(train)
+    head_gamma, head_fwd, head_bwd_gamma, head_bwd = fit_head(head[0::2])
     per_token, per_pair, per_key = fit_memory(train)
     kv_dim = shape["hidden"] // shape["heads"] * shape["kv_heads"]
     model = CostModel(
         alpha=alpha, beta=beta, gamma=gamma, bwd_ratio=ratio, bwd_alpha=bwd_alpha, bwd_beta=bwd_beta, bwd_gamma=bwd_gamma,
+        beta_self=beta_self, bwd_beta_self=bwd_beta_self,
+        head_gamma=head_gamma, head_s_token=head_fwd, head_bwd_gamma=head_bwd_gamma, head_bwd_s_token=head_bwd,
         act_bytes_token=per_token, act_bytes_attn=per_pair, act_bytes_key=per_key,
         ckpt_bytes_token=bytes_per_value * shape["hidden"],
         kv_bytes_token=bytes_per_value * 2 * kv_dim,
@@ -177,7 +245,8 @@ def calibrate(samples: Sequence[Sample], shape: dict, bytes_per_value: int = 4) 
         state_bytes_param=4.0 * bytes_per_value,
         layer_params=shape["layer_params"], num_layers=shape["num_layers"],
     )
-    return model, {"train": relative_errors(model, train), "held_out": relative_errors(model, held)}
+    return model, {"train": relative_errors(model, train), "held_out": relative_errors(model, held),
+                   "head_train": head_errors(model, head[0::2]), "head_held_out": head_errors(model, head[1::2])}
 
 
 def main() -> None:
@@ -186,7 +255,10 @@ def main() -> None:
     ap.add_argument("--model", default="llama_tiny", help="a model preset of megatron_ext.config.store")
     ap.add_argument("--q", type=int, nargs="+", default=[64, 128, 256, 384, 512, 768, 1024])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 256, 512, 1024, 2048])
-    ap.add_argument("--repeats", type=int, default=5, help="rounds over the grid; the best of each point is kept")
+    ap.add_argument("--repeats", type=int, default=15, help="rounds over the grid; the best of each point is kept")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="the tokenizer's vocabulary, padded as the trainer pads it; default: the preset's, else "
+                         "the byte tokenizer's")
     args = ap.parse_args()
 
     from megatron.core import parallel_state
@@ -198,13 +270,15 @@ def main() -> None:
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     t = time.perf_counter()
-    samples, shape = measure(args.model, args.q, args.prefix, args.repeats)
-    model, errors = calibrate(samples, shape)
+    samples, head, shape = measure(args.model, args.q, args.prefix, args.repeats, args.vocab or default_vocab(args.model))
+    model, errors = calibrate(samples, head, shape)
     model.to_json(args.out, model=args.model, shape=shape, errors=errors, samples=[dataclasses.asdict(s) for s in samples],
-                  measure_s=time.perf_counter() - t)
-    print(json.dumps({"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "bwd_ratio": model.bwd_ratio,
-                      "act_bytes_token": model.act_bytes_token, "act_bytes_attn": model.act_bytes_attn}, indent=1))
+                  head_samples=[dataclasses.asdict(s) for s in head], measure_s=time.perf_counter() - t)
+    print(json.dumps({k: getattr(model, k) for k in ("alpha", "beta", "beta_self", "gamma", "bwd_ratio", "head_gamma", "head_s_token",
+                                                     "head_bwd_gamma", "head_bwd_s_token", "act_bytes_token",
+                                                     "act_bytes_attn")}, indent=1))
     print("held-out relative error:", json.dumps(errors["held_out"], indent=1))
+    print("head held-out relative error:", json.dumps(errors["head_held_out"], indent=1))
     print(f"measured in {time.perf_counter() - t:.1f}s; wrote {args.out}")
 
 

@@ -2,12 +2,17 @@
 
 Time of one layer's forward over a chunk whose segments have q_i new tokens and a KV prefix p_i:
 
-    T_f = gamma + (alpha * sum q_i + beta * sum q_i * (p_i + q_i / 2)) * (1 + t0 / sum q_i)
+    T_f = gamma + (alpha * sum q_i + beta * sum q_i p_i + beta_self * sum q_i^2) * (1 + t0 / sum q_i)
 
-alpha is the per-token cost of the dense parts, beta the causal attention (a new token sees its
-prefix and about half of its own segment), gamma a fixed per-layer overhead, and the last factor
-the under-utilisation of small chunks (t0 = 0 turns it off). Backward is `bwd_ratio` times the
-forward, or the same form with its own coefficients; a recomputed layer adds one more forward.
+alpha is the per-token cost of the dense parts, beta the attention of a new token to its prefix,
+beta_self the attention within the segment, gamma a fixed per-layer overhead, and the last
+factor the under-utilisation of small chunks (t0 = 0 turns it off). A causal kernel that skips
+the masked half (flash attention) has beta_self = beta / 2, the default; a kernel that computes
+the masked scores and discards them (SDPA with an explicit mask, as on CPU) has its own.
+Backward is `bwd_ratio` times the forward, or the same form with its own coefficients; a
+recomputed layer adds one more forward. The last stage adds the output layer and the loss,
+`head_gamma + head_s_token * tokens` forward and the same form with `head_bwd_*` backward
+(default: `bwd_ratio` times the forward).
 
 Memory counts what autograd saves (the quantity the runtime measures with saved-tensor hooks):
 per layer `act_bytes_token` per token, `act_bytes_attn` per (query, key) pair (dense masked
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ext.dpp.plan import Chunk
+from megatron_ext.dpp.plan import Chunk, Segment
 
 
 # The activation-memory model's stated error: with its terms fitted to the runtime
@@ -88,6 +93,12 @@ LLAMA_13B = ModelShape("llama-13b", num_layers=40, hidden=5120, ffn=13824, heads
 MODEL_SHAPES = {m.name: m for m in (LLAMA_7B, LLAMA_13B)}
 
 
+def _attention_work(pair: float, self_pair: float | None, length: int, prefix: int) -> float:
+    if self_pair is None:  # today's expression, so that older models give the same floats
+        return pair * length * (prefix + length / 2)
+    return pair * length * prefix + self_pair * length * length
+
+
 @dataclass(frozen=True)
 class CostModel:
     # time, seconds
@@ -102,6 +113,15 @@ class CostModel:
     bwd_gamma: float | None = None
     t0: float = 0.0
     head_s_token: float = 0.0  # output layer + loss forward, per token (last stage)
+    # The q^2 coefficients of the attention (forward, backward); None: half of beta / bwd_beta,
+    # a causal kernel that skips the masked half (every model written before they existed).
+    beta_self: float | None = None
+    bwd_beta_self: float | None = None
+    # The head's fixed seconds per chunk (its small kernels and TP reductions); backward None:
+    # bwd_ratio times the forward's.
+    head_gamma: float = 0.0
+    head_bwd_s_token: float | None = None
+    head_bwd_gamma: float | None = None
     p2p_s_token: float = 0.0
     p2p_latency_s: float = 0.0
     # memory, bytes
@@ -123,7 +143,7 @@ class CostModel:
 
     # --- time ---------------------------------------------------------------------------
     def segment_work(self, length: int, prefix: int) -> float:
-        return self.alpha * length + self.beta * length * (prefix + length / 2)
+        return self.alpha * length + _attention_work(self.beta, self.beta_self, length, prefix)
 
     def time_from_work(self, work: float, tokens: int) -> float:
         return self.gamma + work * (1.0 + self.t0 / max(tokens, 1))
@@ -135,25 +155,41 @@ class CostModel:
     def slice_tokens(self, time_s: float, prefix: int) -> int:
         """The longest slice after `prefix` tokens whose layer forward, alone in a chunk,
         takes at most `time_s` (the time is a quadratic in the slice length)."""
-        a = self.beta / 2
-        b = self.alpha + self.beta * prefix + self.beta * self.t0 / 2
+        a = self.beta / 2 if self.beta_self is None else self.beta_self
+        b = self.alpha + self.beta * prefix + a * self.t0
         c = self.gamma + self.alpha * self.t0 + self.beta * self.t0 * prefix - time_s
         if c > 0:
             return 0
-        q = -c / b if a == 0 else (-b + (b * b - 4 * a * c) ** 0.5) / (2 * a)
-        return int(q + 1e-9)
+        q = int(-c / b if a == 0 else (-b + (b * b - 4 * a * c) ** 0.5) / (2 * a))
+        # The closed form's rounding can land one token off the boundary that layer_forward_s
+        # (a different order of operations) draws; step onto it.
+        alone = lambda n: self.layer_forward_s(Chunk(0, "split", (Segment(0, prefix, n),)))  # noqa: E731
+        while alone(q + 1) <= time_s:
+            q += 1
+        while q > 0 and alone(q) > time_s:
+            q -= 1
+        return q
 
     def layer_backward_s(self, chunk: Chunk) -> float:
         if self.bwd_alpha is None:
             return self.bwd_ratio * self.layer_forward_s(chunk)
-        work = sum(self.bwd_alpha * s.length + self.bwd_beta * s.length * (s.prefix + s.length / 2) for s in chunk.segments)
+        work = sum(self.bwd_alpha * s.length + _attention_work(self.bwd_beta, self.bwd_beta_self, s.length, s.prefix)
+                   for s in chunk.segments)
         return self.bwd_gamma + work * (1.0 + self.t0 / max(chunk.tokens, 1))
 
+    def head_forward_s(self, tokens: int) -> float:
+        return self.head_gamma + self.head_s_token * tokens
+
+    def head_backward_s(self, tokens: int) -> float:
+        fixed = self.bwd_ratio * self.head_gamma if self.head_bwd_gamma is None else self.head_bwd_gamma
+        per_token = self.bwd_ratio * self.head_s_token if self.head_bwd_s_token is None else self.head_bwd_s_token
+        return fixed + per_token * tokens
+
     def forward_s(self, chunk: Chunk, layers: int, last: bool) -> float:
-        return layers * self.layer_forward_s(chunk) + (self.head_s_token * chunk.tokens if last else 0.0)
+        return layers * self.layer_forward_s(chunk) + (self.head_forward_s(chunk.tokens) if last else 0.0)
 
     def backward_s(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
-        head = self.bwd_ratio * self.head_s_token * chunk.tokens if last else 0.0
+        head = self.head_backward_s(chunk.tokens) if last else 0.0
         return layers * self.layer_backward_s(chunk) + head + recompute * self.layer_forward_s(chunk)
 
     def p2p_s(self, chunk: Chunk) -> float:

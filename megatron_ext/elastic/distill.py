@@ -262,14 +262,18 @@ def train_plain(
     steps: int,
     lr: float,
     on_step: Optional[Callable[[int, float], None]] = None,
+    decay: bool = False,
 ) -> list[float]:
     """Distil on one process with torch's Adam: `batches(step)` gives the step's micro-batches.
+    `decay`: the model's learning rate falls linearly to zero over the steps (the router's stays).
     Returns the loss per step (token mean)."""
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     router_optimizer = torch.optim.Adam(distiller.router.parameters(), lr=distiller.router.cfg.lr)
     losses = []
     for step in range(steps):
+        if decay:
+            optimizer.param_groups[0]["lr"] = lr * (1 - step / steps)
         distiller.begin_step(step)
         optimizer.zero_grad()
         router_optimizer.zero_grad()

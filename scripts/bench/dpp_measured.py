@@ -249,8 +249,7 @@ def measured_records(args) -> tuple[list[dict], dict]:
     if not args.cost_model:
         args.cost_model = str(Path(args.json).with_suffix(".costmodel.json"))
         subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_ext.dpp.calibrate", "--out", args.cost_model,
-                        "--q", "64", "128", "256", "512", "1024", "2048", "--prefix", "0", "1024", "2048",
-                        "--repeats", "5"],
+                        "--q", "64", "128", "256", "512", "1024", "2048", "--prefix", "0", "1024", "2048"],
                        check=True, cwd=REPO)
     command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                __file__, "--worker-out", str(out), "--cost-model", args.cost_model, "--json", args.json,

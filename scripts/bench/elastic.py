@@ -118,13 +118,16 @@ def train_ce(model, steps: int, batch_size: int, lr: float) -> None:
         opt.step()
 
 
-def train_kd(model, teacher, steps: int, batch_size: int, lr: float, seed: int) -> None:
-    """The baseline: one pruned model distilled alone (forward KL, same data and steps)."""
+def train_kd(model, teacher, steps: int, batch_size: int, lr: float, seed: int, decay: bool) -> None:
+    """The baseline: one pruned model distilled alone (forward KL, same data, steps and learning
+    rates as the elastic run)."""
     from megatron_ext.elastic.distill import kd_per_token
 
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for step in range(steps):
+        if decay:
+            opt.param_groups[0]["lr"] = lr * (1 - step / steps)
         b = train_batch(seed, step, batch_size)
         with torch.no_grad():
             t = teacher(b["tokens"], b["position_ids"], None)
@@ -182,12 +185,14 @@ def distil_elastic(student, space, teacher, budgets: list[float], grid: dict, he
 
     router = BudgetRouter(budgets, grid, RouterConfig(anneal_steps=args.steps, lr=3e-2))
     curriculum = CurriculumConfig(
-        budgets=budgets, uniform_steps=args.steps // 2, skew=[0.5, 0.3, 0.2], seed=seed, budget_draw=args.budget_draw
+        budgets=budgets, uniform_steps=args.steps // 2, skew=args.skew, seed=seed, budget_draw=args.budget_draw
     )
     distiller = Distiller(space, teacher, router, curriculum, VOCAB)
     distiller.warm_up_router(args.router_warmup)
     kd_before = {b: distiller.heldout_kd(student, held, router.select(i)) for i, b in enumerate(budgets)}
-    train_plain(distiller, student, lambda step: [train_batch(seed, step, args.batch)], args.steps, args.lr)
+    train_plain(
+        distiller, student, lambda step: [train_batch(seed, step, args.batch)], args.steps, args.lr, decay=args.lr_decay
+    )
     return distiller, kd_before
 
 
@@ -322,7 +327,7 @@ def replicate(parent: Parent, seed: int, held: list[dict], teacher_logits: list,
         subs[name], _ = slicing.export_submodel(student, parent.cfg, space, sizes, PADDED, name)
         base = parent.reordered()
         pruned, _ = slicing.export_submodel(base, parent.cfg, ElasticSpace(base), sizes, PADDED, name)
-        train_kd(pruned, parent.teacher, args.steps, args.batch, args.lr, seed)
+        train_kd(pruned, parent.teacher, args.steps, args.batch, args.lr, seed, args.lr_decay)
         baseline[name] = heldout(pruned, held, teacher_logits)
     elastic = {name: heldout(sub, held, teacher_logits) for name, sub in subs.items()}
     kd_before = {f"{round(b * 100)}": kd for b, kd in kd_before.items()}
@@ -408,7 +413,7 @@ def run(args) -> dict:
         + json.dumps(dataclasses.asdict(parent.cfg)),
         "parent_heldout_loss": parent_loss,
         "steps": args.steps, "budget_draw": args.budget_draw, "seeds": args.seeds, "heldout_samples": args.heldout_samples,
-        "router_warmup": args.router_warmup, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
+        "router_warmup": args.router_warmup, "skew": args.skew, "lr_decay": args.lr_decay, "batch": args.batch, "seq": SEQ, "parent_steps": args.parent_steps,
         "sizes_equal_over_seeds": all(r.choices == first.choices for r in reps),
         "notes": "heldout_loss / kd_loss (and baseline_*): mean over seeds, _se its standard error, _seeds per seed; "
         "sizes, params, kd_loss_before and latency_s (median of 20 forwards, 8x256 tokens, depends on machine load): "
@@ -419,6 +424,36 @@ def run(args) -> dict:
         **extra,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+# Settings that must agree for runs of different seeds to be one measurement.
+SAME_SETTINGS = ("parent", "parent_heldout_loss", "steps", "budget_draw", "heldout_samples", "router_warmup", "skew",
+                 "lr_decay", "batch", "seq", "parent_steps")
+SEEDED = ("heldout_loss", "kd_loss", "baseline_heldout_loss", "baseline_kd_loss")
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from runs of the same settings over disjoint seeds (e.g. run side by side on
+    two cores): per-seed losses joined, means, errors and targets recomputed; seed-0 fields
+    (sizes, latency, thinking) from the first run."""
+    first = results[0]
+    for other in results[1:]:
+        differing = [k for k in SAME_SETTINGS if other.get(k) != first.get(k)]
+        if differing:
+            raise SystemExit(f"--merge: the runs differ in {', '.join(differing)}")
+    seeds = [s for r in results for s in r["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge: a seed occurs twice ({seeds})")
+    rows = []
+    for i, row in enumerate(first["budgets"]):
+        row = dict(row)
+        for key in SEEDED:
+            row |= seed_stats(key, [v for r in results for v in r["budgets"][i][f"{key}_seeds"]])
+        rows.append(row)
+    sizes_equal = all(r["sizes_equal_over_seeds"] for r in results) and all(
+        [b["sizes"] for b in r["budgets"]] == [b["sizes"] for b in first["budgets"]] for r in results)
+    return first | {"seeds": seeds, "sizes_equal_over_seeds": sizes_equal, "budgets": rows, "targets": targets(rows),
+                    "wall_s": sum(r["wall_s"] for r in results)}
 
 
 def plot(result: dict, path: str) -> None:
@@ -461,9 +496,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds of both arms' distillation (budget draws, router noise, batch order); the parent is --seed's")
     parser.add_argument("--heldout-samples", type=int, default=512, help="held-out samples (a multiple of 64) for every loss")
+    parser.add_argument("--lr-decay", action="store_true",
+                        help="both arms' learning rate falls linearly to zero (else constant)")
+    parser.add_argument("--skew", type=float, nargs=3, default=[0.5, 0.3, 0.2],
+                        help="budget draw probabilities (100%%, 75%%, 50%%) of the curriculum's second half")
     parser.add_argument("--router-warmup", type=int, default=300, help="cost-only router steps before distilling")
     parser.add_argument("--fp8", action="store_true", help="also compare FP8 QAD with FP8 after training (one more elastic run)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="write --json from these runs' results (same settings, disjoint seeds) instead of running")
     args = parser.parse_args()
+    if args.merge:
+        result = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        if args.plot:
+            plot(result, args.plot)
+        print(json.dumps({k: result[k] for k in ("budgets", "targets")}, indent=1))
+        return
     torch.set_num_threads(1)
     cpu_compat.apply()
     from megatron_ext.models.convert.world import model_parallel_world

@@ -293,25 +293,19 @@ def sequence_parallel_needs_tp(cfg: Config, world: int, device: str) -> Optional
     return None
 
 
-def _uses_te(cfg: Config, device: str) -> bool:
-    # Which layers models.gpt builds (use_transformer_engine), without importing megatron-core.
-    auto_te = cfg.model.spec == "auto" and optional.HAVE_TE and device == "cuda"
-    return cfg.model.spec == "te" or auto_te
-
-
 def te_spec_available(cfg: Config, world: int, device: str) -> Optional[str]:
     if cfg.model.spec == "te" and (device != "cuda" or not optional.HAVE_TE):
         return "model.spec=te needs Transformer Engine and a CUDA device; use auto or local"
     return None
 
 
-def sequence_parallel_needs_te(cfg: Config, world: int, device: str) -> Optional[str]:
-    # megatron-core 0.16's local spec builds RMSNorm as WrappedTorchNorm, which asserts
-    # `not sequence_parallel`.
-    if cfg.parallel.sequence_parallel and not _uses_te(cfg, device):
+def seq_length_fits_sp(cfg: Config, world: int, device: str) -> Optional[str]:
+    # Sequence parallelism splits each context-parallel rank's tokens evenly over the TP ranks.
+    seq, tp, cp = cfg.model.seq_length, cfg.parallel.tp, cfg.parallel.cp
+    if cfg.parallel.sequence_parallel and seq % (tp * cp):
         return (
-            "parallel.sequence_parallel needs Transformer Engine layers (CUDA, model.spec=te or "
-            "auto): megatron-core 0.16's local RMSNorm does not support it"
+            f"model.seq_length ({seq}) must be divisible by parallel.tp * parallel.cp ({tp} * {cp}) "
+            "under parallel.sequence_parallel"
         )
     return None
 
@@ -456,8 +450,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.moe_router_topk", topk_within_experts),
     ("train.global_batch_size", global_batch_divisible),
     ("parallel.sequence_parallel", sequence_parallel_needs_tp),
-    ("parallel.sequence_parallel", sequence_parallel_needs_te),
     ("model.seq_length", seq_length_fits_cp),
+    ("model.seq_length", seq_length_fits_sp),
     ("optim.lr_warmup_iters", warmup_before_decay_end),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),

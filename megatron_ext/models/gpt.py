@@ -7,7 +7,7 @@ Plugins change layers through the ModuleSpec (`layer_spec` hook), never by editi
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.utils import get_pg_rank
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.context_parallel import ContextParallelAttention
+from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -110,7 +113,28 @@ def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts)
     spec = get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    spec.submodules.input_layernorm = LocalNorm
+    spec.submodules.pre_mlp_layernorm = LocalNorm
     return spec
+
+
+def decoder_spec(
+    config: TransformerConfig, spec: ModuleSpec, vp_stage: Optional[int] = None, pg_collection=None
+) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """The decoder's spec: a layer spec whose norms are LocalNorm becomes megatron's block
+    submodules with a LocalNorm final norm too; any other spec is passed on as it is.
+
+    Given a bare layer spec, megatron's TransformerBlock takes its final norm from the module-level
+    `LayerNormImpl` (WrappedTorchNorm without TE or Apex, which refuses sequence parallelism).
+    Plugins still rewrite the layer spec alone; the block is assembled here, once they are done.
+    """
+    if getattr(spec.submodules, "input_layernorm", None) is not LocalNorm:
+        return spec
+    # The same stage as TransformerBlock computes; None falls back to megatron's global state,
+    # as TransformerBlock does when it is given no process groups.
+    pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
+    layers = get_num_layers_to_build(config, vp_stage, pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalNorm)
 
 
 def build_gpt_model(
@@ -125,7 +149,7 @@ def build_gpt_model(
 ) -> GPTModel:
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=decoder_spec(config, spec, vp_stage, pg_collection),
         vocab_size=vocab_size,
         max_sequence_length=model.seq_length,
         pre_process=pre_process,

@@ -4,6 +4,8 @@ size separately, and think-small / answer-large generation.
     python scripts/bench/elastic.py --json OUT.json [--plot OUT.png]            # hybrid parent
     python scripts/bench/elastic.py --parent gpt --parent-steps 1000 --steps 200 --json OUT.json
     python scripts/bench/elastic.py --seeds 0 1 2 3 --budget-draw sample --json OUT.json     # 4 seeds
+    python scripts/bench/elastic.py --seeds 0 1 2 --json A.json &  python scripts/bench/elastic.py \
+        --seeds 3 4 5 --json B.json; wait; python scripts/bench/elastic.py --merge A.json B.json --json OUT.json
 
 Parent (`--parent`): the tiny hybrid Mamba2 / attention / MoE / MLP model (megatron MambaModel,
 pure-PyTorch Mamba2 mixer; default) or a tiny dense LLaMA-style GPT (megatron GPTModel), both
@@ -12,7 +14,9 @@ local spec, first trained briefly with next-token loss on a synthetic addition t
 first), so the teacher is not random. The router is warmed up on the cost gap alone, then the
 elastic run distils budgets 100/75/50 % of the parameters in `--steps` steps; the baseline prunes
 the reordered parent to the same sizes and distils each size alone for the same number of steps
-and tokens (N budgets: N times the elastic run's tokens). Both see the same batches. Both arms are
+and tokens (N budgets: N times the elastic run's tokens). Both see the same batches and the same
+learning rate, which falls linearly to zero over the steps (`--no-lr-decay`: constant; a constant
+rate leaves both arms' final weights noisy enough to swamp the gap between them). Both arms are
 repeated over `--seeds` (the parent is trained once, from `--seed`): seed k draws the elastic
 run's budgets and router noise and both arms' batch order (seed 0: the batches of a single run).
 Reported per budget: parameters (total, active), held-out next-token loss and KD loss to the
@@ -485,7 +489,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--parent-steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -496,8 +500,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds of both arms' distillation (budget draws, router noise, batch order); the parent is --seed's")
     parser.add_argument("--heldout-samples", type=int, default=512, help="held-out samples (a multiple of 64) for every loss")
-    parser.add_argument("--lr-decay", action="store_true",
-                        help="both arms' learning rate falls linearly to zero (else constant)")
+    parser.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=True,
+                        help="both arms' learning rate falls linearly to zero (--no-lr-decay: constant)")
     parser.add_argument("--skew", type=float, nargs=3, default=[0.5, 0.3, 0.2],
                         help="budget draw probabilities (100%%, 75%%, 50%%) of the curriculum's second half")
     parser.add_argument("--router-warmup", type=int, default=300, help="cost-only router steps before distilling")

@@ -54,14 +54,14 @@ modules._ELASTIC_CLASSES.setdefault(
 
 
 def _check_layout(kind: str) -> None:
-    # Megatron-core 0.16's MoELayer refuses to train under TP without sequence parallelism,
-    # which needs Transformer Engine's layers (the hybrid's are torch's): no TP run to follow.
+    # Megatron-core 0.16's MoELayer refuses to train under TP without sequence parallelism, and
+    # the hybrid's Mamba mixer and norms do not run sequence-parallel: no TP run to follow.
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     if tp > 1 or ep > 1:
         raise ValueError(
             f"elastic: the {kind} axis needs parallel.tp=1 and parallel.ep=1 (got tp={tp}, ep={ep}: megatron-core "
-            "0.16 trains MoE under tensor parallelism only with sequence parallelism)"
+            "0.16 trains MoE under tensor parallelism only with sequence parallelism, which the hybrid model lacks)"
         )
 
 

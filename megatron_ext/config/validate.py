@@ -420,7 +420,6 @@ def hybrid_features(cfg: Config, world: int, device: str) -> list[str]:
         return []
     unsupported = [
         (p.vpp is not None, "parallel.vpp (megatron-core 0.16's MambaStack has no interleaved pipeline)"),
-        (p.sequence_parallel, "parallel.sequence_parallel (the hybrid's torch RMSNorm does not support it)"),
         (p.cp > 1, "parallel.cp > 1 (the hybrid's local attention and mixer have no context parallelism)"),
         (m.spec == "te", "model.spec=te (the hybrid is built from local layers; use auto or local)"),
         (m.pretrained is not None, "model.pretrained (importers read LLaMA-style models only)"),

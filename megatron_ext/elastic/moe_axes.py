@@ -54,14 +54,14 @@ modules._ELASTIC_CLASSES.setdefault(
 
 
 def _check_layout(kind: str) -> None:
-    # Megatron-core 0.16's MoELayer refuses to train under TP without sequence parallelism, and
-    # the hybrid's Mamba mixer and norms do not run sequence-parallel: no TP run to follow.
+    # Under TP (which megatron-core 0.16 runs for MoE only with sequence parallelism) or EP each
+    # rank holds a shard of the experts; ranking and cutting them per shard is not written yet.
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     if tp > 1 or ep > 1:
         raise ValueError(
             f"elastic: the {kind} axis needs parallel.tp=1 and parallel.ep=1 (got tp={tp}, ep={ep}: megatron-core "
-            "0.16 trains MoE under tensor parallelism only with sequence parallelism, which the hybrid model lacks)"
+            "the MoE axes do not yet rank and cut TP- or EP-sharded experts)"
         )
 
 

@@ -27,8 +27,7 @@ global layer numbers and knows the whole model's axis kinds, which differ betwee
 hybrid; the teacher is pipelined like the student and runs forward-only through megatron's
 schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
 sends its groups' activations zero-padded to the widest group's hidden size). The MoE axes
-refuse TP and EP (megatron-core 0.16 trains MoE under TP only with sequence parallelism, which
-the hybrid model does not have), and
+refuse TP and EP (they do not yet rank and cut sharded experts), and
 virtual pipeline stages are refused; the FP8 nested checkpoint is not written under TP (its
 scales are per TP shard). A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and

@@ -28,12 +28,12 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.gpt import transformer_config
 from megatron_ext.models.mamba2 import MixerSubmodules, TorchMambaMixer
+from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 
 
@@ -45,7 +45,7 @@ class HybridStack(MambaStack):
         super().__init__(config, submodules, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:
-            self.final_norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+            self.final_norm = LocalNorm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
 
 
 def hybrid_transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: bool) -> TransformerConfig:
@@ -89,7 +89,7 @@ def hybrid_stack_spec(model: ModelConfig, on_cpu: bool) -> ModuleSpec:
     Norm keys are mapped to where megatron's Transformer Engine spec keeps them (fused into
     the next linear), so checkpoints match those of megatron's own hybrid models."""
     dense = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
-    norm = dense.input_layernorm
+    norm = LocalNorm  # torch's RMSNorm, sequence-parallel capable
     moe_mlp = None
     if model.num_experts:
         moe_mlp = get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm").submodules.mlp

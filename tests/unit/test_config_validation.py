@@ -101,9 +101,6 @@ BAD = [
     ("sp_seq_vs_tp", {"parallel.tp": 2, "parallel.sequence_parallel": True, "model.seq_length": 65},
      2, "cpu",
      "model.seq_length", "divisible by parallel.tp * parallel.cp (2 * 1)"),
-    ("sp_on_hybrid", {"model.arch": "hybrid", "model.num_layers": 2, "model.hybrid_pattern": "*-",
-                      "parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu",
-     "model.arch", "does not support parallel.sequence_parallel"),
     ("warmup_vs_decay", {"optim.lr_warmup_iters": 300}, 1, "cpu",
      "optim.lr_warmup_iters", "< the lr decay iters (200)"),
     ("precision", {"model.precision": "fp8"}, 1, "cpu",
@@ -157,6 +154,8 @@ GOOD = [
     ("pp2_vpp2_last2", {"parallel.pp": 2, "parallel.vpp": 2, "model.num_layers": 6,
                         "parallel.last_stage_layers": 2}, 2, "cpu"),
     ("moe_ep2", {"model.num_experts": 4, "parallel.ep": 2}, 2, "cpu"),
+    ("sp_on_hybrid", {"model.arch": "hybrid", "model.num_layers": 2, "model.hybrid_pattern": "*-",
+                      "parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu"),
     # Sequence parallelism on megatron's local layers (LocalNorm), alone and under MoE / CP.
     ("sp_on_local_layers", {"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "cpu"),
     ("sp_moe_tp2", {"model.num_experts": 4, "parallel.tp": 2, "parallel.sequence_parallel": True},

@@ -101,11 +101,16 @@ def moe_reference(data_cache) -> list[float]:
 def test_moe_expert_parallel_matches_single_rank(moe_reference, data_cache):
     ep2 = train(data_cache, *MOE, "parallel.ep=2", "parallel.dp=2", nproc=2)["losses"]
     assert ep2 == pytest.approx(moe_reference, abs=LOSS_ATOL)
+
+
+@pytest.mark.slow  # the suite's time; CP and MoE under SP have default-suite cases of their own
+def test_moe_expert_parallel_over_context_parallel_matches_single_rank(moe_reference, data_cache):
     # Experts spread over the context-parallel ranks (ep divides dp * cp).
     ep2_cp2 = train(data_cache, *MOE, "parallel.ep=2", "parallel.cp=2", nproc=2)["losses"]
     assert ep2_cp2 == pytest.approx(moe_reference, abs=LOSS_ATOL)
 
 
+@pytest.mark.slow  # the suite's time: the hybrid's MoE at TP=2 with SP runs in the default suite
 def test_moe_tensor_parallel_with_sp_matches_single_rank(moe_reference, data_cache):
     """MoE at TP>1 needs sequence parallelism (megatron's TransformerConfig): buildable on the
     local layers since LocalNorm."""

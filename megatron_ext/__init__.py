@@ -12,3 +12,7 @@ for _message in (
     r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
 ):
     warnings.filterwarnings("ignore", message=_message)
+
+from megatron_ext.platform.eager_fusions import install as _install_eager_fusions  # noqa: E402
+
+_install_eager_fusions()

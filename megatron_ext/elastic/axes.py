@@ -94,6 +94,11 @@ class Axis:
     def gate_value(self) -> Optional[torch.Tensor]:
         return self.gate
 
+    def statistics(self) -> list[torch.Tensor]:
+        """What calibration accumulates and `reduce_scores` sums over ranks (besides `score`,
+        e.g. the MoE experts' token counts)."""
+        return [self.score]
+
     # --- to implement --------------------------------------------------------------------------
 
     def attach(self) -> None:
@@ -229,10 +234,14 @@ class HiddenAxis(Axis):
 
     kind = "hidden"
 
-    def __init__(self, full: int, touches: list[Touch], norms: list[nn.Module], vocab: int, tied: bool) -> None:
+    def __init__(
+        self, full: int, touches: list[Touch], norms: list[nn.Module], vocab: int, tied: bool, sequence_parallel: bool = False
+    ) -> None:
         self.full = full
         super().__init__()
         self.touches, self.norms, self.vocab, self.tied = touches, norms, vocab, tied
+        # Under sequence parallelism each TP rank's norms see its part of the sequence only.
+        self.tp_sharded = sequence_parallel
 
     def attach(self) -> None:
         # One gate per axis is enough for a gradient: on the tensor that computes the logits,
@@ -340,7 +349,9 @@ def discover(model: nn.Module) -> list[Axis]:
         touches += found.hidden
         norms += found.norms
     vocab = model.embedding.word_embeddings.weight.shape[0] if hasattr(model, "embedding") else 0
-    hidden = HiddenAxis(model.config.hidden_size, touches, norms, vocab, model.share_embeddings_and_output_weights)
+    hidden = HiddenAxis(
+        model.config.hidden_size, touches, norms, vocab, model.share_embeddings_and_output_weights, model.config.sequence_parallel
+    )
     axes = [hidden] + per_layer
     for axis in axes:
         axis.attach()
@@ -349,17 +360,24 @@ def discover(model: nn.Module) -> list[Axis]:
 
 def reduce_scores(axes: list[Axis], group=None) -> None:
     """Sum calibration scores over the data-parallel replicas `group`, so every replica permutes
-    alike, the scores of TP-sharded axes over the TP ranks (each scored its own block), and the
-    model-wide (hidden) axis's over the pipeline stages."""
+    alike (it holds the EP ranks too: each scored its own experts, under their global indices,
+    on the tokens of its whole EP group), the scores of TP-sharded axes over the TP ranks (each
+    scored its own block, or its part of the sequence), and the model-wide (hidden) axis's over
+    the pipeline stages."""
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         for axis in axes:
-            dist.all_reduce(axis.score, group=group)
+            _all_reduce(axis, group)
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
         for axis in axes:
             if axis.tp_sharded:
-                dist.all_reduce(axis.score, group=parallel_state.get_tensor_model_parallel_group())
+                _all_reduce(axis, parallel_state.get_tensor_model_parallel_group())
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # The residual stream runs through every stage: each scored the norms it holds.
         for axis in axes:
             if axis.layer is None:
-                dist.all_reduce(axis.score, group=parallel_state.get_pipeline_model_parallel_group())
+                _all_reduce(axis, parallel_state.get_pipeline_model_parallel_group())
+
+
+def _all_reduce(axis: Axis, group) -> None:
+    for tensor in axis.statistics():
+        dist.all_reduce(tensor, group=group)

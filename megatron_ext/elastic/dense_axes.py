@@ -120,7 +120,10 @@ class FfnAxis(Axis):
     reordered parent. A size keeps the global prefix, so each rank keeps the part of the prefix
     that falls in its block (possibly all of it, possibly none): the submodel, and hence the
     whole run, does not depend on tp. The price is balance: a half-width FFN runs on the first
-    half of the ranks only."""
+    half of the ranks only.
+
+    The neurons of several MLPs of one width form one axis alike (the experts of an MoE layer,
+    `moe_axes.ExpertFfnAxis`): one score summed over them, one order, one cut."""
 
     kind = "ffn"
     tp_sharded = True
@@ -128,11 +131,15 @@ class FfnAxis(Axis):
     def __init__(self, mlp: MLP, layer: int) -> None:
         if not mlp.config.gated_linear_unit:
             raise ValueError("elastic: the FFN axis supports gated (SwiGLU) MLPs")
-        self.layer = layer
-        self.full = mlp.config.ffn_hidden_size
-        super().__init__()
-        self.mlp = mlp
-        self.local = mlp.linear_fc2.weight.shape[1]
+        self._init_neurons([mlp], layer, mlp.config.ffn_hidden_size)
+
+    def _init_neurons(self, mlps: list[MLP], layer: int, full: int) -> None:
+        self.layer, self.full = layer, full
+        Axis.__init__(self)
+        self.mlps = mlps
+        # Expert MLPs are sharded over the expert TP group, which is the TP group (megatron's
+        # expert_tensor_parallel_size defaults to tp, and the config has no other).
+        self.local = mlps[0].linear_fc2.weight.shape[1]
         self.offset = parallel_state.get_tensor_model_parallel_rank() * self.local
 
     def _kept(self, size: int) -> int:
@@ -149,24 +156,29 @@ class FfnAxis(Axis):
         def fc2_cut():
             return None if self.active == self.full else self._kept(self.active)
 
-        add_rule(self.mlp.linear_fc1, "weight", SliceRule(0, fc1_cut))
-        add_rule(self.mlp.linear_fc2, "weight", SliceRule(1, fc2_cut, self.gate_value))
+        for mlp in self.mlps:
+            add_rule(mlp.linear_fc1, "weight", SliceRule(0, fc1_cut))
+            add_rule(mlp.linear_fc2, "weight", SliceRule(1, fc2_cut, self.gate_value))
 
     def resize(self, size: int) -> None:
-        self.mlp.linear_fc1.output_size_per_partition = 2 * self._kept(size)
-        self.mlp.linear_fc2.input_size_per_partition = self._kept(size)
+        for mlp in self.mlps:
+            mlp.linear_fc1.output_size_per_partition = 2 * self._kept(size)
+            mlp.linear_fc2.input_size_per_partition = self._kept(size)
 
     def observe(self) -> list:
+        """Post-activation magnitude per neuron (summed over the MLPs)."""
+
         def hook(module, args):
             x = args[0].detach()
             self.score[self.offset : self.offset + self.local] += x.abs().double().reshape(-1, x.shape[-1]).sum(0).cpu()
 
-        return [self.mlp.linear_fc2.register_forward_pre_hook(hook)]
+        return [mlp.linear_fc2.register_forward_pre_hook(hook) for mlp in self.mlps]
 
     def permute(self, order: torch.Tensor) -> None:
         # Neurons move between TP ranks: each rank's block is a gate half and an up half.
-        permute_across_tp_(full_tensor(self.mlp.linear_fc1, "weight"), 0, order, halves=2)
-        permute_across_tp_(full_tensor(self.mlp.linear_fc2, "weight"), 1, order)
+        for mlp in self.mlps:
+            permute_across_tp_(full_tensor(mlp.linear_fc1, "weight"), 0, order, halves=2)
+            permute_across_tp_(full_tensor(mlp.linear_fc2, "weight"), 1, order)
 
     def params(self, sizes: Mapping[str, Size]) -> Size:
         return 3 * sizes[self.name] * sizes["hidden"]

@@ -4,10 +4,29 @@ by the layer's experts. Top-k stays fixed.
 
 Why the cut is exact: the router's logits are a matmul with its weight rows, so keeping the first
 k rows routes (top-k and softmax) over exactly the kept experts, as the sliced layer's router
-does; megatron's allgather dispatcher takes the routing map's columns by slice and SequentialMLP
-zips experts with the token groups, so the experts past k are simply never run. The router reads
-its expert count from its config (`logits.view(-1, num_moe_experts)`), so each elastic router
-gets a private copy of the config whose count follows the axis.
+does. The router reads its expert count from its config (`logits.view(-1, num_moe_experts)`), so
+each elastic router gets a private copy of the config whose count follows the axis. Its
+probabilities and routing map are then padded back to the parent's expert count with zeros
+(`_pad_routing`): megatron's dispatchers size their buffers and each EP rank's slice of the
+routing map by the parent's count (the layer's config, `local_expert_indices`), and with the
+padding every dispatcher sees the parent's layout, in which the experts past k get no tokens.
+The kept experts see the same tokens in the same order as the sliced layer's (the permutation
+sorts tokens expert by expert), so the output is the same to the bit.
+
+Parallel layouts (megatron-core 0.16 runs MoE under TP only with sequence parallelism; the
+allgather dispatcher gathers every token of the TP x EP group to each rank, whose experts run on
+all of them):
+  * TP: every expert's FFN neurons are sharded over the TP ranks like a dense MLP's (the expert
+    FFN axis is `dense_axes.FfnAxis` over all of the layer's experts: one global order, each
+    rank keeps its block's part of the prefix). An expert's output on one rank is a partial sum,
+    so REAP all-reduces it over the expert TP group before taking its norm.
+  * EP: rank r holds the experts [r * E / ep, (r + 1) * E / ep) by global index. The order is
+    global (each rank scores its own experts under their global indices, and the scores are
+    summed over the data-parallel group, which holds the EP group), and the one-time reorder
+    moves expert weights between the EP ranks, so rank r holds the reordered parent's experts
+    [r * E / ep, (r + 1) * E / ep) as before: the nesting stays a plain prefix, and a cut to k
+    experts leaves the ranks past k empty-handed (the same price of balance as the TP cut of
+    an FFN; keeping each rank's best experts first instead would make the kept set depend on ep).
 """
 
 from __future__ import annotations
@@ -16,7 +35,7 @@ import copy
 from typing import Mapping, Optional
 
 import torch
-from megatron.core import parallel_state
+import torch.distributed as dist
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -36,6 +55,7 @@ from megatron_ext.elastic.axes import (
     set_output_size,
 )
 from megatron_ext.elastic import modules
+from megatron_ext.elastic.dense_axes import FfnAxis
 from megatron_ext.elastic.modules import ElasticMixin, SliceRule, add_rule, full_tensor
 
 
@@ -53,30 +73,19 @@ modules._ELASTIC_CLASSES.setdefault(
 )
 
 
-def _check_layout(kind: str) -> None:
-    # Under TP (which megatron-core 0.16 runs for MoE only with sequence parallelism) or EP each
-    # rank holds a shard of the experts; ranking and cutting them per shard is not written yet.
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    if tp > 1 or ep > 1:
-        raise ValueError(
-            f"elastic: the {kind} axis needs parallel.tp=1 and parallel.ep=1 (got tp={tp}, ep={ep}: megatron-core "
-            "the MoE axes do not yet rank and cut TP- or EP-sharded experts)"
-        )
-
-
 class ExpertsAxis(Axis):
     """Routed experts of one MoE layer (at least top-k). Owns the router and every expert."""
 
     kind = "moe_experts"
 
     def __init__(self, moe: MoELayer, layer: int) -> None:
-        _check_layout(self.kind)
         self.layer, self.full = layer, moe.config.num_moe_experts
         super().__init__()
         self.moe, self.topk = moe, moe.config.moe_router_topk
         self.routed = torch.zeros(self.full, dtype=torch.float64)  # tokens per expert in calibration
-        self.ffn = moe.experts.local_experts[0].linear_fc2.weight.shape[1]
+        self.ffn = moe.config.moe_ffn_hidden_size
+        # This EP rank's experts: the global ones [offset, offset + len(local_experts)).
+        self.offset = moe.local_expert_indices[0]
 
     def check(self, size: int) -> None:
         super().check(size)
@@ -88,25 +97,48 @@ class ExpertsAxis(Axis):
         # A private config: megatron's layers share one, and only this router's count changes.
         router.config = copy.copy(router.config)
         add_rule(router, "weight", SliceRule(0, self.cut, self.gate_value))
+        router.register_forward_hook(self._pad_routing)
+
+    def _pad_routing(self, module: nn.Module, args, output: tuple) -> Optional[tuple]:
+        """The router's (probs, routing map) over the kept experts, padded with zeros to the
+        parent's count: what the dispatcher expects (see the module's docstring)."""
+        probs, routing_map = output
+        missing = self.full - probs.shape[-1]
+        if missing == 0:
+            return None
+        return (
+            torch.cat([probs, probs.new_zeros(probs.shape[0], missing)], -1),
+            torch.cat([routing_map, routing_map.new_zeros(routing_map.shape[0], missing)], -1),
+        )
 
     def resize(self, size: int) -> None:
         self.moe.router.config.num_moe_experts = size
         self.moe.router.num_experts = size
 
+    def statistics(self) -> list[torch.Tensor]:
+        return [self.score, self.routed]
+
     def observe(self) -> list:
         """REAP: per expert, the mean over the tokens routed to it of gate * ||expert(x)||
-        (megatron's experts scale their activation by the gate before fc2)."""
+        (megatron's experts scale their activation by the gate before fc2). Under TP an expert's
+        output here is this rank's partial sum: summed over the expert TP group first (every
+        rank of it runs the same tokens through the same experts, so the calls pair up)."""
         self.routed.zero_()
+        tp_group = self.moe.experts.tp_group
 
         def hook_for(j: int):
             def hook(module, inputs, output):
                 out = (output[0] if isinstance(output, tuple) else output).detach()
+                if dist.get_world_size(tp_group) > 1:
+                    out = out.clone()
+                    dist.all_reduce(out, group=tp_group)
                 self.score[j] += out.double().norm(dim=-1).sum().cpu()
                 self.routed[j] += out.shape[0]
 
             return hook
 
-        return [e.register_forward_hook(hook_for(j)) for j, e in enumerate(self.moe.experts.local_experts)]
+        experts = self.moe.experts.local_experts
+        return [e.register_forward_hook(hook_for(self.offset + j)) for j, e in enumerate(experts)]
 
     def order(self) -> torch.Tensor:
         mean = self.score / self.routed.clamp(min=1)
@@ -118,13 +150,13 @@ class ExpertsAxis(Axis):
         if getattr(router, "expert_bias", None) is not None:
             permute_(router.expert_bias, 0, order)
         experts = self.moe.experts.local_experts
-        reordered = [experts[i] for i in order.tolist()]
+        mine = order[self.offset : self.offset + len(experts)].tolist()
         # Move values, not modules: parameters keep their identity (grad buffers, optimizer).
         with torch.no_grad():
-            snapshots = [{k: v.detach().clone() for k, v in e.state_dict().items() if isinstance(v, torch.Tensor)} for e in reordered]
-            for target, values in zip(experts, snapshots):
-                for key, value in values.items():
-                    _tensor_at(target, key).copy_(value)
+            for key in _tensor_keys(experts[0]):
+                every = _every_expert(torch.stack([_tensor_at(e, key) for e in experts]), self.moe.ep_group)
+                for e, g in zip(experts, mine):
+                    _tensor_at(e, key).copy_(every[g])
 
     def params(self, sizes: Mapping[str, Size]) -> Size:
         h, k = sizes["hidden"], sizes[self.name]
@@ -144,57 +176,36 @@ class ExpertsAxis(Axis):
         return range(self.active, self.full)
 
 
-class ExpertFfnAxis(Axis):
-    """The FFN width of every expert of one MoE layer (both SwiGLU halves alike). Its tensors are
-    counted by the experts axis."""
+class ExpertFfnAxis(FfnAxis):
+    """The FFN width of every expert of one MoE layer (both SwiGLU halves alike): the dense FFN
+    axis over all of the layer's experts. Its tensors are counted by the experts axis."""
 
     kind = "moe_ffn"
 
     def __init__(self, moe: MoELayer, layer: int) -> None:
-        _check_layout(self.kind)
         if not moe.config.gated_linear_unit:
             raise ValueError("elastic: the MoE FFN axis supports gated (SwiGLU) experts")
-        self.layer = layer
-        self.full = moe.experts.local_experts[0].linear_fc2.weight.shape[1]
-        super().__init__()
-        self.experts = list(moe.experts.local_experts)
-
-    def _fc1_rows(self) -> Optional[torch.Tensor]:
-        if self.active == self.full:
-            return None
-        kept = torch.arange(self.active)
-        return torch.cat([kept, kept + self.full])
-
-    def attach(self) -> None:
-        for e in self.experts:
-            add_rule(e.linear_fc1, "weight", SliceRule(0, self._fc1_rows))
-            add_rule(e.linear_fc2, "weight", SliceRule(1, self.cut, self.gate_value))
-
-    def resize(self, size: int) -> None:
-        for e in self.experts:
-            e.linear_fc1.output_size_per_partition = 2 * size
-            e.linear_fc2.input_size_per_partition = size
-
-    def observe(self) -> list:
-        """Post-activation magnitude per neuron, summed over every expert of the layer (one
-        width for all of them, so one ranking)."""
-
-        def hook(module, args):
-            x = args[0].detach()
-            self.score += x.abs().double().reshape(-1, x.shape[-1]).sum(0).cpu()
-
-        return [e.linear_fc2.register_forward_pre_hook(hook) for e in self.experts]
-
-    def permute(self, order: torch.Tensor) -> None:
-        for e in self.experts:
-            permute_(full_tensor(e.linear_fc1, "weight"), 0, torch.cat([order, order + self.full]))
-            permute_(full_tensor(e.linear_fc2, "weight"), 1, order)
+        self._init_neurons(list(moe.experts.local_experts), layer, moe.config.moe_ffn_hidden_size)
 
     def params(self, sizes: Mapping[str, Size]) -> Size:
         return 0
 
     def export_fields(self, size: int) -> dict:
         return {"moe_ffn_hidden_size": size}
+
+
+def _tensor_keys(module: nn.Module) -> list[str]:
+    return [k for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)]
+
+
+def _every_expert(local: torch.Tensor, ep_group) -> torch.Tensor:
+    """[local experts, ...] of each EP rank joined in rank order: every expert by global index."""
+    ep = dist.get_world_size(ep_group)
+    if ep == 1:
+        return local
+    blocks = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(blocks, local.contiguous(), group=ep_group)
+    return torch.cat(blocks)
 
 
 def _tensor_at(module: nn.Module, key: str) -> torch.Tensor:

@@ -97,6 +97,28 @@ def test_reorder_keeps_logits_and_every_budget_exports_exactly(parent):
         assert space.params(sizes) == counted + embeddings, name
 
 
+def test_a_cut_expert_count_routes_tokens_to_the_kept_experts_only(parent):
+    """The router's probabilities and map over the kept experts are padded back to the parent's
+    4: every dispatcher sees the parent's layout (megatron's alltoall dispatcher reshapes the map
+    by the parent's count, and failed on the cut one; under EP the allgather one takes each
+    rank's experts' columns), the experts past the cut get no token, and both dispatchers run
+    the same computation."""
+    alltoall = build(dataclasses.replace(PARENT, moe_token_dispatcher="alltoall"))
+    init_weights_layout_independent([alltoall], alltoall.config, 0)
+    out = {}
+    for name, model in (("allgather", parent), ("alltoall", alltoall)):
+        space = ElasticSpace(model)
+        tokens_per_expert = []
+        experts = space.by_name["moe_experts/5"].moe.experts
+        handle = experts.register_forward_pre_hook(lambda m, args: tokens_per_expert.append(args[1].tolist()))
+        with space.at(BUDGETS["50"]):
+            out[name] = logits(model)
+        handle.remove()
+        (routed,) = tokens_per_expert
+        assert routed[2:] == [0, 0] and sum(routed) == 2 * TOKENS.numel(), (name, routed)  # top-2 of the kept 2
+    assert torch.equal(out["alltoall"], out["allgather"])
+
+
 @pytest.mark.slow  # a megatron dist checkpoint save + load costs 5-20 s on the shared CPUs
 def test_exported_budget_survives_a_megatron_checkpoint_round_trip(parent, tmp_path):
     space, _ = reordered(parent)

@@ -1,7 +1,6 @@
 """The pure pieces of the elastic axes under tensor parallelism: the part of a global order each
 TP rank applies to its block (attention and Mamba heads, ranked inside groups that lie whole on
-one rank), the runs a rank's block of a fused tensor is joined by, and the refusal of the MoE
-axes under TP."""
+one rank) and the runs a rank's block of a fused tensor is joined by."""
 
 from __future__ import annotations
 
@@ -29,13 +28,3 @@ def test_one_rank_splits_a_block_into_runs_of_the_given_lengths(one_rank_world):
     assert [r.tolist() for r in gather_across_tp(rows, 0, [3, 3, 2, 2])] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
     assert [r.tolist() for r in gather_across_tp(rows, 0, 2)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
 
-
-def test_moe_axes_refuse_tensor_parallelism_naming_the_layout(monkeypatch):
-    from megatron.core import parallel_state
-
-    from megatron_ext.elastic.moe_axes import _check_layout
-
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
-    with pytest.raises(ValueError, match=r"the moe_ffn axis needs parallel.tp=1 and parallel.ep=1 \(got tp=2, ep=1"):
-        _check_layout("moe_ffn")

@@ -10,7 +10,8 @@ bytes are counted with saved-tensor hooks on the same runs. The output layer (hi
 padded vocabulary) and the cross entropy are timed on their own over the grid's token counts.
 Fits alpha, beta, beta_self, gamma (and the backward's own, and the backward ratio) by
 relative least squares on alternate grid points and reports the relative error on the held-out
-others; the head's fixed and per-token forward and backward likewise.
+others; the head's fixed and per-token forward and backward likewise. Then (unless
+`--no-overhead`) `dpp/overhead.py` adds what a real PP=2 step spends beyond those layers.
 """
 
 from __future__ import annotations
@@ -256,6 +257,9 @@ def main() -> None:
     ap.add_argument("--q", type=int, nargs="+", default=[64, 128, 256, 384, 512, 768, 1024])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 256, 512, 1024, 2048])
     ap.add_argument("--repeats", type=int, default=15, help="rounds over the grid; the best of each point is kept")
+    ap.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
+                    help="then measure what a PP=2 step adds to the layers (2 processes, dpp/overhead.py)")
+    ap.add_argument("--overhead-seq-len", type=int, default=4096, help="the longest sequence of the overhead's plans")
     ap.add_argument("--vocab", type=int, default=None,
                     help="the tokenizer's vocabulary, padded as the trainer pads it; default: the preset's, else "
                          "the byte tokenizer's")
@@ -280,6 +284,22 @@ def main() -> None:
     print("held-out relative error:", json.dumps(errors["held_out"], indent=1))
     print("head held-out relative error:", json.dumps(errors["head_held_out"], indent=1))
     print(f"measured in {time.perf_counter() - t:.1f}s; wrote {args.out}")
+    if args.overhead:
+        run_overhead(args.out, args.model, args.overhead_seq_len)
+
+
+def run_overhead(path: str, model: str, seq_len: int) -> None:
+    """Add the runtime's terms to the cost model at `path` (a PP=2 run on this machine)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "megatron_ext.dpp.overhead", "--cost", path, "--model", model, "--seq-len", str(seq_len)],
+                   check=True, env=env)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ the masked scores and discards them (SDPA with an explicit mask, as on CPU) has 
 Backward is `bwd_ratio` times the forward, or the same form with its own coefficients; a
 recomputed layer adds one more forward. The last stage adds the output layer and the loss,
 `head_gamma + head_s_token * tokens` forward and the same form with `head_bwd_*` backward
-(default: `bwd_ratio` times the forward).
+(default: `bwd_ratio` times the forward). In a real step an op takes `runtime_*_scale` times
+that plus the schedule loop's fixed seconds (`chunk_fwd_s`, `chunk_bwd_s`), every transfer
+between stages `p2p_latency_s + p2p_s_token * tokens`, and every step `step_fixed_s` (gradient
+finalisation); scales 1 and the rest 0 unless calibrated (`dpp/overhead.py`).
 
 Memory counts what autograd saves (the quantity the runtime measures with saved-tensor hooks):
 per layer `act_bytes_token` per token, `act_bytes_attn` per (query, key) pair (dense masked
@@ -124,6 +127,18 @@ class CostModel:
     head_bwd_gamma: float | None = None
     p2p_s_token: float = 0.0
     p2p_latency_s: float = 0.0
+    # The schedule loop's own seconds per op on a stage (building the chunk's inputs, megatron's
+    # forward_step / backward_step around the layers, posting the p2p send), and per step
+    # outside the ops (gradient finalisation); 0: a model that times the layers only.
+    chunk_fwd_s: float = 0.0
+    chunk_bwd_s: float = 0.0
+    step_fixed_s: float = 0.0
+    # A stage's layers inside a pipelined step take longer than the calibration's time: it keeps
+    # the best of its rounds, a step runs each op once (on a shared CPU one layer's time varies
+    # 1.3-1.4x between rounds). These factors scale an op's layer and head time, fitted on real
+    # steps (`dpp/overhead.py`); 1: as timed alone.
+    runtime_fwd_scale: float = 1.0
+    runtime_bwd_scale: float = 1.0
     # memory, bytes
     act_bytes_token: float = 0.0
     act_bytes_attn: float = 0.0
@@ -186,11 +201,13 @@ class CostModel:
         return fixed + per_token * tokens
 
     def forward_s(self, chunk: Chunk, layers: int, last: bool) -> float:
-        return layers * self.layer_forward_s(chunk) + (self.head_forward_s(chunk.tokens) if last else 0.0)
+        head = self.head_forward_s(chunk.tokens) if last else 0.0
+        return self.runtime_fwd_scale * (layers * self.layer_forward_s(chunk) + head) + self.chunk_fwd_s
 
     def backward_s(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
         head = self.head_backward_s(chunk.tokens) if last else 0.0
-        return layers * self.layer_backward_s(chunk) + head + recompute * self.layer_forward_s(chunk)
+        work = layers * self.layer_backward_s(chunk) + head + recompute * self.layer_forward_s(chunk)
+        return self.runtime_bwd_scale * work + self.chunk_bwd_s
 
     def p2p_s(self, chunk: Chunk) -> float:
         return self.p2p_latency_s + self.p2p_s_token * chunk.tokens

@@ -185,7 +185,7 @@ def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = Non
                 else:
                     r = rec[(p, o.chunk)]
                     dur = cost.backward_s(c, layers[p], r, p == last)
-                    r_s = r * cost.layer_forward_s(c)
+                    r_s = r * cost.layer_forward_s(c) * cost.runtime_bwd_scale
                     memory[p].append((start, stages[p].backward(o.chunk)))
                     memory[p].append((start + dur, stages[p].bytes))
                 end[(o.kind, o.chunk, p)] = free[p] = start + dur
@@ -198,10 +198,12 @@ def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = Non
         if not progressed:
             stuck = {p: ops[p][nxt[p]][1] for p in range(pp) if nxt[p] < len(ops[p])}
             raise Deadlock(f"no stage can proceed; next ops: {stuck}")
-    iter_s = max(free)
+    span = max(free)
     return SimResult(
-        iter_s=iter_s,
-        bubble_ratio=1.0 - busy / (pp * iter_s) if iter_s > 0 else 0.0,
+        # The step's fixed work (gradient finalisation) follows the schedule; the bubble ratio
+        # is the schedule's own.
+        iter_s=span + cost.step_fixed_s,
+        bubble_ratio=1.0 - busy / (pp * span) if span > 0 else 0.0,
         recompute_fraction=recompute_s / busy if busy > 0 else 0.0,
         peak_bytes=tuple(m.peak for m in stages),
         state_bytes=state,

@@ -7,7 +7,8 @@ corpus (the Python standard library). Its byte-tokenised files are mostly longer
 context, so by default each global batch draws its lengths from the reference's GitHub-like
 lognormal truncated at `--max-seq-len` and takes each as the prefix of a real document
 (`--dist corpus`: whole documents as they are, truncated). The time terms of
-the cost model come from `megatron_ext.dpp.calibrate` (megatron layers timed on this machine);
+the cost model come from `megatron_ext.dpp.calibrate` (megatron layers timed on this machine,
+then what a real PP=2 step adds to them: `dpp/overhead.py`);
 its activation-memory terms are fitted here, per stage, from single-chunk forwards of the
 real stage models counted by the runtime's meter (no pipeline, other chunk sizes than the
 benchmark's; its attention backward on bare segments), so that `predicted_act_bytes` is a

@@ -10,11 +10,13 @@ data) trained
               null for the uncapped run);
   sequential  in one process, one job after another on the same base;
   processes   as K concurrent processes, each with its own copy of the base;
-at a small and a larger per-job micro-batch. Every measurement runs in fresh worker processes
-(one thread each), timed over steady-state steps after a warm-up; packed and sequential run
-all K in one worker each (K growing, so the worker's peak RSS read after each K is that K's
-peak); processes' peak RSS is summed over the concurrent processes. tokens_per_s uses the wall clock,
-tokens_per_cpu_s the CPU time (on a shared machine the wall clock counts other people's work).
+at a small and a larger per-job micro-batch. Every measurement is a fresh worker process (one
+thread) that warms up, then times its K jobs over at least --steps steps each and --min-tokens
+tokens in all; its peak RSS is that run's (summed over the concurrent processes of
+`processes`). tokens_per_s uses the wall clock, tokens_per_cpu_s the CPU time (on a shared
+machine the wall clock counts other people's work). Every run is measured --repeats times, in
+rounds; a round measures the modes of each K back to back, every other round in reverse order;
+a record holds the medians and each repeat's tokens/CPU s.
 `throughput_targets` compares each packed run (capped ones suffixed `_cap<tokens>`) with
 sequential, and its K=8 peak with a single job's (packed K=1, uncapped).
 
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,12 +61,10 @@ def jobs(k: int, batch: int, steps: int):
 # --- one worker process ---------------------------------------------------------------------------
 
 
-def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, cap: Optional[int], start_file: Optional[str]) -> list[dict]:
-    """Train and time `mode` for each K in `ks` (increasing) in this process. Peak RSS only
-    grows, so it is read after each K: sequential (one job at a time) first, then packed with
-    growing K, each reading is the peak of that configuration. `cap`: packed's max_pass_tokens.
-    `start_file`: wait for it before the timed steps (concurrent processes start their timed
-    windows together)."""
+def worker(mode: str, k: int, batch: int, steps: int, warmup: int, cap: Optional[int], start_file: Optional[str]) -> dict:
+    """Train and time K jobs of `mode` in this fresh process (its peak RSS is that run's).
+    `cap`: packed's max_pass_tokens. `start_file`: wait for it before the timed steps (concurrent
+    processes start their timed windows together)."""
     import torch
 
     from megatron_ext.config.schema import ModelConfig
@@ -72,7 +74,6 @@ def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, cap: O
     from megatron_ext.models.convert.world import model_parallel_world
 
     torch.set_num_threads(1)
-    results = []
     with model_parallel_world():
         model, wrappers, routing = build_base(ModelConfig(**MODEL), VOCAB)
         data = lambda job: SyntheticData(job, VOCAB)  # noqa: E731
@@ -87,27 +88,23 @@ def worker(mode: str, ks: list[int], batch: int, steps: int, warmup: int, cap: O
             Path(start_file + f".ready{os.getpid()}").touch()
             while not Path(start_file).exists():
                 time.sleep(0.05)
-        for k in ks:
-            timed = jobs(k, batch, steps)
-            wall, cpu = time.perf_counter(), time.process_time()
-            if mode == "packed":
-                run(timed, k)
-            else:  # sequential (and each process of `processes`, which runs one job)
-                for job in timed:
-                    run([job], 1)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            tokens = sum(j.micro_batch_size * j.seq_length * j.steps for j in timed)
-            results.append({"k": k, "tokens": tokens, "wall_s": wall, "cpu_s": cpu, "end": time.time(),
-                            "start": time.time() - wall,
-                            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
-    return results
+        timed = jobs(k, batch, steps)
+        wall, cpu = time.perf_counter(), time.process_time()
+        if mode == "packed":
+            run(timed, k)
+        else:  # sequential (and each process of `processes`, which runs one job)
+            for job in timed:
+                run([job], 1)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        tokens = sum(j.micro_batch_size * j.seq_length * j.steps for j in timed)
+        return {"k": k, "tokens": tokens, "wall_s": wall, "cpu_s": cpu, "end": time.time(), "start": time.time() - wall,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def spawn(mode: str, k, batch: int, steps: int, warmup: int, out: Path, start_file: Optional[str] = None,
+def spawn(mode: str, k: int, batch: int, steps: int, warmup: int, out: Path, start_file: Optional[str] = None,
           cap: Optional[int] = None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    ks = ",".join(map(str, k)) if isinstance(k, (list, tuple)) else str(k)
-    command = [sys.executable, "-W", "ignore", __file__, "--worker", mode, ks, str(batch), str(steps), str(warmup), str(cap), str(out)]
+    command = [sys.executable, "-W", "ignore", __file__, "--worker", mode, str(k), str(batch), str(steps), str(warmup), str(cap), str(out)]
     if start_file:
         command.append(start_file)
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -125,9 +122,9 @@ def record(r: dict) -> dict:
             "peak_mem_bytes": r["peak_rss_bytes"]}
 
 
-def measure_in_process(mode: str, ks: list[int], batch: int, steps: int, warmup: int, tmp: Path, cap: Optional[int] = None) -> list[dict]:
-    out = tmp / f"{mode}-{batch}-{cap}.json"
-    return [{"k": r["k"], **record(r)} for r in finished(spawn(mode, ks, batch, steps, warmup, out, cap=cap), out)]
+def measure_in_process(mode: str, k: int, batch: int, steps: int, warmup: int, tmp: Path, cap: Optional[int] = None) -> dict:
+    out = tmp / f"{mode}-{k}-{batch}-{cap}.json"
+    return {"k": k, **record(finished(spawn(mode, k, batch, steps, warmup, out, cap=cap), out))}
 
 
 def measure_processes(k: int, batch: int, steps: int, warmup: int, tmp: Path) -> dict:
@@ -139,11 +136,44 @@ def measure_processes(k: int, batch: int, steps: int, warmup: int, tmp: Path) ->
             break
         time.sleep(0.1)
     start.touch()
-    results = [finished(p, o)[0] for p, o in zip(procs, outs)]
+    results = [finished(p, o) for p, o in zip(procs, outs)]
     tokens = sum(r["tokens"] for r in results)
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {"k": k, "tokens_per_s": tokens / span, "tokens_per_cpu_s": tokens / sum(r["cpu_s"] for r in results),
             "peak_mem_bytes": sum(r["peak_rss_bytes"] for r in results)}
+
+
+def steps_for(args: argparse.Namespace, k: int, batch: int) -> int:
+    """Timed steps per job: at least --steps, and enough for --min-tokens over the K jobs, so
+    that small runs are timed over seconds, not a fraction of one."""
+    return max(args.steps, math.ceil(args.min_tokens / (k * batch * MODEL["seq_length"])))
+
+
+def measure_round(args: argparse.Namespace, batch: int, tmp: Path, reverse: bool) -> list[dict]:
+    """One measurement of every run at this batch, the modes of each K back to back (a machine
+    that drifts moves them together); `reverse` flips the modes' order, so that repeats
+    alternate which goes first."""
+    runs = [("sequential", None), ("packed", None)] + [("packed", n * batch * MODEL["seq_length"]) for n in args.pass_micro_batches]
+    runs.append(("processes", None))
+    rows = []
+    for k in args.ks:
+        steps = steps_for(args, k, batch)
+        for mode, cap in reversed(runs) if reverse else runs:
+            if mode != "processes":
+                rows.append(dict(measure_in_process(mode, k, batch, steps, args.warmup, tmp, cap), mode=mode, max_pass_tokens=cap))
+            elif k <= args.max_processes:
+                rows.append(dict(measure_processes(k, batch, steps, args.warmup, tmp), mode=mode, max_pass_tokens=None))
+    return rows
+
+
+def median_record(rows: list[dict], batch: int, size: str) -> dict:
+    """The medians of one run's repeats, with every repeat's tokens/s kept (the spread)."""
+    first = rows[0]
+    out = {"k": first["k"], "batch": batch, "batch_size": size, "mode": first["mode"], "max_pass_tokens": first["max_pass_tokens"]}
+    for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_mem_bytes"):
+        out[key] = statistics.median(r[key] for r in rows)
+    out["tokens_per_cpu_s_repeats"] = [r["tokens_per_cpu_s"] for r in rows]
+    return out
 
 
 def throughput(args: argparse.Namespace) -> list[dict]:
@@ -151,17 +181,17 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for size in args.batches:
             batch = BATCHES[size]
-            runs = [("sequential", None), ("packed", None)] + [("packed", n * batch * MODEL["seq_length"]) for n in args.pass_micro_batches]
-            rows = [dict(r, mode=m, max_pass_tokens=cap) for m, cap in runs
-                    for r in measure_in_process(m, args.ks, batch, args.steps, args.warmup, Path(tmp), cap)]
-            rows += [dict(measure_processes(k, batch, args.steps, args.warmup, Path(tmp)), mode="processes", max_pass_tokens=None)
-                     for k in args.ks if k <= args.max_processes]
-            for r in rows:
-                records.append({"k": r["k"], "batch": batch, "batch_size": size, "mode": r["mode"], "max_pass_tokens": r["max_pass_tokens"],
-                                **{key: r[key] for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_mem_bytes")}})
+            repeats: dict[tuple, list[dict]] = {}
+            for i in range(args.repeats):
+                for r in measure_round(args, batch, Path(tmp), reverse=i % 2 == 1):
+                    repeats.setdefault((r["mode"], r["max_pass_tokens"], r["k"]), []).append(r)
+            for rows in repeats.values():
+                r = median_record(rows, batch, size)
+                records.append(r)
                 cap = f" cap {r['max_pass_tokens']}" if r["max_pass_tokens"] else ""
+                spread = ", ".join(f"{x:.0f}" for x in r["tokens_per_cpu_s_repeats"])
                 print(f"K={r['k']:2d} batch={batch} {r['mode'] + cap:18s} {r['tokens_per_s']:8.0f} tok/s "
-                      f"({r['tokens_per_cpu_s']:8.0f} per CPU s)  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB", flush=True)
+                      f"({r['tokens_per_cpu_s']:8.0f} per CPU s; repeats {spread})  peak {r['peak_mem_bytes'] / 2**20:7.0f} MiB", flush=True)
     return records
 
 
@@ -219,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         mode, k, batch, steps, warmup, cap, out = argv[1:8]
-        result = worker(mode, [int(x) for x in k.split(",")], int(batch), int(steps), int(warmup),
+        result = worker(mode, int(k), int(batch), int(steps), int(warmup),
                         None if cap == "None" else int(cap), argv[8] if len(argv) > 8 else None)
         Path(out).write_text(json.dumps(result))
         return
@@ -230,7 +260,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--plot")
     p.add_argument("--ks", type=int, nargs="+", default=list(KS))
     p.add_argument("--batches", nargs="+", default=list(BATCHES), choices=list(BATCHES))
-    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per job")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per job, at least")
+    p.add_argument("--min-tokens", type=int, default=8192, help="timed tokens of a run, at least (more steps for small K)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements of every run, interleaved; records are their medians")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--max-processes", type=int, default=16, help="largest K run as concurrent processes")
     p.add_argument("--pass-micro-batches", type=int, nargs="*", default=[2],

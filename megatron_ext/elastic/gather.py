@@ -8,7 +8,8 @@ the blocks are joined in rank order, run by run where a rank's block is several 
 fc1: its gate rows, then its up rows; the Mamba in_proj: its z, x, B, C and dt rows; the conv:
 its x, B and C channels). Each pipeline stage numbers its layers from 0; the first stage
 receives the others' tensors under the model's layer numbers, without the last stage's copy of
-a tied output layer.
+a tied output layer. Under expert parallelism each EP rank's experts join the others' under
+their global indices.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import nn
 
 from megatron_ext.elastic.axes import gather_across_tp
@@ -30,12 +32,13 @@ from megatron_ext.models.mamba2 import TorchMambaMixer
 def whole_parent(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
     """On global rank 0: `tensors` (by this stage's state-dict keys; default: the model's state
     with its TP shards joined, `join_tp`) of every pipeline stage under the whole model's keys.
-    None on every other rank. The data-parallel replicas hold the same weights: the first is read.
-    Collective over the first replica's TP and PP ranks."""
-    if parallel_state.get_data_parallel_rank() != 0:
+    None on every other rank. The data-parallel replicas hold the same weights, but for the
+    experts under EP (`join_ep`): the first is read. Collective over the first replica's TP and
+    PP ranks, and under EP over every rank."""
+    if parallel_state.get_expert_model_parallel_world_size() == 1 and parallel_state.get_data_parallel_rank() != 0:
         return None
-    tensors = join_tp(model) if tensors is None else tensors
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
+    tensors = join_ep(model, join_tp(model) if tensors is None else tensors)
+    if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     return gather_stages(model, tensors)
 
@@ -50,6 +53,30 @@ def join_tp(model: nn.Module) -> dict[str, torch.Tensor]:
         param = params.get(key)
         if param is not None and getattr(param, "tensor_model_parallel", False):
             joined[key] = torch.cat(gather_across_tp(value, param.partition_dim, runs.get(key, 1)), param.partition_dim)
+    return joined
+
+
+def join_ep(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with every MoE layer's experts under their global indices: under expert
+    parallelism EP rank r holds the experts [r * n, (r + 1) * n) as its `local_experts.0..n-1`;
+    each gets the others'. Collective over the EP group."""
+    group = parallel_state.get_expert_model_parallel_group()
+    ep = dist.get_world_size(group)
+    if ep == 1:
+        return tensors
+    joined = dict(tensors)
+    for prefix, m in model.named_modules():
+        if not isinstance(m, SequentialMLP):
+            continue
+        head = f"{prefix}.local_experts."
+        n = len(m.local_experts)
+        for key in [k for k in tensors if k.startswith(head)]:  # the same keys, in the same order, on every rank
+            local, rest = key[len(head) :].split(".", 1)
+            blocks = [torch.empty_like(tensors[key]) for _ in range(ep)]
+            dist.all_gather(blocks, tensors[key].contiguous(), group=group)
+            del joined[key]
+            for r, block in enumerate(blocks):
+                joined[f"{head}{r * n + int(local)}.{rest}"] = block
     return joined
 
 

@@ -18,18 +18,19 @@ budget with budget_draw=sample, per micro-batch in global micro-batch order with
 router's choices after the step).
 
 Layouts: data parallelism of any size (DP=2 is checked equal to one process), tensor
-parallelism of GPT parents and of hybrid parents without MoE (TP=2 is checked equal to TP=1,
-nested checkpoint included: each rank slices its block of the global prefix, or its own Mamba
+parallelism of GPT and hybrid parents, MoE ones with sequence parallelism (TP=2 is checked
+equal to TP=1, nested checkpoint included: each rank slices its block of the global prefix, or its own Mamba
 groups' heads, the losses are vocabulary-parallel, the router's gradient is summed over the TP
 and DP ranks) and pipeline parallelism of GPT and hybrid parents (PP=2 is checked equal to one
 process, nested checkpoint included: `pipeline.py`; each stage holds its layers' axes under their
 global layer numbers and knows the whole model's axis kinds, which differ between the stages of a
 hybrid; the teacher is pipelined like the student and runs forward-only through megatron's
 schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
-sends its groups' activations zero-padded to the widest group's hidden size). The MoE axes
-refuse TP and EP (they do not yet rank and cut sharded experts), and
-virtual pipeline stages are refused; the FP8 nested checkpoint is not written under TP (its
-scales are per TP shard). A resumed run rebuilds the teacher from the parent's source and the
+sends its groups' activations zero-padded to the widest group's hidden size). Expert
+parallelism is refused: the MoE axes and the export work under EP (`moe_axes.py`, `gather.py`),
+but the EP ranks are data-parallel replicas that draw their own budgets while sharing experts.
+Virtual pipeline stages are refused; the FP8 nested checkpoint is not written
+under TP (its scales are per TP shard). A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
 for the hybrid at PP=2: the same budgets, losses, router choices and weights). With `fp8`, the
 student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
@@ -106,6 +107,13 @@ class ElasticPlugin(Plugin):
             raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
+        if p.ep > 1:
+            # The EP ranks are data-parallel replicas that draw their own budgets, while an MoE
+            # layer runs every EP rank's tokens through the same experts at one size.
+            raise ValueError(
+                "elastic: expert parallelism (parallel.ep) is not supported by the distillation (the EP ranks "
+                "draw their own budgets but share their experts); the MoE axes themselves work under EP"
+            )
         from megatron_ext.elastic.distill import check_budget_draw
 
         check_budget_draw(self.cfg.budget_draw)

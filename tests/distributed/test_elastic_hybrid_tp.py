@@ -1,4 +1,5 @@
-"""The elastic plugin distils a hybrid Mamba2 / attention / MLP parent at TP=2 as one process does.
+"""The elastic plugin distils a hybrid Mamba2 / attention / MLP parent at TP=2 as one process does,
+and the MoE hybrid at TP=2 with sequence parallelism.
 
 The dense hybrid ("M*M-M-": megatron-core 0.16 trains MoE under TP only with sequence
 parallelism, which the hybrid's torch norms lack) has 8 Mamba heads of 16 channels in 2 groups:
@@ -64,3 +65,44 @@ def test_hybrid_tp2_export_equals_one_process(tmp_path):
     for key in one:
         assert torch.equal(two[key], one[key]), key
 
+
+# The MoE hybrid: megatron-core 0.16 runs MoE under TP with sequence parallelism only. The router
+# picks 3 or 2 experts of 4 and an expert FFN width of 48 of 64 (the second TP rank keeps half of
+# its 32 neurons).
+MOE = [
+    "elastic.grid={hidden: [48,64], heads: [4], ffn: [128], mamba_heads: [8], mamba_head_dim: [16], "
+    "moe_experts: [2,3,4], moe_ffn: [16,48,64]}",
+    "elastic.budgets=[0.95,0.85,0.75]",
+]
+MOE_LAYOUTS = {"tp2_sp": [*TP2, "parallel.sequence_parallel=true"]}
+# The experts' partial outputs are reduce-scattered over TP too: the KD losses measured up to
+# 7.5e-5 relative apart (fp32).
+MOE_REL = 2e-4
+
+
+FROZEN = ["optim.lr=0.0", "optim.min_lr=0.0", "train.iters=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_one_process(tmp_path_factory) -> tuple[dict, dict]:
+    """One process's four steps (report) and, at learning rate 0, its nested checkpoint."""
+    tmp = tmp_path_factory.mktemp("moe_one")
+    report, _ = run(tmp, "one", "train.iters=4", *MOE, common=HYBRID)
+    _, frozen = run(tmp, "frozen", *FROZEN, *MOE, common=HYBRID)
+    return report, frozen
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_hybrid_moe_distillation_and_export_equal_one_process(moe_one_process, tmp_path, layout):
+    """Four steps of the MoE hybrid: the same budgets, sizes, router choices and losses as one
+    process, with experts and expert FFN width cut; at learning rate 0 the same nested checkpoint
+    to the bit."""
+    one, one_frozen = moe_one_process
+    two, _ = run(tmp_path, layout, "train.iters=4", *MOE, *MOE_LAYOUTS[layout], common=HYBRID)
+    assert_same_run(one, two, MOE_REL)
+    trained = [s for h in one["history"] for s in h["sizes"]]
+    assert any(s["moe_experts"] < 4 for s in trained) and any(s["moe_ffn"] < 64 for s in trained), "no MoE cut: vacuous"
+    _, two_frozen = run(tmp_path, "frozen", *FROZEN, *MOE, *MOE_LAYOUTS[layout], common=HYBRID)
+    assert one_frozen.keys() == two_frozen.keys() and any(".local_experts.3." in k for k in one_frozen)
+    for key in one_frozen:
+        assert torch.equal(two_frozen[key], one_frozen[key]), key

@@ -2,7 +2,8 @@
 sequence parallelism, megatron-core 0.16's only MoE-under-TP layout) and expert parallelism (EP=2
 over two data-parallel replicas) are the one-process axes: the same importance orders, and at
 every budget the same logits as the one-process elastic model, which equals the sliced submodel
-(`tests/unit/test_elastic_hybrid.py`).
+(`tests/unit/test_elastic_hybrid.py`), and the same reordered parent joined from the ranks (what
+the nested checkpoint stores, every expert under its global index) to the bit.
 
 The tiny hybrid MoE parent ("M*M-ME", 4 experts of FFN width 64, top-2) in fp64. The budgets cut
 the experts to 3 (under EP rank 1 keeps one of its two experts) and to 2 (rank 1 keeps none: its
@@ -12,8 +13,11 @@ the batches (its experts see the other's tokens through the dispatcher), as one 
 of them; under TP both ranks run all.
 
 Tolerance: fp64, runs that differ in summation order only (row-parallel outputs, the experts'
-partial outputs reduce-scattered over TP, scores summed over ranks): logits measured 2e-15
-relative apart; a wrong expert shard or order is off by far more than the 1e-10 allowed.
+partial outputs reduce-scattered over TP, scores summed over ranks): logits measured 7e-16
+relative apart under TP and equal to the bit under EP. Without the moves of experts between the
+EP ranks the cut logits are 0.2 relative off; without REAP's sum of an expert's partial outputs
+over TP, or without the hidden scores' sum over the sequence-parallel ranks, the orders differ;
+without the routing's padding to the parent's expert count the EP run fails (all measured).
 
 This file is also the worker script torchrun starts.
 """
@@ -60,6 +64,7 @@ def elastic_run(parallel: dict) -> dict:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megatron_ext.elastic.gather import whole_parent
     from megatron_ext.elastic.importance import calibrate
     from megatron_ext.elastic.permute import reorder
     from megatron_ext.elastic.space import ElasticSpace
@@ -74,7 +79,8 @@ def elastic_run(parallel: dict) -> dict:
     for i, sizes in enumerate([space.full()] + SIZES):
         with space.at(sizes):
             logits[i] = [gather_from_tensor_model_parallel_region(model(t, POSITIONS, None)) for t in mine]
-    return {"orders": orders, "logits": logits}
+    # What the nested checkpoint stores (every budget is sliced out of it at TP=1).
+    return {"orders": orders, "logits": logits, "parent": whole_parent(model)}
 
 
 def worker(out: str, layout: str) -> None:
@@ -122,5 +128,9 @@ def test_moe_axes_under_layout_equal_one_process(one_rank_world, tmp_path, layou
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert float((g - w).abs().max()) <= REL * float(w.abs().max()), (layout, i)
+    parent = ranks[0]["parent"]
+    assert parent.keys() == one_process["parent"].keys() and any(".local_experts.3." in k for k in parent)
+    for key, want in one_process["parent"].items():
+        assert torch.equal(parent[key], want), key
     full, cut = one_process["logits"][0][0], one_process["logits"][2][0]
     assert not torch.allclose(full, cut, atol=1e-3), "the cut changed nothing: vacuous"

@@ -47,7 +47,7 @@ def distiller(space: ElasticSpace, teacher, **kw) -> tuple[Distiller, Curriculum
 def test_default_is_micro_batch_and_bad_values_are_refused():
     assert CurriculumConfig().budget_draw == "micro_batch"
     assert ElasticConfig().budget_draw == "micro_batch"
-    cfg = SimpleNamespace(parallel=SimpleNamespace(vpp=None, pp=1, cp=1), model=SimpleNamespace(arch="gpt"))
+    cfg = SimpleNamespace(parallel=SimpleNamespace(vpp=None, pp=1, cp=1, ep=1), model=SimpleNamespace(arch="gpt"))
     with pytest.raises(ValueError, match="elastic.budget_draw='per_token'"):  # refused before the model is built
         ElasticPlugin(ElasticConfig(budget_draw="per_token")).setup(SimpleNamespace(cfg=cfg))
     ElasticPlugin(ElasticConfig(budget_draw="sample")).setup(SimpleNamespace(cfg=cfg))

@@ -182,8 +182,9 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
 @pytest.mark.parametrize(
     "parallel, arch, message",
     [({"pp": 2, "vpp": 2}, "hybrid", r"virtual pipeline stages \(parallel.vpp\) are not supported"),
-     ({"pp": 2, "vpp": 2}, "gpt", r"virtual pipeline stages \(parallel.vpp\) are not supported")],
-    ids=["vpp-hybrid", "vpp-gpt"],
+     ({"pp": 2, "vpp": 2}, "gpt", r"virtual pipeline stages \(parallel.vpp\) are not supported"),
+     ({"vpp": None, "cp": 1, "ep": 2}, "hybrid", r"expert parallelism \(parallel.ep\) is not supported by the distillation")],
+    ids=["vpp-hybrid", "vpp-gpt", "ep"],
 )
 def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, arch, message):
     from types import SimpleNamespace

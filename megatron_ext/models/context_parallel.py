@@ -16,6 +16,7 @@ ring-passing blocks; the queries, the scores and everything outside attention st
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Optional
 
 import torch
@@ -33,9 +34,11 @@ def chunk_positions(seq_len: int, cp: int, rank: int) -> Tensor:
     return torch.cat([first, second])
 
 
+@functools.lru_cache(maxsize=16)
 def _global_order(cp: int, chunk: int) -> Tensor:
     """Index that turns the rank-ordered gather (rank 0's two chunks, rank 1's, ...) into the
-    sequence order."""
+    sequence order. Cached: every attention layer of every step asks for the same few (the
+    tensor is only read)."""
     gathered = torch.cat([chunk_positions(2 * cp * chunk, cp, r) for r in range(cp)])
     return torch.argsort(gathered)
 

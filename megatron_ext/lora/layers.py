@@ -185,7 +185,8 @@ class MultiLoraLinear(nn.Module):
         seq = x.shape[0]
         adapters = [self.adapters[str(s.slot)] for s in segments]
         # Rows of a segment in [b, s] order: one adapter's samples are then contiguous rows.
-        xs = [self._dropped(x[:, s.start : s.stop], s.slot, a.dropout).transpose(0, 1).reshape(-1, x.shape[-1]) for s, a in zip(segments, adapters)]
+        xs = [self._dropped(part, s.slot, a.dropout).transpose(0, 1).reshape(-1, x.shape[-1])
+              for s, a, part in zip(segments, adapters, _columns(x, segments))]
         kernel = kernels.select(x.device, x.dtype, self.routing.kernel)
         ss = kernel.shrink(xs, [a.a for a in adapters])
         ss = self._tp_shrink_collective(ss)
@@ -217,6 +218,24 @@ class MultiLoraLinear(nn.Module):
         if not self.column:
             keep = keep.chunk(self.tp, dim=-1)[self.tp_rank]
         return x * keep.to(x.device, x.dtype) / (1.0 - p)
+
+
+def _columns(x: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+    """Each segment's columns of x [s, b, h] (segments in column order), from one split: its
+    backward joins the segments' gradients in one concatenation, where slicing x once per
+    segment would make every segment's backward fill and add a gradient of x's full size
+    (K times x's work per linear for K adapters)."""
+    sizes, kept, column = [], [], 0
+    for s in segments:
+        if s.start > column:
+            sizes.append(s.start - column)
+        kept.append(len(sizes))
+        sizes.append(s.stop - s.start)
+        column = s.stop
+    if column < x.shape[1]:
+        sizes.append(x.shape[1] - column)
+    parts = x.split(sizes, dim=1)
+    return [parts[i] for i in kept]
 
 
 def _all_gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -2,8 +2,12 @@
 runtime (runtime.PackedTrainer on megatron's GPTModel) for a grid of packs, fit the model on
 part of them and report its error on the rest.
 
-    fit = calibrate(model_cfg, vocab_size=512)   # needs a one-rank world (platform.launch)
-    print(fit.heldout_error)
+    fit, samples, rates = calibrate(model_cfg, vocab_size=512)   # needs a one-rank world (platform.launch)
+    print(fit.heldout_error, pass_size.knee(rates))
+    save_fit("cost.json", fit, len(samples), pass_size.knee(rates))   # lora.cost_model=cost.json
+
+It also times one job's passes of growing size (`measure_pass_rates`): the knee of that rate is
+what `lora.max_pass_tokens: auto` caps a packed pass at (pass_size.py).
 
 Time is the process's CPU time, not the wall clock: on a shared machine the wall clock counts
 other people's work, while a one-thread worker's CPU time is the work its device does.
@@ -17,7 +21,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.lora.costmodel import Fit, Sample, fit
@@ -26,6 +30,7 @@ from megatron_ext.lora.workload import replica_work, shapes_of
 
 ATTENTION = ("linear_qkv", "linear_proj")
 ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+PASS_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def calibration_packs(seq_lengths: Sequence[int] = (32, 128)) -> list[tuple[LoraJob, ...]]:
@@ -63,32 +68,44 @@ def time_pass(model, wrappers, routing, jobs: Sequence[LoraJob], vocab_size: int
     return min(run(steps) for _ in range(repeats))
 
 
-def measure(model_cfg: ModelConfig, vocab_size: int, packs: Sequence[Sequence[LoraJob]], seconds: float = 0.3) -> list[Sample]:
+def measure_pass_rates(model, wrappers, routing, vocab_size: int, seq_length: int = 128,
+                       sizes: Sequence[int] = PASS_SIZES, seconds: float = 0.3) -> dict[int, float]:
+    """Tokens per CPU second of one job's packed pass at each size in `sizes` (tokens: micro-
+    batches of size // seq_length samples of seq_length tokens), its optimizer step included."""
+    rates = {}
+    for size in sizes:
+        samples = max(size // seq_length, 1)
+        job = LoraJob(name="pass", micro_batch_size=samples, global_batch_size=samples, seq_length=seq_length, steps=1, eval_iters=0)
+        rates[samples * seq_length] = samples * seq_length / time_pass(model, wrappers, routing, (job,), vocab_size, seconds)
+    return rates
+
+
+def calibrate(model_cfg: ModelConfig, vocab_size: int, seconds: float = 0.3) -> tuple[Fit, list[Sample], dict[int, float]]:
+    """Measure the calibration packs, fit on two thirds, hold out every third; and the rate of
+    passes of growing size (measure_pass_rates)."""
     from megatron_ext.lora.base import build_base
 
     model, wrappers, routing = build_base(model_cfg, vocab_size)
-    return [Sample(tuple(p), 1, 1, time_pass(model, wrappers, routing, p, vocab_size, seconds)) for p in packs]
-
-
-def calibrate(model_cfg: ModelConfig, vocab_size: int, seconds: float = 0.3) -> tuple[Fit, list[Sample]]:
-    """Measure the calibration packs, fit on two thirds, hold out every third."""
-    samples = measure(model_cfg, vocab_size, calibration_packs(), seconds)
+    samples = [Sample(tuple(p), 1, 1, time_pass(model, wrappers, routing, p, vocab_size, seconds)) for p in calibration_packs()]
+    rates = measure_pass_rates(model, wrappers, routing, vocab_size, min(128, model_cfg.seq_length), seconds=seconds)
     train = [s for i, s in enumerate(samples) if i % 3 != 2]
     heldout = [s for i, s in enumerate(samples) if i % 3 == 2]
     shapes = shapes_of(dataclasses.replace(model_cfg, vocab_size=vocab_size))
-    return fit(shapes, train, heldout), samples
+    return fit(shapes, train, heldout), samples, rates
 
 
-def fit_record(fit: Fit, samples: int) -> dict:
+def fit_record(fit: Fit, samples: int, pass_tokens: Optional[int] = None) -> dict:
     """A fit as the plain values the output file (and the sweep benchmark's JSON) hold."""
     return {"coefficients": list(fit.model.coefficients), "train_error": fit.train_error,
-            "heldout_error": fit.heldout_error, "heldout_max_error": fit.heldout_max_error, "samples": samples}
+            "heldout_error": fit.heldout_error, "heldout_max_error": fit.heldout_max_error, "samples": samples,
+            "pass_tokens": pass_tokens}
 
 
-def save_fit(path: str | Path, fit: Fit, samples: int) -> Path:
-    """The calibration's output file (JSON), which `lora.cost_model` points the planner at."""
+def save_fit(path: str | Path, fit: Fit, samples: int, pass_tokens: Optional[int] = None) -> Path:
+    """The calibration's output file (JSON), which `lora.cost_model` points the planner at;
+    `pass_tokens` is what `lora.max_pass_tokens: auto` then caps a pass at (pass_size.py)."""
     path = Path(path)
-    path.write_text(json.dumps(fit_record(fit, samples), indent=1) + "\n")
+    path.write_text(json.dumps(fit_record(fit, samples, pass_tokens), indent=1) + "\n")
     return path
 
 

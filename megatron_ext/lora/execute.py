@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ext.config.schema import Config
-from megatron_ext.lora import resume
+from megatron_ext.lora import pass_size, resume
 from megatron_ext.lora.base import build_base
 from megatron_ext.lora.export import save_megatron, save_peft
 from megatron_ext.lora.groups import PackGroups, as_world, pack_groups
@@ -86,7 +86,7 @@ def _train_pack(
     writer = dist.get_rank() == mine.leader
     trainer = PackedTrainer(base.model, base.wrappers, base.routing, data_for, slots, _finisher(cfg, out, writer, mine.group),
                             _logger(out, writer), dp_group=mine.dp_group, group=mine.group,
-                            max_pass_tokens=cfg.lora.max_pass_tokens)
+                            max_pass_tokens=pass_size.pass_cap(cfg))
     trainer.submit(jobs)
     folder = resume.pack_folder(out, index)
     resume.restore(trainer, folder)

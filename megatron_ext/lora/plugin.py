@@ -47,8 +47,9 @@ class LoraConfig:
     # more splits into passes of whole micro-batches, in slot order, whose gradients add up
     # (each adapter's gradient is the same; activations are one pass's, not every job's; a
     # micro-batch over the cap runs alone). The planner's memory and time count the passes.
-    # None: one pass per packed step.
-    max_pass_tokens: Optional[int] = None
+    # "auto": the pass size past which this device runs barely faster per token (pass_size.py:
+    # the cost-model file's, else 1024 on a CPU, else no cap); null: one pass per packed step.
+    max_pass_tokens: Any = "auto"
     # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
     # uncalibrated CPU_COEFFICIENTS.
     cost_model: Optional[str] = None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_ext.config.schema import Config
+from megatron_ext.lora import pass_size
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
 from megatron_ext.lora.workload import Shapes, tp_divides
 
@@ -130,7 +131,7 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
     check_max_tp(cfg.parallel.tp, devices, shapes)
     coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
     memory = MemoryModel(shapes, FP32 if cfg.model.precision == "fp32" else BF16, fused_attention=False,
-                         max_pass_tokens=cfg.lora.max_pass_tokens)
+                         max_pass_tokens=pass_size.pass_cap(cfg))
     max_dp = min(j.accumulation_steps & -j.accumulation_steps for j in jobs)  # powers of two
     problem = planner.Problem(tuple(jobs), Hardware(devices, gib(cfg.lora.memory_gb)), memory, LinearCostModel(shapes, coefficients),
                               max_tp=cfg.parallel.tp, max_dp=max_dp)
@@ -209,10 +210,11 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
 
     if cfg.lora.kernel not in kernels.NAMES:  # else only the first forward says so
         problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} ({', '.join(kernels.NAMES)})")
-    for key, unit in (("save_interval", "packed steps"), ("stop_after", "packed steps"), ("max_pass_tokens", "tokens")):
+    for key, unit in (("save_interval", "packed steps"), ("stop_after", "packed steps")):
         value = getattr(cfg.lora, key)
         if value is not None and value < 1:
             problems.append(f"lora.{key} must be >= 1 {unit} (or null), got {value}")
+    problems += filter(None, [pass_size.check_setting(cfg.lora.max_pass_tokens)])
     for job in jobs:
         if job.dataset != "synthetic" and not (job.dataset.startswith("task:") and job.dataset[5:] in tasks.TASKS):
             problems.append(f"job {job.name!r}: unknown dataset {job.dataset!r} (synthetic or task:<{'|'.join(tasks.TASKS)}>)")

@@ -193,12 +193,13 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.lora.calibrate import calibrate, fit_record, save_fit
+    from megatron_ext.lora.pass_size import knee
     from megatron_ext.models.convert.world import model_parallel_world
 
     with model_parallel_world():  # left before the ranks launch
         model_parallel_cuda_manual_seed(1234)
-        fit, calibration = calibrate(CPU_MODEL, CPU_MODEL.vocab_size)
-    save_fit(out_dir / "lora_cost_model.json", fit, len(calibration))  # for lora.cost_model=
+        fit, calibration, rates = calibrate(CPU_MODEL, CPU_MODEL.vocab_size)
+    save_fit(out_dir / "lora_cost_model.json", fit, len(calibration), knee(rates))  # for lora.cost_model=
     shapes = shapes_of(CPU_MODEL)
     memory = MemoryModel(shapes, FP32, fused_attention=False)
     jobs = cpu_sweep(samples)
@@ -217,7 +218,7 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
         "predicted_s": {k: (None if s is None else s.makespan) for k, s in schedules.items()},
         "planner_strategy": schedules["planner"].plan.strategy,
         "runs": runs,
-        "cost_model": fit_record(fit, len(calibration)),
+        "cost_model": fit_record(fit, len(calibration), knee(rates)),
         "setup": {"model": dataclasses.asdict(CPU_MODEL), "devices": devices, "memory_bytes": hardware.memory_bytes,
                   "executor": "megatron_ext.lora.execute.execute, one gloo rank per device (launch_local)",
                   "machine": machine, "jobs": [dataclasses.asdict(j) for j in jobs]},

@@ -53,10 +53,11 @@ def test_plain_multi_job_config(tmp_path):
         (["parallel.pp=2"], "needs parallel.pp=1"),
         (["model.arch=hybrid"], "model.arch=gpt only"),
         (["lora.kernel=fused"], "unknown lora.kernel 'fused'"),
-        (["lora.max_pass_tokens=0"], r"lora.max_pass_tokens must be >= 1 tokens \(or null\), got 0"),
+        (["lora.max_pass_tokens=0"], r"lora.max_pass_tokens must be 'auto', null or >= 1 tokens, got 0"),
+        (["lora.max_pass_tokens=big"], r"lora.max_pass_tokens must be 'auto', null or >= 1 tokens, got 'big'"),
         (["parallel.tp=2"], r"parallel.tp=2 \(the largest TP a pack may use\) does not divide the world of 1 rank"),
     ],
-    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap", "max-tp"],
+    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap", "pass-cap-word", "max-tp"],
 )
 def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     out = tmp_path / "out"
@@ -78,6 +79,8 @@ def test_the_pass_cap_reaches_the_planners_memory():
 
     four, two, one = peak("null"), peak("64"), peak("1")
     assert four - two == 2 * (two - one) > 0
+    # auto on a CPU is pass_size.CPU_PASS_TOKENS (1024): all four 32-token micro-batches in one pass
+    assert peak("auto") == four
 
 
 @pytest.mark.slow  # 3 jobs trained and exported, 15 s: the default suite keeps the pieces' tests

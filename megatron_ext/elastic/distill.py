@@ -11,7 +11,11 @@ sample index), so any data-parallel layout and any micro-batch size draws the sa
 the same sample; the router samples each budget's sizes once per step (its Gumbel noise
 depends on (seed, step, budget)), so a sample's sizes are layout independent too. Inside a
 micro-batch the samples are grouped by budget and the student runs each group at its sizes
-(`grouped.py`); the teacher runs once on the whole micro-batch. Every token learns the teacher's
+(`grouped.py`); the teacher runs once on the whole micro-batch. With `budget_share` > 1 the
+draws are keyed by the window of `budget_share` consecutive global micro-batches instead of the
+micro-batch (per sample: by the window and the sample's row), so the micro-batches of a window
+train at the same budgets and router sample: what the replicas of an expert-parallel group need,
+as their experts compute each other's tokens (`expert_parallel.py`). Every token learns the teacher's
 distribution: forward KL(teacher || student) at temperature T (times T^2), optionally plus
 `ce_weight` times the next-token loss, reduced per token over the micro-batch as megatron does.
 
@@ -55,9 +59,12 @@ class CurriculumConfig:
     # "micro_batch": one budget (and one router sample) per micro-batch; "sample": one budget per
     # sample, one router sample per budget and step.
     budget_draw: str = "micro_batch"
+    # Consecutive global micro-batches that draw together (1: each its own).
+    budget_share: int = 1
 
     def __post_init__(self) -> None:
         check_budget_draw(self.budget_draw)
+        check_budget_share(self.budget_share)
 
 
 BUDGET_DRAWS = ("micro_batch", "sample")
@@ -66,6 +73,17 @@ BUDGET_DRAWS = ("micro_batch", "sample")
 def check_budget_draw(value: str) -> None:
     if value not in BUDGET_DRAWS:
         raise ValueError(f"elastic.budget_draw={value!r}: must be one of {', '.join(map(repr, BUDGET_DRAWS))}")
+
+
+def check_budget_share(value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"elastic.budget_share={value!r}: must be a positive integer (micro-batches per draw)")
+
+
+def draw_key(micro_batch: int, share: int) -> int:
+    """What keys the draws of global micro-batch `micro_batch`: its window of `share`
+    consecutive micro-batches (the micro-batch itself when `share` is 1)."""
+    return micro_batch // share
 
 
 def budget_probabilities(cfg: CurriculumConfig, step: int) -> list[float]:
@@ -119,15 +137,15 @@ class Distiller:
         """The budgets of the next micro-batch's `samples` samples (recorded in `drawn`). With
         budget_draw "micro_batch" they are its one draw, and the router's sample of that budget,
         taken from the same generator, is kept for the micro-batch (`micro_choice`)."""
-        index = self.micro_batch_index(self._micro)
+        key = draw_key(self.micro_batch_index(self._micro), self.cfg.budget_share)
         self._micro += 1
         if self.cfg.budget_draw == "micro_batch":
-            g = draw_generator(self.cfg.seed, self.step, index)
+            g = draw_generator(self.cfg.seed, self.step, key)
             budget = draw_budget(self.cfg, self.step, g)
             self.micro_choice = self.router.sample(budget, self.step, g)
             self.drawn.append([budget] * samples)
             return self.drawn[-1]
-        first = index * samples
+        first = key * samples  # the global sample index when budget_share is 1
         budgets = [
             draw_budget(self.cfg, self.step, draw_generator(self.cfg.seed, self.step, first + i)) for i in range(samples)
         ]
@@ -174,7 +192,7 @@ class Distiller:
         0..count-1, as `draw` drew them (the router as it was then: call before it steps)."""
         out = []
         for index in range(count):
-            g = draw_generator(self.cfg.seed, self.step, index)
+            g = draw_generator(self.cfg.seed, self.step, draw_key(index, self.cfg.budget_share))
             budget = draw_budget(self.cfg, self.step, g)
             out.append((budget, self.router.sample(budget, self.step, g).sizes))
         return out

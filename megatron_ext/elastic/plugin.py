@@ -26,9 +26,12 @@ process, nested checkpoint included: `pipeline.py`; each stage holds its layers'
 global layer numbers and knows the whole model's axis kinds, which differ between the stages of a
 hybrid; the teacher is pipelined like the student and runs forward-only through megatron's
 schedule before the student's, the last stage keeps its logits; a micro-batch of several budgets
-sends its groups' activations zero-padded to the widest group's hidden size). Expert
-parallelism is refused: the MoE axes and the export work under EP (`moe_axes.py`, `gather.py`),
-but the EP ranks are data-parallel replicas that draw their own budgets while sharing experts.
+sends its groups' activations zero-padded to the widest group's hidden size). Under
+expert parallelism the EP ranks are data-parallel replicas whose experts run each other's tokens,
+so they draw their budgets and router samples together: `budget_share` consecutive global
+micro-batches draw as one, a multiple of ep (`expert_parallel.py`; EP=2, TP=2 x EP=2 and PP=2 x
+EP=2 are checked equal to one process with the same budget_share, nested checkpoint included;
+the MoE axes and the export work under EP: `moe_axes.py`, `gather.py`).
 Virtual pipeline stages are refused; the FP8 nested checkpoint is not written
 under TP (its scales are per TP shard). A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
@@ -67,6 +70,10 @@ class ElasticConfig:
     # (seed, step, global micro-batch index)) or "sample" (one budget per sample, from (seed,
     # step, global sample index); the router samples each budget once per step; `grouped.py`).
     budget_draw: str = "micro_batch"
+    # Consecutive global micro-batches that draw one budget and router sample together (per
+    # sample: the same budgets row by row). Expert parallelism needs a multiple of parallel.ep
+    # (`expert_parallel.py`); a one-process run with the same value draws the same.
+    budget_share: int = 1
     temperature: float = 1.0
     ce_weight: float = 0.0
     # Micro-batches of the whole run (all replicas together) the importance is measured on.
@@ -107,16 +114,12 @@ class ElasticPlugin(Plugin):
             raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
-        if p.ep > 1:
-            # The EP ranks are data-parallel replicas that draw their own budgets, while an MoE
-            # layer runs every EP rank's tokens through the same experts at one size.
-            raise ValueError(
-                "elastic: expert parallelism (parallel.ep) is not supported by the distillation (the EP ranks "
-                "draw their own budgets but share their experts); the MoE axes themselves work under EP"
-            )
-        from megatron_ext.elastic.distill import check_budget_draw
+        from megatron_ext.elastic.distill import check_budget_draw, check_budget_share
+        from megatron_ext.elastic.expert_parallel import check_budget_share_for_ep
 
         check_budget_draw(self.cfg.budget_draw)
+        check_budget_share(self.cfg.budget_share)
+        check_budget_share_for_ep(self.cfg.budget_share, p.ep)
         self.ready = False
         self.orders: Optional[dict] = None
         self.router_state: Optional[dict] = None
@@ -154,6 +157,7 @@ class ElasticPlugin(Plugin):
             ce_weight=c.ce_weight,
             seed=trainer.cfg.train.seed,
             budget_draw=c.budget_draw,
+            budget_share=c.budget_share,
         )
         return model_chunks
 
@@ -164,11 +168,14 @@ class ElasticPlugin(Plugin):
         from megatron.core import parallel_state
 
         from megatron_ext.elastic.distill import Distiller
+        from megatron_ext.elastic.expert_parallel import check_peers_share
         from megatron_ext.elastic.importance import calibrate
         from megatron_ext.elastic.permute import reorder
         from megatron_ext.elastic.pipeline import merge_stages
 
         dp_group = parallel_state.get_data_parallel_group()
+        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        check_peers_share(self.cfg.budget_share, dp_rank, dp, parallel_state.get_expert_model_parallel_group())
         if self.orders is None:  # a fresh run (a resumed one restored the reordered weights)
             calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(trainer), dp_group)
             # Every stage's: a checkpoint keeps rank 0's plugin state, and a resumed stage
@@ -183,7 +190,6 @@ class ElasticPlugin(Plugin):
         if self.router_state is not None:
             self.router.load_state_dict(self.router_state["router"])
             self.router_optimizer.load_state_dict(self.router_state["optimizer"])
-        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         self.distiller = Distiller(
             self.space,
             teacher,

@@ -183,17 +183,18 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
     "parallel, arch, message",
     [({"pp": 2, "vpp": 2}, "hybrid", r"virtual pipeline stages \(parallel.vpp\) are not supported"),
      ({"pp": 2, "vpp": 2}, "gpt", r"virtual pipeline stages \(parallel.vpp\) are not supported"),
-     ({"vpp": None, "cp": 1, "ep": 2}, "hybrid", r"expert parallelism \(parallel.ep\) is not supported by the distillation")],
+     # Under EP the peers must draw together (tests/unit/test_elastic_budget_share.py).
+     ({"vpp": None, "cp": 1, "ep": 2}, "hybrid", r"elastic.budget_share=1 must be a multiple of parallel.ep=2")],
     ids=["vpp-hybrid", "vpp-gpt", "ep"],
 )
 def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, arch, message):
     from types import SimpleNamespace
 
-    from megatron_ext.elastic.plugin import ElasticPlugin
+    from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
 
     trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(**parallel), model=SimpleNamespace(arch=arch)))
     with pytest.raises(ValueError, match=message):
-        ElasticPlugin.__new__(ElasticPlugin).setup(trainer)
+        ElasticPlugin(ElasticConfig()).setup(trainer)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -1,0 +1,86 @@
+"""The elastic plugin distils the MoE hybrid under expert parallelism as one process does.
+
+Under EP the ranks of an EP group are data-parallel replicas whose experts run each other's
+tokens, so they draw together: `elastic.budget_share=2` keys the budget and router draws by
+windows of two consecutive global micro-batches, which hold the two EP peers' concurrent
+micro-batches (`expert_parallel.py`). The reference is one process with the same budget_share,
+which runs a window's micro-batches one after the other through all four experts.
+
+hybrid_tiny ("M*M-ME": 4 experts of FFN width 64, top-2; under EP=2 two per rank). The grid cuts
+the experts to 3 or 2 (EP rank 1 keeps one or none of its own: its dispatcher routes it fewer
+tokens or none) and the expert FFN width to 48, and the hidden size to 48. Layouts:
+  * ep2: EP=2 (2 ranks), budget_draw=sample, two-sample micro-batches that mix budgets of two
+    hidden sizes: both peers run the same budget groups in the same order, one dispatcher
+    exchange per group.
+  * tp2_ep2: TP=2 with sequence parallelism x EP=2 (4 ranks), budget_draw=micro_batch, two
+    micro-batches per replica.
+  * pp2_ep2: PP=2 x EP=2 (4 ranks; the MoE layer on the second stage), budget_draw=micro_batch.
+Four steps: the same budgets per sample, sizes, router choices and router losses, KD losses
+within REL; at learning rate 0 the nested checkpoint (the reordered parent, experts joined from
+the EP ranks under their global indices) equal to the bit.
+
+Tolerance: the Trainer runs fp32 (no fp64), and the layouts sum in other orders (the experts'
+gradients gathered over the peers' tokens, DP averaging, TP's row-parallel and vocabulary sums).
+KD losses measured up to 7.6e-7 (ep2), 5.1e-5 (tp2_ep2) and 3.6e-6 (pp2_ep2) relative apart;
+the trained weights are not compared (Adam's steps on near-zero gradients differ by up to 1e-2 of
+a tensor's largest entry under TP, measured). With the draw unshared (each micro-batch keyed by
+itself, as before budget_share) the EP peers train other budgets than the reference and the runs
+fail (measured).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_elastic_hybrid_tp import HYBRID, MOE
+from test_elastic_plugin import assert_same_run, mixes_hidden_sizes, run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SHARED = [*MOE, "elastic.budget_share=2"]
+DRAWS = {
+    "sample": ["elastic.budget_draw=sample", "train.micro_batch_size=2"],
+    "micro_batch": ["elastic.budget_draw=micro_batch", "train.micro_batch_size=1"],
+}
+EP2 = ["parallel.ep=2"]
+# layout: (draw, overrides, REL)
+LAYOUTS = {
+    "ep2": ("sample", ["launcher.nproc=2", *EP2], 1e-5),
+    "tp2_ep2": ("micro_batch", ["launcher.nproc=4", *EP2, "parallel.tp=2", "parallel.sequence_parallel=true"], 2e-4),
+    "pp2_ep2": ("micro_batch", ["launcher.nproc=4", *EP2, "parallel.pp=2"], 2e-5),
+}
+FROZEN = ["optim.lr=0.0", "optim.min_lr=0.0", "train.iters=1"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Per draw, one process's four steps (report) and, at learning rate 0, its nested checkpoint."""
+    cache: dict[str, tuple[dict, dict]] = {}
+
+    def get(draw: str) -> tuple[dict, dict]:
+        if draw not in cache:
+            tmp = tmp_path_factory.mktemp(f"one_{draw}")
+            report, _ = run(tmp, "one", "train.iters=4", *SHARED, *DRAWS[draw], common=HYBRID)
+            _, frozen = run(tmp, "frozen", *FROZEN, *SHARED, *DRAWS[draw], common=HYBRID)
+            cache[draw] = report, frozen
+        return cache[draw]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_distillation_equals_one_process(one_process, tmp_path, layout):
+    draw, overrides, rel = LAYOUTS[layout]
+    one, one_frozen = one_process(draw)
+    common = [*SHARED, *DRAWS[draw], *overrides]
+    got, _ = run(tmp_path, layout, "train.iters=4", *common, common=HYBRID)
+    assert_same_run(one, got, rel)
+    trained = [s for h in one["history"] for s in h["sizes"]]
+    assert any(s["moe_experts"] < 4 for s in trained) and any(s["moe_ffn"] < 64 for s in trained), "no MoE cut: vacuous"
+    if draw == "sample":
+        assert mixes_hidden_sizes(one["history"], 2), "no micro-batch mixes hidden sizes: vacuous"
+    _, frozen = run(tmp_path, "frozen", *FROZEN, *common, common=HYBRID)
+    assert frozen.keys() == one_frozen.keys() and any(".local_experts.3." in k for k in frozen)
+    for key in one_frozen:
+        assert torch.equal(frozen[key], one_frozen[key]), key

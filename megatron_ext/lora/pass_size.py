@@ -22,8 +22,10 @@ import torch
 
 AUTO = "auto"
 KNEE = 0.85
-# The knee on this project's CPU (one thread, scripts/bench/lora.py's 4-layer LLaMA, 128-token
-# samples; `pass_rates` of scripts/bench/results/lora_throughput.json).
+# This project's CPU (one thread, scripts/bench/lora.py's 4-layer LLaMA, 128-token samples): the
+# measured knee moves between 512 and 1,024 tokens from run to run (the rates' noise is about
+# +-10%); 1,024-token passes ran at 0.90-0.97 of the best rate (`pass_rates` of
+# scripts/bench/results/lora_throughput.json: knee 512, 1,024 at 0.97).
 CPU_PASS_TOKENS = 1024
 
 Setting = Union[int, str, None]

@@ -193,7 +193,7 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.lora.calibrate import calibrate, fit_record, save_fit
-    from megatron_ext.lora.pass_size import knee
+    from megatron_ext.lora.pass_size import AUTO, knee, resolve
     from megatron_ext.models.convert.world import model_parallel_world
 
     with model_parallel_world():  # left before the ranks launch
@@ -201,7 +201,8 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
         fit, calibration, rates = calibrate(CPU_MODEL, CPU_MODEL.vocab_size)
     save_fit(out_dir / "lora_cost_model.json", fit, len(calibration), knee(rates))  # for lora.cost_model=
     shapes = shapes_of(CPU_MODEL)
-    memory = MemoryModel(shapes, FP32, fused_attention=False)
+    # The cap the executor's ranks run with (their config's lora.max_pass_tokens=auto, on a CPU).
+    memory = MemoryModel(shapes, FP32, fused_attention=False, max_pass_tokens=resolve(AUTO, None, cuda=False))
     jobs = cpu_sweep(samples)
     # Room for about half of the sweep at once on a device, so that packing comes in waves.
     extra = sorted((memory.per_device([j], 1, 1).total - memory.base_bytes(1) for j in jobs), reverse=True)

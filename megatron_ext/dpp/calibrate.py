@@ -4,13 +4,14 @@
 
 Times (CPU time of the process) one TransformerLayer as the DPP runtime builds it (the local
 spec with `ChunkCoreAttention`, fp32, CPU) forward and backward on a grid of (q new tokens, p
-prefix tokens): each point is the last slice of a sequence, its prefix's K/V in the chunk
+prefix tokens), `--repeats` rounds over the grid, each point's median kept (`--statistic`: a
+step runs each op once, and one point's time varies by a third between rounds): each point is the last slice of a sequence, its prefix's K/V in the chunk
 context's cache as earlier chunks leave them, RoPE at the slice's positions. Saved activation
 bytes are counted with saved-tensor hooks on the same runs. The output layer (hidden to the
 padded vocabulary) and the cross entropy are timed on their own over the grid's token counts.
-Fits alpha, beta, beta_self, gamma (and the backward's own, and the backward ratio) by
-relative least squares on alternate grid points and reports the relative error on the held-out
-others; the head's fixed and per-token forward and backward likewise. Then (unless
+Fits alpha, beta, beta_self, the per-prefix-token term, gamma (and the backward's own, and the
+backward ratio) by relative least squares on alternate grid points and reports the relative
+error on the held-out others; the head's fixed and per-token forward and backward likewise. Then (unless
 `--no-overhead`) `dpp/overhead.py` adds what a real PP=2 step spends beyond those layers.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -45,28 +47,28 @@ class HeadSample:
 
 
 def time_features(q: int, prefix: int) -> list[float]:
-    return [1.0, q, q * prefix, q * q]
+    return [1.0, q, q * prefix, q * q, prefix]
 
 
-def _fit(samples: Sequence[Sample], y: np.ndarray) -> tuple[float, float, float, float]:
-    """(gamma, alpha, beta, beta_self) by least squares relative to each sample's size, so
-    small chunks count as much as large ones."""
+def _fit(samples: Sequence[Sample], y: np.ndarray) -> tuple[float, float, float, float, float]:
+    """(gamma, alpha, beta, beta_self, prefix_s_token) by least squares relative to each
+    sample's size, so small chunks count as much as large ones."""
     X = np.array([time_features(s.q, s.prefix) for s in samples])
-    gamma, alpha, beta, beta_self = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
-    return float(gamma), float(alpha), float(beta), float(beta_self)
+    gamma, alpha, beta, beta_self, per_prefix = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)[0]
+    return float(gamma), float(alpha), float(beta), float(beta_self), float(per_prefix)
 
 
-def fit_time(samples: Sequence[Sample]) -> tuple[float, float, float, float, float]:
-    """(gamma, alpha, beta, beta_self, bwd_ratio) of the forward; the ratio is the relative
-    least-squares backward/forward factor."""
+def fit_time(samples: Sequence[Sample]) -> tuple[float, float, float, float, float, float]:
+    """(gamma, alpha, beta, beta_self, prefix_s_token, bwd_ratio) of the forward; the ratio is
+    the relative least-squares backward/forward factor."""
     y = np.array([s.fwd_s for s in samples])
     b = np.array([s.bwd_s for s in samples])
     ratio = float(np.mean(b / y))
     return (*_fit(samples, y), ratio)
 
 
-def fit_backward(samples: Sequence[Sample]) -> tuple[float, float, float, float]:
-    """(gamma, alpha, beta, beta_self) of the backward, fitted on its own."""
+def fit_backward(samples: Sequence[Sample]) -> tuple[float, float, float, float, float]:
+    """(gamma, alpha, beta, beta_self, prefix_s_token) of the backward, fitted on its own."""
     return _fit(samples, np.array([s.bwd_s for s in samples]))
 
 
@@ -141,15 +143,28 @@ def _timed_once(fn) -> tuple[float, float, int]:
     return f, time.process_time() - t, saved
 
 
-def _best_of_rounds(runs: dict, rounds: int) -> dict:
-    """Each run timed once per round, rounds over the whole grid, the best kept: a burst of
-    load from other processes spoils one round of a point, not all of its repeats."""
-    best = {k: (float("inf"), float("inf"), 0) for k in runs}
+STATISTICS = {"min": min, "median": statistics.median}
+
+
+def _rounds(runs: dict, rounds: int) -> dict:
+    """Each run timed once per round, rounds over the whole grid (a burst of load from other
+    processes spoils one round of a point, not all of its repeats): per run, its forward
+    seconds, backward seconds (one per round) and saved bytes."""
+    out: dict = {k: ([], [], 0) for k in runs}
     for _ in range(rounds):
         for k, fn in runs.items():
             f, b, m = _timed_once(fn)
-            best[k] = (min(best[k][0], f), min(best[k][1], b), m)
-    return best
+            out[k] = (out[k][0] + [f], out[k][1] + [b], m)
+    return out
+
+
+def reduce_rounds(timed: dict, statistic: str) -> dict:
+    """Per run (forward s, backward s, saved bytes) with `statistic` ("min": the best round, the
+    layer's own cost; "median": a typical round, as a step runs each op once) of its rounds."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"dpp: unknown statistic {statistic!r}; known: {sorted(STATISTICS)}")
+    agg = STATISTICS[statistic]
+    return {k: (agg(f), agg(b), m) for k, (f, b, m) in timed.items()}
 
 
 def default_vocab(model_name: str) -> int:
@@ -162,7 +177,9 @@ def default_vocab(model_name: str) -> int:
 
 
 def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats: int,
-            vocab: int) -> tuple[list[Sample], list[HeadSample], dict]:
+            vocab: int, statistic: str = "median") -> tuple[list[Sample], list[HeadSample], dict, dict]:
+    """Samples of the layer and of the head (`statistic` of each point's rounds), the model's
+    shape, and every round's times per point ("layer q p" / "head q": [forward], [backward])."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -217,27 +234,29 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
 
     runs = {("layer", q, p): layer_run(q, p) for q in qs for p in prefixes}
     runs.update({("head", q, 0): head_run(q) for q in qs})
-    best = _best_of_rounds(runs, repeats)
+    timed = _rounds(runs, repeats)
+    best = reduce_rounds(timed, statistic)
     context.leave()
     samples = [Sample(q, p, *best[("layer", q, p)][:2], float(best[("layer", q, p)][2])) for q in qs for p in prefixes]
     head = [HeadSample(q, *best[("head", q, 0)][:2]) for q in qs]
     shape = dict(hidden=config.hidden_size, ffn=config.ffn_hidden_size, heads=heads, kv_heads=groups,
                  layer_params=sum(p.numel() for p in layer.parameters()), num_layers=mc.num_layers,
                  vocab=mc.vocab_size, padded_vocab=padded)
-    return samples, head, shape
+    rounds = {f"{kind} {q}" + (f" {p}" if kind == "layer" else ""): [f, b] for (kind, q, p), (f, b, _) in timed.items()}
+    return samples, head, shape, rounds
 
 
 def calibrate(samples: Sequence[Sample], head: Sequence[HeadSample], shape: dict,
               bytes_per_value: int = 4) -> tuple[CostModel, dict]:
     train, held = samples[0::2], samples[1::2]
-    gamma, alpha, beta, beta_self, ratio = fit_time(train)
-    bwd_gamma, bwd_alpha, bwd_beta, bwd_beta_self = fit_backward(train)
+    gamma, alpha, beta, beta_self, per_prefix, ratio = fit_time(train)
+    bwd_gamma, bwd_alpha, bwd_beta, bwd_beta_self, bwd_per_prefix = fit_backward(train)
     head_gamma, head_fwd, head_bwd_gamma, head_bwd = fit_head(head[0::2])
     per_token, per_pair, per_key = fit_memory(train)
     kv_dim = shape["hidden"] // shape["heads"] * shape["kv_heads"]
     model = CostModel(
         alpha=alpha, beta=beta, gamma=gamma, bwd_ratio=ratio, bwd_alpha=bwd_alpha, bwd_beta=bwd_beta, bwd_gamma=bwd_gamma,
-        beta_self=beta_self, bwd_beta_self=bwd_beta_self,
+        beta_self=beta_self, bwd_beta_self=bwd_beta_self, prefix_s_token=per_prefix, bwd_prefix_s_token=bwd_per_prefix,
         head_gamma=head_gamma, head_s_token=head_fwd, head_bwd_gamma=head_bwd_gamma, head_bwd_s_token=head_bwd,
         act_bytes_token=per_token, act_bytes_attn=per_pair, act_bytes_key=per_key,
         ckpt_bytes_token=bytes_per_value * shape["hidden"],
@@ -256,10 +275,13 @@ def main() -> None:
     ap.add_argument("--model", default="llama_tiny", help="a model preset of megatron_ext.config.store")
     ap.add_argument("--q", type=int, nargs="+", default=[64, 128, 256, 384, 512, 768, 1024])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 256, 512, 1024, 2048])
-    ap.add_argument("--repeats", type=int, default=15, help="rounds over the grid; the best of each point is kept")
+    ap.add_argument("--repeats", type=int, default=15, help="rounds over the grid")
+    ap.add_argument("--statistic", choices=sorted(STATISTICS), default="median",
+                    help="of each point's rounds (earlier calibrations kept the min)")
     ap.add_argument("--overhead", action=argparse.BooleanOptionalAction, default=True,
                     help="then measure what a PP=2 step adds to the layers (2 processes, dpp/overhead.py)")
     ap.add_argument("--overhead-seq-len", type=int, default=4096, help="the longest sequence of the overhead's plans")
+    ap.add_argument("--overhead-rounds", type=int, default=2, help="steps of each of the overhead's plans")
     ap.add_argument("--vocab", type=int, default=None,
                     help="the tokenizer's vocabulary, padded as the trainer pads it; default: the preset's, else "
                          "the byte tokenizer's")
@@ -274,21 +296,24 @@ def main() -> None:
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     t = time.perf_counter()
-    samples, head, shape = measure(args.model, args.q, args.prefix, args.repeats, args.vocab or default_vocab(args.model))
+    samples, head, shape, rounds = measure(args.model, args.q, args.prefix, args.repeats, args.vocab or default_vocab(args.model),
+                                           args.statistic)
     model, errors = calibrate(samples, head, shape)
     model.to_json(args.out, model=args.model, shape=shape, errors=errors, samples=[dataclasses.asdict(s) for s in samples],
-                  head_samples=[dataclasses.asdict(s) for s in head], measure_s=time.perf_counter() - t)
-    print(json.dumps({k: getattr(model, k) for k in ("alpha", "beta", "beta_self", "gamma", "bwd_ratio", "head_gamma", "head_s_token",
+                  head_samples=[dataclasses.asdict(s) for s in head], measure_s=time.perf_counter() - t,
+                  statistic=args.statistic, rounds=rounds)
+    print(json.dumps({k: getattr(model, k) for k in ("alpha", "beta", "beta_self", "prefix_s_token", "gamma", "bwd_ratio",
+                                                     "head_gamma", "head_s_token",
                                                      "head_bwd_gamma", "head_bwd_s_token", "act_bytes_token",
                                                      "act_bytes_attn")}, indent=1))
     print("held-out relative error:", json.dumps(errors["held_out"], indent=1))
     print("head held-out relative error:", json.dumps(errors["head_held_out"], indent=1))
     print(f"measured in {time.perf_counter() - t:.1f}s; wrote {args.out}")
     if args.overhead:
-        run_overhead(args.out, args.model, args.overhead_seq_len)
+        run_overhead(args.out, args.model, args.overhead_seq_len, args.overhead_rounds)
 
 
-def run_overhead(path: str, model: str, seq_len: int) -> None:
+def run_overhead(path: str, model: str, seq_len: int, rounds: int = 2) -> None:
     """Add the runtime's terms to the cost model at `path` (a PP=2 run on this machine)."""
     import os
     import subprocess
@@ -298,7 +323,8 @@ def run_overhead(path: str, model: str, seq_len: int) -> None:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "megatron_ext.dpp.overhead", "--cost", path, "--model", model, "--seq-len", str(seq_len)],
+                    "-m", "megatron_ext.dpp.overhead", "--cost", path, "--model", model, "--seq-len", str(seq_len),
+                    "--rounds", str(rounds)],
                    check=True, env=env)
 
 

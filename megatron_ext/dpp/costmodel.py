@@ -2,11 +2,13 @@
 
 Time of one layer's forward over a chunk whose segments have q_i new tokens and a KV prefix p_i:
 
-    T_f = gamma + (alpha * sum q_i + beta * sum q_i p_i + beta_self * sum q_i^2) * (1 + t0 / sum q_i)
+    T_f = gamma + (alpha * sum q_i + beta * sum q_i p_i + beta_self * sum q_i^2 + pi * sum p_i) * (1 + t0 / sum q_i)
 
 alpha is the per-token cost of the dense parts, beta the attention of a new token to its prefix,
-beta_self the attention within the segment, gamma a fixed per-layer overhead, and the last
-factor the under-utilisation of small chunks (t0 = 0 turns it off). A causal kernel that skips
+beta_self the attention within the segment, pi (`prefix_s_token`) the work per prefix token
+whatever the slice's length (the cached K/V joined to the slice's and, backward, its dK/dV
+handed down; 0 unless calibrated), gamma a fixed per-layer overhead, and the last factor the
+under-utilisation of small chunks (t0 = 0 turns it off). A causal kernel that skips
 the masked half (flash attention) has beta_self = beta / 2, the default; a kernel that computes
 the masked scores and discards them (SDPA with an explicit mask, as on CPU) has its own.
 Backward is `bwd_ratio` times the forward, or the same form with its own coefficients; a
@@ -36,8 +38,10 @@ layer) down to the earlier slices, held until their backward.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -125,6 +129,9 @@ class CostModel:
     head_gamma: float = 0.0
     head_bwd_s_token: float | None = None
     head_bwd_gamma: float | None = None
+    # pi of the forward and, with bwd_alpha, of the backward (else bwd_ratio times the forward)
+    prefix_s_token: float = 0.0
+    bwd_prefix_s_token: float = 0.0
     p2p_s_token: float = 0.0
     p2p_latency_s: float = 0.0
     # The schedule loop's own seconds per op on a stage (building the chunk's inputs, megatron's
@@ -133,12 +140,19 @@ class CostModel:
     chunk_fwd_s: float = 0.0
     chunk_bwd_s: float = 0.0
     step_fixed_s: float = 0.0
-    # A stage's layers inside a pipelined step take longer than the calibration's time: it keeps
-    # the best of its rounds, a step runs each op once (on a shared CPU one layer's time varies
-    # 1.3-1.4x between rounds). These factors scale an op's layer and head time, fitted on real
-    # steps (`dpp/overhead.py`); 1: as timed alone.
+    # A stage's layers inside a pipelined step may take longer than the calibration's time: a
+    # step runs each op once, and on a shared CPU one layer's time varies 1.3-1.4x between
+    # rounds (against the best round an op takes 1.4-1.7x, against the median 1.0-1.1x). These
+    # factors scale an op's layer and head time, fitted on real steps (`dpp/overhead.py`); 1: as
+    # timed alone.
     runtime_fwd_scale: float = 1.0
     runtime_bwd_scale: float = 1.0
+    # The same factors per chunk size: at the token counts `runtime_scale_tokens` (increasing)
+    # the factors `runtime_fwd_scales` / `runtime_bwd_scales`, linear in log(tokens) between
+    # them and constant beyond; None: the single factors above.
+    runtime_scale_tokens: tuple[int, ...] | None = None
+    runtime_fwd_scales: tuple[float, ...] | None = None
+    runtime_bwd_scales: tuple[float, ...] | None = None
     # memory, bytes
     act_bytes_token: float = 0.0
     act_bytes_attn: float = 0.0
@@ -156,9 +170,33 @@ class CostModel:
     head_params: int = 0
     num_layers: int = 0
 
+    def __post_init__(self) -> None:
+        sized = (self.runtime_scale_tokens, self.runtime_fwd_scales, self.runtime_bwd_scales)
+        if any(v is None for v in sized):
+            if any(v is not None for v in sized):
+                raise ValueError("dpp: runtime_scale_tokens, runtime_fwd_scales and runtime_bwd_scales go together")
+            return
+        knots = tuple(int(n) for n in self.runtime_scale_tokens)
+        if not knots or any(b <= a for a, b in zip(knots, knots[1:])) or knots[0] < 1:
+            raise ValueError(f"dpp: runtime_scale_tokens must be positive and increasing, got {knots}")
+        if len(self.runtime_fwd_scales) != len(knots) or len(self.runtime_bwd_scales) != len(knots):
+            raise ValueError(f"dpp: runtime_fwd_scales / runtime_bwd_scales need one factor per token count {knots}")
+        # JSON gives lists; the model stays hashable
+        object.__setattr__(self, "runtime_scale_tokens", knots)
+        object.__setattr__(self, "runtime_fwd_scales", tuple(float(x) for x in self.runtime_fwd_scales))
+        object.__setattr__(self, "runtime_bwd_scales", tuple(float(x) for x in self.runtime_bwd_scales))
+
     # --- time ---------------------------------------------------------------------------
+    def runtime_scale(self, kind: str, tokens: int) -> float:
+        """The in-step factor of an op's layer and head time ("F" or "B") for a chunk of
+        `tokens` tokens."""
+        if self.runtime_scale_tokens is None:
+            return self.runtime_fwd_scale if kind == "F" else self.runtime_bwd_scale
+        scales = self.runtime_fwd_scales if kind == "F" else self.runtime_bwd_scales
+        return sum(w * f for w, f in zip(scale_weights(self.runtime_scale_tokens, tokens), scales))
+
     def segment_work(self, length: int, prefix: int) -> float:
-        return self.alpha * length + _attention_work(self.beta, self.beta_self, length, prefix)
+        return self.alpha * length + _attention_work(self.beta, self.beta_self, length, prefix) + self.prefix_s_token * prefix
 
     def time_from_work(self, work: float, tokens: int) -> float:
         return self.gamma + work * (1.0 + self.t0 / max(tokens, 1))
@@ -172,7 +210,9 @@ class CostModel:
         takes at most `time_s` (the time is a quadratic in the slice length)."""
         a = self.beta / 2 if self.beta_self is None else self.beta_self
         b = self.alpha + self.beta * prefix + a * self.t0
-        c = self.gamma + self.alpha * self.t0 + self.beta * self.t0 * prefix - time_s
+        # the prefix term is constant in the slice's length (exactly so for t0 = 0; otherwise the
+        # steps below correct it)
+        c = self.gamma + self.alpha * self.t0 + self.beta * self.t0 * prefix + self.prefix_s_token * prefix - time_s
         if c > 0:
             return 0
         q = int(-c / b if a == 0 else (-b + (b * b - 4 * a * c) ** 0.5) / (2 * a))
@@ -189,7 +229,7 @@ class CostModel:
         if self.bwd_alpha is None:
             return self.bwd_ratio * self.layer_forward_s(chunk)
         work = sum(self.bwd_alpha * s.length + _attention_work(self.bwd_beta, self.bwd_beta_self, s.length, s.prefix)
-                   for s in chunk.segments)
+                   + self.bwd_prefix_s_token * s.prefix for s in chunk.segments)
         return self.bwd_gamma + work * (1.0 + self.t0 / max(chunk.tokens, 1))
 
     def head_forward_s(self, tokens: int) -> float:
@@ -202,12 +242,12 @@ class CostModel:
 
     def forward_s(self, chunk: Chunk, layers: int, last: bool) -> float:
         head = self.head_forward_s(chunk.tokens) if last else 0.0
-        return self.runtime_fwd_scale * (layers * self.layer_forward_s(chunk) + head) + self.chunk_fwd_s
+        return self.runtime_scale("F", chunk.tokens) * (layers * self.layer_forward_s(chunk) + head) + self.chunk_fwd_s
 
     def backward_s(self, chunk: Chunk, layers: int, recompute: int, last: bool) -> float:
         head = self.head_backward_s(chunk.tokens) if last else 0.0
         work = layers * self.layer_backward_s(chunk) + head + recompute * self.layer_forward_s(chunk)
-        return self.runtime_bwd_scale * work + self.chunk_bwd_s
+        return self.runtime_scale("B", chunk.tokens) * work + self.chunk_bwd_s
 
     def p2p_s(self, chunk: Chunk) -> float:
         return self.p2p_latency_s + self.p2p_s_token * chunk.tokens
@@ -277,6 +317,19 @@ class CostModel:
     @classmethod
     def from_json(cls, path: str | Path) -> "CostModel":
         return cls(**json.loads(Path(path).read_text())["cost_model"])
+
+
+def scale_weights(knots: Sequence[int], tokens: int) -> list[float]:
+    """The weight of each knot's factor at `tokens`: piecewise linear in log(tokens) (a hat
+    function per knot), all on the nearest knot outside their range; the weights sum to 1."""
+    weights = [0.0] * len(knots)
+    i = bisect.bisect_right(knots, tokens)
+    if i == 0 or i == len(knots):
+        weights[max(i - 1, 0)] = 1.0
+        return weights
+    right = math.log(tokens / knots[i - 1]) / math.log(knots[i] / knots[i - 1])
+    weights[i - 1], weights[i] = 1.0 - right, right
+    return weights
 
 
 def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:

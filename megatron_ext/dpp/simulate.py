@@ -185,7 +185,7 @@ def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = Non
                 else:
                     r = rec[(p, o.chunk)]
                     dur = cost.backward_s(c, layers[p], r, p == last)
-                    r_s = r * cost.layer_forward_s(c) * cost.runtime_bwd_scale
+                    r_s = r * cost.layer_forward_s(c) * cost.runtime_scale("B", c.tokens)
                     memory[p].append((start, stages[p].backward(o.chunk)))
                     memory[p].append((start + dur, stages[p].bytes))
                 end[(o.kind, o.chunk, p)] = free[p] = start + dur

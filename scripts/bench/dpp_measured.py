@@ -18,8 +18,9 @@ untimed warm-up step per policy, the batches run one after another, and every po
 batch in turn (round-robin, the order rotated per batch), so that other load on the machine
 hits all policies alike. A record: policy, iter_s (median over the batches of a step's
 forward-backward, the optimizer step excluded: it is the same for every policy; iter_s_all the
-steps in batch order), peak_act_bytes (max over stages and steps, counted exactly with
-saved-tensor hooks; per stage and per batch too), budget_bytes (activations),
+steps in batch order; predicted_iter_s(_all) the simulator's, median and per batch),
+peak_act_bytes (max over stages and steps, counted exactly with saved-tensor hooks; per stage
+and per batch too), budget_bytes (activations),
 predicted_act_bytes (the planner's cost model for the same plans), act_bytes_error (the largest
 |predicted / measured - 1| over stages and batches).
 """
@@ -140,6 +141,7 @@ def worker(args) -> None:
         rec = dict(
             policy=policy, iter_s=statistics.median(times[key]), iter_s_all=times[key],
             predicted_iter_s=statistics.median(simulate(pb.plan, cost, layers).iter_s for pb in plans),
+            predicted_iter_s_all=[simulate(pb.plan, cost, layers).iter_s for pb in plans],
             peak_act_bytes=max(per_stage), peak_act_bytes_per_stage=per_stage, peak_act_bytes_per_batch=per_batch,
             budget_bytes=budgets[fraction], budget_fraction=fraction,
             predicted_act_bytes=max(predicted_stage), predicted_act_bytes_per_stage=predicted_stage,

@@ -19,36 +19,41 @@ from tests.unit._dpp_cases import TOY
 
 REPO = Path(__file__).resolve().parents[2]
 
-# name -> (gamma, alpha, beta (q*p), beta_self (q^2), bwd ratio, noise)
+# name -> (gamma, alpha, beta (q*p), beta_self (q^2), per prefix token, bwd ratio, noise)
 FITS = {
-    "exact, causal half": (2e-4, 3e-5, 5e-8, 2.5e-8, 2.2, 0.0),
-    "1% noise": (5e-4, 1e-5, 2e-8, 1e-8, 1.9, 0.01),
-    "attention-heavy": (1e-4, 1e-6, 4e-7, 2e-7, 2.5, 0.0),
+    "exact, causal half": (2e-4, 3e-5, 5e-8, 2.5e-8, 0.0, 2.2, 0.0),
+    "1% noise": (5e-4, 1e-5, 2e-8, 1e-8, 0.0, 1.9, 0.01),
+    "attention-heavy": (1e-4, 1e-6, 4e-7, 2e-7, 0.0, 2.5, 0.0),
     # a kernel that computes the masked half too: the q^2 term as large as the q*p one
-    "full square": (3e-3, 1e-5, 2e-8, 2e-8, 2.0, 0.0),
-    "self far below prefix": (1e-3, 7e-6, 3e-8, 2e-9, 1.8, 0.0),
-    "full square, 1% noise": (3e-3, 1e-5, 2e-8, 2.4e-8, 2.0, 0.01),
+    "full square": (3e-3, 1e-5, 2e-8, 2e-8, 0.0, 2.0, 0.0),
+    "self far below prefix": (1e-3, 7e-6, 3e-8, 2e-9, 0.0, 1.8, 0.0),
+    "full square, 1% noise": (3e-3, 1e-5, 2e-8, 2.4e-8, 0.0, 2.0, 0.01),
+    # the cached prefix's K/V joined to every slice (this machine's calibration: ~3e-7 s)
+    "per prefix token": (3e-3, 8e-6, 1.6e-8, 1.1e-8, 3e-7, 1.8, 0.0),
+    "per prefix token, 1% noise": (3e-3, 8e-6, 1.6e-8, 1.1e-8, 3e-7, 1.8, 0.01),
 }
 
 
 @pytest.mark.parametrize("name", FITS)
 def test_time_fit_recovers_known_parameters(name):
-    gamma, alpha, beta, beta_self, ratio, noise = FITS[name]
+    gamma, alpha, beta, beta_self, per_prefix, ratio, noise = FITS[name]
     rng = np.random.default_rng(0)
     samples = []
     for q in (64, 128, 256, 512, 1024):
         for p in (0, 256, 1024, 2048):
-            t = gamma + alpha * q + beta * q * p + beta_self * q * q
+            t = gamma + alpha * q + beta * q * p + beta_self * q * q + per_prefix * p
             samples.append(Sample(q, p, t * (1 + noise * rng.standard_normal()), ratio * t * (1 + noise * rng.standard_normal()), 1.0))
-    g, a, b, bs, r = fit_time(samples)
-    bg, ba, bb, bbs = fit_backward(samples)
+    g, a, b, bs, pp, r = fit_time(samples)
+    bg, ba, bb, bbs, bpp = fit_backward(samples)
     assert (ba, bb, bbs) == pytest.approx((ratio * alpha, ratio * beta, ratio * beta_self), rel=1e-6 + 5 * noise)
     assert bg == pytest.approx(ratio * gamma, rel=1e-6 + 30 * noise)
     # gamma is a small part of most samples, so noise moves it most
     assert (a, b, bs, r) == pytest.approx((alpha, beta, beta_self, ratio), rel=1e-6 + 5 * noise)
     assert g == pytest.approx(gamma, rel=1e-6 + 30 * noise)
+    # the prefix term is small beside q * p on most samples: noise moves it most too
+    assert (pp, bpp) == pytest.approx((per_prefix, ratio * per_prefix), rel=1e-6 + 30 * noise, abs=1e-11 + 3e-6 * noise)
     fitted = CostModel(alpha=a, beta=b, beta_self=bs, gamma=g, bwd_ratio=r, bwd_alpha=ba, bwd_beta=bb, bwd_beta_self=bbs,
-                       bwd_gamma=bg, act_bytes_token=1.0)
+                       bwd_gamma=bg, prefix_s_token=pp, bwd_prefix_s_token=bpp, act_bytes_token=1.0)
     errors = relative_errors(fitted, samples)
     assert errors["fwd_mean"] <= 2 * noise + 1e-9 and errors["bwd_mean"] <= 2 * noise + 1e-9
 
@@ -105,6 +110,7 @@ def _model(name: str) -> CostModel:
 def test_models_without_the_new_fields_give_the_same_numbers(model, chunk):
     m, c = _model(model), CHUNKS[chunk]
     assert (m.beta_self, m.bwd_beta_self, m.head_gamma, m.head_bwd_s_token, m.head_bwd_gamma) == (None, None, 0.0, None, None)
+    assert (m.prefix_s_token, m.bwd_prefix_s_token, m.runtime_scale_tokens) == (0.0, 0.0, None)
     assert (m.forward_s(c, 8, True), m.backward_s(c, 8, 3, True)) == BEFORE[model, chunk]
     # the defaults spelled out: the same model up to rounding
     spelled = dataclasses.replace(m, beta_self=m.beta / 2, bwd_beta_self=None if m.bwd_beta is None else m.bwd_beta / 2,
@@ -118,6 +124,8 @@ SLICE_MODELS = {
     "toy, no t0, self only": dataclasses.replace(TOY, t0=0.0, beta_self=3e-9, beta=0.0),
     "linear (no attention)": dataclasses.replace(TOY, beta=0.0, beta_self=0.0),
     "analytic_gpu": analytic_gpu(LLAMA_7B),
+    # this machine's calibration: a prefix term of ~20 tokens' dense work per prefix token
+    "per prefix token, no t0": dataclasses.replace(TOY, t0=0.0, prefix_s_token=2e-5),
 }
 
 
@@ -160,11 +168,26 @@ def test_analytic_model_round_trips_through_json(tmp_path):
 def test_calibration_times_the_runtime_layer_and_the_head(one_rank_world):
     from megatron_ext.dpp.calibrate import default_vocab, measure
 
-    samples, head, shape = measure("llama_tiny", (16, 32), (0, 24), repeats=1, vocab=default_vocab("llama_tiny"))
+    samples, head, shape, rounds = measure("llama_tiny", (16, 32), (0, 24), repeats=3, vocab=default_vocab("llama_tiny"))
     assert [(s.q, s.prefix) for s in samples] == [(16, 0), (16, 24), (32, 0), (32, 24)]
+    # every round kept; a sample is each point's median round
+    assert sorted(rounds) == ["head 16", "head 32", "layer 16 0", "layer 16 24", "layer 32 0", "layer 32 24"]
+    assert all(len(f) == len(b) == 3 for f, b in rounds.values())
+    assert [(s.fwd_s, s.bwd_s) for s in samples] == [tuple(sorted(x)[1] for x in rounds[f"layer {s.q} {s.prefix}"])
+                                                     for s in samples]
     assert [h.tokens for h in head] == [16, 32] and all(h.fwd_s > 0 and h.bwd_s > 0 for h in head)
     assert shape["padded_vocab"] == 384  # the byte tokenizer's 258 ids, padded to 128
     # ChunkCoreAttention saves only the slice's own q/k/v (the prefix's K/V live in the chunk
     # cache), where megatron's DotProductAttention would save the prefix and the scores too
     by_point = {(s.q, s.prefix): s.act_bytes for s in samples}
     assert by_point[16, 0] == by_point[16, 24] and by_point[32, 0] == by_point[32, 24] == 2 * by_point[16, 0]
+
+
+def test_rounds_reduce_to_their_min_or_median():
+    from megatron_ext.dpp.calibrate import reduce_rounds
+
+    timed = {("layer", 64, 0): ([0.3, 0.1, 0.2, 0.9], [0.5, 0.7, 0.4], 100)}
+    assert reduce_rounds(timed, "min") == {("layer", 64, 0): (0.1, 0.4, 100)}
+    assert reduce_rounds(timed, "median") == {("layer", 64, 0): (0.25, 0.5, 100)}
+    with pytest.raises(ValueError, match="statistic 'mean'"):
+        reduce_rounds(timed, "mean")

@@ -94,3 +94,71 @@ def test_a_per_chunk_cost_makes_dpp_choose_fewer_chunks():
     few = dataclasses.replace(TOY, chunk_fwd_s=0.05, chunk_bwd_s=0.1)
     chunks = [len(plan_step_info(lengths, m, 2, 1e12, "dpp_no_ckpt", k_candidates=(1, 2, 4, 8))[0].chunks) for m in (TOY, few)]
     assert chunks[1] < chunks[0]
+
+
+# --- the in-step scale per chunk size -----------------------------------------------------------
+
+SIZED = dict(runtime_scale_tokens=(128, 512, 2048), runtime_fwd_scales=(1.6, 1.4, 1.2), runtime_bwd_scales=(1.8, 1.5, 1.3))
+
+
+def test_a_scale_per_chunk_size_enters_each_op_at_its_chunk_size():
+    m = dataclasses.replace(TOY, chunk_fwd_s=3e-3, **SIZED)
+    # 256 tokens lie halfway between 128 and 512 in log(tokens); beyond the ends the nearest
+    for n, fwd, bwd in ((256, 1.5, 1.65), (64, 1.6, 1.8), (512, 1.4, 1.5), (4096, 1.2, 1.3)):
+        chunk = Chunk(0, "packed", (Segment(0, 0, n),))
+        f, b = TOY.layer_forward_s(chunk), TOY.layer_backward_s(chunk)
+        assert m.forward_s(chunk, 2, False) == pytest.approx(fwd * 2 * f + 3e-3, rel=1e-12)
+        assert m.backward_s(chunk, 2, 1, False) == pytest.approx(bwd * (2 * b + f), rel=1e-12)
+    # one step through the simulator: each op at its own chunk's scale
+    chunks = (Chunk(0, "packed", (Segment(0, 0, 128),)), Chunk(1, "packed", (Segment(1, 0, 2048),)))
+    plan = StepPlan(2, (128, 2048), chunks, (one_f_one_b([(0,), (1,)], 2),))
+    ops = sum((dataclasses.replace(TOY, p2p_latency_s=0, p2p_s_token=0, runtime_fwd_scale=sf, runtime_bwd_scale=sb)
+               .forward_s(c, 2, last) + dataclasses.replace(TOY, runtime_bwd_scale=sb).backward_s(c, 2, 0, last))
+              for c, sf, sb in ((chunks[0], 1.6, 1.8), (chunks[1], 1.2, 1.3)) for last in (False, True))
+    sim = simulate(plan, dataclasses.replace(m, chunk_fwd_s=0.0), (2, 2))
+    assert sum(e.end - e.start for e in sim.events) == pytest.approx(ops, rel=1e-12)
+
+
+def test_equal_scales_per_size_are_the_single_scale_and_survive_json(tmp_path):
+    single = dataclasses.replace(TOY, runtime_fwd_scale=1.3, runtime_bwd_scale=1.2)
+    sized = dataclasses.replace(TOY, runtime_scale_tokens=(100, 1000), runtime_fwd_scales=(1.3, 1.3),
+                                runtime_bwd_scales=(1.2, 1.2))
+    lengths = [4000, 3000, 1200, 700, 300, 90]
+    (p1, i1), (p2, i2) = (plan_step_info(lengths, m, 2, 1e12, "dpp_no_ckpt", k_candidates=(1, 2, 4, 8)) for m in (single, sized))
+    assert p1 == p2 and i1.predicted_iter_s == pytest.approx(i2.predicted_iter_s, rel=1e-12)
+    m = dataclasses.replace(TOY, **SIZED)
+    m.to_json(tmp_path / "c.json")
+    assert CostModel.from_json(tmp_path / "c.json") == m and hash(m) == hash(CostModel.from_json(tmp_path / "c.json"))
+
+
+@pytest.mark.parametrize("bad", [dict(runtime_scale_tokens=(128,)), dict(SIZED, runtime_scale_tokens=(512, 128, 2048)),
+                                 dict(SIZED, runtime_fwd_scales=(1.0, 1.0))])
+def test_malformed_scales_per_size_are_refused(bad):
+    with pytest.raises(ValueError, match="runtime_"):
+        dataclasses.replace(TOY, **bad)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_loop_fit_recovers_known_scales_per_size(noise):
+    rng = np.random.default_rng(2)
+    truth = dataclasses.replace(TOY, chunk_fwd_s=4e-3, chunk_bwd_s=9e-3, **SIZED)
+    ops = []
+    for kind in ("F", "B"):
+        for i, n in enumerate(np.geomspace(64, 4096, 120).astype(int)):
+            t = 1e-4 * n
+            fixed = truth.chunk_fwd_s if kind == "F" else truth.chunk_bwd_s
+            measured = (truth.runtime_scale(kind, n) * t + fixed) * (1 + noise * rng.standard_normal())
+            ops.append(OpSample(0, 0, kind, i, measured, t, int(n)))
+    got = fit_loop(ops, [StepSample(0, 2.01, 2.0)], SIZED["runtime_scale_tokens"])
+    assert got["runtime_scale_tokens"] == SIZED["runtime_scale_tokens"]
+    tol = 1e-9 + 3 * noise
+    assert got["runtime_fwd_scales"] == pytest.approx(SIZED["runtime_fwd_scales"], rel=tol)
+    assert got["runtime_bwd_scales"] == pytest.approx(SIZED["runtime_bwd_scales"], rel=tol)
+    assert (got["chunk_fwd_s"], got["chunk_bwd_s"]) == pytest.approx((4e-3, 9e-3), rel=1e-6 + 300 * noise, abs=1e-12)
+
+
+def test_a_chunk_size_without_ops_near_it_is_left_out_of_the_fit():
+    ops = [OpSample(0, 0, kind, i, 1.5e-4 * n, 1e-4 * n, n) for kind in ("F", "B") for i, n in enumerate((128, 256, 512))]
+    got = fit_loop(ops, [StepSample(0, 2.0, 2.0)], (128, 512, 2048))
+    assert got["runtime_scale_tokens"] == (128, 512)
+    assert got["runtime_fwd_scales"] == pytest.approx((1.5, 1.5)) and got["chunk_fwd_s"] == pytest.approx(0.0, abs=1e-12)

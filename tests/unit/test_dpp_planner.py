@@ -67,3 +67,22 @@ def test_dpp_is_never_slower_than_its_even_mesh_ablation(case):
         for policy in ("dpp", "dpp_no_balance")
     }
     assert times["dpp"] <= times["dpp_no_balance"] * (1 + 1e-12)
+
+
+def test_dpp_picks_the_even_mesh_where_the_model_makes_it_faster(monkeypatch):
+    """A model whose large chunks run slower in a step (a scale per chunk size) makes the
+    balanced mesh's large first slices cost more than even ones: DPP's search takes the even
+    mesh, which a search of balanced meshes alone could not find."""
+    import dataclasses
+
+    from megatron_ext.dpp import planner
+
+    cost = dataclasses.replace(TOY, runtime_scale_tokens=(64, 512), runtime_fwd_scales=(1.0, 3.0), runtime_bwd_scales=(1.0, 3.0))
+
+    def plan_time(policy: str) -> float:
+        return plan_step_info(LENGTHS, cost, 2, BUDGET, policy, layers=LAYERS, k_candidates=(1, 2, 4, 8))[1].predicted_iter_s
+
+    times = {policy: plan_time(policy) for policy in ("dpp", "dpp_no_balance")}
+    monkeypatch.setitem(planner.DPP_POLICIES, "dpp", ((True,), "ilp"))
+    balanced_only = plan_time("dpp")
+    assert times["dpp"] == times["dpp_no_balance"] < balanced_only

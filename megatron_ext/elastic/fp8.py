@@ -8,17 +8,21 @@ submodel at any budget reads exactly a slice of the quantised parent. Hence a ne
 checkpoint (the FP8 parent and its scalars) slices like a BF16 one: the FP8 tensors of a
 budget are slices of the nested ones, and the scales are the nested scales.
 
+Under tensor parallelism a rank holds a block of each linear's weight; its scale is still the
+whole logical tensor's (the blocks' amax reduced with MAX over the weight's own TP group), so every
+rank quantises on one process's grid, and the nested checkpoint's codes (the joined weights
+quantised with it) are the blocks' codes joined as `gather.py` joins the blocks.
+
 On disk (`slicing.save_nested` with scales) every quantised weight is its FP8 codes under its own
 key plus its scale under `<key>_fp8_scale`; the other tensors (embeddings, norms) keep their dtype.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from torch import nn
 
@@ -38,12 +42,31 @@ def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def scale_of(weight: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale of a whole (TP-sharded) weight: amax / 448 over every TP rank."""
+def scale_of(weight: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """The per-tensor scale amax / 448 of the whole logical tensor `weight` is a shard of: the amax
+    reduced with MAX over `group`, the ranks it is sharded over (None: `weight` is whole). Collective
+    over `group`."""
     amax = weight.detach().abs().amax().float()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def shard_group(module: nn.Module) -> dist.ProcessGroup:
+    """The ranks a TP linear's weight is sharded over: its own TP group (an expert's is the expert
+    tensor-parallel group, which need not be the dense layers')."""
+    return module.tp_group
+
+
+def check_layout(fp8: bool, ep: int) -> None:
+    """Refused before anything is built: FP8 under expert parallelism is not checked (an EP rank's
+    experts would need their scales over the expert TP group and their codes joined under global
+    expert indices)."""
+    if fp8 and ep > 1:
+        raise ValueError(
+            f"elastic.fp8=true is not supported with parallel.ep={ep} (expert parallelism): run FP8 "
+            f"distillation with parallel.ep=1 (TP, PP and DP work), or elastic.fp8=false"
+        )
 
 
 def quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -65,8 +88,8 @@ def enable(model: nn.Module) -> list[str]:
     the parent's whole tensor (recomputed at each read: the weights train). Returns the keys."""
     keys = []
     for prefix, module in quantized_linears(model).items():
-        whole = full_tensor(module, "weight")
-        set_transform(module, "weight", lambda w, whole=whole: fake_quantize(w, scale_of(whole)))
+        whole, group = full_tensor(module, "weight"), shard_group(module)
+        set_transform(module, "weight", lambda w, whole=whole, group=group: fake_quantize(w, scale_of(whole, group)))
         keys.append(f"{prefix}.weight")
     return keys
 
@@ -77,8 +100,9 @@ def disable(model: nn.Module) -> None:
 
 
 def scales(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parent's per-tensor scales, by weight key."""
-    return {f"{p}.weight": scale_of(full_tensor(m, "weight")) for p, m in quantized_linears(model).items()}
+    """The parent's per-tensor scales (of the whole logical tensors), by weight key: the same on
+    every rank of a weight's TP group."""
+    return {f"{p}.weight": scale_of(full_tensor(m, "weight"), shard_group(m)) for p, m in quantized_linears(model).items()}
 
 
 def fp8_state(state: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

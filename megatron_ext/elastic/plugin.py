@@ -32,12 +32,14 @@ so they draw their budgets and router samples together: `budget_share` consecuti
 micro-batches draw as one, a multiple of ep (`expert_parallel.py`; EP=2, TP=2 x EP=2 and PP=2 x
 EP=2 are checked equal to one process with the same budget_share, nested checkpoint included;
 the MoE axes and the export work under EP: `moe_axes.py`, `gather.py`).
-Virtual pipeline stages are refused; the FP8 nested checkpoint is not written
-under TP (its scales are per TP shard). A resumed run rebuilds the teacher from the parent's source and the
+Virtual pipeline stages are refused, and FP8 under expert parallelism. A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
 for the hybrid at PP=2: the same budgets, losses, router choices and weights). With `fp8`, the
 student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
-`slicing.slice_nested_fp8`).
+`slicing.slice_nested_fp8`); under TP each per-tensor scale is the whole logical tensor's (the
+shards' amax reduced with MAX over the weight's TP group) and the FP8 codes are the joined
+weights quantised with it, so TP=2 trains and writes what one process does (checked for GPT and
+hybrid parents).
 """
 
 from __future__ import annotations
@@ -114,12 +116,14 @@ class ElasticPlugin(Plugin):
             raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
+        from megatron_ext.elastic import fp8
         from megatron_ext.elastic.distill import check_budget_draw, check_budget_share
         from megatron_ext.elastic.expert_parallel import check_budget_share_for_ep
 
         check_budget_draw(self.cfg.budget_draw)
         check_budget_share(self.cfg.budget_share)
         check_budget_share_for_ep(self.cfg.budget_share, p.ep)
+        fp8.check_layout(self.cfg.fp8, p.ep)
         self.ready = False
         self.orders: Optional[dict] = None
         self.router_state: Optional[dict] = None
@@ -439,17 +443,14 @@ class ElasticPlugin(Plugin):
     def _export(self, trainer, out: Path) -> None:
         """The nested checkpoint, written by rank 0 from the pieces of every TP and pipeline rank
         of its replica, as one process holding the whole model would write it (`gather.py`)."""
-        import torch.distributed as dist
-
         from megatron_ext.elastic import fp8, slicing
         from megatron_ext.elastic.gather import whole_parent
 
-        if self.cfg.fp8 and trainer.cfg.parallel.tp > 1:
-            if dist.get_rank() == 0:  # each TP rank's FP8 scales are its shard's
-                trainer.note("elastic: FP8 export skipped under tp>1 (the scales are per TP shard)")
-            return
         model = self.space.model
         state = whole_parent(model)
+        # The scales are the whole tensors' on every TP rank (computed by all of them: collective),
+        # and quantisation is elementwise with one scale per tensor: the joined weights' codes are
+        # the shards' codes joined as gather.py joins the shards.
         scales = whole_parent(model, fp8.scales(model)) if self.cfg.fp8 else None
         if state is None:  # not rank 0
             return

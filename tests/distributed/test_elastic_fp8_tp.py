@@ -1,0 +1,75 @@
+"""FP8 quantisation-aware distillation at TP=2 is the one-process run, for a LLaMA-style (GPT)
+parent and a dense hybrid (Mamba2 / attention / MLP) one.
+
+Each decoder linear's per-tensor scale is the whole logical tensor's (the shards' amax reduced
+with MAX over the weight's TP group), so both TP ranks fake-quantise their blocks on the grid one
+process uses for the whole tensor, and the nested checkpoint's FP8 codes are the joined weights
+quantised with it. A scale of one shard (its own amax) quantises a rank's block on another grid:
+other losses, other codes and scales (all four tests fail with per-shard scales, measured: the
+KD losses 3e-4 (GPT) / 1.5e-3 (hybrid) relative off at step 1, up to 6e-2 / 1.4e-2 later).
+
+Tolerance: fp32 runs that differ in summation order only (row-parallel outputs and the
+vocabulary's partition sum all-reduced in two halves): KD losses (about 0.002-0.01) measured up to
+5.3e-5 (GPT) / 2.3e-5 (hybrid) relative apart over four steps. Budgets, sizes and router choices
+are compared exactly, and at learning rate 0 the nested FP8 checkpoint (codes, scales and every
+other tensor) and the standalone FP8 checkpoints sliced from it to the bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_elastic_hybrid_tp import DENSE, HYBRID, TP2
+from test_elastic_plugin import COMMON, assert_same_run, run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+FP8_RUN = ["elastic.fp8=true"]
+FROZEN = ["optim.lr=0.0", "optim.min_lr=0.0", "train.iters=2"]
+LAYOUTS = {"gpt": (COMMON, []), "hybrid": (HYBRID, DENSE)}
+REL = {"gpt": 1e-4, "hybrid": 5e-5}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, FP8 codes included (compared as their bytes)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
+
+
+def assert_same_state(one: dict, two: dict) -> None:
+    assert one.keys() == two.keys()
+    for key in one:
+        assert same_bits(two[key], one[key]), key
+
+
+@pytest.mark.parametrize("parent", list(LAYOUTS))
+def test_fp8_distillation_at_tp2_equals_one_process(tmp_path, parent):
+    """Four QAD steps: the same budgets per sample, sizes, router choices and losses."""
+    common, extra = LAYOUTS[parent]
+    one, _ = run(tmp_path, "one", "train.iters=4", *FP8_RUN, *extra, common=common)
+    two, _ = run(tmp_path, "tp", "train.iters=4", *FP8_RUN, *extra, *TP2, common=common)
+    assert_same_run(one, two, REL[parent])
+
+
+@pytest.mark.parametrize("parent", list(LAYOUTS))
+def test_fp8_nested_checkpoint_at_tp2_equals_one_process(one_rank_world, tmp_path, parent):
+    """At learning rate 0 the student stays the reordered parent: the gathered nested FP8
+    checkpoint (codes and scales) equals one process's to the bit, and so does every budget's
+    standalone FP8 checkpoint sliced from it."""
+    from megatron_ext.elastic.fp8 import FP8, SCALE_SUFFIX
+    from megatron_ext.elastic.slicing import slice_nested_fp8
+
+    common, extra = LAYOUTS[parent]
+    report, one = run(tmp_path, "one", *FROZEN, *FP8_RUN, *extra, common=common)
+    _, two = run(tmp_path, "tp", *FROZEN, *FP8_RUN, *extra, *TP2, common=common)
+    scaled = [k.removesuffix(SCALE_SUFFIX) for k in one if k.endswith(SCALE_SUFFIX)]
+    assert scaled and all(one[k].dtype == FP8 for k in scaled), "no FP8 tensor: vacuous"
+    assert_same_state(one, two)
+    for budget in report["choices"]:
+        subs = [slice_nested_fp8(tmp_path / name / "nested", budget, tmp_path / f"{name}_{budget}") for name in ("one", "tp")]
+        sub_one, sub_two = (load_file(str(s / "model.safetensors")) for s in subs)
+        assert_same_state(sub_one, sub_two)
+    assert any(sub_one[k].numel() < one[k].numel() for k in scaled), "the last budget cuts nothing: vacuous"

@@ -38,8 +38,8 @@ for the hybrid at PP=2: the same budgets, losses, router choices and weights). W
 student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
 `slicing.slice_nested_fp8`); under TP each per-tensor scale is the whole logical tensor's (the
 shards' amax reduced with MAX over the weight's TP group) and the FP8 codes are the joined
-weights quantised with it, so TP=2 trains and writes what one process does (checked for GPT and
-hybrid parents).
+weights quantised with it, so TP=2 trains and writes what one process does (checked for GPT,
+dense and MoE hybrid parents).
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """FP8 quantisation-aware distillation at TP=2 is the one-process run, for a LLaMA-style (GPT)
-parent and a dense hybrid (Mamba2 / attention / MLP) one.
+parent, a dense hybrid (Mamba2 / attention / MLP) one and the MoE hybrid (with sequence
+parallelism, experts and expert FFN width cut: the experts' scales reduce over the expert TP group).
 
 Each decoder linear's per-tensor scale is the whole logical tensor's (the shards' amax reduced
 with MAX over the weight's TP group), so both TP ranks fake-quantise their blocks on the grid one
 process uses for the whole tensor, and the nested checkpoint's FP8 codes are the joined weights
 quantised with it. A scale of one shard (its own amax) quantises a rank's block on another grid:
 other losses, other codes and scales (all four tests fail with per-shard scales, measured: the
-KD losses 3e-4 (GPT) / 1.5e-3 (hybrid) relative off at step 1, up to 6e-2 / 1.4e-2 later).
+KD losses 3e-4 (GPT) / 1.5e-3 (hybrid) relative off at step 1, up to 6e-2 / 1.4e-2 later; the
+MoE hybrid's 1.3e-3 off).
 
 Tolerance: fp32 runs that differ in summation order only (row-parallel outputs and the
 vocabulary's partition sum all-reduced in two halves): KD losses (about 0.002-0.01) measured up to
-5.3e-5 (GPT) / 2.3e-5 (hybrid) relative apart over four steps. Budgets, sizes and router choices
+5.3e-5 (GPT) / 2.3e-5 (hybrid) / 3.2e-5 (MoE hybrid) relative apart over four steps. Budgets, sizes and router choices
 are compared exactly, and at learning rate 0 the nested FP8 checkpoint (codes, scales and every
 other tensor) and the standalone FP8 checkpoints sliced from it to the bit.
 """
@@ -21,15 +23,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_elastic_hybrid_tp import DENSE, HYBRID, TP2
+from test_elastic_hybrid_tp import DENSE, HYBRID, MOE, MOE_LAYOUTS, TP2
 from test_elastic_plugin import COMMON, assert_same_run, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FP8_RUN = ["elastic.fp8=true"]
 FROZEN = ["optim.lr=0.0", "optim.min_lr=0.0", "train.iters=2"]
-LAYOUTS = {"gpt": (COMMON, []), "hybrid": (HYBRID, DENSE)}
-REL = {"gpt": 1e-4, "hybrid": 5e-5}
+# Per parent: the common overrides, the parent's own, the TP=2 layout's.
+LAYOUTS = {
+    "gpt": (COMMON, [], TP2),
+    "hybrid": (HYBRID, DENSE, TP2),
+    "moe_hybrid": (HYBRID, MOE, MOE_LAYOUTS["tp2_sp"]),
+}
+REL = {"gpt": 1e-4, "hybrid": 5e-5, "moe_hybrid": 1e-4}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -48,9 +55,9 @@ def assert_same_state(one: dict, two: dict) -> None:
 @pytest.mark.parametrize("parent", list(LAYOUTS))
 def test_fp8_distillation_at_tp2_equals_one_process(tmp_path, parent):
     """Four QAD steps: the same budgets per sample, sizes, router choices and losses."""
-    common, extra = LAYOUTS[parent]
+    common, extra, tp2 = LAYOUTS[parent]
     one, _ = run(tmp_path, "one", "train.iters=4", *FP8_RUN, *extra, common=common)
-    two, _ = run(tmp_path, "tp", "train.iters=4", *FP8_RUN, *extra, *TP2, common=common)
+    two, _ = run(tmp_path, "tp", "train.iters=4", *FP8_RUN, *extra, *tp2, common=common)
     assert_same_run(one, two, REL[parent])
 
 
@@ -62,9 +69,9 @@ def test_fp8_nested_checkpoint_at_tp2_equals_one_process(one_rank_world, tmp_pat
     from megatron_ext.elastic.fp8 import FP8, SCALE_SUFFIX
     from megatron_ext.elastic.slicing import slice_nested_fp8
 
-    common, extra = LAYOUTS[parent]
+    common, extra, tp2 = LAYOUTS[parent]
     report, one = run(tmp_path, "one", *FROZEN, *FP8_RUN, *extra, common=common)
-    _, two = run(tmp_path, "tp", *FROZEN, *FP8_RUN, *extra, *TP2, common=common)
+    _, two = run(tmp_path, "tp", *FROZEN, *FP8_RUN, *extra, *tp2, common=common)
     scaled = [k.removesuffix(SCALE_SUFFIX) for k in one if k.endswith(SCALE_SUFFIX)]
     assert scaled and all(one[k].dtype == FP8 for k in scaled), "no FP8 tensor: vacuous"
     assert_same_state(one, two)

@@ -58,17 +58,6 @@ def shard_group(module: nn.Module) -> dist.ProcessGroup:
     return module.tp_group
 
 
-def check_layout(fp8: bool, ep: int) -> None:
-    """Refused before anything is built: FP8 under expert parallelism is not checked (an EP rank's
-    experts would need their scales over the expert TP group and their codes joined under global
-    expert indices)."""
-    if fp8 and ep > 1:
-        raise ValueError(
-            f"elastic.fp8=true is not supported with parallel.ep={ep} (expert parallelism): run FP8 "
-            f"distillation with parallel.ep=1 (TP, PP and DP work), or elastic.fp8=false"
-        )
-
-
 def quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (weight.detach().float() / scale).to(FP8)
 

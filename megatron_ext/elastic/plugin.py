@@ -32,14 +32,15 @@ so they draw their budgets and router samples together: `budget_share` consecuti
 micro-batches draw as one, a multiple of ep (`expert_parallel.py`; EP=2, TP=2 x EP=2 and PP=2 x
 EP=2 are checked equal to one process with the same budget_share, nested checkpoint included;
 the MoE axes and the export work under EP: `moe_axes.py`, `gather.py`).
-Virtual pipeline stages are refused, and FP8 under expert parallelism. A resumed run rebuilds the teacher from the parent's source and the
+Virtual pipeline stages are refused. A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
 for the hybrid at PP=2: the same budgets, losses, router choices and weights). With `fp8`, the
 student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
 `slicing.slice_nested_fp8`); under TP each per-tensor scale is the whole logical tensor's (the
 shards' amax reduced with MAX over the weight's TP group) and the FP8 codes are the joined
 weights quantised with it, so TP=2 trains and writes what one process does (checked for GPT,
-dense and MoE hybrid parents).
+dense and MoE hybrid parents, the MoE one also at EP=2 and TP=2 x EP=2: an expert's scale is
+reduced over its expert TP group, and its codes and scale join under its global index).
 """
 
 from __future__ import annotations
@@ -116,14 +117,12 @@ class ElasticPlugin(Plugin):
             raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
-        from megatron_ext.elastic import fp8
         from megatron_ext.elastic.distill import check_budget_draw, check_budget_share
         from megatron_ext.elastic.expert_parallel import check_budget_share_for_ep
 
         check_budget_draw(self.cfg.budget_draw)
         check_budget_share(self.cfg.budget_share)
         check_budget_share_for_ep(self.cfg.budget_share, p.ep)
-        fp8.check_layout(self.cfg.fp8, p.ep)
         self.ready = False
         self.orders: Optional[dict] = None
         self.router_state: Optional[dict] = None

@@ -106,20 +106,3 @@ def test_fp8_export_refuses_a_checkpoint_without_scales_and_unknown_scales(world
     with pytest.raises(ValueError, match=r"no tensor \['decoder.nope.weight'\]"):
         slicing.save_nested(tmp_path / "bad", model, PARENT, PADDED, BUDGETS, fp8_scales={"decoder.nope.weight": torch.tensor(1.0)})
     assert not (tmp_path / "bad").exists()
-
-
-def test_fp8_under_expert_parallelism_is_refused_at_setup():
-    """FP8 under EP is not checked (expert scales and codes under global expert indices): refused
-    before anything is built, naming both settings; FP8 with EP=1 and EP without FP8 pass."""
-    from types import SimpleNamespace
-
-    from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
-
-    def trainer(ep: int) -> SimpleNamespace:
-        parallel = SimpleNamespace(vpp=None, pp=1, cp=1, ep=ep)
-        return SimpleNamespace(cfg=SimpleNamespace(parallel=parallel))
-
-    with pytest.raises(ValueError, match=r"elastic.fp8=true is not supported with parallel.ep=2"):
-        ElasticPlugin(ElasticConfig(fp8=True, budget_share=2)).setup(trainer(2))
-    ElasticPlugin(ElasticConfig(fp8=True)).setup(trainer(1))
-    ElasticPlugin(ElasticConfig(budget_share=2)).setup(trainer(2))

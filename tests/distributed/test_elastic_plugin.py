@@ -51,8 +51,7 @@ def run(tmp_path, name: str, *overrides: str, common: list[str] = COMMON) -> tup
     done = launch(tmp_path, name, *overrides, common=common)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / name
-    weights = out / "nested" / "model.safetensors"  # not exported under tensor parallelism
-    return json.loads((out / "report.json").read_text()), load_file(str(weights)) if weights.exists() else None
+    return json.loads((out / "report.json").read_text()), load_file(str(out / "nested" / "model.safetensors"))
 
 
 def mixes_hidden_sizes(history: list[dict], micro_batch: int) -> bool:

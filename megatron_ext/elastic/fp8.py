@@ -13,13 +13,20 @@ whole logical tensor's (the blocks' amax reduced with MAX over the weight's own 
 rank quantises on one process's grid, and the nested checkpoint's codes (the joined weights
 quantised with it) are the blocks' codes joined as `gather.py` joins the blocks.
 
+The weights change only at the optimizer step, so the plugin runs each call of megatron's
+schedule (one step's forward and backward passes over every micro-batch, or one evaluation)
+inside `fixed_scales`: a linear's scale is computed (reduced) at its first read there and reused
+by its other reads (micro-batches, budget groups, recomputation), then dropped. Outside it every
+read recomputes the scale, so nothing can go stale.
+
 On disk (`slicing.save_nested` with scales) every quantised weight is its FP8 codes under its own
 key plus its scale under `<key>_fp8_scale`; the other tensors (embeddings, norms) keep their dtype.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,13 +79,31 @@ def fake_quantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(weight, scale), scale, weight.dtype) + (weight - weight.detach())
 
 
+class ReadScale:
+    """The scale a linear's fake quantiser reads: its whole weight's, recomputed at every read, or
+    inside `fixed_scales` computed at the first read and reused until the window closes."""
+
+    def __init__(self, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.whole, self.group = whole, group
+        self.fixed = False
+        self.value: Optional[torch.Tensor] = None
+
+    def __call__(self) -> torch.Tensor:
+        if not self.fixed:
+            return scale_of(self.whole, self.group)
+        if self.value is None:
+            self.value = scale_of(self.whole, self.group)
+        return self.value
+
+
 def enable(model: nn.Module) -> list[str]:
     """Read every decoder linear weight of `model` through the fake quantiser with the scale of
-    the parent's whole tensor (recomputed at each read: the weights train). Returns the keys."""
+    the parent's whole tensor (the weights train: recomputed at each read, or once per
+    `fixed_scales` window). Returns the keys."""
     keys = []
     for prefix, module in quantized_linears(model).items():
-        whole, group = full_tensor(module, "weight"), shard_group(module)
-        set_transform(module, "weight", lambda w, whole=whole, group=group: fake_quantize(w, scale_of(whole, group)))
+        scale = module.__dict__["_elastic_fp8_scale"] = ReadScale(full_tensor(module, "weight"), shard_group(module))
+        set_transform(module, "weight", lambda w, scale=scale: fake_quantize(w, scale()))
         keys.append(f"{prefix}.weight")
     return keys
 
@@ -86,6 +111,23 @@ def enable(model: nn.Module) -> list[str]:
 def disable(model: nn.Module) -> None:
     for module in quantized_linears(model).values():
         set_transform(module, "weight", None)
+        module.__dict__.pop("_elastic_fp8_scale", None)
+
+
+@contextmanager
+def fixed_scales(model: nn.Module) -> Iterator[None]:
+    """Within: every quantised linear of `model` computes its scale at its first read and reuses
+    it (the caller guarantees the weights do not change inside: no optimizer step). The scales
+    are collective under TP; the TP ranks read the same linears in the same order, so their first
+    reads, the only ones that reduce, stay in step."""
+    readers = [m.__dict__["_elastic_fp8_scale"] for m in quantized_linears(model).values() if "_elastic_fp8_scale" in m.__dict__]
+    for r in readers:
+        r.fixed, r.value = True, None
+    try:
+        yield
+    finally:
+        for r in readers:
+            r.fixed, r.value = False, None
 
 
 def scales(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -310,7 +310,7 @@ class ElasticPlugin(Plugin):
 
         from megatron_ext.elastic.pipeline import stages
 
-        inner = get_forward_backward_func()
+        inner = self._scales_once_per_call(get_forward_backward_func())
 
         def elastic_forward_backward(*, forward_step_func, forward_only, **kwargs):
             if forward_only:  # evaluation: the full model, next-token loss
@@ -331,6 +331,21 @@ class ElasticPlugin(Plugin):
                 self._full_size()
 
         return elastic_forward_backward
+
+    def _scales_once_per_call(self, inner):
+        """With fp8: `inner` (megatron's schedule) run in a `fp8.fixed_scales` window, so each
+        linear's scale is computed (reduced over its TP group) once per call, a step's every
+        micro-batch or an evaluation, not at every read: the weights change only at the optimizer
+        step, between calls, and each call computes its scales anew."""
+        if not self.cfg.fp8:
+            return inner
+        from megatron_ext.elastic import fp8
+
+        def run(**kwargs):
+            with fp8.fixed_scales(self.space.model):  # one chunk: fp8 is refused under VPP
+                return inner(**kwargs)
+
+        return run
 
     def _full_size(self) -> None:
         self.space.clear_gates()

@@ -106,3 +106,55 @@ def test_fp8_export_refuses_a_checkpoint_without_scales_and_unknown_scales(world
     with pytest.raises(ValueError, match=r"no tensor \['decoder.nope.weight'\]"):
         slicing.save_nested(tmp_path / "bad", model, PARENT, PADDED, BUDGETS, fp8_scales={"decoder.nope.weight": torch.tensor(1.0)})
     assert not (tmp_path / "bad").exists()
+
+
+def qad_step(model, space, optimizer, budgets) -> None:
+    """One optimizer step as the plugin runs it: every micro-batch's forward and backward (one per
+    budget) inside one `fixed_scales` window, the optimizer step after it."""
+    optimizer.zero_grad()
+    with fp8.fixed_scales(model):
+        for sizes in budgets:
+            with space.at(sizes):
+                model.train()(TOKENS, POSITIONS, None).float().pow(2).mean().backward()
+    optimizer.step()
+
+
+def read_in_window(model, module) -> torch.Tensor:
+    with fp8.fixed_scales(model), torch.no_grad():
+        return module.weight.detach().clone()
+
+
+def test_scales_are_reduced_once_per_linear_per_step(world, monkeypatch):  # noqa: F811
+    """Three micro-batches at three budgets read every linear at least three times, the scale is
+    computed once per linear in the step's window; outside a window every read recomputes it."""
+    model, space = reordered()
+    keys = fp8.enable(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    calls = []
+    counting = fp8.scale_of
+    monkeypatch.setattr(fp8, "scale_of", lambda *a, **k: calls.append(a[0]) or counting(*a, **k))
+    qad_step(model, space, optimizer, BUDGETS.values())
+    assert len(calls) == len(keys) == 8
+    assert len({id(w) for w in calls}) == len(keys)  # each linear's whole weight once
+    calls.clear()
+    logits(model)  # no window: per read, as before (a forward reads some linears twice: 12 reads)
+    logits(model)
+    assert len(calls) >= 2 * len(keys)
+
+
+def test_a_step_reads_the_scale_of_the_weights_the_optimizer_left(world):  # noqa: F811
+    """After an optimizer step the next window's reads use the new weights' scale (a stale one,
+    kept from the step before, quantises on another grid: checked to differ)."""
+    model, space = reordered()
+    fp8.enable(model)
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    whole = fc1._parameters["weight"]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        before = fp8.scale_of(whole)
+        qad_step(model, space, optimizer, [BUDGETS["full"], BUDGETS["50"]])
+        after = fp8.scale_of(whole)
+        assert after != before, "the step left the amax: vacuous"
+        read = read_in_window(model, fc1)
+        assert torch.equal(read, fp8.fake_quantize(whole, after).detach())
+        assert not torch.equal(read, fp8.fake_quantize(whole, before).detach())

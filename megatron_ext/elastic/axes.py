@@ -50,6 +50,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_ext.elastic.modules import SliceRule, add_rule, full_tensor
+from megatron_ext.elastic.pipeline import chunks_of
 
 Size = Union[int, torch.Tensor]
 
@@ -338,19 +339,25 @@ def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
     return touches, norms
 
 
-def discover(model: nn.Module) -> list[Axis]:
+def discover(model: Union[nn.Module, Sequence[nn.Module]]) -> list[Axis]:
     """Every axis of an (unwrapped) megatron GPTModel / MambaModel, hidden first, attached:
-    reads of the touched tensors now follow the axes' active sizes (all full)."""
-    touches, norms = _model_touches(model)
-    per_layer: list[Axis] = []
-    for layer in model.decoder.layers:
-        found = _layer_axes(layer)
-        per_layer += found.axes
-        touches += found.hidden
-        norms += found.norms
-    vocab = model.embedding.word_embeddings.weight.shape[0] if hasattr(model, "embedding") else 0
+    reads of the touched tensors now follow the axes' active sizes (all full). `model` may be a
+    rank's model chunks (virtual pipeline stages): one hidden axis runs through all of them."""
+    chunks = chunks_of(model)
+    touches, norms, per_layer = [], [], []
+    for chunk in chunks:
+        found_touches, found_norms = _model_touches(chunk)
+        touches += found_touches
+        norms += found_norms
+        for layer in chunk.decoder.layers:
+            found = _layer_axes(layer)
+            per_layer += found.axes
+            touches += found.hidden
+            norms += found.norms
+    vocab = next((c.embedding.word_embeddings.weight.shape[0] for c in chunks if hasattr(c, "embedding")), 0)
+    first = chunks[0]
     hidden = HiddenAxis(
-        model.config.hidden_size, touches, norms, vocab, model.share_embeddings_and_output_weights, model.config.sequence_parallel
+        first.config.hidden_size, touches, norms, vocab, first.share_embeddings_and_output_weights, first.config.sequence_parallel
     )
     axes = [hidden] + per_layer
     for axis in axes:

@@ -38,7 +38,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_ext.elastic.grouped import BudgetGroup, group_by_budget, run_groups
-from megatron_ext.elastic.pipeline import is_last_stage
+from megatron_ext.elastic.pipeline import chunk_index, holds_logits
 from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, cost_gap_loss, cost_of
 from megatron_ext.elastic.space import ElasticSpace
 from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token
@@ -112,14 +112,18 @@ class Distiller:
         curriculum: CurriculumConfig,
         vocab: int,
         micro_batch_index: Callable[[int], int] = lambda m: m,
+        send_width: Optional[int] = None,
     ) -> None:
         self.space, self.teacher, self.router, self.cfg, self.vocab = space, teacher, router, curriculum, vocab
         self.full_cost = float(cost_of(space, space.full(), router.cfg.cost))
         # Global index of the m-th micro-batch of this rank within a step (data parallelism):
         # its sample i is the step's sample micro_batch_index(m) * micro_batch_size + i.
         self.micro_batch_index = micro_batch_index
+        # The hidden size a pipeline stage sends the next (`grouped.run_groups`): None is the
+        # micro-batch's widest; the full one under virtual pipeline stages.
+        self.send_width = send_width
         self.step = 0
-        self._micro = 0
+        self._micro: dict[int, int] = {}  # per model chunk (`begin_step`)
         # This step's budgets: one list per micro-batch of this rank, one entry per sample.
         self.drawn: list[list[int]] = []
         self.micro_choice: Optional[Choice] = None  # budget_draw "micro_batch": the last draw's
@@ -130,26 +134,33 @@ class Distiller:
         self.teacher_logits: Optional[list[torch.Tensor]] = None
 
     def begin_step(self, step: int) -> None:
-        self.step, self._micro, self.drawn = step, 0, []
+        self.step, self.drawn = step, []
+        # Micro-batches each model chunk has run this step: under virtual pipeline stages every
+        # chunk of a rank runs each micro-batch, in micro-batch order, interleaved with the others.
+        self._micro = {}
         self.loss_tokens = 0.0  # tokens of this rank's micro-batches that the loss counts
 
-    def draw(self, samples: int) -> list[int]:
-        """The budgets of the next micro-batch's `samples` samples (recorded in `drawn`). With
+    def draw(self, samples: int, chunk: int = 0) -> list[int]:
+        """The budgets of model chunk `chunk`'s next micro-batch's `samples` samples (recorded in
+        `drawn` by chunk 0: every chunk draws the same, keyed by the micro-batch). With
         budget_draw "micro_batch" they are its one draw, and the router's sample of that budget,
         taken from the same generator, is kept for the micro-batch (`micro_choice`)."""
-        key = draw_key(self.micro_batch_index(self._micro), self.cfg.budget_share)
-        self._micro += 1
+        micro = self._micro.get(chunk, 0)
+        self._micro[chunk] = micro + 1
+        key = draw_key(self.micro_batch_index(micro), self.cfg.budget_share)
         if self.cfg.budget_draw == "micro_batch":
             g = draw_generator(self.cfg.seed, self.step, key)
             budget = draw_budget(self.cfg, self.step, g)
             self.micro_choice = self.router.sample(budget, self.step, g)
-            self.drawn.append([budget] * samples)
-            return self.drawn[-1]
-        first = key * samples  # the global sample index when budget_share is 1
-        budgets = [
-            draw_budget(self.cfg, self.step, draw_generator(self.cfg.seed, self.step, first + i)) for i in range(samples)
-        ]
-        self.drawn.append(budgets)
+            budgets = [budget] * samples
+        else:
+            first = key * samples  # the global sample index when budget_share is 1
+            budgets = [
+                draw_budget(self.cfg, self.step, draw_generator(self.cfg.seed, self.step, first + i))
+                for i in range(samples)
+            ]
+        if chunk == 0:
+            self.drawn.append(budgets)
         return budgets
 
     def choice(self, budget: int) -> Choice:
@@ -163,18 +174,21 @@ class Distiller:
         stage before the last, the activations to send."""
         batch = next(data_iterator)
         tokens, positions = batch["tokens"], batch["position_ids"]
-        budgets = self.draw(tokens.shape[0])
+        chunk = chunk_index(model)
+        budgets = self.draw(tokens.shape[0], chunk)
         if self.cfg.budget_draw == "micro_batch":
             groups = group_by_budget(budgets, lambda b: self.micro_choice)  # one group
         else:
             groups = group_by_budget(budgets, self.choice)
-        self.loss_tokens += float(batch["loss_mask"].sum())
+        if chunk == 0:  # once per micro-batch
+            self.loss_tokens += float(batch["loss_mask"].sum())
         reduce = partial(loss_func, batch["loss_mask"])
         if self.teacher_logits is None:
             with torch.no_grad():
                 teacher_logits = self.teacher(tokens, positions, None)
-        elif not is_last_stage():
-            return run_groups(model, self.space, groups, tokens, positions, lambda g, out: out, False), reduce
+        elif not holds_logits(model):
+            activations = run_groups(model, self.space, groups, tokens, positions, lambda g, out: out, False, self.send_width)
+            return activations, reduce
         else:
             teacher_logits = self.teacher_logits.pop(0)
 
@@ -184,7 +198,7 @@ class Distiller:
                 loss = loss + self.cfg.ce_weight * ce_per_token(logits, group.of(batch["labels"]), self.vocab)
             return loss
 
-        return run_groups(model, self.space, groups, tokens, positions, per_token, True), reduce
+        return run_groups(model, self.space, groups, tokens, positions, per_token, True, self.send_width), reduce
 
     @torch.no_grad()
     def micro_batch_choices(self, count: int) -> list[tuple[int, dict[str, int]]]:

@@ -6,15 +6,16 @@ Each TP rank holds a block of every TP-sharded tensor along the dimension megatr
 the heads of the attention projection, the neurons of the MLP, the groups of a Mamba mixer);
 the blocks are joined in rank order, run by run where a rank's block is several tensors' (SwiGLU's
 fc1: its gate rows, then its up rows; the Mamba in_proj: its z, x, B, C and dt rows; the conv:
-its x, B and C channels). Each pipeline stage numbers its layers from 0; the first stage
-receives the others' tensors under the model's layer numbers, without the last stage's copy of
-a tied output layer. Under expert parallelism each EP rank's experts join the others' under
+its x, B and C channels). Each pipeline stage (each model chunk under virtual pipeline
+stages) numbers its layers from 0; the first stage receives the others' tensors under the
+model's layer numbers (megatron's `layer_number`, vp offsets included), without the last stage's
+copy of a tied output layer. Under expert parallelism each EP rank's experts join the others' under
 their global indices.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,23 +25,29 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import nn
 
 from megatron_ext.elastic.axes import gather_across_tp
-from megatron_ext.elastic.pipeline import stages
+from megatron_ext.elastic.pipeline import chunks_of, stages
 from megatron_ext.elastic.slicing import parent_state
 from megatron_ext.models.mamba2 import TorchMambaMixer
 
 
-def whole_parent(model: nn.Module, tensors: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+def whole_parent(
+    model: Union[nn.Module, Sequence[nn.Module]], tensors: Optional[dict[str, torch.Tensor]] = None
+) -> Optional[dict[str, torch.Tensor]]:
     """On global rank 0: `tensors` (by this stage's state-dict keys; default: the model's state
     with its TP shards joined, `join_tp`) of every pipeline stage under the whole model's keys.
-    None on every other rank. The data-parallel replicas hold the same weights, but for the
-    experts under EP (`join_ep`): the first is read. Collective over the first replica's TP and
-    PP ranks, and under EP over every rank."""
+    `model` may be the rank's model chunks (virtual pipeline stages; then `tensors` must be None:
+    each chunk's state is read). None on every other rank. The data-parallel replicas hold the
+    same weights, but for the experts under EP (`join_ep`): the first is read. Collective over
+    the first replica's TP and PP ranks, and under EP over every rank."""
+    chunks = chunks_of(model)
+    if tensors is not None and len(chunks) > 1:
+        raise ValueError("elastic: whole_parent takes given tensors of one model chunk only")
     if parallel_state.get_expert_model_parallel_world_size() == 1 and parallel_state.get_data_parallel_rank() != 0:
         return None
-    tensors = join_ep(model, join_tp(model) if tensors is None else tensors)
+    per_chunk = [join_ep(c, join_tp(c) if tensors is None else tensors) for c in chunks]
     if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
-    return gather_stages(model, tensors)
+    return gather_stages(chunks, per_chunk)
 
 
 def join_tp(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,11 +110,15 @@ def global_key(model: nn.Module, key: str) -> str:
     return f"{prefix}{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
 
 
-def gather_stages(model: nn.Module, tensors: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
-    """This stage's `tensors` and every other stage's, under global keys, on the first stage
-    (None on the others; `tensors` itself without PP)."""
-    tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
-    mine = {global_key(model, k): v.detach().cpu() for k, v in tensors.items() if not (tied_copy and k.startswith("output_layer."))}
+def gather_stages(chunks: list[nn.Module], tensors: list[dict[str, torch.Tensor]]) -> Optional[dict[str, torch.Tensor]]:
+    """This stage's `tensors` (one dict per model chunk) and every other stage's, under global
+    keys, on the first stage (None on the others; this stage's alone without PP)."""
+    mine = {}
+    for model, chunk_tensors in zip(chunks, tensors, strict=True):
+        tied_copy = model.share_embeddings_and_output_weights and not model.pre_process
+        for k, v in chunk_tensors.items():
+            if not (tied_copy and k.startswith("output_layer.")):
+                mine[global_key(model, k)] = v.detach().cpu()
     if stages() == 1:
         return mine
     group = parallel_state.get_pipeline_model_parallel_group()

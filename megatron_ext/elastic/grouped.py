@@ -10,13 +10,19 @@ Under pipeline parallelism a stage sends the next one tensor per micro-batch, [s
 each group's hidden size h is its budget's. The groups' activations are zero-padded along the
 hidden dimension to the widest group's and concatenated; the next stage, which draws the same
 budgets and router sizes, cuts each group's rows and its own width back out of what it received
-(the padding gets no gradient). A micro-batch of one budget sends its activations unpadded.
+(the padding gets no gradient). A micro-batch of one budget sends its activations unpadded,
+except under virtual pipeline stages: there every chunk sends the full hidden size (`send_width`),
+so megatron's p2p needs no shapes. (Its shape exchange, `_communicate_shapes`, posts the sends and
+receives in one order on the PP group: at pp=2 the previous and the next stage are one rank, and a
+step of the interleaved schedule that sends an activation and a gradient at once receives each
+one's shape as the other's; two budgets' hidden sizes then cross, e.g. 64 sent into a buffer of
+48: gloo aborts.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,11 +67,13 @@ def run_groups(
     positions: torch.Tensor,
     finish: Callable[[BudgetGroup, torch.Tensor], torch.Tensor],
     last_stage: bool,
+    send_width: Optional[int] = None,
 ) -> torch.Tensor:
     """Run the student on each group at its sizes and `finish(group, output)` (e.g. its per-token
     loss, [b_g, s]); the results in row order: per-token losses [b, s] on the last pipeline
-    stage, else the activations to send, [s, b, h_max]."""
-    if len(groups) == 1:  # the whole micro-batch at one budget: nothing to cut or pad
+    stage, else the activations to send, [s, b, send_width] (None: the widest group's, h_max;
+    what a stage receives is that wide too)."""
+    if len(groups) == 1 and send_width is None:  # one budget, unpadded: nothing to cut or pad
         apply_choice(space, groups[0].choice)
         return finish(groups[0], model(tokens, positions, None))
     received = _received(model)
@@ -84,5 +92,5 @@ def run_groups(
     order = torch.cat([g.rows for g in groups]).argsort()
     if last_stage:
         return torch.cat(outs, 0).index_select(0, order)
-    padded = [F.pad(o, (0, max(widths) - o.shape[-1])) for o in outs]
+    padded = [F.pad(o, (0, (send_width or max(widths)) - o.shape[-1])) for o in outs]
     return torch.cat(padded, 1).index_select(1, order)

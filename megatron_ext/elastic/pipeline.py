@@ -16,18 +16,28 @@ projections on each). What must agree over the stages:
     logits for the KD loss;
   * export: the stages' tensors gathered on the first stage under the keys one process holding
     the whole model has (`gather.py`), so the nested checkpoint does not depend on PP.
+
+Under virtual pipeline stages (`parallel.vpp`, GPT parents) a rank holds several model chunks
+(megatron's interleaved schedule): the rank's axes are every chunk's (one hidden axis over all of
+them; layer axes under megatron's global layer numbers, vp offsets included), so the costs summed
+over the stages count each chunk once; the teacher has the student's chunks; each chunk draws
+every micro-batch's budget itself (the draws are keyed by the micro-batch, so they agree), the
+chunk that computes the logits is the one with `post_process` (`holds_logits`), and every chunk
+sends the full hidden size, zero-padded, without `variable_seq_lengths` (`grouped.py` says why).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model
 from torch import nn
 
-from megatron_ext.elastic.axes import Size
+if TYPE_CHECKING:  # axes.py imports this module (`chunks_of`)
+    from megatron_ext.elastic.axes import Size
 
 
 def stages() -> int:
@@ -36,8 +46,19 @@ def stages() -> int:
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
-def is_last_stage() -> bool:
-    return stages() == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+def chunks_of(model: Union[nn.Module, Sequence[nn.Module]]) -> list[nn.Module]:
+    """A rank's model chunks: one per virtual pipeline stage (one module without VPP)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def chunk_index(model: nn.Module) -> int:
+    """The virtual pipeline stage of a (wrapped) model chunk, 0 without VPP."""
+    return getattr(unwrap_model(model), "vp_stage", None) or 0
+
+
+def holds_logits(model: nn.Module) -> bool:
+    """Whether this (wrapped) chunk computes the logits: the last chunk of the last stage."""
+    return bool(getattr(unwrap_model(model), "post_process", True))
 
 
 def stage_sum(value: Size) -> Size:
@@ -65,19 +86,24 @@ def merge_stages(local: dict) -> dict:
     return {k: v for stage in per_stage for k, v in stage.items()}
 
 
-def forward_only(model: nn.Module, batches: list, forward: Callable[[nn.Module, dict], torch.Tensor], **schedule) -> list:
-    """`forward(model, batch)` of every batch through megatron's pipeline schedule (forward only),
+def forward_only(
+    model: Union[nn.Module, Sequence[nn.Module]], batches: list, forward: Callable[[nn.Module, dict], torch.Tensor], **schedule
+) -> list:
+    """`forward(chunk, batch)` of every batch through megatron's pipeline schedule (forward only),
     one micro-batch per batch: the last stage's outputs, in order (empty on other stages).
-    `schedule`: megatron's seq_length, micro_batch_size (and what else the schedule takes)."""
+    `model`: the rank's chunks (the interleaved schedule, which runs a multiple of pp batches,
+    reads one iterator per chunk) or one module. `schedule`: megatron's seq_length,
+    micro_batch_size (and what else the schedule takes)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def step(data_iterator, chunk):
         return forward(chunk, next(data_iterator)), None  # no loss function: the schedule keeps outputs
 
+    chunks = chunks_of(model)
     return get_forward_backward_func()(
         forward_step_func=step,
-        data_iterator=iter(batches),
-        model=[model],
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks,
         num_microbatches=len(batches),
         forward_only=True,
         **schedule,

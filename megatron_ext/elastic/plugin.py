@@ -32,7 +32,13 @@ so they draw their budgets and router samples together: `budget_share` consecuti
 micro-batches draw as one, a multiple of ep (`expert_parallel.py`; EP=2, TP=2 x EP=2 and PP=2 x
 EP=2 are checked equal to one process with the same budget_share, nested checkpoint included;
 the MoE axes and the export work under EP: `moe_axes.py`, `gather.py`).
-Virtual pipeline stages are refused. A resumed run rebuilds the teacher from the parent's source and the
+Under virtual pipeline stages (GPT parents: megatron's interleaved schedule) a rank's space
+holds the axes of all its chunks (one hidden axis through them, layer axes under megatron's global
+layer numbers), the teacher has the same chunks, each chunk draws each micro-batch's budget and
+sizes (keyed by the micro-batch) and sends the full hidden size zero-padded (`grouped.py`: megatron
+crosses the shapes of a step that sends both ways at pp=2); PP=2 x VPP=2 is checked equal to one
+process, nested checkpoint included (to the bit with untied embeddings). FP8 is refused under
+VPP. A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
 for the hybrid at PP=2: the same budgets, losses, router choices and weights). With `fp8`, the
 student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
@@ -113,8 +119,8 @@ class ElasticPlugin(Plugin):
 
     def setup(self, trainer) -> None:
         p = trainer.cfg.parallel
-        if p.vpp:
-            raise ValueError("elastic: virtual pipeline stages (parallel.vpp) are not supported; use parallel.pp alone")
+        if p.vpp and self.cfg.fp8:  # the FP8 export reads one model chunk per rank
+            raise ValueError("elastic.fp8 with virtual pipeline stages (parallel.vpp) is not supported; use parallel.pp alone")
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
         from megatron_ext.elastic.distill import check_budget_draw, check_budget_share
@@ -134,11 +140,13 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic.space import ElasticSpace
 
         c = self.cfg
-        if trainer.cfg.parallel.pp > 1:
+        if trainer.cfg.parallel.pp > 1 and not trainer.cfg.parallel.vpp:
             # The micro-batch's (widest) hidden size is the shape one stage sends the next:
-            # megatron's p2p must communicate shapes first.
-            model_chunks[0].config.variable_seq_lengths = True
-        self.space = ElasticSpace(model_chunks[0])
+            # megatron's p2p must communicate shapes first. (Under VPP every chunk sends the full
+            # hidden size instead: `grouped.py` says why.)
+            for chunk in model_chunks:
+                chunk.config.variable_seq_lengths = True
+        self.space = ElasticSpace(model_chunks)  # every chunk's axes (virtual pipeline stages)
         self.grid = {k: [int(v) for v in vs] for k, vs in (c.grid or {}).items()} or default_grid(
             self.space, c.default_choices
         )
@@ -180,7 +188,7 @@ class ElasticPlugin(Plugin):
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         check_peers_share(self.cfg.budget_share, dp_rank, dp, parallel_state.get_expert_model_parallel_group())
         if self.orders is None:  # a fresh run (a resumed one restored the reordered weights)
-            calibrate(self.space.axes, self._calibration_batches(trainer), self._full_forward(trainer), dp_group)
+            calibrate(self.space.axes, self._calibration_rounds(trainer), self._full_forward(trainer), dp_group)
             # Every stage's: a checkpoint keeps rank 0's plugin state, and a resumed stage
             # rebuilds its teacher from it.
             self.orders = merge_stages(reorder(self.space.axes))
@@ -188,7 +196,7 @@ class ElasticPlugin(Plugin):
         if self.cfg.fp8:
             from megatron_ext.elastic import fp8
 
-            fp8.enable(self.space.model)
+            fp8.enable(self.space.model)  # one chunk: fp8 is refused under VPP (`setup`)
         self.router_optimizer = torch.optim.Adam(self.router.parameters(), lr=self.cfg.router_lr)
         if self.router_state is not None:
             self.router.load_state_dict(self.router_state["router"])
@@ -203,23 +211,34 @@ class ElasticPlugin(Plugin):
             # the global batch's (m * dp + r)-th, so every layout gives a sample one global index
             # (hence one draw).
             micro_batch_index=lambda m: m * dp + dp_rank,
+            send_width=trainer.model_config.hidden_size if trainer.cfg.parallel.vpp else None,
         )
         if self.router_state is None:  # identical on every rank: no data, seeded draws
             self.distiller.warm_up_router(self.cfg.router_warmup_steps)
         self.ready = True
 
-    def _calibration_batches(self, trainer) -> list:
+    def _calibration_rounds(self, trainer) -> list[list]:
         """The first `calibration_batches` micro-batches of the run, split over the replicas
-        (each rank reads its share, as in training), so every layout scores the same samples."""
+        (each rank reads its share, as in training), so every layout scores the same samples:
+        one round per batch, or under PP one round of all of them (one run of megatron's
+        schedule; the interleaved one runs a multiple of pp micro-batches)."""
         from megatron.core import parallel_state
 
         from megatron_ext.data import build_data_iterator
+        from megatron_ext.elastic.pipeline import stages
 
         dp = parallel_state.get_data_parallel_world_size()
         if self.cfg.calibration_batches % dp:
             raise ValueError(
                 f"elastic.calibration_batches ({self.cfg.calibration_batches}) must be a multiple of the "
                 f"data-parallel size ({dp})"
+            )
+        per_rank, pp = self.cfg.calibration_batches // dp, stages()
+        if trainer.cfg.parallel.vpp and per_rank % pp:
+            raise ValueError(
+                f"elastic.calibration_batches ({self.cfg.calibration_batches}) must be a multiple of the "
+                f"data-parallel size times the pipeline size ({dp} * {pp}) under parallel.vpp: megatron's "
+                f"interleaved schedule runs a multiple of pp micro-batches"
             )
         iterator = build_data_iterator(
             trainer.train_ds,
@@ -229,29 +248,34 @@ class ElasticPlugin(Plugin):
             0,
             0,
         )
-        return [next(iterator) for _ in range(self.cfg.calibration_batches // dp)]
+        batches = [next(iterator) for _ in range(per_rank)]
+        return [batches] if pp > 1 else [[batch] for batch in batches]
 
     def _full_forward(self, trainer):
-        """One calibration batch through the model (through the pipeline's stages under PP)."""
+        """One calibration round's batches through the model (through the pipeline's stages, the
+        rank's chunks, under PP)."""
         from megatron_ext.elastic.pipeline import forward_only, stages
         from megatron_ext.platform.device import current_device
 
-        model = self.space.model
+        chunks = self.space.chunks
         device = current_device()
 
         def run(chunk, batch):
             return chunk(batch["tokens"].to(device), batch["position_ids"].to(device), None)
 
-        def forward(batch):
-            was_training = model.training
-            model.eval()
+        def forward(batches):
+            was_training = chunks[0].training
+            for chunk in chunks:
+                chunk.eval()
             try:
                 if stages() > 1:
-                    forward_only(model, [batch], run, **self._schedule_shape(trainer))
+                    forward_only(chunks, batches, run, **self._schedule_shape(trainer))
                 else:
-                    run(model, batch)
+                    for batch in batches:
+                        run(chunks[0], batch)
             finally:
-                model.train(was_training)
+                for chunk in chunks:
+                    chunk.train(was_training)
 
         return forward
 
@@ -274,28 +298,34 @@ class ElasticPlugin(Plugin):
         cfg = trainer.cfg
         # The student's own family (GPT or hybrid), not always a GPT.
         arch = architecture(cfg.model)
-        student = self.space.model  # the teacher holds this rank's pipeline stage, like the student
         # The student's config without the runtime's schedule hooks (DDP's gradient sync, the
         # optimizer's loss scale): the teacher never trains, and megatron's MoE experts deep-copy
         # their config, which the hooks' process groups refuse.
         config = copy.copy(trainer.model_config)
         config.finalize_model_grads_func = config.no_sync_func = config.grad_sync_func = None
         config.param_sync_func = config.grad_scale_func = None
-        teacher = arch.build(
-            cfg.model,
-            config,
-            arch.spec(cfg.model, trainer.on_cpu),
-            trainer.vocab_size,
-            pre_process=student.pre_process,
-            post_process=student.post_process,
-        ).to(current_device())
-        init_weights_layout_independent([teacher], config, cfg.train.seed)
+        # The teacher holds this rank's pipeline stage (its chunks under VPP), like the student.
+        teacher = [
+            arch.build(
+                cfg.model,
+                config,
+                arch.spec(cfg.model, trainer.on_cpu),
+                trainer.vocab_size,
+                pre_process=student.pre_process,
+                post_process=student.post_process,
+                vp_stage=getattr(student, "vp_stage", None),
+            ).to(current_device())
+            for student in self.space.chunks
+        ]
+        init_weights_layout_independent(teacher, config, cfg.train.seed)
         if cfg.model.pretrained:
-            pretrained.load_into([teacher], cfg.model, trainer.vocab_size)
+            pretrained.load_into(teacher, cfg.model, trainer.vocab_size)
         space = ElasticSpace(teacher)
         for axis in space.axes:
             axis.permute(torch.tensor(self.orders[axis.name]))
-        return teacher.eval().requires_grad_(False)
+        for chunk in teacher:
+            chunk.eval().requires_grad_(False)
+        return teacher[0] if len(teacher) == 1 else teacher
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -365,12 +395,19 @@ class ElasticPlugin(Plugin):
     def _teacher_pass(self, kwargs: dict):
         """Under PP: the teacher's logits of the step's micro-batches, through megatron's
         schedule before the student's (the last stage keeps them); the batches are read once and
-        replayed to the student's schedule (returned as its data iterator)."""
+        replayed to the student's schedule (returned as its data iterator: one per model chunk
+        under VPP, each over the same micro-batches, as the trainer's)."""
         import torch
 
         from megatron_ext.elastic.pipeline import forward_only
 
-        batches = [next(kwargs["data_iterator"]) for _ in range(kwargs["num_microbatches"])]
+        count = kwargs["num_microbatches"]
+        iterators = kwargs["data_iterator"]
+        if isinstance(iterators, list):  # virtual pipeline stages: every chunk's iterator advances
+            per_chunk = [[next(it) for _ in range(count)] for it in iterators]
+        else:
+            per_chunk = [[next(iterators) for _ in range(count)]]
+        batches = per_chunk[0]
         schedule = {k: v for k, v in kwargs.items() if k not in ("data_iterator", "model", "num_microbatches")}
 
         def run(teacher, batch):
@@ -378,7 +415,8 @@ class ElasticPlugin(Plugin):
 
         with torch.no_grad():
             self.distiller.teacher_logits = forward_only(self.distiller.teacher, batches, run, **schedule)
-        return iter(batches)
+        replay = [iter(chunk_batches) for chunk_batches in per_chunk]
+        return replay if isinstance(iterators, list) else replay[0]
 
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
         import torch
@@ -461,10 +499,10 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic.gather import whole_parent
 
         model = self.space.model
-        state = whole_parent(model)
+        state = whole_parent(self.space.chunks)
         # The scales are the whole tensors' on every TP rank (computed by all of them: collective),
         # and quantisation is elementwise with one scale per tensor: the joined weights' codes are
-        # the shards' codes joined as gather.py joins the shards.
+        # the shards' codes joined as gather.py joins the shards. (One chunk: refused under VPP.)
         scales = whole_parent(model, fp8.scales(model)) if self.cfg.fp8 else None
         if state is None:  # not rank 0
             return

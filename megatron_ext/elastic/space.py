@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence, Union
 
 from torch import nn
 
 from megatron_ext.elastic.axes import Axis, Size, discover
-from megatron_ext.elastic.pipeline import merge_stages
+from megatron_ext.elastic.pipeline import chunks_of, merge_stages
 
 
 class ElasticSpace:
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.axes: list[Axis] = discover(model)
+    def __init__(self, model: Union[nn.Module, Sequence[nn.Module]]) -> None:
+        # A rank's model chunks (one per virtual pipeline stage; one module without VPP): the
+        # axes are all of theirs. `model` is the first chunk (its config is every chunk's).
+        self.chunks = chunks_of(model)
+        self.model = self.chunks[0]
+        self.axes: list[Axis] = discover(self.chunks)
         self.by_name = {a.name: a for a in self.axes}
         # (kind, full, quantum) of every axis of the whole model by name: under pipeline
         # parallelism `axes` are this stage's (a hybrid stage may have no MoE layer at all),

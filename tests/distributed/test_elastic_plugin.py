@@ -1,9 +1,9 @@
 """The elastic plugin inside the Trainer: data parallelism (2 gloo ranks) distils the same nested
 models as one process (same budgets drawn per sample, same losses, router and weights), also with
 micro-batches that mix budgets (and then equal to one-sample micro-batches), a run
-resumed from a checkpoint continues the uninterrupted one, pipeline parallelism (2 stages)
-distils as one process (nested checkpoint included), a TP=2 run writes the one-process nested
-checkpoint, and `elastic.fp8` distils with FP8
+resumed from a checkpoint continues the uninterrupted one, pipeline parallelism (2 stages, also
+with 2 virtual stages each) distils as one process (nested checkpoint included), a TP=2 run
+writes the one-process nested checkpoint, and `elastic.fp8` distils with FP8
 QAD and writes a nested FP8 checkpoint that the slicing CLI cuts into a standalone FP8 one."""
 
 from __future__ import annotations
@@ -130,10 +130,51 @@ def test_pipeline_parallel_distillation_equals_one_process(tmp_path, tied, micro
     # The nested checkpoint, gathered from both stages (without the last stage's tied copy).
     # Untied: equal to the bit; tied: at most 2e-5 of a tensor's largest entry (the embedding's;
     # measured), as the losses.
-    assert one_weights.keys() == two_weights.keys()
-    for key in one_weights:
-        scale = float(one_weights[key].abs().max())
-        torch.testing.assert_close(two_weights[key], one_weights[key], rtol=0, atol=rel * scale)
+    assert_same_nested(one_weights, two_weights, rel)
+
+
+def assert_same_nested(one: dict, other: dict, rel: float) -> None:
+    """The same nested checkpoint: the same keys, each tensor within `rel` of its largest entry."""
+    assert one.keys() == other.keys()
+    for key in one:
+        scale = float(one[key].abs().max())
+        torch.testing.assert_close(other[key], one[key], rtol=0, atol=rel * scale)
+
+
+@pytest.mark.parametrize(
+    "tied, micro_batch, draw, rel, nested_rel",
+    # Untied: losses and nested checkpoint equal to the bit (measured), as without virtual
+    # stages. Tied: the embedding's gradient sums the first and the last chunk's copies in
+    # another order: losses 9.6e-6 relative apart, the nested weights at most 8.0e-5 of their
+    # tensor's largest entry (layer 0's linear_proj; Adam's update of near-zero gradient entries
+    # follows their last bits), measured. Two-sample micro-batches mix budgets; every chunk sends
+    # the full hidden size, zero-padded (`grouped.py`): equal to the bit too (measured), as with
+    # per-micro-batch draws (the default; each chunk draws the router's sample itself).
+    [(False, 1, "sample", 1e-12, 1e-12), (True, 1, "sample", 1e-4, 1e-3), (False, 2, "sample", 1e-12, 1e-12),
+     (False, 1, "micro_batch", 1e-12, 1e-12)],
+    ids=["untied", "tied", "untied-mixed-micro-batches", "untied-micro-batch-draws"],
+)
+def test_virtual_pipeline_distillation_equals_one_process(tmp_path, tied, micro_batch, draw, rel, nested_rel):
+    """PP=2 x VPP=2 (4 layers: each rank holds 2 chunks of 1 layer, layers 0 and 2 on the first
+    rank, megatron's interleaved schedule; 4 samples per step, a multiple of pp as the schedule
+    needs): the same calibration orders, budget draws, sizes, losses, router losses, router
+    choices and nested checkpoint as one process. Each chunk holds its layers' axes under their
+    global numbers, one hidden axis runs through both chunks of a rank, the teacher has the same
+    chunks and the costs count each chunk once: a chunk's axes missing from the rank's space
+    changes the costs (hence the budgets' sizes) and leaves its layers unreordered."""
+    common = [
+        "model.num_layers=4",
+        "train.global_batch_size=4",
+        f"train.micro_batch_size={micro_batch}",
+        f"model.tie_embeddings={str(tied).lower()}",
+        f"elastic.budget_draw={draw}",
+    ]
+    one, one_weights = run(tmp_path, "one", *common)
+    vpp, vpp_weights = run(tmp_path, "vpp", *common, "launcher.nproc=2", "parallel.pp=2", "parallel.vpp=2")
+    assert_same_run(one, vpp, rel)
+    if micro_batch > 1:
+        assert mixes_hidden_sizes(one["history"], micro_batch), "no micro-batch mixes hidden sizes: vacuous"
+    assert_same_nested(one_weights, vpp_weights, nested_rel)
 
 
 def test_tensor_parallel_export_equals_one_process(tmp_path):

@@ -27,6 +27,9 @@ a tensor's largest entry under TP, measured). With the draw unshared in the Dist
 micro-batch keyed by itself, as before budget_share) the three EP runs abort; with the hidden
 size held at 64 an unshared EP=2 run completes, its KD losses 2e-3 to 0.15 relative off the
 reference's (both measured).
+
+Resume: the EP=2 run checkpointed at step 2 and resumed continues the uninterrupted one (budgets,
+sizes, router choices, losses and the trained nested checkpoint equal to the bit, measured).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_elastic_hybrid_pp import assert_resumed_continues, straight_and_resumed
 from test_elastic_hybrid_tp import HYBRID, MOE
 from test_elastic_plugin import assert_same_run, mixes_hidden_sizes, run
 
@@ -85,3 +89,18 @@ def test_expert_parallel_distillation_equals_one_process(one_process, tmp_path, 
     assert frozen.keys() == one_frozen.keys() and any(".local_experts.3." in k for k in frozen)
     for key in one_frozen:
         assert torch.equal(frozen[key], one_frozen[key]), key
+
+
+def test_resumed_expert_parallel_run_continues_the_uninterrupted_one(tmp_path):
+    """EP=2 (per sample, two-sample micro-batches), checkpointed at step 2 and resumed: each EP
+    rank reloads its own experts (and their optimizer state) and both rebuild the teacher from
+    the stored orders. Steps 3-4 draw the same budgets, train the same sizes (experts and expert
+    FFN cut) with the same losses and router choices as the run that never stopped, and the
+    nested checkpoint (experts joined from both EP ranks) is the same, all to the bit (measured)."""
+    draw, overrides, _ = LAYOUTS["ep2"]
+    straight, resumed = straight_and_resumed(tmp_path, 2, "train.iters=4", *SHARED, *DRAWS[draw], *overrides, common=HYBRID)
+    assert [h["step"] for h in resumed[0]["history"]] == [3, 4]
+    trained = [s for h in resumed[0]["history"] for s in h["sizes"]]
+    assert any(s["moe_experts"] < 4 for s in trained) and any(s["moe_ffn"] < 64 for s in trained), "no MoE cut: vacuous"
+    assert any(".local_experts.3." in k for k in resumed[1]), "no expert of EP rank 1 in the checkpoint: vacuous"
+    assert_resumed_continues(straight, resumed, 2)

@@ -67,20 +67,34 @@ def test_hybrid_pipeline_distillation_equals_one_process(tmp_path, draw, micro_b
         assert torch.equal(two_weights[key], one_weights[key]), key
 
 
+def straight_and_resumed(tmp_path, at: int, *overrides: str, common: list[str] = HYBRID) -> tuple[tuple, tuple]:
+    """The run that checkpoints at step `at` and goes on, and the run resumed from that
+    checkpoint: (report, nested checkpoint) of each."""
+    ckpt = tmp_path / "ckpt"
+    straight = run(tmp_path, "straight", *overrides, f"checkpoint.save={ckpt}", f"checkpoint.interval={at}", common=common)
+    resumed = run(tmp_path, "resumed", *overrides, f"checkpoint.load={ckpt}", f"checkpoint.step={at}", common=common)
+    return straight, resumed
+
+
+def assert_resumed_continues(straight: tuple, resumed: tuple, at: int) -> None:
+    """The resumed run's steps are the straight run's after step `at`: the same budgets, sizes,
+    router choices, losses and router losses (to the bit), and the same nested checkpoint."""
+    (report, weights), (resumed_report, resumed_weights) = straight, resumed
+    tail = [h for h in report["history"] if h["step"] > at]
+    assert tail and [h["step"] for h in resumed_report["history"]] == [h["step"] for h in tail]
+    for a, b in zip(tail, resumed_report["history"]):
+        assert a["budgets"] == b["budgets"] and a["sizes"] == b["sizes"] and a["choices"] == b["choices"]
+        assert a["loss"] == b["loss"] and a["router_loss"] == b["router_loss"]
+    assert weights.keys() == resumed_weights.keys()
+    for key in weights:
+        assert torch.equal(resumed_weights[key], weights[key]), key
+
+
 def test_resumed_pipeline_run_continues_the_uninterrupted_one(tmp_path):
     """PP=2, checkpointed at step 2 and resumed: each stage rebuilds its teacher from the stored
     calibration orders, which rank 0 writes and so must hold every stage's axes. The same
-    budgets, sizes, losses and choices at steps 3-4, and the same nested checkpoint."""
-    pp = ["train.micro_batch_size=1", "launcher.nproc=2", "parallel.pp=2"]
-    ckpt = tmp_path / "ckpt"
-    straight, straight_weights = run(tmp_path, "straight", *pp, f"checkpoint.save={ckpt}", "checkpoint.interval=2", common=HYBRID)
-    resumed, resumed_weights = run(tmp_path, "resumed", *pp, f"checkpoint.load={ckpt}", "checkpoint.step=2", common=HYBRID)
-    tail = [h for h in straight["history"] if h["step"] > 2]
-    assert [h["step"] for h in resumed["history"]] == [h["step"] for h in tail] == [3, 4]
-    for a, b in zip(tail, resumed["history"]):
-        assert a["budgets"] == b["budgets"] and a["sizes"] == b["sizes"] and a["choices"] == b["choices"]
-        assert a["loss"] == b["loss"] and a["router_loss"] == b["router_loss"]  # measured equal to the bit
-    assert straight_weights.keys() == resumed_weights.keys()
-    for key in straight_weights:
-        assert torch.equal(resumed_weights[key], straight_weights[key]), key
-
+    budgets, sizes, losses and choices at steps 3-4 (measured equal to the bit), and the same
+    nested checkpoint."""
+    straight, resumed = straight_and_resumed(tmp_path, 2, "train.micro_batch_size=1", "launcher.nproc=2", "parallel.pp=2")
+    assert [h["step"] for h in resumed[0]["history"]] == [3, 4]
+    assert_resumed_continues(straight, resumed, 2)

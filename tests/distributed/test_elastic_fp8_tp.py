@@ -2,7 +2,9 @@
 parent, a dense hybrid (Mamba2 / attention / MLP) one and the MoE hybrid (with sequence
 parallelism, experts and expert FFN width cut: the experts' scales reduce over the expert TP
 group); so is the MoE hybrid at EP=2 and TP=2 x EP=2 (`elastic.budget_share=2`, the reference
-with the same value: an EP rank's experts' codes and scales join under their global indices).
+with the same value: an EP rank's experts' codes and scales join under their global indices);
+so is the GPT parent at PP=2 (one layer per stage, untied embeddings: each stage quantises its own
+layers' whole weights, and the export gathers their codes and scales under global layer numbers).
 
 Each decoder linear's per-tensor scale is the whole logical tensor's (the shards' amax reduced
 with MAX over the weight's TP group), so both TP ranks fake-quantise their blocks on the grid one
@@ -16,7 +18,8 @@ the losses 2.9e-5 relative off and the expert scales fail the checkpoint's compa
 Tolerance: fp32 runs that differ in summation order only (row-parallel outputs and the
 vocabulary's partition sum all-reduced in two halves): KD losses (about 0.002-0.01) measured up to
 5.3e-5 (GPT) / 2.3e-5 (hybrid) / 3.2e-5 (MoE hybrid) / 6.0e-8 (EP=2) / 6.0e-6 (TP=2 x EP=2)
-relative apart over four steps. Budgets, sizes and router choices
+relative apart over four steps; PP=2 computes what one process does in the same order (KD losses
+equal to the bit, measured). Budgets, sizes and router choices
 are compared exactly, and at learning rate 0 the nested FP8 checkpoint (codes, scales and every
 other tensor) and the standalone FP8 checkpoints sliced from it to the bit.
 """
@@ -43,8 +46,10 @@ LAYOUTS = {
     "moe_hybrid": (HYBRID, MOE, MOE_LAYOUTS["tp2_sp"]),
     "moe_hybrid_ep2": (HYBRID, [*SHARED, *DRAWS["sample"]], EP_LAYOUTS["ep2"][1]),
     "moe_hybrid_tp2_ep2": (HYBRID, [*SHARED, *DRAWS["micro_batch"]], EP_LAYOUTS["tp2_ep2"][1]),
+    # One layer per stage; untied, so no embedding gradient summed over the stages.
+    "gpt_pp2": (COMMON, ["model.tie_embeddings=false"], ["launcher.nproc=2", "parallel.pp=2"]),
 }
-REL = {"gpt": 1e-4, "hybrid": 5e-5, "moe_hybrid": 1e-4, "moe_hybrid_ep2": 5e-7, "moe_hybrid_tp2_ep2": 2e-5}
+REL = {"gpt": 1e-4, "hybrid": 5e-5, "moe_hybrid": 1e-4, "moe_hybrid_ep2": 5e-7, "moe_hybrid_tp2_ep2": 2e-5, "gpt_pp2": 1e-12}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -40,13 +40,17 @@ crosses the shapes of a step that sends both ways at pp=2); PP=2 x VPP=2 is chec
 process, nested checkpoint included (to the bit with untied embeddings). FP8 is refused under
 VPP. A resumed run rebuilds the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
-for the hybrid at PP=2: the same budgets, losses, router choices and weights). With `fp8`, the
+for the hybrid at PP=2 and the MoE hybrid at EP=2: the same budgets, losses, router choices and
+weights). With `fp8`, the
 student distils with FP8 QAD and the nested checkpoint is written in FP8 (`fp8.py`,
 `slicing.slice_nested_fp8`); under TP each per-tensor scale is the whole logical tensor's (the
 shards' amax reduced with MAX over the weight's TP group) and the FP8 codes are the joined
 weights quantised with it, so TP=2 trains and writes what one process does (checked for GPT,
 dense and MoE hybrid parents, the MoE one also at EP=2 and TP=2 x EP=2: an expert's scale is
-reduced over its expert TP group, and its codes and scale join under its global index).
+reduced over its expert TP group, and its codes and scale join under its global index), and so
+does PP=2 (checked for GPT: a stage's scales are its own layers', gathered under their global
+numbers). Each scale is computed once per call of megatron's schedule, a step's every
+micro-batch or an evaluation (`fp8.fixed_scales`), not at every read of the weight.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ time: both sides of a p2p transfer know a chunk's token count from the plan.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,8 +43,8 @@ class Chunk:
     kind: ChunkKind
     segments: tuple[Segment, ...]
 
-    @property
-    def tokens(self) -> int:
+    @functools.cached_property
+    def tokens(self) -> int:  # cached: planners ask for it millions of times per batch
         return sum(s.length for s in self.segments)
 
 

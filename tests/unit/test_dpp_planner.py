@@ -86,3 +86,32 @@ def test_dpp_picks_the_even_mesh_where_the_model_makes_it_faster(monkeypatch):
     monkeypatch.setitem(planner.DPP_POLICIES, "dpp", ((True,), "ilp"))
     balanced_only = plan_time("dpp")
     assert times["dpp"] == times["dpp_no_balance"] < balanced_only
+
+
+def test_a_sequence_that_only_fits_coarse_slices_gets_a_pipeline_and_mesh_of_its_own(monkeypatch):
+    """LLaMA-13B, PP 4: a 128K sequence fits only in two even slices, which on one mesh for the
+    whole batch makes every other chunk as large and memory-bound. DPP also plans it alone in a
+    pipeline of its own and the rest in another on their own mesh: that plan's time is the two
+    sub-batches' times planned as batches of their own (one pipeline each), and it beats the
+    best one-mesh plan."""
+    from megatron_ext.dpp import planner
+
+    cost = analytic_gpu(MODEL_SHAPES["llama-13b"])
+    lengths = [30000, 131072, 20000, 12000, 8000, 6000, 4000, 3000, 2000, 1000, 500]  # longest not first
+    ks = (1, 2, 4, 8)
+    searches = []
+    search = planner._search_meshes
+    monkeypatch.setattr(planner, "_search_meshes", lambda *a: searches.append(search(*a)) or searches[-1])
+    plan, info = plan_step_info(lengths, cost, 4, 80e9, "dpp", k_candidates=ks)
+    monkeypatch.undo()
+    check_plan(plan, (10,) * 4)
+    sim = simulate(plan, cost, budget_bytes=80e9)
+    assert not any(sim.oom)
+    assert len(plan.groups) == 2
+    first = {o.chunk for o in plan.groups[0].ops[0]}
+    assert {s.seq for c in first for s in plan.chunks[c].segments} == {1}
+    alone = plan_step_info([131072], cost, 4, 80e9, "dpp", k_candidates=ks, max_groups=1)[1].predicted_iter_s
+    rest = plan_step_info(lengths[:1] + lengths[2:], cost, 4, 80e9, "dpp", k_candidates=ks, max_groups=1)[1].predicted_iter_s
+    assert info.predicted_iter_s == pytest.approx(alone + rest, rel=1e-12)
+    one_mesh = searches[0][2]  # the whole batch on one mesh, up to two pipelines
+    assert info.predicted_iter_s < one_mesh * 0.9

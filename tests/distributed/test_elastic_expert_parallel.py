@@ -15,15 +15,17 @@ tokens or none) and the expert FFN width to 48, and the hidden size to 48. Layou
   * tp2_ep2: TP=2 with sequence parallelism x EP=2 (4 ranks), budget_draw=micro_batch, two
     micro-batches per replica.
   * pp2_ep2: PP=2 x EP=2 (4 ranks; the MoE layer on the second stage), budget_draw=micro_batch.
+  * dp4_ep2: DP=4 over two EP groups of 2 (4 ranks), budget_draw=micro_batch: each window holds
+    one EP group's two replicas; the two groups draw apart, as one process does.
 Four steps: the same budgets per sample, sizes, router choices and router losses, KD losses
 within REL; at learning rate 0 the nested checkpoint (the reordered parent, experts joined from
 the EP ranks under their global indices) equal to the bit.
 
 Tolerance: the Trainer runs fp32 (no fp64), and the layouts sum in other orders (the experts'
 gradients gathered over the peers' tokens, DP averaging, TP's row-parallel and vocabulary sums).
-KD losses measured up to 7.6e-7 (ep2), 5.1e-5 (tp2_ep2) and 3.6e-6 (pp2_ep2) relative apart;
-the trained weights are not compared (Adam's steps on near-zero gradients differ by up to 1e-2 of
-a tensor's largest entry under TP, measured). With the draw unshared in the Distiller (each
+KD losses measured up to 7.6e-7 (ep2), 5.1e-5 (tp2_ep2), 3.6e-6 (pp2_ep2) and 1.7e-6 (dp4_ep2)
+relative apart; the trained weights are not compared (Adam's steps on near-zero gradients differ
+by up to 1e-2 of a tensor's largest entry under TP, measured). With the draw unshared in the Distiller (each
 micro-batch keyed by itself, as before budget_share) the three EP runs abort; with the hidden
 size held at 64 an unshared EP=2 run completes, its KD losses 2e-3 to 0.15 relative off the
 reference's (both measured).
@@ -47,6 +49,12 @@ SHARED = [*MOE, "elastic.budget_share=2"]
 DRAWS = {
     "sample": ["elastic.budget_draw=sample", "train.micro_batch_size=2"],
     "micro_batch": ["elastic.budget_draw=micro_batch", "train.micro_batch_size=1"],
+    # DP=4 calibrates on at least one micro-batch per replica; the reference on the same four.
+    "micro_batch_4_calibration": [
+        "elastic.budget_draw=micro_batch",
+        "train.micro_batch_size=1",
+        "elastic.calibration_batches=4",
+    ],
 }
 EP2 = ["parallel.ep=2"]
 # layout: (draw, overrides, REL)
@@ -54,6 +62,8 @@ LAYOUTS = {
     "ep2": ("sample", ["launcher.nproc=2", *EP2], 1e-5),
     "tp2_ep2": ("micro_batch", ["launcher.nproc=4", *EP2, "parallel.tp=2", "parallel.sequence_parallel=true"], 2e-4),
     "pp2_ep2": ("micro_batch", ["launcher.nproc=4", *EP2, "parallel.pp=2"], 2e-5),
+    # DP=4 over two EP groups: the windows pair each group's two replicas, not all four.
+    "dp4_ep2": ("micro_batch_4_calibration", ["launcher.nproc=4", *EP2], 2e-5),
 }
 FROZEN = ["optim.lr=0.0", "optim.min_lr=0.0", "train.iters=1"]
 

@@ -26,7 +26,7 @@ key plus its scale under `<key>_fp8_scale`; the other tensors (embeddings, norms
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from torch import nn
 
 from megatron_ext.elastic.modules import full_tensor, set_transform, sliced
+from megatron_ext.elastic.pipeline import chunks_of
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -115,12 +116,14 @@ def disable(model: nn.Module) -> None:
 
 
 @contextmanager
-def fixed_scales(model: nn.Module) -> Iterator[None]:
-    """Within: every quantised linear of `model` computes its scale at its first read and reuses
-    it (the caller guarantees the weights do not change inside: no optimizer step). The scales
-    are collective under TP; the TP ranks read the same linears in the same order, so their first
-    reads, the only ones that reduce, stay in step."""
-    readers = [m.__dict__["_elastic_fp8_scale"] for m in quantized_linears(model).values() if "_elastic_fp8_scale" in m.__dict__]
+def fixed_scales(model: Union[nn.Module, Sequence[nn.Module]]) -> Iterator[None]:
+    """Within: every quantised linear of `model` (a module, or a rank's model chunks under virtual
+    pipeline stages) computes its scale at its first read and reuses it (the caller guarantees the
+    weights do not change inside: no optimizer step). The scales are collective under TP; the TP
+    ranks read the same linears in the same order, so their first reads, the only ones that
+    reduce, stay in step."""
+    linears = [m for chunk in chunks_of(model) for m in quantized_linears(chunk).values()]
+    readers = [m.__dict__["_elastic_fp8_scale"] for m in linears if "_elastic_fp8_scale" in m.__dict__]
     for r in readers:
         r.fixed, r.value = True, None
     try:

@@ -30,21 +30,25 @@ from megatron_ext.elastic.slicing import parent_state
 from megatron_ext.models.mamba2 import TorchMambaMixer
 
 
+Tensors = dict[str, torch.Tensor]
+
+
 def whole_parent(
-    model: Union[nn.Module, Sequence[nn.Module]], tensors: Optional[dict[str, torch.Tensor]] = None
-) -> Optional[dict[str, torch.Tensor]]:
+    model: Union[nn.Module, Sequence[nn.Module]], tensors: Optional[Union[Tensors, Sequence[Tensors]]] = None
+) -> Optional[Tensors]:
     """On global rank 0: `tensors` (by this stage's state-dict keys; default: the model's state
     with its TP shards joined, `join_tp`) of every pipeline stage under the whole model's keys.
-    `model` may be the rank's model chunks (virtual pipeline stages; then `tensors` must be None:
-    each chunk's state is read). None on every other rank. The data-parallel replicas hold the
-    same weights, but for the experts under EP (`join_ep`): the first is read. Collective over
-    the first replica's TP and PP ranks, and under EP over every rank."""
+    `model` may be the rank's model chunks (virtual pipeline stages; then `tensors`, if given, is
+    one dict per chunk, by the chunk's own keys). None on every other rank. The data-parallel
+    replicas hold the same weights, but for the experts under EP (`join_ep`): the first is read.
+    Collective over the first replica's TP and PP ranks, and under EP over every rank."""
     chunks = chunks_of(model)
-    if tensors is not None and len(chunks) > 1:
-        raise ValueError("elastic: whole_parent takes given tensors of one model chunk only")
+    given = [None] * len(chunks) if tensors is None else [tensors] if isinstance(tensors, dict) else list(tensors)
+    if len(given) != len(chunks):
+        raise ValueError(f"elastic: whole_parent got tensors of {len(given)} model chunks for {len(chunks)} chunks")
     if parallel_state.get_expert_model_parallel_world_size() == 1 and parallel_state.get_data_parallel_rank() != 0:
         return None
-    per_chunk = [join_ep(c, join_tp(c) if tensors is None else tensors) for c in chunks]
+    per_chunk = [join_ep(c, join_tp(c) if t is None else t) for c, t in zip(chunks, given)]
     if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     return gather_stages(chunks, per_chunk)

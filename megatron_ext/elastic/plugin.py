@@ -37,8 +37,8 @@ holds the axes of all its chunks (one hidden axis through them, layer axes under
 layer numbers), the teacher has the same chunks, each chunk draws each micro-batch's budget and
 sizes (keyed by the micro-batch) and sends the full hidden size zero-padded (`grouped.py`: megatron
 crosses the shapes of a step that sends both ways at pp=2); PP=2 x VPP=2 is checked equal to one
-process, nested checkpoint included (to the bit with untied embeddings). FP8 is refused under
-VPP. A resumed run rebuilds the teacher from the parent's source and the
+process, nested checkpoint included (to the bit with untied embeddings). A resumed run rebuilds
+the teacher from the parent's source and the
 stored orders (every stage's) and continues the uninterrupted run (checked at one process and
 for the hybrid at PP=2 and the MoE hybrid at EP=2: the same budgets, losses, router choices and
 weights). With `fp8`, the
@@ -49,8 +49,10 @@ weights quantised with it, so TP=2 trains and writes what one process does (chec
 dense and MoE hybrid parents, the MoE one also at EP=2 and TP=2 x EP=2: an expert's scale is
 reduced over its expert TP group, and its codes and scale join under its global index), and so
 does PP=2 (checked for GPT: a stage's scales are its own layers', gathered under their global
-numbers). Each scale is computed once per call of megatron's schedule, a step's every
-micro-batch or an evaluation (`fp8.fixed_scales`), not at every read of the weight.
+numbers) and PP=2 x VPP=2 (checked for GPT: every chunk of a rank is quantised, and each chunk's
+codes and scales are gathered under its layers' global numbers). Each scale is computed once per
+call of megatron's schedule, a step's every micro-batch or an evaluation (`fp8.fixed_scales`,
+one window over all the rank's chunks), not at every read of the weight.
 """
 
 from __future__ import annotations
@@ -123,8 +125,6 @@ class ElasticPlugin(Plugin):
 
     def setup(self, trainer) -> None:
         p = trainer.cfg.parallel
-        if p.vpp and self.cfg.fp8:  # the FP8 export reads one model chunk per rank
-            raise ValueError("elastic.fp8 with virtual pipeline stages (parallel.vpp) is not supported; use parallel.pp alone")
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
         from megatron_ext.elastic.distill import check_budget_draw, check_budget_share
@@ -200,7 +200,8 @@ class ElasticPlugin(Plugin):
         if self.cfg.fp8:
             from megatron_ext.elastic import fp8
 
-            fp8.enable(self.space.model)  # one chunk: fp8 is refused under VPP (`setup`)
+            for chunk in self.space.chunks:  # every chunk of the rank (virtual pipeline stages)
+                fp8.enable(chunk)
         self.router_optimizer = torch.optim.Adam(self.router.parameters(), lr=self.cfg.router_lr)
         if self.router_state is not None:
             self.router.load_state_dict(self.router_state["router"])
@@ -376,7 +377,7 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic import fp8
 
         def run(**kwargs):
-            with fp8.fixed_scales(self.space.model):  # one chunk: fp8 is refused under VPP
+            with fp8.fixed_scales(self.space.chunks):
                 return inner(**kwargs)
 
         return run
@@ -502,12 +503,13 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic import fp8, slicing
         from megatron_ext.elastic.gather import whole_parent
 
-        model = self.space.model
-        state = whole_parent(self.space.chunks)
+        chunks = self.space.chunks
+        state = whole_parent(chunks)
         # The scales are the whole tensors' on every TP rank (computed by all of them: collective),
         # and quantisation is elementwise with one scale per tensor: the joined weights' codes are
-        # the shards' codes joined as gather.py joins the shards. (One chunk: refused under VPP.)
-        scales = whole_parent(model, fp8.scales(model)) if self.cfg.fp8 else None
+        # the shards' codes joined as gather.py joins the shards. Each chunk's scales are keyed
+        # like its state and gathered with it under global layer numbers.
+        scales = whole_parent(chunks, [fp8.scales(c) for c in chunks]) if self.cfg.fp8 else None
         if state is None:  # not rank 0
             return
         nested = out / "nested"

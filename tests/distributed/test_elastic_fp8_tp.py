@@ -4,7 +4,11 @@ parallelism, experts and expert FFN width cut: the experts' scales reduce over t
 group); so is the MoE hybrid at EP=2 and TP=2 x EP=2 (`elastic.budget_share=2`, the reference
 with the same value: an EP rank's experts' codes and scales join under their global indices);
 so is the GPT parent at PP=2 (one layer per stage, untied embeddings: each stage quantises its own
-layers' whole weights, and the export gathers their codes and scales under global layer numbers).
+layers' whole weights, and the export gathers their codes and scales under global layer numbers),
+and at PP=2 x VPP=2 (4 layers, two one-layer chunks per rank, untied: every chunk is quantised,
+and each chunk's codes and scales join under its layers' global numbers; quantising a rank's
+first chunk only put the KD loss 5.7e-4 relative off at step 1, and exporting its scales only
+dropped layers 2 and 3's scales from the checkpoint, measured).
 
 Each decoder linear's per-tensor scale is the whole logical tensor's (the shards' amax reduced
 with MAX over the weight's TP group), so both TP ranks fake-quantise their blocks on the grid one
@@ -18,8 +22,8 @@ the losses 2.9e-5 relative off and the expert scales fail the checkpoint's compa
 Tolerance: fp32 runs that differ in summation order only (row-parallel outputs and the
 vocabulary's partition sum all-reduced in two halves): KD losses (about 0.002-0.01) measured up to
 5.3e-5 (GPT) / 2.3e-5 (hybrid) / 3.2e-5 (MoE hybrid) / 6.0e-8 (EP=2) / 6.0e-6 (TP=2 x EP=2)
-relative apart over four steps; PP=2 computes what one process does in the same order (KD losses
-equal to the bit, measured). Budgets, sizes and router choices
+relative apart over four steps; PP=2 and PP=2 x VPP=2 compute what one process does in the same
+order (KD losses equal to the bit, measured). Budgets, sizes and router choices
 are compared exactly, and at learning rate 0 the nested FP8 checkpoint (codes, scales and every
 other tensor) and the standalone FP8 checkpoints sliced from it to the bit.
 """
@@ -33,7 +37,7 @@ from safetensors.torch import load_file
 from test_elastic_hybrid_tp import DENSE, HYBRID, MOE, MOE_LAYOUTS, TP2
 from test_elastic_expert_parallel import DRAWS, SHARED
 from test_elastic_expert_parallel import LAYOUTS as EP_LAYOUTS
-from test_elastic_plugin import COMMON, assert_same_run, run
+from test_elastic_plugin import COMMON, VIRTUAL, VIRTUAL_LAYOUT, assert_same_run, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -48,8 +52,18 @@ LAYOUTS = {
     "moe_hybrid_tp2_ep2": (HYBRID, [*SHARED, *DRAWS["micro_batch"]], EP_LAYOUTS["tp2_ep2"][1]),
     # One layer per stage; untied, so no embedding gradient summed over the stages.
     "gpt_pp2": (COMMON, ["model.tie_embeddings=false"], ["launcher.nproc=2", "parallel.pp=2"]),
+    # 4 layers, two one-layer chunks per rank (the interleaved schedule), untied.
+    "gpt_pp2_vpp2": (COMMON, [*VIRTUAL, "model.tie_embeddings=false"], VIRTUAL_LAYOUT),
 }
-REL = {"gpt": 1e-4, "hybrid": 5e-5, "moe_hybrid": 1e-4, "moe_hybrid_ep2": 5e-7, "moe_hybrid_tp2_ep2": 2e-5, "gpt_pp2": 1e-12}
+REL = {
+    "gpt": 1e-4,
+    "hybrid": 5e-5,
+    "moe_hybrid": 1e-4,
+    "moe_hybrid_ep2": 5e-7,
+    "moe_hybrid_tp2_ep2": 2e-5,
+    "gpt_pp2": 1e-12,
+    "gpt_pp2_vpp2": 1e-12,
+}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

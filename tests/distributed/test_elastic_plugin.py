@@ -141,6 +141,13 @@ def assert_same_nested(one: dict, other: dict, rel: float) -> None:
         torch.testing.assert_close(other[key], one[key], rtol=0, atol=rel * scale)
 
 
+# PP=2 x VPP=2: 4 layers, so each rank holds 2 chunks of 1 layer; 4 samples per step and COMMON's
+# 2 calibration batches, multiples of pp as megatron's interleaved schedule needs. VIRTUAL goes to
+# the one-process reference too, VIRTUAL_LAYOUT to the pipelined run only.
+VIRTUAL = ["model.num_layers=4", "train.global_batch_size=4"]
+VIRTUAL_LAYOUT = ["launcher.nproc=2", "parallel.pp=2", "parallel.vpp=2"]
+
+
 @pytest.mark.parametrize(
     "tied, micro_batch, draw, rel, nested_rel",
     # Untied: losses and nested checkpoint equal to the bit (measured), as without virtual
@@ -163,14 +170,13 @@ def test_virtual_pipeline_distillation_equals_one_process(tmp_path, tied, micro_
     chunks and the costs count each chunk once: a chunk's axes missing from the rank's space
     changes the costs (hence the budgets' sizes) and leaves its layers unreordered."""
     common = [
-        "model.num_layers=4",
-        "train.global_batch_size=4",
+        *VIRTUAL,
         f"train.micro_batch_size={micro_batch}",
         f"model.tie_embeddings={str(tied).lower()}",
         f"elastic.budget_draw={draw}",
     ]
     one, one_weights = run(tmp_path, "one", *common)
-    vpp, vpp_weights = run(tmp_path, "vpp", *common, "launcher.nproc=2", "parallel.pp=2", "parallel.vpp=2")
+    vpp, vpp_weights = run(tmp_path, "vpp", *common, *VIRTUAL_LAYOUT)
     assert_same_run(one, vpp, rel)
     if micro_batch > 1:
         assert mixes_hidden_sizes(one["history"], micro_batch), "no micro-batch mixes hidden sizes: vacuous"

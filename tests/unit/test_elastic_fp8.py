@@ -158,3 +158,18 @@ def test_a_step_reads_the_scale_of_the_weights_the_optimizer_left(world):  # noq
         read = read_in_window(model, fc1)
         assert torch.equal(read, fp8.fake_quantize(whole, after).detach())
         assert not torch.equal(read, fp8.fake_quantize(whole, before).detach())
+
+
+def test_one_window_fixes_the_scales_of_every_model_chunk(world, monkeypatch):  # noqa: F811
+    """Under virtual pipeline stages a rank holds several model chunks: one window over all of
+    them computes each linear's scale once, however often each chunk is read inside."""
+    chunks = [build_parent(), build_parent()]
+    keys = [key for chunk in chunks for key in fp8.enable(chunk)]
+    calls = []
+    counting = fp8.scale_of
+    monkeypatch.setattr(fp8, "scale_of", lambda *a, **k: calls.append(a[0]) or counting(*a, **k))
+    with fp8.fixed_scales(chunks), torch.no_grad():
+        for chunk in [*chunks, *chunks]:
+            logits(chunk)
+    assert len(calls) == len(keys) == 16
+    assert len({id(w) for w in calls}) == len(keys)  # each chunk's every linear once

@@ -181,13 +181,11 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
 
 @pytest.mark.parametrize(
     "parallel, elastic, message",
-    # Virtual pipeline stages distil GPT parents (tests/distributed/test_elastic_plugin.py), not
-    # with FP8 (its export reads one model chunk per rank); hybrid parents have none: the
-    # runtime refuses parallel.vpp for them (config/validate.py).
-    [({"pp": 2, "vpp": 2, "cp": 1, "ep": 1}, {"fp8": True}, r"elastic.fp8 with virtual pipeline stages"),
-     # Under EP the peers must draw together (tests/unit/test_elastic_budget_share.py).
-     ({"vpp": None, "cp": 1, "ep": 2}, {}, r"elastic.budget_share=1 must be a multiple of parallel.ep=2")],
-    ids=["vpp-fp8", "ep"],
+    # Virtual pipeline stages distil GPT parents, FP8 too (tests/distributed/test_elastic_plugin.py,
+    # test_elastic_fp8_tp.py); hybrid parents have none: the runtime refuses parallel.vpp for them
+    # (config/validate.py). Under EP the peers must draw together (test_elastic_budget_share.py).
+    [({"vpp": None, "cp": 1, "ep": 2}, {}, r"elastic.budget_share=1 must be a multiple of parallel.ep=2")],
+    ids=["ep"],
 )
 def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, elastic, message):
     from types import SimpleNamespace

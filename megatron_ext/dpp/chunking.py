@@ -100,12 +100,25 @@ def _pack(tails: list[Segment], shorts: list[Segment], cost: CostModel, time_tar
     return buckets
 
 
-def chunk_batch(lengths: Sequence[int], cost: CostModel, k: int, balanced: bool = True) -> tuple[Chunk, ...]:
+def blended_mesh(longest: int, k: int, cost: CostModel, share: float) -> tuple[int, ...]:
+    """Boundaries `share` of the way from the even mesh's to the equal-time mesh's (0: even,
+    1: equal time). Memory may admit a first slice larger than an even one's but not as large
+    as an equal-time one's."""
+    if share >= 1:
+        return equal_time_mesh(longest, k, cost)
+    even = even_mesh(longest, k)
+    if share <= 0:
+        return even
+    return tuple(round((1 - share) * a + share * b) for a, b in zip(even, equal_time_mesh(longest, k, cost)))
+
+
+def chunk_batch(lengths: Sequence[int], cost: CostModel, k: int, balanced: bool | float = True) -> tuple[Chunk, ...]:
     """Chunks of a global batch with slice number k; ids in creation order: the slices of each
     long sequence (its hybrid tail last), then the packed chunks. `balanced=False` is the
-    ablation: an even token mesh and packing to the token target only."""
+    ablation: an even token mesh and packing to the token target only; a share in (0, 1) a
+    blended mesh (`blended_mesh`) packed like a balanced one."""
     longest = max(lengths)
-    mesh = equal_time_mesh(longest, k, cost) if balanced else even_mesh(longest, k)
+    mesh = blended_mesh(longest, k, cost, float(balanced))
     time_target = cost.time_from_work(cost.segment_work(mesh[1], 0), mesh[1]) if balanced else math.inf
     return chunk_on_mesh(lengths, cost, mesh, time_target)
 

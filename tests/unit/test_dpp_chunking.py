@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.dpp.chunking import chunk_batch, equal_time_mesh
+from megatron_ext.dpp.chunking import blended_mesh, chunk_batch, equal_time_mesh
 from megatron_ext.dpp.costmodel import CostModel
 from megatron_ext.dpp.plan import Chunk, Segment
 
@@ -21,6 +21,7 @@ CASES = {
     "every length equal": ([256] * 9, 3, True),
     "ablation: even mesh, no time target": ([4096, 100, 200, 50, 700, 30, 1000], 4, False),
     "k larger than the shortest long": ([900, 9000, 5, 6], 8, True),
+    "mesh halfway between even and equal-time": ([4096, 100, 200, 50, 700, 30, 1000], 4, 0.5),
 }
 
 
@@ -68,6 +69,16 @@ def test_mesh_slices_take_equal_time(longest, k):
     assert times[-1] <= max(times[:-1]) + 2 * COST.segment_work(1, longest)
     lengths = [b - a for a, b in zip(mesh, mesh[1:])]
     assert lengths[:-1] == sorted(lengths[:-1], reverse=True)  # later slices are shorter
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
+def test_blended_mesh_lies_its_share_of_the_way_from_even_to_equal_time(share):
+    longest, k = 10000, 5
+    even = [round(i * longest / k) for i in range(k + 1)]  # recounted, not the chunker's own
+    timed = equal_time_mesh(longest, k, COST)
+    mesh = blended_mesh(longest, k, COST, share)
+    assert mesh[0] == 0 and mesh[-1] == longest and len(mesh) == k + 1
+    assert all(abs(m - (e + share * (t - e))) <= 0.5 for m, e, t in zip(mesh, even, timed))
 
 
 @pytest.mark.parametrize("prefix,time_s", [(0, 1e-3), (1000, 5e-3), (50000, 0.2), (0, 1e-5)])

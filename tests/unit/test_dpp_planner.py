@@ -110,8 +110,14 @@ def test_a_sequence_that_only_fits_coarse_slices_gets_a_pipeline_and_mesh_of_its
     assert len(plan.groups) == 2
     first = {o.chunk for o in plan.groups[0].ops[0]}
     assert {s.seq for c in first for s in plan.chunks[c].segments} == {1}
-    alone = plan_step_info([131072], cost, 4, 80e9, "dpp", k_candidates=ks, max_groups=1)[1].predicted_iter_s
     rest = plan_step_info(lengths[:1] + lengths[2:], cost, 4, 80e9, "dpp", k_candidates=ks, max_groups=1)[1].predicted_iter_s
+    even_or_balanced = plan_step_info([131072], cost, 4, 80e9, "dpp", k_candidates=ks, max_groups=1)[1].predicted_iter_s
+    # The lone sequence also tries meshes between even and equal-time ones: a policy searching
+    # those shares plans it as fast, and faster than the two meshes alone (55%/45% slices fit).
+    monkeypatch.setitem(planner.DPP_POLICIES, "dpp", ((1.0, 0.75, 0.5, 0.25, 0.0), "ilp"))
+    alone = plan_step_info([131072], cost, 4, 80e9, "dpp", k_candidates=ks, max_groups=1)[1].predicted_iter_s
+    monkeypatch.undo()
+    assert alone < even_or_balanced * 0.95
     assert info.predicted_iter_s == pytest.approx(alone + rest, rel=1e-12)
     one_mesh = searches[0][2]  # the whole batch on one mesh, up to two pipelines
     assert info.predicted_iter_s < one_mesh * 0.9

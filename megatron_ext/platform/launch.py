@@ -7,6 +7,7 @@ with torch's elastic agent (the machinery behind torchrun) so failures propagate
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -159,9 +160,19 @@ def launch_local(
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
     `max_restarts` times."""
+    import multiprocessing
+
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     limit_cpu_threads(nproc)
+    start_method = "spawn" if torch.cuda.is_available() else "forkserver"
+    if start_method == "forkserver":
+        # Workers are forked from one server process that imported megatron once (seconds per
+        # process, times nproc on a few shared cores), kept for every later launch of this
+        # process. Not with CUDA: the server's imports may initialise the driver, which a
+        # forked child cannot use.
+        multiprocessing.set_forkserver_preload([*_PRELOAD, worker.__module__])
+        worker = _InLauncherEnviron(worker, dict(os.environ))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -171,6 +182,31 @@ def launch_local(
         rdzv_endpoint=f"{master_addr}:{master_port or free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.5,
-        start_method="spawn",
+        start_method=start_method,
     )
     return elastic_launch(config, worker)(*args)
+
+
+# What every worker imports; megatron_ext.training.trainer pulls in megatron-core.
+_PRELOAD = ("megatron_ext.platform.launch", "megatron_ext.training.trainer")
+
+# This process's environment when this module was imported: in a forkserver, the server's.
+_ENVIRON_AT_IMPORT = dict(os.environ)
+
+
+class _InLauncherEnviron:
+    """`worker` run in the launcher's environment of the moment of the launch, plus the
+    variables the elastic agent set for the rank, as a spawned worker sees them. A forkserver's
+    children inherit the server's environment instead: the launcher's at the server's start."""
+
+    def __init__(self, worker: Callable[..., Any], environ: dict) -> None:
+        functools.update_wrapper(self, worker)  # the elastic agent names the job after it
+        self.worker, self.environ = worker, environ
+
+    def __call__(self, *args: Any) -> Any:
+        from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
+        os.environ.clear()
+        os.environ.update({**self.environ, **from_agent})
+        if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when the server loaded torch
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        return self.worker(*args)

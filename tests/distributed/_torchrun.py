@@ -1,18 +1,43 @@
-"""Run a test file's worker half under torchrun as N gloo ranks, from its pytest half."""
+"""Run a test file's worker half as N gloo ranks, from its pytest half.
+
+The ranks are started by the runtime's own `launch_local` (torch's elastic agent, as torchrun),
+forked from the one server process that imported megatron for the whole test session. A test
+that puts another copy of a library first on the path (`extra_path`) gets fresh processes from
+torchrun itself instead: the server has imported the usual one.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from megatron_ext.platform.launch import launch_local
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+class _Script:
+    """A worker that runs `path` as `__main__` with `args`, as `python path args` would."""
+
+    def __init__(self, path: str, args: tuple) -> None:
+        self.path, self.args = path, args
+        self.__name__ = self.__qualname__ = Path(path).stem  # the elastic agent names the job so
+
+    def __call__(self) -> None:
+        sys.argv = [self.path, *self.args]
+        sys.path.insert(0, str(Path(self.path).parent))
+        runpy.run_path(self.path, run_name="__main__")
+
+
 def torchrun(script: str, nproc: int, *args: str, extra_path: Sequence[str] = (), timeout: int = 600) -> None:
+    if not extra_path:
+        launch_local(nproc, _Script(str(script), args), (), "127.0.0.1", 0)
+        return
     path = os.pathsep.join([*extra_path, str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone"]

@@ -1,10 +1,14 @@
-"""Where the world comes from: torchrun's variables, an srun step's, or nothing (local)."""
+"""Where the world comes from: torchrun's variables, an srun step's, or nothing (local); and
+what the local workers see."""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from megatron_ext.platform.launch import LaunchEnv, detect_launch, slurm_master_addr, slurm_master_port
+import pytest
+import torch
+
+from megatron_ext.platform.launch import LaunchEnv, detect_launch, launch_local, slurm_master_addr, slurm_master_port
 
 CASES = [
     ("standalone", {}, None),
@@ -61,3 +65,28 @@ def test_slurm_master_addr_without_scontrol(monkeypatch):
 def test_slurm_master_port_is_in_user_range():
     ports = {slurm_master_port(str(job)) for job in range(0, 200000, 997)}
     assert min(ports) >= 15000 and max(ports) < 35000
+
+
+def environ_and_threads(names: tuple) -> tuple:
+    return {name: os.environ.get(name) for name in names}, torch.get_num_threads()
+
+
+@pytest.mark.distributed
+def test_local_workers_see_the_launchers_environment_of_the_moment(monkeypatch):
+    """Workers forked from a server started at an earlier launch still see the launcher's
+    environment as it is now (set and removed variables), the agent's per-rank variables, and
+    the OpenMP threads it asks for."""
+    names = ("MEGATRON_EXT_TEST_EARLIER", "MEGATRON_EXT_TEST_LATER", "RANK", "OMP_NUM_THREADS")
+    monkeypatch.setenv("MEGATRON_EXT_TEST_EARLIER", "set before the first launch")
+    launch_local(2, environ_and_threads, (names,), "127.0.0.1", 0)  # starts the server if none is
+    monkeypatch.delenv("MEGATRON_EXT_TEST_EARLIER")
+    monkeypatch.setenv("MEGATRON_EXT_TEST_LATER", "set after it")
+    seen = launch_local(2, environ_and_threads, (names,), "127.0.0.1", 0)
+    for rank, (environ, threads) in seen.items():
+        assert environ == {
+            "MEGATRON_EXT_TEST_EARLIER": None,
+            "MEGATRON_EXT_TEST_LATER": "set after it",
+            "RANK": str(rank),
+            "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],  # set by launch_local if unset
+        }
+        assert threads == int(os.environ["OMP_NUM_THREADS"])

@@ -197,7 +197,8 @@ _ENVIRON_AT_IMPORT = dict(os.environ)
 class _InLauncherEnviron:
     """`worker` run in the launcher's environment of the moment of the launch, plus the
     variables the elastic agent set for the rank, as a spawned worker sees them. A forkserver's
-    children inherit the server's environment instead: the launcher's at the server's start."""
+    children inherit the server's environment instead: the launcher's at the server's start
+    (Python hands them the launcher's working directory and import path itself)."""
 
     def __init__(self, worker: Callable[..., Any], environ: dict) -> None:
         functools.update_wrapper(self, worker)  # the elastic agent names the job after it

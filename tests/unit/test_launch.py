@@ -4,6 +4,7 @@ what the local workers see."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -67,22 +68,24 @@ def test_slurm_master_port_is_in_user_range():
     assert min(ports) >= 15000 and max(ports) < 35000
 
 
-def environ_and_threads(names: tuple) -> tuple:
-    return {name: os.environ.get(name) for name in names}, torch.get_num_threads()
+def what_a_worker_sees(names: tuple) -> tuple:
+    return {name: os.environ.get(name) for name in names}, torch.get_num_threads(), os.getcwd(), sys.path
 
 
 @pytest.mark.distributed
-def test_local_workers_see_the_launchers_environment_of_the_moment(monkeypatch):
+def test_local_workers_see_the_launcher_as_it_is_at_each_launch(monkeypatch, tmp_path):
     """Workers forked from a server started at an earlier launch still see the launcher's
-    environment as it is now (set and removed variables), the agent's per-rank variables, and
-    the OpenMP threads it asks for."""
+    environment (set and removed variables), working directory and import path as they are
+    now, the agent's per-rank variables, and the OpenMP threads asked for."""
     names = ("MEGATRON_EXT_TEST_EARLIER", "MEGATRON_EXT_TEST_LATER", "RANK", "OMP_NUM_THREADS")
     monkeypatch.setenv("MEGATRON_EXT_TEST_EARLIER", "set before the first launch")
-    launch_local(2, environ_and_threads, (names,), "127.0.0.1", 0)  # starts the server if none is
+    launch_local(2, what_a_worker_sees, (names,), "127.0.0.1", 0)  # starts the server if none is
     monkeypatch.delenv("MEGATRON_EXT_TEST_EARLIER")
     monkeypatch.setenv("MEGATRON_EXT_TEST_LATER", "set after it")
-    seen = launch_local(2, environ_and_threads, (names,), "127.0.0.1", 0)
-    for rank, (environ, threads) in seen.items():
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "later"))
+    seen = launch_local(2, what_a_worker_sees, (names,), "127.0.0.1", 0)
+    for rank, (environ, threads, cwd, path) in seen.items():
         assert environ == {
             "MEGATRON_EXT_TEST_EARLIER": None,
             "MEGATRON_EXT_TEST_LATER": "set after it",
@@ -90,3 +93,4 @@ def test_local_workers_see_the_launchers_environment_of_the_moment(monkeypatch):
             "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],  # set by launch_local if unset
         }
         assert threads == int(os.environ["OMP_NUM_THREADS"])
+        assert (cwd, path) == (str(tmp_path), sys.path)

@@ -52,6 +52,7 @@ from megatron_ext.reshard.plan import TransferPlan, plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
+from megatron_ext.training.release import release_in_background
 
 
 class ReshardFailed(RuntimeError):
@@ -181,6 +182,8 @@ def reshard(
     errors, executed = _switch_and_move(trainer, move, source, shared_memory)
     if errors:
         _roll_back(trainer, source_parallel, source, errors)
+    release_in_background(source)  # the left layout: its groups' destructors take tens of ms each
+    del source
     return move.report(executed, time.perf_counter() - start)
 
 

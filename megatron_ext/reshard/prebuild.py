@@ -36,6 +36,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
+from megatron_ext.training.release import release_in_background
 from megatron_ext.training.trainer import destroy_groups, parallel_state_sizes, unlink_optimizer
 
 # parallel_state's state: every module global named like _TENSOR_MODEL_PARALLEL_GROUP, and the
@@ -61,9 +62,12 @@ class Prebuilt:
         (megatron's state is empty then)."""
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("reshard: leave the running layout before installing another")
+        replaced = []  # megatron leaves some of the left layout's groups in its globals
         for name, value in vars(self.state).items():
             if _STATE_NAME.match(name) or name == _GROUP_LIST:
+                replaced.append(getattr(parallel_state, name, None))
                 setattr(parallel_state, name, value)
+        release_in_background(replaced)
         self.installed = True
 
     def discard(self) -> None:

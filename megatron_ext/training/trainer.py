@@ -54,6 +54,7 @@ from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.preemption import StopRequest
+from megatron_ext.training.release import release_in_background
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 
 
@@ -84,13 +85,16 @@ def unlink_optimizer(model_config: TransformerConfig) -> None:
     model_config.grad_scale_func = None
 
 
-def destroy_groups(groups: list) -> None:
+def destroy_groups(groups: list, in_background: bool = False) -> None:
     """Destroy the process groups megatron created (`_global_process_group_list`). Megatron
     only forgets most of its groups, and each keeps its threads and sockets: a job that changes
-    layout many times would pile them up."""
+    layout many times would pile them up. `in_background`: torch forgets them here, and a
+    background thread drops the objects (their destructors take tens of ms each, release.py)."""
     for group in groups:
         if group is not None and group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo ones
             dist.destroy_process_group(group)
+    if in_background:
+        release_in_background(groups)
 
 
 def _leave_as_allocated(weight: torch.Tensor) -> None:
@@ -552,7 +556,7 @@ class Trainer:
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
         self.world_size = dist.get_world_size()  # a worker pool may have formed a new world
         self.dp = resolve_dp(self.cfg, self.world_size)
-        self.close()
+        destroy_groups(self._leave_layout(), in_background=True)
         if prebuilt is not None:
             prebuilt.install()
             self._seed_and_batches()
@@ -570,9 +574,13 @@ class Trainer:
 
     def close(self) -> None:
         """Leave this layout: megatron's globals and the process groups it created."""
+        destroy_groups(self._leave_layout())
+
+    def _leave_layout(self) -> list:
+        """Clear megatron's globals of this layout; returns its process groups, not destroyed."""
         groups = list(parallel_state._global_process_group_list or ())
         if self.model_config is not None:
             unlink_optimizer(self.model_config)
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
-        destroy_groups(groups)
+        return groups

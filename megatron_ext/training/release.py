@@ -1,0 +1,45 @@
+"""Dropping the last references to a left layout's objects off the training thread.
+
+A gloo process group's destructor joins its threads and closes its connections: tens of
+milliseconds each (28 ms per connected group, measured on 4 CPU ranks), with the GIL released.
+A layout holds about twenty groups; freed in the training thread when a job switches layout,
+they added about 0.1 s to the stall of every live reshard of a tiny model. One daemon thread
+takes the references instead and drops them, in the order given.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Optional
+
+_QUEUE: queue.SimpleQueue = queue.SimpleQueue()
+_THREAD: Optional[threading.Thread] = None
+_LOCK = threading.Lock()
+
+
+def release_in_background(*objects: Any) -> None:
+    """Let a background thread drop these references (the caller keeps none it needs)."""
+    global _THREAD
+    with _LOCK:
+        if _THREAD is None:
+            _THREAD = threading.Thread(target=_drop_forever, name="megatron_ext-release", daemon=True)
+            _THREAD.start()
+    _QUEUE.put(objects)
+
+
+def wait_released() -> None:
+    """Until everything handed over so far has been dropped."""
+    if _THREAD is not None:
+        done = threading.Event()
+        _QUEUE.put((done,))
+        done.wait()
+
+
+def _drop_forever() -> None:
+    while True:
+        objects = _QUEUE.get()
+        for item in objects:
+            if isinstance(item, threading.Event):
+                item.set()
+        del objects, item

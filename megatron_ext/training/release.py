@@ -40,6 +40,6 @@ def _drop_forever() -> None:
     while True:
         objects = _QUEUE.get()
         for item in objects:
-            if isinstance(item, threading.Event):
+            if isinstance(item, threading.Event):  # wait_released's mark
                 item.set()
-        del objects, item
+        objects = item = None

@@ -35,6 +35,8 @@ class _Script:
 
 
 def torchrun(script: str, nproc: int, *args: str, extra_path: Sequence[str] = (), timeout: int = 600) -> None:
+    """`python script args` as `nproc` ranks. `timeout` bounds a torchrun subprocess; ranks
+    started in this process are bounded by pytest's own timeout."""
     if not extra_path:
         launch_local(nproc, _Script(str(script), args), (), "127.0.0.1", 0)
         return

@@ -33,3 +33,11 @@ def test_objects_still_referenced_elsewhere_are_kept():
     release_in_background(kept)
     wait_released()
     assert seen == [] and kept.seen is seen
+
+
+def test_nothing_handed_over_keeps_the_thread_going():
+    seen: list = []
+    release_in_background()
+    release_in_background(Recorder(seen))
+    wait_released()
+    assert seen == ["megatron_ext-release"]

@@ -187,8 +187,9 @@ def launch_local(
     return elastic_launch(config, worker)(*args)
 
 
-# What every worker imports; megatron_ext.training.trainer pulls in megatron-core.
-_PRELOAD = ("megatron_ext.platform.launch", "megatron_ext.training.trainer")
+# What every worker imports; megatron_ext.training.trainer pulls in megatron-core, and torch's
+# optimizers import TorchDynamo when the first one is built (about 1 s on these CPUs).
+_PRELOAD = ("megatron_ext.platform.launch", "megatron_ext.training.trainer", "torch._dynamo")
 
 # This process's environment when this module was imported: in a forkserver, the server's.
 _ENVIRON_AT_IMPORT = dict(os.environ)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import pickle
 import time
 from datetime import timedelta
@@ -287,6 +288,8 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     if pool.form_world(active_workers(cfg, pool.size)):
         trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
         trainer.setup()
+    else:  # on standby: the first optimizer built imports TorchDynamo (about 1 s), not in the stall
+        importlib.import_module("torch._dynamo")
     while True:
         if trainer is None:  # standby
             command = pool.broadcast()

@@ -556,7 +556,7 @@ class Trainer:
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
         self.world_size = dist.get_world_size()  # a worker pool may have formed a new world
         self.dp = resolve_dp(self.cfg, self.world_size)
-        destroy_groups(self._leave_layout(), in_background=True)
+        self.close(in_background=True)
         if prebuilt is not None:
             prebuilt.install()
             self._seed_and_batches()
@@ -572,15 +572,12 @@ class Trainer:
         else:
             self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
-    def close(self) -> None:
-        """Leave this layout: megatron's globals and the process groups it created."""
-        destroy_groups(self._leave_layout())
-
-    def _leave_layout(self) -> list:
-        """Clear megatron's globals of this layout; returns its process groups, not destroyed."""
+    def close(self, in_background: bool = False) -> None:
+        """Leave this layout: megatron's globals and the process groups it created (their
+        objects dropped by a background thread with `in_background`, see destroy_groups)."""
         groups = list(parallel_state._global_process_group_list or ())
         if self.model_config is not None:
             unlink_optimizer(self.model_config)
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
-        return groups
+        destroy_groups(groups, in_background)

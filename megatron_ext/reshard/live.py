@@ -70,13 +70,15 @@ class ReshardReport:
     transport: str  # how the state travelled: "shared memory" or "messages" (execute.py)
     prepare_seconds: float  # plan and rounds: before the stall, in the background if prepared
     stall_seconds: float  # build the new layout and move the state: training stands still
+    built_ahead: bool  # the new layout was built before the stall (prebuilt), not in it
 
     def __str__(self) -> str:
         return (
             f"reshard {self.source} -> {self.target}: {self.network_bytes / 2**20:.1f} MiB over the "
             f"network in {self.rounds} rounds through {self.transport} (staging peak "
             f"{self.peak_bound_bytes / 2**20:.1f} MiB), "
-            f"prepare {self.prepare_seconds:.2f} s, stall {self.stall_seconds:.2f} s"
+            f"prepare {self.prepare_seconds:.2f} s, stall {self.stall_seconds:.2f} s "
+            f"({'built ahead' if self.built_ahead else 'built at the switch'})"
         )
 
 
@@ -90,8 +92,14 @@ class Move:
     seconds: float  # planning (and prebuilding) time
     prebuilt: Optional[Prebuilt] = None  # the target layout, built beside the running one
 
-    def report(self, executed: Executed, stall_seconds: float) -> ReshardReport:
-        """The report of this move once carried out."""
+    def discard(self) -> None:
+        """Free what was built for this move (it will not be carried out)."""
+        if self.prebuilt is not None:
+            self.prebuilt.discard()
+
+    def report(self, executed: Executed, stall_seconds: float, built_ahead: Optional[bool] = None) -> ReshardReport:
+        """The report of this move once carried out (`built_ahead`: default, whether a layout
+        was prebuilt for it)."""
         return ReshardReport(
             source=str(self.transfer.a),
             target=str(self.transfer.b),
@@ -102,6 +110,7 @@ class Move:
             transport=executed.transport,
             prepare_seconds=self.seconds,
             stall_seconds=stall_seconds,
+            built_ahead=self.prebuilt is not None if built_ahead is None else built_ahead,
         )
 
 
@@ -130,18 +139,18 @@ class Preparation:
     def done(self) -> bool:
         return self._future.done()
 
-    def move(self) -> Move:
-        """The prepared move (waits for it); re-raises what preparing raised."""
+    def result(self):
+        """What was prepared (waits for it): a Move, or the worker pool's PreparedResize;
+        re-raises what preparing raised."""
         return self._future.result()
 
     def discard(self) -> None:
         """Give up this move: wait for its preparation, then free what it built."""
         try:
-            move = self._future.result()
+            prepared = self._future.result()
         except Exception:  # noqa: BLE001 - nothing was kept
             return
-        if move.prebuilt is not None:
-            move.prebuilt.discard()
+        prepared.discard()
 
 
 def prepare(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: bool = True) -> Preparation:
@@ -171,7 +180,7 @@ def reshard(
 ) -> ReshardReport:
     """Move `trainer` (at a step boundary) to the layout `target` of the same world (the state
     through shared memory where every rank can, with `shared_memory`; see execute.py)."""
-    move = prepared.move() if prepared is not None else plan_move(trainer, target, budget_mb)
+    move = prepared.result() if prepared is not None else plan_move(trainer, target, budget_mb)
     if move.target != target:
         raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
     _check_same_plan(move.transfer)
@@ -225,8 +234,7 @@ def _switch_and_move(
         error = e
     errors = _gather_errors(error)
     if errors:
-        if move.prebuilt is not None:
-            move.prebuilt.discard()
+        move.discard()
         return errors, NOTHING_MOVED
     guarded = Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
     executed = execute(move.transfer, move.steps, guarded.read, guarded.write, shared_memory=shared_memory)

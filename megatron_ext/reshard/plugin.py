@@ -12,10 +12,11 @@ left out and tp/pp/cp change).
 Every move is prepared in the background while training goes on: as soon as it is requested,
 or `prepare_steps_ahead` steps before its scheduled step. Preparing plans the move and, with
 `prebuild` (the default), builds the new layout's groups, model and optimizer beside the running
-one; the stall is then the switch and the transfer. A move within the same workers (live.py)
-rolls back if it fails. A move to another number of workers (dp named so that tp·pp·dp·cp
-changes) goes through the worker pool (pool.py): the job is launched with as many processes as
-its largest layout needs, and the ones a layout does not use wait on standby.
+one (for a move to another number of workers, the new torch world too, on the standby workers
+that will join as well); the stall is then the switch and the transfer. A move within the same
+workers (live.py) rolls back if it fails. A move to another number of workers (dp named so that
+tp·pp·dp·cp changes) goes through the worker pool (pool.py): the job is launched with as many
+processes as its largest layout needs, and the ones a layout does not use wait on standby.
 """
 
 from __future__ import annotations
@@ -69,14 +70,13 @@ def target_config(current, layout: dict):
 
 @dataclass(frozen=True)
 class _Planned:
-    """A move being planned in the background. `prepared` is None on the ranks that do not plan
-    it (a move to another number of workers is planned on pool rank 0, which sends the plan)."""
+    """A move being prepared in the background."""
 
     target: Any  # ParallelConfig
-    prepared: Optional[Preparation]
+    prepared: Preparation
 
     def done(self) -> bool:
-        return self.prepared is None or self.prepared.done()
+        return self.prepared.done()
 
 
 @register_plugin
@@ -144,13 +144,9 @@ class ReshardPlugin(Plugin):
     def _prepare(self, trainer, target) -> _Planned:
         budget = self.cfg.memory_budget_mb
         if _changes_world(trainer, target):
-            from megatron_ext.reshard.pool import check_resize, current_pool, prepare_resize
+            from megatron_ext.reshard.pool import prepare_resize
 
-            pool = current_pool()
-            if pool.rank != 0:
-                check_resize(trainer.cfg, target, pool)
-                return _Planned(target, None)
-            return _Planned(target, prepare_resize(trainer, target, budget))
+            return _Planned(target, prepare_resize(trainer, target, budget, self.cfg.prebuild))
         from megatron_ext.reshard.live import prepare
 
         return _Planned(target, prepare(trainer, target, budget, self.cfg.prebuild))
@@ -182,8 +178,7 @@ class ReshardPlugin(Plugin):
             trainer.note(f"step {step}: {e}; training goes on")
             return
         except ValueError as e:  # refused before anything moved (e.g. a budget below one element)
-            if planned.prepared is not None:
-                planned.prepared.discard()
+            planned.prepared.discard()
             trainer.note(f"step {step}: reshard refused: {e}")
             return
         self.reports.append(report)
@@ -194,7 +189,7 @@ class ReshardPlugin(Plugin):
         """Drop the moves prepared but not applied, freeing what they built (after waiting for
         them: no group creation may run beside a switch)."""
         for planned in (self._next[1] if self._next else None, self._requested_move):
-            if planned is not None and planned.prepared is not None:
+            if planned is not None:
                 planned.prepared.discard()
         self._next = self._requested_move = None
 

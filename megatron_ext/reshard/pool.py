@@ -6,19 +6,24 @@
 All launched processes form the pool; the first tp·pp·dp·cp of them form megatron's world
 (torch's default group), the others wait on standby. When a reshard changes that number:
 
-1. pool rank 0 plans the move over the pool (a pure function; ranks past the old or new layout
-   hold nothing there). A scheduled move is planned in the background while training goes on
-   (`prepare_resize`);
-2. pool rank 0 sends the command (new layout, the plan, the run's config and common state:
-   counters, scheduler, plugin states) to every pool rank, standby ones included;
+1. preparing, in the background while training goes on (`prepare_resize`): pool rank 0 plans
+   the move over the pool (a pure function; ranks past the old or new layout hold nothing
+   there) and tells the standby workers; every rank of the new world then builds it ahead
+   (future_world.py): the torch world under a new store prefix, and in it the new layout's
+   groups, model, optimizer and datasets (the ranks that stay, in a background thread), or a
+   whole trainer from the job's common state (the ranks that join, while on standby);
+2. at the step: pool rank 0 sends the command (new layout, the plan, the run's config and
+   common state: counters, scheduler, plugin states) to every pool rank, standby ones included;
 3. the old world's ranks keep their model and optimizer objects as the source and leave the
-   old world; the new world's ranks form it, under a new store prefix: those that stay switch
-   layout, those that join build a trainer from the common state;
+   old world; the new world's ranks enter the one built ahead (or, when it was not, form it
+   now and build their layout or trainer);
 4. the state moves over the pool's own gloo group, then leaving ranks go back to standby.
 
 When the job ends, pool rank 0 tells the standby ranks to exit. Failure policy: the old world's
 ranks keep their model and optimizer objects untouched until the move succeeded everywhere. An
-exception while building the new layout or during the transfer is agreed on over the pool; then
+exception while building the new world ahead makes the move build it at the switch instead (every
+rank drops what it built: agreed on over the pool); one while building it at the switch or
+during the transfer is agreed on over the pool too; then
 the new world is dissolved, the old one formed again, its ranks rebuild the old layout and copy
 their old state into it (ReshardFailed says what happened, and training goes on), and ranks that
 had joined return to standby. A killed worker breaks the pool itself: the launcher restarts the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import logging
 import pickle
 import time
 from datetime import timedelta
@@ -42,11 +48,15 @@ import torch.distributed as dist
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
+from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, rounds
+from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.live import Move, Preparation, ReshardFailed, Guarded, planner_model
 from megatron_ext.reshard.plan import plan
+from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
+from megatron_ext.training.release import release_in_background
 
 # Standby workers wait for a command this long: the length of a job.
 STANDBY_TIMEOUT = timedelta(days=7)
@@ -77,17 +87,28 @@ class WorkerPool:
 
     def form_world(self, active: int) -> bool:
         """Join a new megatron world of pool ranks [0, active) if this rank is one of them."""
-        self.worlds += 1
+        number = self.next_world()
         if self.rank >= active:
             return False
-        dist.init_process_group(
-            backend="nccl" if self.device.type == "cuda" else "gloo",
-            store=dist.PrefixStore(f"world{self.worlds}", self.store),
-            rank=self.rank,
-            world_size=active,
-            timeout=self.timeout,
-        )
+        dist.init_process_group(self.backend, store=self._world_store(number), rank=self.rank, world_size=active, timeout=self.timeout)
         return True
+
+    def future_world(self, number: int, active: int) -> FutureWorld:
+        """World `number` of pool ranks [0, active), built ahead by this rank (one of them)."""
+        return FutureWorld(self._world_store(number), self.rank, active, number, self.backend, self.timeout)
+
+    def next_world(self) -> int:
+        """The number of the next world (the same on every pool rank: each counts every world
+        formed or prepared)."""
+        self.worlds += 1
+        return self.worlds
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _world_store(self, number: int) -> dist.Store:
+        return dist.PrefixStore(f"world{number}", self.store)
 
     # --- messages over the pool ----------------------------------------------------------------
 
@@ -140,6 +161,46 @@ class Resize:
     common: dict  # Trainer.common_state() of the old world
     move: Move  # the plan over the pool, made on pool rank 0
     shared_memory: bool = True  # the executor's transport between processes of one host
+    world: Optional[int] = None  # the number of the new world, if built ahead
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareWorld:
+    """Build world `number` for the move to `target` ahead (pool rank 0 tells the standby
+    workers while the old world trains)."""
+
+    number: int
+    cfg: Config  # the run's config, in the layout being left
+    target: ParallelConfig
+    common: dict  # Trainer.common_state() when preparing began
+
+
+@dataclasses.dataclass
+class PreparedResize:
+    """This rank's part of a move to another number of workers, prepared while training goes
+    on: the plan (on pool rank 0, which sends it) and the new world built ahead, if it was
+    (`number`), with what this rank built in it."""
+
+    number: Optional[int] = None
+    move: Optional[Move] = None
+    world: Optional[FutureWorld] = None  # None where this rank is not in the new world
+    built: Optional[Prebuilt] = None  # a staying rank's new layout
+    trainer: Any = None  # a joining rank's trainer
+    error: Optional[BaseException] = None  # building ahead failed here
+
+    def ready(self, number: Optional[int], pool: "WorkerPool", active: int) -> bool:
+        """Whether this rank holds its part of world `number` of `active` ranks."""
+        mine = self.built is not None or self.trainer is not None
+        return self.error is None and self.number == number and mine == (pool.rank < active)
+
+    def discard(self) -> None:
+        """Free what was built ahead (it will not be entered)."""
+        release_in_background(self.world.dissolve() if self.world is not None else [])
+        if self.built is not None:
+            self.built.discard()
+        if self.trainer is not None:
+            self.trainer.close(in_background=True)
+        self.world = self.built = self.trainer = None
 
 
 def active_workers(cfg: Config, pool_size: int) -> int:
@@ -167,11 +228,55 @@ def plan_resize(trainer, target: ParallelConfig, budget_mb: float) -> Move:
     return Move(target, transfer, rounds(transfer, int(budget_mb * 2**20)), time.perf_counter() - start)
 
 
-def prepare_resize(trainer, target: ParallelConfig, budget_mb: float) -> Preparation:
-    """`plan_resize` in the background (on pool rank 0, the one that sends the plan), after
-    checking `target` here."""
-    check_resize(trainer.cfg, target, current_pool())
-    return Preparation(target, functools.partial(plan_resize, trainer, target, budget_mb))
+def prepare_resize(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: bool = True) -> Preparation:
+    """On every rank of the old world, after checking `target` here: in the background, the
+    plan (on pool rank 0, the one that sends it) and, with `prebuild_target` (and no plugin
+    that rewrites the model), the new world built ahead on all of its ranks."""
+    pool = current_pool()
+    check_resize(trainer.cfg, target, pool)
+    number, message = None, None
+    if prebuild_target and can_prebuild(trainer):
+        number = pool.next_world()
+        message = PrepareWorld(number, trainer.cfg, target, trainer.common_state())
+    work = functools.partial(_prepare_resize, trainer, target, budget_mb, message, current_device())
+    return Preparation(target, work)
+
+
+def _prepare_resize(trainer, target, budget_mb: float, message: Optional[PrepareWorld], device) -> PreparedResize:
+    pool = current_pool()
+    prepared = PreparedResize()
+    if message is not None:
+        start = time.perf_counter()
+        pool.broadcast(message if pool.rank == 0 else None)  # the standby workers build meanwhile
+        prepared = PreparedResize(message.number)
+        active = active_workers(dataclasses.replace(trainer.cfg, parallel=target), pool.size)
+        if pool.rank < active:
+            prepared.world = pool.future_world(message.number, active)
+            with prepared.world.building():
+                prepared.built = prebuild(trainer, target, device, future_world=True)
+        building_s = time.perf_counter() - start
+    if pool.rank == 0:
+        prepared.move = plan_resize(trainer, target, budget_mb)
+        if message is not None:
+            prepared.move = dataclasses.replace(prepared.move, seconds=prepared.move.seconds + building_s)
+    return prepared
+
+
+def build_ahead(pool: WorkerPool, message: PrepareWorld, plugins: list) -> PreparedResize:
+    """On a standby worker: its part of world `message.number`, if it will be in it: the world
+    and a trainer in it, from the job's common state (brought up to date when it joins)."""
+    pool.worlds = message.number
+    prepared = PreparedResize(message.number)
+    active = active_workers(dataclasses.replace(message.cfg, parallel=message.target), pool.size)
+    if pool.rank >= active:
+        return prepared
+    try:
+        prepared.world = pool.future_world(message.number, active)
+        with prepared.world.building():
+            prepared.trainer = _joined(dataclasses.replace(message.cfg, parallel=message.target), plugins, message.common)
+    except Exception as e:  # noqa: BLE001 - agreed on by every pool rank at the switch
+        prepared.error = e
+    return prepared
 
 
 def resize(
@@ -181,40 +286,54 @@ def resize(
     prepared: Optional[Preparation] = None,
     shared_memory: bool = True,
 ):
-    """On the old world's ranks, at a step boundary: move the job to `target`. `prepared`
-    matters on pool rank 0 only. Returns the ReshardReport; afterwards `trainer` is in the new
-    world, or has `left` it."""
+    """On the old world's ranks, at a step boundary: move the job to `target` (`prepared`: by
+    `prepare_resize` on every one of them, or on none). Returns the ReshardReport; afterwards
+    `trainer` is in the new world, or has `left` it."""
     start = time.perf_counter()
     pool = current_pool()
     check_resize(trainer.cfg, target, pool)
+    mine = PreparedResize()
+    if prepared is not None:
+        try:
+            mine = prepared.result()
+        except Exception as e:  # noqa: BLE001 - the move is then built at the switch
+            mine = PreparedResize(error=e)
     command = None
     if pool.rank == 0:
-        move = prepared.move() if prepared is not None else plan_resize(trainer, target, budget_mb)
+        move = mine.move or plan_resize(trainer, target, budget_mb)
         if move.target != target:
             raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
-        command = Resize(trainer.cfg, target, trainer.common_state(), move, shared_memory)
-    return carry_out(pool, pool.broadcast(command), trainer, started=start)[1]
+        command = Resize(trainer.cfg, target, trainer.common_state(), move, shared_memory, mine.number)
+    return carry_out(pool, pool.broadcast(command), trainer, started=start, prepared=mine)[1]
 
 
-def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=(), started: Optional[float] = None):
+def carry_out(
+    pool: WorkerPool,
+    command: Resize,
+    trainer=None,
+    plugins=(),
+    started: Optional[float] = None,
+    prepared: Optional[PreparedResize] = None,
+):
     """Every pool rank's part of `command`. `trainer`: this rank's, if it is in the old world;
     `plugins`: for a trainer built here when this rank joins; `started`: when the stall began
-    (default: now). Returns (the trainer of this rank in the new world or None, the
-    ReshardReport). If building or moving failed on any rank, every rank returns to the old
-    layout (ReshardFailed on the old world's ranks; a rank that had joined returns (None, None)
-    and goes back to standby)."""
+    (default: now); `prepared`: this rank's part of the new world, if built ahead. Returns (the
+    trainer of this rank in the new world or None, the ReshardReport). If building or moving
+    failed on any rank, every rank returns to the old layout (ReshardFailed on the old world's
+    ranks; a rank that had joined returns (None, None) and goes back to standby)."""
     start = time.perf_counter() if started is None else started
     move = command.move
+    prepared = _agree_on_prepared(pool, command, prepared)
     old, source = trainer, None
     if old is not None:  # its model and optimizer objects are only read from now on
         ensure_optimizer_states(old.optimizer)
         source = MegatronState(old.model, old.optimizer)
-        old.close()
-        dist.destroy_process_group()
+        old.close(in_background=True)
+        release_in_background(leave_running_world())
     new, error = None, None
-    if pool.form_world(move.transfer.b.active):
+    if _enter_world(pool, move.transfer.b.active, prepared):
         try:
-            new = _enter(command, old, plugins)
+            new = _enter(command, old, plugins, prepared)
         except Exception as e:  # noqa: BLE001 - agreed on by every pool rank, then rolled back
             error = e
     failures = pool.failures(error)
@@ -230,26 +349,70 @@ def carry_out(pool: WorkerPool, command: Resize, trainer=None, plugins=(), start
         return _roll_back(pool, command, old, new, source, failures)
     if old is not None and new is None:
         old.left = True
+    release_in_background(source)  # the left layout's model and optimizer
+    del source
     pool.group.barrier().wait()
-    return new, move.report(executed, time.perf_counter() - start)
+    return new, move.report(executed, time.perf_counter() - start, built_ahead=prepared is not None)
 
 
-def _enter(command: Resize, old, plugins):
-    """This rank's trainer in the new world: `old` switched to the new layout, or a new one
-    built from the job's common state; its weights and states are placeholders until the move."""
+def _agree_on_prepared(pool: WorkerPool, command: Resize, prepared: Optional[PreparedResize]):
+    """`prepared`, if every pool rank holds its part of the world `command` was prepared with;
+    otherwise None, and every rank drops what it built (the move builds at the switch)."""
+    if command.world is not None:
+        active = command.move.transfer.b.active
+        ready = prepared is not None and prepared.ready(command.world, pool, active)
+        failures = pool.failures(None if ready else _not_ready(prepared))
+        if not failures:
+            return prepared
+        logging.getLogger(__name__).warning("reshard: building the new world ahead failed (%s); building it now", failures)
+    if prepared is not None:
+        prepared.discard()
+    return None
+
+
+def _not_ready(prepared: Optional[PreparedResize]) -> BaseException:
+    if prepared is not None and prepared.error is not None:
+        return prepared.error
+    return RuntimeError("this rank did not build its part of the new world")
+
+
+def _enter_world(pool: WorkerPool, active: int, prepared: Optional[PreparedResize]) -> bool:
+    """Enter the new world (the one built ahead, or a new one formed now) if this rank is in
+    it."""
+    if prepared is None:
+        return pool.form_world(active)
+    if prepared.world is None:
+        return False
+    prepared.world.enter()
+    return True
+
+
+def _enter(command: Resize, old, plugins, prepared: Optional[PreparedResize]):
+    """This rank's trainer in the new world: `old` switched to the new layout, or one that
+    joins (built ahead, or now, from the job's common state); its weights and states are
+    placeholders until the move."""
+    if old is not None:
+        old.switch_layout(command.target, new_world=True, prebuilt=prepared.built if prepared else None)
+        trainer = old
+    elif prepared is not None:
+        trainer = prepared.trainer
+        trainer.rejoin(command.common)
+    else:
+        trainer = _joined(dataclasses.replace(command.cfg, parallel=command.target), plugins, command.common)
+    ensure_optimizer_states(trainer.optimizer)
+    return trainer
+
+
+def _joined(cfg: Config, plugins, common: dict):
+    """A trainer of layout `cfg` for a rank that joins a job in `common` state."""
     from megatron_ext.training.trainer import Trainer
 
-    if old is not None:
-        old.switch_layout(command.target, new_world=True)
-        trainer = old
-    else:
-        trainer = Trainer(dataclasses.replace(command.cfg, parallel=command.target), list(plugins))
-        try:
-            trainer.setup(joining=command.common)
-        except Exception:
-            trainer.close()  # megatron's state of the half-built layout: this rank may join again
-            raise
-    ensure_optimizer_states(trainer.optimizer)
+    trainer = Trainer(cfg, list(plugins))
+    try:
+        trainer.setup(joining=common)
+    except Exception:
+        trainer.close()  # megatron's state of the half-built layout: this rank may join again
+        raise
     return trainer
 
 
@@ -284,7 +447,7 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     from megatron_ext.training.trainer import Trainer
 
     pool = WorkerPool(*prepare_process(cfg.launcher.device), timedelta(seconds=timeout_s))
-    trainer, summary = None, {}
+    trainer, summary, prepared = None, {}, None
     if pool.form_world(active_workers(cfg, pool.size)):
         trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
         trainer.setup()
@@ -293,10 +456,19 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     while True:
         if trainer is None:  # standby
             command = pool.broadcast()
+            if command is not None:
+                plugins = build_plugins(command.cfg.plugins, command.cfg)
+            if isinstance(command, PrepareWorld):
+                if prepared is not None:
+                    prepared.discard()
+                prepared = build_ahead(pool, command, plugins)
+                continue
             if command is None:
+                if prepared is not None:
+                    prepared.discard()
                 break  # the job is over
-            plugins = build_plugins(command.cfg.plugins, command.cfg)
-            trainer, _ = carry_out(pool, command, plugins=plugins)
+            trainer, _ = carry_out(pool, command, plugins=plugins, prepared=prepared)
+            prepared = None
             continue
         summary = trainer.train()
         if trainer.left:

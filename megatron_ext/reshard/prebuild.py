@@ -26,7 +26,7 @@ import importlib.util
 import re
 import threading
 import types
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ext.config.schema import ParallelConfig
+from megatron_ext.config.validate import resolve_dp
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
 from megatron_ext.training.release import release_in_background
@@ -55,6 +56,7 @@ class Prebuilt:
     model: list
     model_config: Any  # megatron's TransformerConfig
     optimizer: Any
+    datasets: Optional[tuple] = None  # (training, validation), opened in a world not yet entered
     installed: bool = False
 
     def install(self) -> None:
@@ -107,21 +109,27 @@ def process_groups(state: types.ModuleType) -> ProcessGroupCollection:
     return rebound(ProcessGroupCollection)
 
 
-def prebuild(trainer, parallel: ParallelConfig, device: torch.device) -> Prebuilt:
+def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_world: bool = False) -> Prebuilt:
     """`parallel`'s groups, model, DDP and optimizer on `device` (the rank's: a thread's current
     CUDA device is its own), built without touching the running layout. Safe in a background
     thread of every rank while the main thread trains: the running layout's groups are not
-    used, and the new ones are created in the same order everywhere."""
+    used, and the new ones are created in the same order everywhere. `future_world`: this
+    thread builds in a torch world not yet entered (future_world.py), whose default group only
+    the building threads use; the datasets are opened there too (collective, as for the ranks
+    that join it)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     state = initialize(parallel)
     groups = process_groups(state)
     model, config = trainer.build_model(parallel, groups=groups, initialise=False)
-    with _own_world_group():
+    with contextlib.nullcontext() if future_world else _own_world_group():
         optimizer = trainer.build_optimizer(model, config, parallel, groups=groups)
     ensure_optimizer_states(optimizer)
     _fault_in(model, optimizer)
-    return Prebuilt(state, model, config, optimizer)
+    datasets = None
+    if future_world:
+        datasets = trainer.open_datasets(resolve_dp(dataclasses.replace(trainer.cfg, parallel=parallel), dist.get_world_size()))
+    return Prebuilt(state, model, config, optimizer, datasets)
 
 
 @contextlib.contextmanager

@@ -187,9 +187,9 @@ class Trainer:
             self.dp,
         )
 
-    def _global_batch_size(self) -> int:
+    def _global_batch_size(self, dp: Optional[int] = None) -> int:
         t = self.cfg.train
-        return t.global_batch_size or t.micro_batch_size * self.dp
+        return t.global_batch_size or t.micro_batch_size * (dp or self.dp)
 
     def _resume_point(self) -> Optional[tuple[str, int, dict]]:
         """(directory, iteration, common state) of the checkpoint to resume from, if any."""
@@ -332,16 +332,23 @@ class Trainer:
         )
 
     def _build_data(self) -> None:
+        self.train_ds, self.valid_ds = self.open_datasets()
+        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+
+    def open_datasets(self, dp: Optional[int] = None) -> tuple:
+        """(training, validation) datasets, sized for `dp` data-parallel ranks (default: this
+        layout's). Collective: megatron's builder has the other ranks wait for rank 0's index
+        files."""
         cfg = self.cfg
         if self.data_path is None:
             self.data_path = list(cfg.data.data_path) or [
                 default_corpus_prefix(self._cache_dir(), cfg.data.corpus, self.tokenizer_spec)
             ]
-        gbs = self._global_batch_size()
+        gbs = self._global_batch_size(dp)
         # Every evaluation reads the same held-out batches, so one round of them is enough.
         eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
         num_samples = (cfg.train.iters * gbs, eval_samples, 0)
-        self.train_ds, self.valid_ds, _ = build_gpt_datasets(
+        train_ds, valid_ds, _ = build_gpt_datasets(
             self.data_path,
             self.tokenizer,
             cfg.model.seq_length,
@@ -350,7 +357,7 @@ class Trainer:
             cfg.train.seed,
             os.path.join(self._cache_dir(), "index"),
         )
-        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+        return train_ds, valid_ds
 
     def _cache_dir(self) -> str:
         return os.path.expanduser(self.cfg.data.cache_dir)
@@ -567,10 +574,17 @@ class Trainer:
             self.optimizer = self.build_optimizer(self.model, self.model_config, parallel)
         self.scheduler = self._build_scheduler()
         self.scheduler.load_state_dict(scheduler_state)
-        if new_world:  # opening the datasets is collective: with the ranks that join
-            self._build_data()
-        else:
-            self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+        if prebuilt is not None and prebuilt.datasets is not None:  # opened in the world entered
+            self.train_ds, self.valid_ds = prebuilt.datasets
+        elif new_world:  # opening the datasets is collective: with the ranks that join
+            self.train_ds, self.valid_ds = self.open_datasets()
+        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+
+    def rejoin(self, common: dict) -> None:
+        """Bring a trainer built ahead for a running job (`setup(joining=...)` with the common
+        state of then) to `common`, the job's state at the step it joins."""
+        self._restore_common(common)
+        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
     def close(self, in_background: bool = False) -> None:
         """Leave this layout: megatron's globals and the process groups it created (their

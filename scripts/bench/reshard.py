@@ -372,7 +372,7 @@ def run_trial(
     `reference`, to which the routes after the live one first return."""
     return_free_memory()
     prepared = prepare(trainer, target, budget_mb)
-    prepared.move()  # training would go on meanwhile; here the stall alone is measured
+    prepared.result()  # training would go on meanwhile; here the stall alone is measured
     dist.barrier()  # every rank's stall starts together
     with switch_timer(trainer) as switched:
         report = reshard(trainer, target, budget_mb, prepared)
@@ -383,7 +383,7 @@ def run_trial(
     built_equal = fingerprint(trainer) == live
     back_to(trainer, source, reference)
     prepared = prepare(trainer, target, budget_mb)
-    prepared.move()
+    prepared.result()
     dist.barrier()
     messages = reshard(trainer, target, budget_mb, prepared, shared_memory=False)
     messages_equal = fingerprint(trainer) == live

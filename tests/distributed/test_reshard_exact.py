@@ -262,7 +262,7 @@ def run_case(case: str, cache: str, ckpt: str) -> dict:
     trainer.close()
     poisoned, loaded, checkpoint_losses = through_checkpoint(cfg, b)
     return {
-        "prebuilt": prepared.move().prebuilt is not None and prepared.move().prebuilt.installed,
+        "prebuilt": prepared.result().prebuilt is not None and prepared.result().prebuilt.installed,
         "entries in A": len(in_a),
         "trained differ": len(differences(initial, in_a)),
         "entries in B": len(live),

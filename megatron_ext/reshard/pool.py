@@ -123,12 +123,12 @@ class WorkerPool:
         self.group.broadcast(buffer, root).wait()
         return pickle.loads(buffer.numpy().tobytes())
 
-    def failures(self, error: Optional[BaseException]) -> dict[int, str]:
+    def failures(self, error: Optional[BaseException | str]) -> dict[int, str]:
         """Every pool rank's failure (rank -> message), on every pool rank."""
         failed = torch.zeros(self.size, dtype=torch.int64)
         failed[self.rank] = int(error is not None)
         self.group.allreduce([failed]).wait()
-        mine = f"{type(error).__name__}: {error}" if error is not None else None
+        mine = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
         return {rank: self.broadcast(mine, rank) for rank in failed.nonzero().flatten().tolist()}
 
     # --- the executor's channel: the pool group (gloo: host buffers) ---------------------------
@@ -186,7 +186,7 @@ class PreparedResize:
     world: Optional[FutureWorld] = None  # None where this rank is not in the new world
     built: Optional[Prebuilt] = None  # a staying rank's new layout
     trainer: Any = None  # a joining rank's trainer
-    error: Optional[BaseException] = None  # building ahead failed here
+    error: Optional[str] = None  # building ahead failed here: what failed
 
     def ready(self, number: Optional[int], pool: "WorkerPool", active: int) -> bool:
         """Whether this rank holds its part of world `number` of `active` ranks."""
@@ -244,21 +244,19 @@ def prepare_resize(trainer, target: ParallelConfig, budget_mb: float, prebuild_t
 
 def _prepare_resize(trainer, target, budget_mb: float, message: Optional[PrepareWorld], device) -> PreparedResize:
     pool = current_pool()
-    prepared = PreparedResize()
+    prepared, start = PreparedResize(), time.perf_counter()
     if message is not None:
-        start = time.perf_counter()
         pool.broadcast(message if pool.rank == 0 else None)  # the standby workers build meanwhile
         prepared = PreparedResize(message.number)
         active = active_workers(dataclasses.replace(trainer.cfg, parallel=target), pool.size)
         if pool.rank < active:
             prepared.world = pool.future_world(message.number, active)
-            with prepared.world.building():
-                prepared.built = prebuild(trainer, target, device, future_world=True)
-        building_s = time.perf_counter() - start
+            build = functools.partial(prebuild, trainer, target, device, future_world=True)
+            prepared.built, prepared.error = prepared.world.build(build)
+    building_s = time.perf_counter() - start
     if pool.rank == 0:
-        prepared.move = plan_resize(trainer, target, budget_mb)
-        if message is not None:
-            prepared.move = dataclasses.replace(prepared.move, seconds=prepared.move.seconds + building_s)
+        move = plan_resize(trainer, target, budget_mb)
+        prepared.move = dataclasses.replace(move, seconds=move.seconds + building_s)
     return prepared
 
 
@@ -268,14 +266,10 @@ def build_ahead(pool: WorkerPool, message: PrepareWorld, plugins: list) -> Prepa
     pool.worlds = message.number
     prepared = PreparedResize(message.number)
     active = active_workers(dataclasses.replace(message.cfg, parallel=message.target), pool.size)
-    if pool.rank >= active:
-        return prepared
-    try:
+    if pool.rank < active:
+        cfg = dataclasses.replace(message.cfg, parallel=message.target)
         prepared.world = pool.future_world(message.number, active)
-        with prepared.world.building():
-            prepared.trainer = _joined(dataclasses.replace(message.cfg, parallel=message.target), plugins, message.common)
-    except Exception as e:  # noqa: BLE001 - agreed on by every pool rank at the switch
-        prepared.error = e
+        prepared.trainer, prepared.error = prepared.world.build(functools.partial(_joined, cfg, plugins, message.common))
     return prepared
 
 
@@ -297,7 +291,7 @@ def resize(
         try:
             mine = prepared.result()
         except Exception as e:  # noqa: BLE001 - the move is then built at the switch
-            mine = PreparedResize(error=e)
+            mine = PreparedResize(error=f"{type(e).__name__}: {e}")
     command = None
     if pool.rank == 0:
         move = mine.move or plan_resize(trainer, target, budget_mb)
@@ -370,10 +364,10 @@ def _agree_on_prepared(pool: WorkerPool, command: Resize, prepared: Optional[Pre
     return None
 
 
-def _not_ready(prepared: Optional[PreparedResize]) -> BaseException:
+def _not_ready(prepared: Optional[PreparedResize]) -> str:
     if prepared is not None and prepared.error is not None:
         return prepared.error
-    return RuntimeError("this rank did not build its part of the new world")
+    return "this rank did not build its part of the new world"
 
 
 def _enter_world(pool: WorkerPool, active: int, prepared: Optional[PreparedResize]) -> bool:

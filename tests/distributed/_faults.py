@@ -4,7 +4,9 @@
 
 The `fault` plugin makes rank `fault.rank` fail at its `fault.after_writes`-th write of a
 destination piece during a reshard: `raise` raises an exception there, `kill` ends the process
-on the spot. Only in the job's first attempt: a job the launcher restarts runs clean. The run's
+on the spot; or, with `raise_in_setup`, raise in its first trainer's setup (on a standby
+worker: the trainer it builds ahead of joining). Only in the job's first attempt: a job the
+launcher restarts runs clean. The run's
 summary (losses and notes of the last attempt) is written to SUMMARY.json.
 """
 
@@ -20,9 +22,12 @@ from megatron_ext.plugin import Plugin, register_plugin
 
 @dataclass
 class FaultConfig:
-    kind: str = "raise"  # raise | kill
+    kind: str = "raise"  # raise | kill | raise_in_setup
     rank: int = 1
     after_writes: int = 3
+
+
+_FAILED_SETUP: list = []  # whether this process's fault plugin has failed a setup
 
 
 @register_plugin
@@ -37,6 +42,11 @@ class FaultPlugin(Plugin):
 
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if not first_attempt or dist.get_rank() != self.cfg.rank:
+            return
+        if self.cfg.kind == "raise_in_setup":
+            if not _FAILED_SETUP:
+                _FAILED_SETUP.append(True)
+                raise RuntimeError("injected fault in setup")
             return
         write, cfg, writes = MegatronState.write, self.cfg, [0]
 

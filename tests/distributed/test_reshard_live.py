@@ -63,21 +63,24 @@ def test_scheduled_reshards_follow_the_uninterrupted_run(uninterrupted, cache, t
     assert len(resumed["losses"]) == 1
 
 
-def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_path):
+@pytest.mark.parametrize("prebuild", [True, False], ids=["built_ahead", "built_at_the_switch"])
+def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_path, prebuild):
     # 2 of the 4 workers train at first; all 4 from step 3 (in another layout); 2 from step 6.
+    # Built ahead: the new world and the joining workers' trainers, before the step.
     schedule = "[{step: 3, layout: {tp: 2, pp: 2, dp: 1}}, {step: 6, layout: {tp: 1, pp: 1, dp: 2}}]"
     reports = tmp_path / "moves.jsonl"
     summary = run_from_overrides(
-        [*COMMON, cache, "parallel.dp=2", f"reshard.schedule={schedule}", f"reshard.report_file={reports}"]
+        [*COMMON, cache, "parallel.dp=2", f"reshard.schedule={schedule}", f"reshard.report_file={reports}",
+         f"reshard.prebuild={str(prebuild).lower()}"]
     )
     moves = [n for n in summary["notes"] if "reshard" in n]
     assert "tp1·pp1·dp2·+2 standby -> tp2·pp2·dp1:" in moves[0]
     assert "tp2·pp2·dp1 -> tp1·pp1·dp2·+2 standby:" in moves[1]
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
     recorded = [json.loads(line) for line in reports.read_text().splitlines()]
-    assert [(r["step"], r["source"], r["target"]) for r in recorded] == [
-        (3, "tp1·pp1·dp2·+2 standby", "tp2·pp2·dp1"),
-        (6, "tp2·pp2·dp1", "tp1·pp1·dp2·+2 standby"),
+    assert [(r["step"], r["source"], r["target"], r["built_ahead"]) for r in recorded] == [
+        (3, "tp1·pp1·dp2·+2 standby", "tp2·pp2·dp1", prebuild),
+        (6, "tp2·pp2·dp1", "tp1·pp1·dp2·+2 standby", prebuild),
     ]
 
 
@@ -127,6 +130,20 @@ def test_exception_while_workers_join_rolls_back_and_training_goes_on(uninterrup
     failed = [n for n in summary["notes"] if "reshard" in n]
     assert len(failed) == 1 and "rank 3: RuntimeError: injected fault" in failed[0], failed
     assert "rolled back to tp1·pp1·dp2·+2 standby" in failed[0]
+    assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
+
+
+def test_a_worker_failing_to_build_ahead_makes_the_move_build_at_the_switch(uninterrupted, cache, tmp_path):
+    # Standby rank 3 fails while building its trainer ahead of step 3: every rank drops what it
+    # built (the failure breaks the new world at once, so nobody waits out a timeout), and the
+    # move builds the new world at the switch instead.
+    reports = tmp_path / "moves.jsonl"
+    summary = run_with_fault(
+        tmp_path, cache, "parallel.dp=2", "reshard.schedule=[{step: 3, layout: {dp: 4}}]",
+        "fault.kind=raise_in_setup", "fault.rank=3", f"reshard.report_file={reports}",
+    )
+    (move,) = [json.loads(line) for line in reports.read_text().splitlines()]
+    assert (move["step"], move["target"], move["built_ahead"]) == (3, "tp1·pp1·dp4", False)
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
 
 

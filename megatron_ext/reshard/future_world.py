@@ -16,6 +16,10 @@ only one. `enter()` makes its registration the process's, at the switch.
 Group names, which torch also registers process-wide (C++), come from a counter per world; the
 future world's counter starts past any the running world can reach, on every rank alike, since
 a group's name is its rendezvous key.
+
+This leans on torch's internals (`_World`, `_update_default_pg`, the C++ name registry) as of
+the pinned torch; tests/distributed/test_reshard_future_world.py checks it. A process that never
+builds a world ahead never has its registry replaced.
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ class ReshardConfig:
     memory_budget_mb: float = 64.0
     # Rank 0 appends one JSON line per move here (its ReshardReport and the step); None: none.
     report_file: Optional[str] = None
-    # Build the new layout (groups, model, optimizer) in the background before the switch. It
-    # then holds its memory from the end of preparing on, beside the running layout's.
+    # Build the new layout (groups, model, optimizer; for another number of workers the new
+    # torch world and the joining workers' trainers too) in the background before the switch.
+    # It then holds its memory from the end of preparing on, beside the running layout's.
     prebuild: bool = True
     # Start preparing a scheduled move this many steps before it.
     prepare_steps_ahead: int = 20

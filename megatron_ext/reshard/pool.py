@@ -62,6 +62,7 @@ from megatron_ext.training.release import release_in_background
 STANDBY_TIMEOUT = timedelta(days=7)
 
 _POOL: Optional["WorkerPool"] = None
+_log = logging.getLogger(__name__)
 
 
 def current_pool() -> Optional["WorkerPool"]:
@@ -358,7 +359,7 @@ def _agree_on_prepared(pool: WorkerPool, command: Resize, prepared: Optional[Pre
         failures = pool.failures(None if ready else _not_ready(prepared))
         if not failures:
             return prepared
-        logging.getLogger(__name__).warning("reshard: building the new world ahead failed (%s); building it now", failures)
+        _log.warning("reshard: building the new world ahead failed (%s); building it at the switch", failures)
     if prepared is not None:
         prepared.discard()
     return None
@@ -450,19 +451,16 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     while True:
         if trainer is None:  # standby
             command = pool.broadcast()
-            if command is not None:
-                plugins = build_plugins(command.cfg.plugins, command.cfg)
-            if isinstance(command, PrepareWorld):
-                if prepared is not None:
-                    prepared.discard()
-                prepared = build_ahead(pool, command, plugins)
-                continue
+            if prepared is not None and not isinstance(command, Resize):
+                prepared.discard()  # superseded by another, or the job is over
             if command is None:
-                if prepared is not None:
-                    prepared.discard()
                 break  # the job is over
-            trainer, _ = carry_out(pool, command, plugins=plugins, prepared=prepared)
-            prepared = None
+            plugins = build_plugins(command.cfg.plugins, command.cfg)
+            if isinstance(command, PrepareWorld):
+                prepared = build_ahead(pool, command, plugins)
+            else:
+                trainer, _ = carry_out(pool, command, plugins=plugins, prepared=prepared)
+                prepared = None
             continue
         summary = trainer.train()
         if trainer.left:

@@ -178,6 +178,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="trials per transition (JSON: medians)")
     p.add_argument("--steps", type=int, default=1,
                    help="training steps before a chain's first transition")
+    p.add_argument("--pool-steps-between", type=int, default=10,
+                   help="training steps between two moves of a pool chain: the job prepares "
+                   "each move (builds its new world) in the background meanwhile")
     p.add_argument("--budget-mb", type=float, default=64.0,
                    help="the live reshard's staging budget per round")
     p.add_argument("--ckpt-dir", help="where the disk checkpoints go (default: a temp dir in /tmp)")
@@ -733,8 +736,8 @@ def run_pool_chain(chain: list[dict[str, int]], args: argparse.Namespace) -> lis
 
     model, pool = chain_model(chain, args), max(workers(sizes) for sizes in chain)
     hops = list(zip(chain, chain[1:])) * args.repeats
-    first = args.steps + 1
-    schedule = [{"step": first + i, "layout": b} for i, (_, b) in enumerate(hops)]
+    first, gap = args.steps + 1, args.pool_steps_between + 1
+    schedule = [{"step": first + i * gap, "layout": b} for i, (_, b) in enumerate(hops)]
     tmp = Path(tempfile.mkdtemp(prefix="reshard_pool_", dir=args.ckpt_dir))
     try:
         moves, ckpt = tmp / "moves.jsonl", tmp / "ckpt"
@@ -742,7 +745,7 @@ def run_pool_chain(chain: list[dict[str, int]], args: argparse.Namespace) -> lis
         run_from_overrides(
             [*job, "plugins=[reshard]",
              f"reshard.schedule={hydra_list(schedule)}", f"reshard.report_file={moves}",
-             f"reshard.memory_budget_mb={args.budget_mb}", f"train.iters={first + len(hops)}",
+             f"reshard.memory_budget_mb={args.budget_mb}", f"train.iters={first + len(hops) * gap}",
              f"checkpoint.save={ckpt}"]
         )
         reports = [json.loads(line) for line in moves.read_text().splitlines()]
@@ -765,6 +768,7 @@ def pool_transition(a: dict, b: dict, reports: list[dict], restarts: list[float]
         "to": reports[0]["target"],
         "stall_s": stall,
         "prepare_s": statistics.median(r["prepare_seconds"] for r in reports),
+        "built_ahead": all(r["built_ahead"] for r in reports),
         "bytes_moved": reports[0]["network_bytes"],
         "rounds": reports[0]["rounds"],
         "transport": reports[0]["transport"],
@@ -828,6 +832,7 @@ def summarize(args: argparse.Namespace, machine: dict, chains: list[dict]) -> di
         "world": machine["world"],
         "repeats": args.repeats,
         "steps_before": args.steps,
+        "pool_steps_between": args.pool_steps_between,
         "budget_mb": args.budget_mb,
         "machine": machine,
         "models": {c["model"]: c["size"] for c in chains},

@@ -583,6 +583,7 @@ class Trainer:
     def rejoin(self, common: dict) -> None:
         """Bring a trainer built ahead for a running job (`setup(joining=...)` with the common
         state of then) to `common`, the job's state at the step it joins."""
+        self.scheduler = self._build_scheduler()  # megatron's load_state_dict adds the steps loaded
         self._restore_common(common)
         self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 

@@ -179,8 +179,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1,
                    help="training steps before a chain's first transition")
     p.add_argument("--pool-steps-between", type=int, default=10,
-                   help="training steps between two moves of a pool chain: the job prepares "
-                   "each move (builds its new world) in the background meanwhile")
+                   help="training steps before each move of a pool chain (after --steps): the "
+                   "job prepares the move (builds its new world) in the background meanwhile")
     p.add_argument("--budget-mb", type=float, default=64.0,
                    help="the live reshard's staging budget per round")
     p.add_argument("--ckpt-dir", help="where the disk checkpoints go (default: a temp dir in /tmp)")
@@ -736,7 +736,8 @@ def run_pool_chain(chain: list[dict[str, int]], args: argparse.Namespace) -> lis
 
     model, pool = chain_model(chain, args), max(workers(sizes) for sizes in chain)
     hops = list(zip(chain, chain[1:])) * args.repeats
-    first, gap = args.steps + 1, args.pool_steps_between + 1
+    gap = args.pool_steps_between + 1
+    first = args.steps + gap  # the first move, too, has the steps between to be built ahead
     schedule = [{"step": first + i * gap, "layout": b} for i, (_, b) in enumerate(hops)]
     tmp = Path(tempfile.mkdtemp(prefix="reshard_pool_", dir=args.ckpt_dir))
     try:

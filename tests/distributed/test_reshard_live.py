@@ -66,12 +66,13 @@ def test_scheduled_reshards_follow_the_uninterrupted_run(uninterrupted, cache, t
 @pytest.mark.parametrize("prebuild", [True, False], ids=["built_ahead", "built_at_the_switch"])
 def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_path, prebuild):
     # 2 of the 4 workers train at first; all 4 from step 3 (in another layout); 2 from step 6.
-    # Built ahead: the new world and the joining workers' trainers, before the step.
+    # Built ahead: the new world and the joining workers' trainers, a step before the move (the
+    # learning rate decays every step: the joining trainers' scheduler must be the job's then).
     schedule = "[{step: 3, layout: {tp: 2, pp: 2, dp: 1}}, {step: 6, layout: {tp: 1, pp: 1, dp: 2}}]"
     reports = tmp_path / "moves.jsonl"
     summary = run_from_overrides(
         [*COMMON, cache, "parallel.dp=2", f"reshard.schedule={schedule}", f"reshard.report_file={reports}",
-         f"reshard.prebuild={str(prebuild).lower()}"]
+         f"reshard.prebuild={str(prebuild).lower()}", "reshard.prepare_steps_ahead=1"]
     )
     moves = [n for n in summary["notes"] if "reshard" in n]
     assert "tp1·pp1·dp2·+2 standby -> tp2·pp2·dp1:" in moves[0]

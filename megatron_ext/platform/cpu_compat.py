@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -228,25 +229,49 @@ def _drop_cpu_rng_warning(record: logging.LogRecord) -> bool:
 _REAL_TENSOR_TYPE = torch.Tensor.type
 
 
+class _CudaTypeNames(threading.local):
+    """How deep this thread is in megatron code that should read CUDA type names."""
+
+    depth = 0
+
+
+class _OpenScopes:
+    """The scopes open in all threads (`Tensor.type` is torch's own while there are none)."""
+
+    lock = threading.Lock()
+    count = 0
+
+
+_CUDA_TYPE_NAMES = _CudaTypeNames()
+
+
 def _tensor_type_with_cuda_names(self, *args, **kwargs):
     name = _REAL_TENSOR_TYPE(self, *args, **kwargs)
-    if not args and not kwargs and isinstance(name, str) and self.device.type == "cpu":
+    if _CUDA_TYPE_NAMES.depth and not args and not kwargs and isinstance(name, str) and self.device.type == "cpu":
         return name.replace("torch.", "torch.cuda.", 1)
     return name
 
 
 @contextlib.contextmanager
 def _cpu_tensors_report_cuda_types():
-    """Inside megatron's optimizer set-up, `param.type()` of a CPU tensor reads as its CUDA
-    twin: the optimizers sort params by comparing against 'torch.cuda.FloatTensor' etc."""
-    if torch.Tensor.type is _tensor_type_with_cuda_names:  # re-entered from a nested call
-        yield
-        return
-    torch.Tensor.type = _tensor_type_with_cuda_names
+    """Inside megatron's optimizer set-up and grad clipping, `param.type()` of a CPU tensor
+    reads as its CUDA twin: the optimizers sort params by comparing against
+    'torch.cuda.FloatTensor' etc. Only in the calling thread: a reshard builds an optimizer in
+    a background thread while the training thread clips its grads, and one thread's scope must
+    neither end the other's nor rename the other's tensors. `Tensor.type` is torch's own while no
+    scope is open."""
+    with _OpenScopes.lock:
+        _OpenScopes.count += 1
+        torch.Tensor.type = _tensor_type_with_cuda_names
+    _CUDA_TYPE_NAMES.depth += 1
     try:
         yield
     finally:
-        torch.Tensor.type = _REAL_TENSOR_TYPE
+        _CUDA_TYPE_NAMES.depth -= 1
+        with _OpenScopes.lock:
+            _OpenScopes.count -= 1
+            if not _OpenScopes.count:
+                torch.Tensor.type = _REAL_TENSOR_TYPE
 
 
 def _with_cuda_type_names(fn: Callable) -> Callable:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -460,6 +461,37 @@ def adamw_reference(params, grads, config: OptimizerConfig) -> list[torch.Tensor
         eps=config.adam_eps,
     ).step()
     return reference
+
+
+def test_cuda_type_names_are_scoped_to_the_calling_thread():
+    """A reshard builds an optimizer in a background thread while the training thread clips its
+    grads: each thread reads CUDA type names inside its own scope only, and one scope ending
+    does not end another's."""
+    inside, outside_left, names = threading.Event(), threading.Event(), {}
+    cpu = torch.zeros(1)
+
+    def long_scope():
+        with cpu_compat._cpu_tensors_report_cuda_types():
+            names["first, before"] = cpu.type()
+            inside.set()
+            outside_left.wait()
+            names["first, after the other scope ended"] = cpu.type()
+
+    first = threading.Thread(target=long_scope)
+    first.start()
+    inside.wait()
+    names["another thread, meanwhile"] = cpu.type()
+    with cpu_compat._cpu_tensors_report_cuda_types():
+        names["second scope"] = cpu.type()
+    outside_left.set()
+    first.join()
+    assert names == {
+        "first, before": "torch.cuda.FloatTensor",
+        "another thread, meanwhile": "torch.FloatTensor",
+        "second scope": "torch.cuda.FloatTensor",
+        "first, after the other scope ended": "torch.cuda.FloatTensor",
+    }
+    assert torch.Tensor.type is cpu_compat._REAL_TENSOR_TYPE
 
 
 @pytest.mark.parametrize(

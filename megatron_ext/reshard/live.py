@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
@@ -49,10 +50,13 @@ from megatron_ext.reshard.boxes import Box
 from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, peak_bytes, rounds
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.plan import TransferPlan, plan
-from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
+from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild_or_failure
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
 from megatron_ext.training.release import release_in_background
+
+
+_log = logging.getLogger(__name__)
 
 
 class ReshardFailed(RuntimeError):
@@ -91,6 +95,7 @@ class Move:
     steps: list[Round]
     seconds: float  # planning (and prebuilding) time
     prebuilt: Optional[Prebuilt] = None  # the target layout, built beside the running one
+    build_failure: Optional[str] = None  # why building it beside the running one failed here
 
     def discard(self) -> None:
         """Free what was built for this move (it will not be carried out)."""
@@ -167,8 +172,9 @@ def prepare(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: 
 def _plan_and_build(trainer, planner: Callable[[], Move], device: torch.device) -> Move:
     move = planner()
     start = time.perf_counter()
-    built = prebuild(trainer, move.target, device)
-    return dataclasses.replace(move, prebuilt=built, seconds=move.seconds + time.perf_counter() - start)
+    built, failure = prebuild_or_failure(trainer, move.target, device)
+    seconds = move.seconds + time.perf_counter() - start
+    return dataclasses.replace(move, prebuilt=built, build_failure=failure, seconds=seconds)
 
 
 def reshard(
@@ -184,6 +190,7 @@ def reshard(
     if move.target != target:
         raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
     _check_same_plan(move.transfer)
+    move = _agree_on_prebuilt(move)
     source_parallel = trainer.cfg.parallel
     ensure_optimizer_states(trainer.optimizer)  # a job that has not stepped yet has none
     source = MegatronState(trainer.model, trainer.optimizer)
@@ -194,6 +201,19 @@ def reshard(
     release_in_background(source)  # the left layout: its groups' destructors take tens of ms each
     del source
     return move.report(executed, time.perf_counter() - start)
+
+
+def _agree_on_prebuilt(move: Move) -> Move:
+    """`move`, or, if building its layout ahead failed on any rank, the same move to be built
+    at the switch (every rank drops what it built; the log says why)."""
+    if move.prebuilt is None and move.build_failure is None:
+        return move  # not built ahead anywhere (prebuilding is off, or a plugin rewrites the model)
+    failures = _gather_errors(move.build_failure)
+    if not failures:
+        return move
+    _log.warning("reshard: building %s ahead failed (%s); building it at the switch", move.transfer.b, failures)
+    move.discard()
+    return dataclasses.replace(move, prebuilt=None, build_failure=None)
 
 
 def _check_same_plan(transfer: TransferPlan) -> None:
@@ -255,13 +275,13 @@ def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors:
     raise ReshardFailed(f"reshard failed ({what}); rolled back to {a}, no state lost")
 
 
-def _gather_errors(error: Optional[BaseException]) -> dict[int, str]:
+def _gather_errors(error: Optional[BaseException | str]) -> dict[int, str]:
     """Every rank's failure (rank -> message), on every rank."""
     failed = torch.tensor([int(error is not None)])
     dist.all_reduce(failed)  # the common case in one small tensor; the messages only on failure
     if not failed.item():
         return {}
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {rank: message for rank, message in enumerate(everyone) if message is not None}

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.util
+import logging
 import re
 import threading
+import traceback
 import types
 from typing import Any, Iterator, Optional
 
@@ -44,6 +47,8 @@ from megatron_ext.training.trainer import destroy_groups, parallel_state_sizes, 
 # list of groups it created (which Trainer.close destroys).
 _STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
 _GROUP_LIST = "_global_process_group_list"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -130,6 +135,23 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_wor
     if future_world:
         datasets = trainer.open_datasets(resolve_dp(dataclasses.replace(trainer.cfg, parallel=parallel), dist.get_world_size()))
     return Prebuilt(state, model, config, optimizer, datasets)
+
+
+def prebuild_or_failure(trainer, parallel: ParallelConfig, device: torch.device) -> tuple[Optional[Prebuilt], Optional[str]]:
+    """(`prebuild(...)`, None) in the running world, or (None, what failed). A failure frees
+    what the build made at once: its process groups are destroyed and its objects dropped (the
+    traceback with them, logged as text), so that the other ranks' collectives in those groups
+    fail too rather than wait for this rank until the timeout: a gloo group closes its
+    connections only in its destructor."""
+    before = set(dist.distributed_c10d._world.pg_map)
+    try:
+        return prebuild(trainer, parallel, device), None
+    except Exception as e:  # noqa: BLE001 - reported to the caller, without its frames
+        failure = f"{type(e).__name__}: {e}"
+        _log.warning("building the new layout ahead failed:\n%s", traceback.format_exc())
+    destroy_groups([g for g in dist.distributed_c10d._world.pg_map if g not in before])
+    gc.collect()
+    return None, failure
 
 
 @contextlib.contextmanager

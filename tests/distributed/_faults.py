@@ -5,7 +5,8 @@
 The `fault` plugin makes rank `fault.rank` fail at its `fault.after_writes`-th write of a
 destination piece during a reshard: `raise` raises an exception there, `kill` ends the process
 on the spot; or, with `raise_in_setup`, raise in its first trainer's setup (on a standby
-worker: the trainer it builds ahead of joining). Only in the job's first attempt: a job the
+worker: the trainer it builds ahead of joining); with `raise_ahead`, raise the first time it
+builds an optimizer in a background thread (the new layout built ahead). Only in the job's first attempt: a job the
 launcher restarts runs clean. The run's
 summary (losses and notes of the last attempt) is written to SUMMARY.json.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 from megatron_ext.plugin import Plugin, register_plugin
@@ -22,12 +24,12 @@ from megatron_ext.plugin import Plugin, register_plugin
 
 @dataclass
 class FaultConfig:
-    kind: str = "raise"  # raise | kill | raise_in_setup
+    kind: str = "raise"  # raise | kill | raise_in_setup | raise_ahead
     rank: int = 1
     after_writes: int = 3
 
 
-_FAILED_SETUP: list = []  # whether this process's fault plugin has failed a setup
+_FAILED_SETUP: list = []  # whether this process's fault plugin has failed a setup or build
 
 
 @register_plugin
@@ -42,6 +44,17 @@ class FaultPlugin(Plugin):
 
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if not first_attempt or dist.get_rank() != self.cfg.rank:
+            return
+        if self.cfg.kind == "raise_ahead":
+            build = trainer.build_optimizer
+
+            def failing_build(*args, **kwargs):
+                if threading.current_thread() is not threading.main_thread() and not _FAILED_SETUP:
+                    _FAILED_SETUP.append(True)
+                    raise RuntimeError("injected fault while building ahead")
+                return build(*args, **kwargs)
+
+            trainer.build_optimizer = failing_build
             return
         if self.cfg.kind == "raise_in_setup":
             if not _FAILED_SETUP:

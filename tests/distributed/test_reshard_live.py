@@ -134,17 +134,25 @@ def test_exception_while_workers_join_rolls_back_and_training_goes_on(uninterrup
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
 
 
-def test_a_worker_failing_to_build_ahead_makes_the_move_build_at_the_switch(uninterrupted, cache, tmp_path):
-    # Standby rank 3 fails while building its trainer ahead of step 3: every rank drops what it
-    # built (the failure breaks the new world at once, so nobody waits out a timeout), and the
-    # move builds the new world at the switch instead.
+BUILD_AHEAD_FAULTS = {
+    # TP2×PP2 -> TP1×PP2×DP2: rank 1's optimizer of the new layout, in the background thread.
+    "same_workers": (["parallel.tp=2", "parallel.pp=2", SWITCH_AT_5, "fault.kind=raise_ahead", "fault.rank=1"],
+                     (5, "tp1·pp2·dp2")),
+    # 2 -> 4 workers: standby rank 3's trainer, while it builds it ahead of joining.
+    "joining_worker": (["parallel.dp=2", "reshard.schedule=[{step: 3, layout: {dp: 4}}]", "fault.kind=raise_in_setup",
+                        "fault.rank=3"], (3, "tp1·pp1·dp4")),
+}
+
+
+@pytest.mark.parametrize("case", BUILD_AHEAD_FAULTS)
+def test_a_rank_failing_to_build_ahead_makes_the_move_build_at_the_switch(uninterrupted, cache, tmp_path, case):
+    # Every rank drops what it built (the failure frees the failed build's groups at once, so
+    # nobody waits out a timeout), and the move builds the new layout at the switch instead.
+    overrides, (step, target) = BUILD_AHEAD_FAULTS[case]
     reports = tmp_path / "moves.jsonl"
-    summary = run_with_fault(
-        tmp_path, cache, "parallel.dp=2", "reshard.schedule=[{step: 3, layout: {dp: 4}}]",
-        "fault.kind=raise_in_setup", "fault.rank=3", f"reshard.report_file={reports}",
-    )
+    summary = run_with_fault(tmp_path, cache, *overrides, f"reshard.report_file={reports}")
     (move,) = [json.loads(line) for line in reports.read_text().splitlines()]
-    assert (move["step"], move["target"], move["built_ahead"]) == (3, "tp1·pp1·dp4", False)
+    assert (move["step"], move["target"], move["built_ahead"]) == (step, target, False)
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
 
 

@@ -25,20 +25,18 @@ builds a world ahead never has its registry replaced.
 from __future__ import annotations
 
 import contextlib
-import gc
-import logging
 import threading
-import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from megatron_ext.training.release import built_or_failure
+
 # Group names of the n-th future world start at n * _NAME_BLOCK.
 _NAME_BLOCK = 1 << 20
 
-_log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -136,19 +134,14 @@ class FutureWorld:
 
     def build(self, build: Callable[[], T]) -> tuple[Optional[T], Optional[str]]:
         """(`build()` run in this world, None), or (None, what failed). A failure breaks the
-        world at once, so that the other ranks' collectives in it fail too rather than wait for
-        this rank until the timeout: a gloo group closes its connections only in its destructor,
-        so every object of the failed build is freed here (the traceback's frames hold them;
-        it is logged as text)."""
-        try:
+        world at once (`built_or_failure`), so that the other ranks' collectives in it fail too
+        rather than wait for this rank until the timeout."""
+
+        def in_this_world() -> T:
             with self.building():
-                return build(), None
-        except Exception as e:  # noqa: BLE001 - reported to the caller, without its frames
-            failure = f"{type(e).__name__}: {e}"
-            _log.warning("building a torch world ahead failed:\n%s", traceback.format_exc())
-        self.dissolve()
-        gc.collect()
-        return None, failure
+                return build()
+
+        return built_or_failure(in_this_world, self.dissolve)
 
     def enter(self) -> None:
         """Make this world the process's running one, in place of the running world, which the

@@ -53,7 +53,7 @@ from megatron_ext.reshard.plan import TransferPlan, plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild_or_failure
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
-from megatron_ext.training.release import release_in_background
+from megatron_ext.training.release import describe, release_in_background
 
 
 _log = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ def _gather_errors(error: Optional[BaseException | str]) -> dict[int, str]:
     dist.all_reduce(failed)  # the common case in one small tensor; the messages only on failure
     if not failed.item():
         return {}
-    mine = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
+    mine = describe(error)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {rank: message for rank, message in enumerate(everyone) if message is not None}

@@ -56,7 +56,7 @@ from megatron_ext.reshard.live import Move, Preparation, ReshardFailed, Guarded,
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
-from megatron_ext.training.release import release_in_background
+from megatron_ext.training.release import describe, release_in_background
 
 # Standby workers wait for a command this long: the length of a job.
 STANDBY_TIMEOUT = timedelta(days=7)
@@ -129,7 +129,7 @@ class WorkerPool:
         failed = torch.zeros(self.size, dtype=torch.int64)
         failed[self.rank] = int(error is not None)
         self.group.allreduce([failed]).wait()
-        mine = error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
+        mine = describe(error)
         return {rank: self.broadcast(mine, rank) for rank in failed.nonzero().flatten().tolist()}
 
     # --- the executor's channel: the pool group (gloo: host buffers) ---------------------------
@@ -292,7 +292,7 @@ def resize(
         try:
             mine = prepared.result()
         except Exception as e:  # noqa: BLE001 - the move is then built at the switch
-            mine = PreparedResize(error=f"{type(e).__name__}: {e}")
+            mine = PreparedResize(error=describe(e))
     command = None
     if pool.rank == 0:
         move = mine.move or plan_resize(trainer, target, budget_mb)

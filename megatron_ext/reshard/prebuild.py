@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import importlib.util
-import logging
 import re
 import threading
-import traceback
 import types
 from typing import Any, Iterator, Optional
 
@@ -40,15 +37,13 @@ from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
-from megatron_ext.training.release import release_in_background
+from megatron_ext.training.release import built_or_failure, release_in_background
 from megatron_ext.training.trainer import destroy_groups, parallel_state_sizes, unlink_optimizer
 
 # parallel_state's state: every module global named like _TENSOR_MODEL_PARALLEL_GROUP, and the
 # list of groups it created (which Trainer.close destroys).
 _STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
 _GROUP_LIST = "_global_process_group_list"
-
-_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -138,20 +133,15 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_wor
 
 
 def prebuild_or_failure(trainer, parallel: ParallelConfig, device: torch.device) -> tuple[Optional[Prebuilt], Optional[str]]:
-    """(`prebuild(...)`, None) in the running world, or (None, what failed). A failure frees
-    what the build made at once: its process groups are destroyed and its objects dropped (the
-    traceback with them, logged as text), so that the other ranks' collectives in those groups
-    fail too rather than wait for this rank until the timeout: a gloo group closes its
-    connections only in its destructor."""
+    """(`prebuild(...)`, None) in the running world, or (None, what failed), the failed build's
+    process groups destroyed at once (`built_or_failure`): the other ranks' collectives in them
+    fail too rather than wait for this rank until the timeout."""
     before = set(dist.distributed_c10d._world.pg_map)
-    try:
-        return prebuild(trainer, parallel, device), None
-    except Exception as e:  # noqa: BLE001 - reported to the caller, without its frames
-        failure = f"{type(e).__name__}: {e}"
-        _log.warning("building the new layout ahead failed:\n%s", traceback.format_exc())
-    destroy_groups([g for g in dist.distributed_c10d._world.pg_map if g not in before])
-    gc.collect()
-    return None, failure
+
+    def destroy_new_groups() -> None:
+        destroy_groups([g for g in dist.distributed_c10d._world.pg_map if g not in before])
+
+    return built_or_failure(lambda: prebuild(trainer, parallel, device), destroy_new_groups)
 
 
 @contextlib.contextmanager

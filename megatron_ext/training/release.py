@@ -10,9 +10,15 @@ the order given.
 
 from __future__ import annotations
 
+import gc
+import logging
 import queue
 import threading
-from typing import Any, Optional
+import traceback
+from typing import Any, Callable, Optional, TypeVar
+
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 _QUEUE: queue.SimpleQueue = queue.SimpleQueue()
 _THREAD: Optional[threading.Thread] = None
@@ -44,3 +50,24 @@ def _drop_forever() -> None:
             if isinstance(item, threading.Event):  # wait_released's mark
                 item.set()
         objects = item = None
+
+
+def built_or_failure(build: Callable[[], T], free_failed: Callable[[], Any]) -> tuple[Optional[T], Optional[str]]:
+    """(`build()`, None), or (None, what failed) with everything the failed build made freed
+    at once: `free_failed` forgets what it registered elsewhere (process groups), and its
+    objects go with the traceback's frames (logged as text). A gloo group closes its
+    connections only in its destructor, so peers waiting in a collective of the failed build's
+    groups fail then, rather than at their timeout."""
+    try:
+        return build(), None
+    except Exception as e:  # noqa: BLE001 - reported to the caller, without its frames
+        failure = f"{type(e).__name__}: {e}"
+        _log.warning("building ahead failed:\n%s", traceback.format_exc())
+    free_failed()
+    gc.collect()
+    return None, failure
+
+
+def describe(error: Optional[BaseException | str]) -> Optional[str]:
+    """A failure as one line ("Type: message"); a string is one already."""
+    return error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"

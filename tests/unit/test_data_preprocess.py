@@ -1,6 +1,5 @@
 """Indexed datasets: exact contents, atomic writes, the cached default corpus, the CLI."""
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from megatron_ext.data import ByteTokenizer, build_indexed_dataset, default_corpus_prefix
-from megatron_ext.data import preprocess
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["hello world", "", "Grüße 世界\n", "x" * 1000, "last one"]
@@ -106,28 +104,49 @@ def test_cache_key_follows_tokenizer_cap_and_content(tmp_path):
     assert sorted(map(len, new)) != sorted(map(len, old))
 
 
-def _call_default_corpus(args):
-    return default_corpus_prefix(*args)
+# One of several processes sharing a cache: waits until all have started (so they overlap),
+# then asks for the corpus with a build that logs its pid and is slow enough that, without the
+# lock, the others would start building meanwhile.
+_CONCURRENT_CHILD = """
+import os, sys, time
+from pathlib import Path
+from megatron_ext.data import preprocess
+
+cache, corpus, log, gate, count = sys.argv[1:]
+real_build = preprocess.build_indexed_dataset
+
+def slow_logged_build(documents, tokenizer, prefix):
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(0.5)
+    return real_build(documents, tokenizer, prefix)
+
+preprocess.build_indexed_dataset = slow_logged_build
+Path(gate, str(os.getpid())).touch()
+while len(os.listdir(gate)) < int(count):
+    time.sleep(0.01)
+print(preprocess.default_corpus_prefix(cache, corpus, "byte"))
+"""
 
 
-def test_concurrent_processes_build_once(tmp_path, monkeypatch):
+def test_concurrent_processes_build_once(tmp_path):
+    # Fresh interpreters, not fork: forking the pytest process, which may hold other tests'
+    # gloo threads, can deadlock the child.
     corpus = str(_write_corpus(tmp_path / "text"))
-    log = tmp_path / "builds.log"
-    real_build = preprocess.build_indexed_dataset
-
-    def slow_logged_build(documents, tokenizer, prefix):
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        time.sleep(0.3)  # without the lock, the other processes would start building meanwhile
-        return real_build(documents, tokenizer, prefix)
-
-    monkeypatch.setattr(preprocess, "build_indexed_dataset", slow_logged_build)
-    args = (str(tmp_path / "cache"), corpus, "byte")
-    with multiprocessing.get_context("fork").Pool(3) as pool:
-        prefixes = pool.map(_call_default_corpus, [args] * 3)
-    assert len(set(prefixes)) == 1
+    log, gate = tmp_path / "builds.log", tmp_path / "gate"
+    gate.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-c", _CONCURRENT_CHILD, str(tmp_path / "cache"), corpus, str(log),
+            str(gate), "3"]
+    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env) for _ in range(3)]
+    outputs = [child.communicate(timeout=300) for child in children]
+    for child, (_, stderr) in zip(children, outputs):
+        assert child.returncode == 0, stderr
+    prefixes = {stdout.strip() for stdout, _ in outputs}
+    assert len(prefixes) == 1
     assert len(log.read_text().split()) == 1
-    assert len(IndexedDataset(prefixes[0])) == 6
+    assert len(IndexedDataset(prefixes.pop())) == 6
 
 
 def test_preprocess_script(tmp_path):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,15 +76,32 @@ class ReshardReport:
     prepare_seconds: float  # plan and rounds: before the stall, in the background if prepared
     stall_seconds: float  # build the new layout and move the state: training stands still
     built_ahead: bool  # the new layout was built before the stall (prebuilt), not in it
+    # Where this rank's stall went, in order (StallClock's parts; they sum to stall_seconds).
+    stall_parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
+        parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.stall_parts.items())
         return (
             f"reshard {self.source} -> {self.target}: {self.network_bytes / 2**20:.1f} MiB over the "
             f"network in {self.rounds} rounds through {self.transport} (staging peak "
             f"{self.peak_bound_bytes / 2**20:.1f} MiB), "
             f"prepare {self.prepare_seconds:.2f} s, stall {self.stall_seconds:.2f} s "
-            f"({'built ahead' if self.built_ahead else 'built at the switch'})"
+            f"({'built ahead' if self.built_ahead else 'built at the switch'}; {parts})"
         )
+
+
+class StallClock:
+    """Where a stall's seconds go: `lap(name)` ends the part `name`, which lasted since the
+    previous lap (or since the clock started)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name] = self.parts.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +120,10 @@ class Move:
         if self.prebuilt is not None:
             self.prebuilt.discard()
 
-    def report(self, executed: Executed, stall_seconds: float, built_ahead: Optional[bool] = None) -> ReshardReport:
-        """The report of this move once carried out (`built_ahead`: default, whether a layout
-        was prebuilt for it)."""
+    def report(self, executed: Executed, clock: StallClock, built_ahead: Optional[bool] = None) -> ReshardReport:
+        """The report of this move once carried out, its stall ending now (`built_ahead`:
+        default, whether a layout was prebuilt for it)."""
+        clock.lap("finish")
         return ReshardReport(
             source=str(self.transfer.a),
             target=str(self.transfer.b),
@@ -114,8 +133,9 @@ class Move:
             peak_extra_bytes=executed.staged_bytes,
             transport=executed.transport,
             prepare_seconds=self.seconds,
-            stall_seconds=stall_seconds,
+            stall_seconds=sum(clock.parts.values()),
             built_ahead=self.prebuilt is not None if built_ahead is None else built_ahead,
+            stall_parts=dict(clock.parts),
         )
 
 
@@ -185,45 +205,45 @@ def reshard(
     shared_memory: bool = True,
 ) -> ReshardReport:
     """Move `trainer` (at a step boundary) to the layout `target` of the same world (the state
-    through shared memory where every rank can, with `shared_memory`; see execute.py)."""
+    through shared memory where every rank can, with `shared_memory`; see execute.py). The
+    stall starts here: waiting for `prepared`, if it is not done yet, is part of it."""
+    clock = StallClock()
     move = prepared.result() if prepared is not None else plan_move(trainer, target, budget_mb)
+    clock.lap("prepare")
     if move.target != target:
         raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
-    _check_same_plan(move.transfer)
-    move = _agree_on_prebuilt(move)
+    move = _agree(move)
+    clock.lap("agree")
     source_parallel = trainer.cfg.parallel
     ensure_optimizer_states(trainer.optimizer)  # a job that has not stepped yet has none
     source = MegatronState(trainer.model, trainer.optimizer)
-    start = time.perf_counter()
-    errors, executed = _switch_and_move(trainer, move, source, shared_memory)
+    errors, executed = _switch_and_move(trainer, move, source, shared_memory, clock)
     if errors:
         _roll_back(trainer, source_parallel, source, errors)
     release_in_background(source)  # the left layout: its groups' destructors take tens of ms each
     del source
-    return move.report(executed, time.perf_counter() - start)
+    return move.report(executed, clock)
 
 
-def _agree_on_prebuilt(move: Move) -> Move:
-    """`move`, or, if building its layout ahead failed on any rank, the same move to be built
-    at the switch (every rank drops what it built; the log says why)."""
-    if move.prebuilt is None and move.build_failure is None:
-        return move  # not built ahead anywhere (prebuilding is off, or a plugin rewrites the model)
-    failures = _gather_errors(move.build_failure)
-    if not failures:
+def _agree(move: Move) -> Move:
+    """`move`, after checking in one all-gather that every rank planned the very same move
+    (planning is pure and each rank plans on its own; the digest covers the whole plan and its
+    rounds: refused before anything changes otherwise) and whether building its layout ahead
+    failed anywhere: then every rank drops what it built, the log says why, and the same move
+    builds at the switch."""
+    digest = hashlib.sha256(repr((move.transfer.digest, [len(r.ops) for r in move.steps])).encode())
+    mine = torch.tensor([int(digest.hexdigest()[:15], 16), int(move.build_failure is not None)])  # 60 bits
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if any(d[0] != mine[0] for d in everyone):
+        move.discard()
+        raise ValueError(f"reshard: the ranks planned different moves to {move.transfer.b}; nothing was moved")
+    if not any(d[1] for d in everyone):
         return move
+    failures = _gather_errors(move.build_failure)
     _log.warning("reshard: building %s ahead failed (%s); building it at the switch", move.transfer.b, failures)
     move.discard()
     return dataclasses.replace(move, prebuilt=None, build_failure=None)
-
-
-def _check_same_plan(transfer: TransferPlan) -> None:
-    """Every rank planned the very same move (planning is pure, each rank plans on its own, and
-    the digest covers the whole plan); refuse the move before anything changes otherwise."""
-    mine = torch.tensor([int(transfer.digest[:15], 16)])  # 60 bits: fits an int64
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    if any(not torch.equal(d, mine) for d in everyone):
-        raise ValueError(f"reshard: the ranks planned different moves to {transfer.b}; nothing was moved")
 
 
 def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:
@@ -242,10 +262,11 @@ def _layout(parallel: ParallelConfig) -> ParallelLayout:
 
 
 def _switch_and_move(
-    trainer, move: Move, source: MegatronState, shared_memory: bool = False
+    trainer, move: Move, source: MegatronState, shared_memory: bool = False, clock: Optional[StallClock] = None
 ) -> tuple[dict[int, str], Executed]:
     """Build `move.target` and fill it from `source`. Returns (failures by rank, the transfer);
     every rank returns the same failures."""
+    clock = clock or StallClock()
     try:
         trainer.switch_layout(move.target, prebuilt=move.prebuilt)
         ensure_optimizer_states(trainer.optimizer)
@@ -253,12 +274,15 @@ def _switch_and_move(
     except Exception as e:  # noqa: BLE001 - reported to every rank, then rolled back
         error = e
     errors = _gather_errors(error)
+    clock.lap("switch")
     if errors:
         move.discard()
         return errors, NOTHING_MOVED
     guarded = Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
     executed = execute(move.transfer, move.steps, guarded.read, guarded.write, shared_memory=shared_memory)
-    return _gather_errors(guarded.error), executed
+    errors = _gather_errors(guarded.error)
+    clock.lap("transfer")
+    return errors, executed
 
 
 def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors: dict[int, str]) -> None:

@@ -52,7 +52,7 @@ from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, rounds
 from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.live import Move, Preparation, ReshardFailed, Guarded, planner_model
+from megatron_ext.reshard.live import Guarded, Move, Preparation, ReshardFailed, StallClock, planner_model
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
@@ -284,7 +284,7 @@ def resize(
     """On the old world's ranks, at a step boundary: move the job to `target` (`prepared`: by
     `prepare_resize` on every one of them, or on none). Returns the ReshardReport; afterwards
     `trainer` is in the new world, or has `left` it."""
-    start = time.perf_counter()
+    clock = StallClock()
     pool = current_pool()
     check_resize(trainer.cfg, target, pool)
     mine = PreparedResize()
@@ -299,7 +299,8 @@ def resize(
         if move.target != target:
             raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
         command = Resize(trainer.cfg, target, trainer.common_state(), move, shared_memory, mine.number)
-    return carry_out(pool, pool.broadcast(command), trainer, started=start, prepared=mine)[1]
+    clock.lap("prepare")
+    return carry_out(pool, pool.broadcast(command), trainer, clock=clock, prepared=mine)[1]
 
 
 def carry_out(
@@ -307,24 +308,27 @@ def carry_out(
     command: Resize,
     trainer=None,
     plugins=(),
-    started: Optional[float] = None,
+    clock: Optional[StallClock] = None,
     prepared: Optional[PreparedResize] = None,
 ):
     """Every pool rank's part of `command`. `trainer`: this rank's, if it is in the old world;
-    `plugins`: for a trainer built here when this rank joins; `started`: when the stall began
-    (default: now); `prepared`: this rank's part of the new world, if built ahead. Returns (the
-    trainer of this rank in the new world or None, the ReshardReport). If building or moving
-    failed on any rank, every rank returns to the old layout (ReshardFailed on the old world's
-    ranks; a rank that had joined returns (None, None) and goes back to standby)."""
-    start = time.perf_counter() if started is None else started
+    `plugins`: for a trainer built here when this rank joins; `clock`: the stall's, if it began
+    before (default: it begins now); `prepared`: this rank's part of the new world, if built
+    ahead. Returns (the trainer of this rank in the new world or None, the ReshardReport). If
+    building or moving failed on any rank, every rank returns to the old layout (ReshardFailed
+    on the old world's ranks; a rank that had joined returns (None, None) and goes back to
+    standby)."""
+    clock = clock or StallClock()
     move = command.move
     prepared = _agree_on_prepared(pool, command, prepared)
+    clock.lap("agree")
     old, source = trainer, None
     if old is not None:  # its model and optimizer objects are only read from now on
         ensure_optimizer_states(old.optimizer)
         source = MegatronState(old.model, old.optimizer)
         old.close(in_background=True)
         release_in_background(leave_running_world())
+    clock.lap("leave")
     new, error = None, None
     if _enter_world(pool, move.transfer.b.active, prepared):
         try:
@@ -332,6 +336,7 @@ def carry_out(
         except Exception as e:  # noqa: BLE001 - agreed on by every pool rank, then rolled back
             error = e
     failures = pool.failures(error)
+    clock.lap("switch")
     executed = NOTHING_MOVED
     if not failures:
         target = MegatronState(new.model, new.optimizer) if new is not None else None
@@ -340,6 +345,7 @@ def carry_out(
             move.transfer, move.steps, guarded.read, guarded.write, channel=pool, shared_memory=command.shared_memory
         )
         failures = pool.failures(guarded.error)
+        clock.lap("transfer")
     if failures:
         return _roll_back(pool, command, old, new, source, failures)
     if old is not None and new is None:
@@ -347,7 +353,7 @@ def carry_out(
     release_in_background(source)  # the left layout's model and optimizer
     del source
     pool.group.barrier().wait()
-    return new, move.report(executed, time.perf_counter() - start, built_ahead=prepared is not None)
+    return new, move.report(executed, clock, built_ahead=prepared is not None)
 
 
 def _agree_on_prepared(pool: WorkerPool, command: Resize, prepared: Optional[PreparedResize]):

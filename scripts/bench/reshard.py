@@ -37,7 +37,6 @@ does not hold in A, counted over the VPS pieces' logical coordinates apart from 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -112,10 +111,12 @@ TARGETS: dict[str, Callable[[dict], Optional[bool]]] = {
     "round trip A -> B -> A gives back A's state bitwise": lambda t: t.get("round_trip_equal"),
 }
 
+# The parts of a live stall (ReshardReport.stall_parts), in order.
+STALL_PARTS = ("prepare", "agree", "switch", "transfer", "finish")
+
 # Per-trial times reported, as medians, under "parts".
 PARTS = (
-    "stall_switch_s",
-    "stall_transfer_s",
+    *(f"stall_{name}_s" for name in STALL_PARTS),
     "ckpt_tmpfs_save_s",
     "ckpt_tmpfs_load_s",
     "ckpt_disk_save_s",
@@ -377,8 +378,7 @@ def run_trial(
     prepared = prepare(trainer, target, budget_mb)
     prepared.result()  # training would go on meanwhile; here the stall alone is measured
     dist.barrier()  # every rank's stall starts together
-    with switch_timer(trainer) as switched:
-        report = reshard(trainer, target, budget_mb, prepared)
+    report = reshard(trainer, target, budget_mb, prepared)
     live = fingerprint(trainer)
     back_to(trainer, source, reference)
     dist.barrier()
@@ -403,8 +403,7 @@ def run_trial(
         "stall_s": report.stall_seconds,
         "stall_built_at_switch_s": built.stall_seconds,
         "stall_messages_s": messages.stall_seconds,
-        "stall_switch_s": sum(switched),
-        "stall_transfer_s": report.stall_seconds - sum(switched),
+        **{f"stall_{name}_s": report.stall_parts[name] for name in STALL_PARTS},
         "prepare_s": report.prepare_seconds,
         "peak_extra_bytes": report.peak_extra_bytes,
         "baseline_gather_s": gather_s,
@@ -439,26 +438,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     out = fn()
     dist.barrier()
     return time.perf_counter() - start, out
-
-
-@contextlib.contextmanager
-def switch_timer(trainer: Trainer) -> Iterator[list[float]]:
-    """The seconds of each `trainer.switch_layout` call inside the block (the part of a live
-    stall that switches to the new layout, installing it when it was prebuilt; the rest is the
-    transfer), by wrapping the method of this one instance."""
-    seconds: list[float] = []
-    switch = trainer.switch_layout
-
-    def timed_switch(parallel: ParallelConfig, **kwargs: Any) -> None:
-        start = time.perf_counter()
-        switch(parallel, **kwargs)
-        seconds.append(time.perf_counter() - start)
-
-    trainer.switch_layout = timed_switch
-    try:
-        yield seconds
-    finally:
-        del trainer.switch_layout
 
 
 def return_free_memory() -> None:
@@ -777,6 +756,10 @@ def pool_transition(a: dict, b: dict, reports: list[dict], restarts: list[float]
         "peak_bound_bytes": reports[0]["peak_bound_bytes"],
         "baseline_restart_s": restart,
         "ratio_restart_over_stall": restart / stall,
+        "parts": {
+            f"stall_{name}_s": statistics.median(r["stall_parts"][name] for r in reports)
+            for name in reports[0]["stall_parts"]
+        },
         "trials": [{"report": r, "restart_launch_s": s} for r, s in zip(reports, restarts)],
     }
 

@@ -235,6 +235,20 @@ def busy_until_prepared(prepared) -> None:
             return
 
 
+def refusal_of_different_plans(trainer, target) -> str:
+    """What reshard says when rank 1 plans the move with another memory budget (other rounds)
+    than the others."""
+    import torch.distributed as dist
+
+    from megatron_ext.reshard.live import reshard
+
+    try:
+        reshard(trainer, target, BUDGET_MB * (4 if dist.get_rank() == 1 else 1))
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
 def run_case(case: str, cache: str, ckpt: str) -> dict:
     from megatron_ext.reshard.live import prepare, reshard
 
@@ -251,6 +265,8 @@ def run_case(case: str, cache: str, ckpt: str) -> dict:
     in_a = snapshot(trainer)
     trainer.save()
     experts_a = experts_by_global_id(trainer) if moe else None
+    refused = refusal_of_different_plans(trainer, b)
+    refused_kept = differences(in_a, snapshot(trainer))
     reshard(trainer, b, BUDGET_MB, prepared)
     live = snapshot(trainer)
     experts_b = experts_by_global_id(trainer) if moe else None
@@ -272,6 +288,8 @@ def run_case(case: str, cache: str, ckpt: str) -> dict:
         "a->b->a->b": differences(live, again),
         "losses": [live_losses, checkpoint_losses],
         "experts": expert_check(experts_a, experts_b) if experts_a else None,
+        "refused": refused,
+        "refused kept": refused_kept,
     }
 
 
@@ -316,6 +334,12 @@ def test_live_reshard_equals_checkpoint_route_bitwise(reports):
         assert r["prebuilt"], where  # the first move installed a layout built in the background
         assert r["poisoned differ"] == r["entries in B"], where  # the check sees an unwritten entry
         assert r["live vs checkpoint"] == [], where
+
+
+def test_ranks_that_planned_different_moves_are_refused_before_anything_moves(reports):
+    for where, r in each(reports):
+        assert "the ranks planned different moves" in r["refused"], where
+        assert r["refused kept"] == [], where
 
 
 def test_round_trip_returns_the_original_state_bitwise(reports):

@@ -83,6 +83,9 @@ def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_pat
         (3, "tp1·pp1·dp2·+2 standby", "tp2·pp2·dp1", prebuild),
         (6, "tp2·pp2·dp1", "tp1·pp1·dp2·+2 standby", prebuild),
     ]
+    for r in recorded:  # where each stall went, in the order of a pool move
+        assert list(r["stall_parts"]) == ["prepare", "agree", "leave", "switch", "transfer", "finish"]
+        assert sum(r["stall_parts"].values()) == pytest.approx(r["stall_seconds"])
 
 
 # --- faults: a reshard that fails part-way loses nothing ---------------------------------------

@@ -54,7 +54,7 @@ from megatron_ext.reshard.plan import TransferPlan, plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild_or_failure
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
-from megatron_ext.training.release import describe, release_in_background
+from megatron_ext.training.release import collection_deferred, describe, release_in_background
 
 
 _log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ def _plan_and_build(trainer, planner: Callable[[], Move], device: torch.device) 
     return dataclasses.replace(move, prebuilt=built, build_failure=failure, seconds=seconds)
 
 
+@collection_deferred()  # a collection in the stall would hold up every rank (release.py)
 def reshard(
     trainer,
     target: ParallelConfig,

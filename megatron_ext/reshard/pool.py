@@ -56,7 +56,7 @@ from megatron_ext.reshard.live import Guarded, Move, Preparation, ReshardFailed,
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
-from megatron_ext.training.release import describe, release_in_background
+from megatron_ext.training.release import collection_deferred, describe, gc_paused, release_in_background
 
 # Standby workers wait for a command this long: the length of a job.
 STANDBY_TIMEOUT = timedelta(days=7)
@@ -274,6 +274,7 @@ def build_ahead(pool: WorkerPool, message: PrepareWorld, plugins: list) -> Prepa
     return prepared
 
 
+@gc_paused()  # carry_out collects after the stall (release.py)
 def resize(
     trainer,
     target: ParallelConfig,
@@ -303,6 +304,7 @@ def resize(
     return carry_out(pool, pool.broadcast(command), trainer, clock=clock, prepared=mine)[1]
 
 
+@collection_deferred()  # a collection in the stall would hold up every rank (release.py)
 def carry_out(
     pool: WorkerPool,
     command: Resize,
@@ -456,7 +458,8 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
         importlib.import_module("torch._dynamo")
     while True:
         if trainer is None:  # standby
-            command = pool.broadcast()
+            with gc_paused():  # a Resize command starts the stall
+                command = pool.broadcast()
             if prepared is not None and not isinstance(command, Resize):
                 prepared.discard()  # superseded by another, or the job is over
             if command is None:

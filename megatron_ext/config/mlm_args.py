@@ -149,6 +149,9 @@ FLAGS: tuple[Flag, ...] = (
     value("--eval-interval", "train.eval_interval", int),
     value("--eval-iters", "train.eval_iters", int),
     value("--exit-interval", "train.exit_interval", int),
+    switch("--manual-gc", "train.manual_gc"),
+    value("--manual-gc-interval", "train.manual_gc_interval", int),
+    switch("--no-manual-gc-eval", "train.manual_gc_eval", False),
     value("--seed", "train.seed", int),
     # Data.
     Flag("--data-path", "data.data_path", str, nargs="+"),

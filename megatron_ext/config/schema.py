@@ -133,6 +133,14 @@ class TrainConfig:
     eval_iters: int = 4
     # Stop after this many iterations of this invocation (for tests and preemption drills).
     exit_interval: Optional[int] = None
+    # Megatron-LM's --manual-gc: no automatic garbage collection while training, so that no
+    # rank stops at a moment of its own (a full collection of a worker's objects takes tenths
+    # of a second) while the others wait in a collective; instead a full one on every rank at
+    # the same steps: every `manual_gc_interval` steps (0: never) and before and after each
+    # evaluation (unless `manual_gc_eval` is false).
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
 
 
 @dataclass

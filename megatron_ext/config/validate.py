@@ -337,10 +337,12 @@ def one_of(path: str, allowed: Sequence[str]) -> Rule:
     return rule
 
 
-def restarts_not_negative(cfg: Config, world: int, device: str) -> Optional[str]:
-    if cfg.launcher.max_restarts < 0:
-        return f"launcher.max_restarts must be >= 0, got {cfg.launcher.max_restarts}"
-    return None
+def not_negative(path: str) -> Rule:
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        value = _get(cfg, path)
+        return f"{path} must be >= 0, got {value}" if value < 0 else None
+
+    return rule
 
 
 def alltoall_needs_cuda(cfg: Config, world: int, device: str) -> Optional[str]:
@@ -456,7 +458,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
     ("model.spec", te_spec_available),
     ("launcher.device", one_of("launcher.device", ("auto", "cpu", "cuda"))),
-    ("launcher.max_restarts", restarts_not_negative),
+    ("launcher.max_restarts", not_negative("launcher.max_restarts")),
+    ("train.manual_gc_interval", not_negative("train.manual_gc_interval")),
     ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
     ("model.moe_token_dispatcher", alltoall_needs_cuda),

@@ -52,6 +52,7 @@ from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.preemption import StopRequest
 from megatron_ext.training.release import release_in_background
@@ -438,33 +439,36 @@ class Trainer:
         metrics: dict = {}
         eval_loss = None
         tokens_per_step = self._global_batch_size() * cfg.model.seq_length
-        stop = StopRequest()
+        stop, collector = StopRequest(), ManualGC(cfg.train)
         try:
-            while self.state.iteration < stop_at:
-                for p in self.plugins:
-                    p.on_step_begin(self, self.state.iteration + 1)
-                if self.left:
-                    return {}
-                start = time.perf_counter()
-                metrics = self.train_step()
-                seconds = time.perf_counter() - start
-                for p in self.plugins:
-                    p.on_step_end(self, self.state.iteration, metrics)
-                # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
-                reporter.step(self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds)
-                if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
-                    eval_loss = self.evaluate()
-                    reporter.eval(self.state.iteration, eval_loss)
-                if self._due_for_checkpoint():
+            with collector.training():
+                while self.state.iteration < stop_at:
+                    for p in self.plugins:
+                        p.on_step_begin(self, self.state.iteration + 1)
+                    if self.left:
+                        return {}
+                    start = time.perf_counter()
+                    metrics = self.train_step()
+                    seconds = time.perf_counter() - start
+                    for p in self.plugins:
+                        p.on_step_end(self, self.state.iteration, metrics)
+                    # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
+                    reporter.step(self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds)
+                    collector.after_step(self.state.iteration)
+                    if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
+                        with collector.evaluation():
+                            eval_loss = self.evaluate()
+                        reporter.eval(self.state.iteration, eval_loss)
+                    if self._due_for_checkpoint():
+                        self.save()
+                    if stop.agreed():
+                        reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
+                        break
+                if cfg.checkpoint.save and not self._saved_at_current_iteration():
                     self.save()
-                if stop.agreed():
-                    reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
-                    break
-            if cfg.checkpoint.save and not self._saved_at_current_iteration():
-                self.save()
-            for p in self.plugins:
-                p.on_train_end(self)
-            return reporter.summary(metrics.get("loss"), eval_loss)
+                for p in self.plugins:
+                    p.on_train_end(self)
+                return reporter.summary(metrics.get("loss"), eval_loss)
         finally:
             stop.close()
 

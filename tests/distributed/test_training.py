@@ -39,7 +39,10 @@ SP = ["parallel.sequence_parallel=true"]
 LAYOUTS = {
     "tp2": (["parallel.tp=2"], 2),
     "pp2": (["parallel.pp=2"], 2),
-    "dp2": (["parallel.dp=2"], 2),
+    # Also with manual garbage collection (every 3 steps and around evaluations), which must
+    # change no loss.
+    "dp2": (["parallel.dp=2", "train.manual_gc=true", "train.manual_gc_interval=3", "train.eval_interval=4",
+             "train.eval_iters=1"], 2),
     # Both pipeline neighbours are the same rank: catches mismatched point-to-point ordering.
     "pp2_vpp2": (["parallel.pp=2", "parallel.vpp=2"], 2),
     # TP2 x PP2 runs once, checkpointing: test_tp2_pp2_with_checkpoints_matches_single_rank.

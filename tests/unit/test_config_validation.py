@@ -113,6 +113,8 @@ BAD = [
      "launcher.device", "one of auto, cpu, cuda"),
     ("restarts", {"launcher.max_restarts": -1}, 1, "cpu",
      "launcher.max_restarts", ">= 0"),
+    ("manual_gc_interval", {"train.manual_gc_interval": -5}, 1, "cpu",
+     "train.manual_gc_interval", ">= 0, got -5"),
     ("decay_style", {"optim.lr_decay_style": "step"}, 1, "cpu",
      "optim.lr_decay_style", "inverse-square-root"),
     ("dispatcher", {"model.moe_token_dispatcher": "flex"}, 1, "cpu",

@@ -126,6 +126,12 @@ CASES = [
         {"train.global_batch_size": 32, "train.micro_batch_size": 2, "train.exit_interval": 7},
     ),
     (
+        "manual_gc",
+        "--manual-gc --manual-gc-interval 100 --no-manual-gc-eval",
+        {"train.manual_gc": "true", "train.manual_gc_interval": "100", "train.manual_gc_eval": "false"},
+        {"train.manual_gc": True, "train.manual_gc_interval": 100, "train.manual_gc_eval": False},
+    ),
+    (
         "data_hf_tokenizer",
         "--data-path 0.7 /d/a_text_document 0.3 /d/b --split 949,50,1 --num-workers 2 "
         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model /tok/tokenizer.json",

@@ -27,15 +27,15 @@ class ManualGC:
         self.around_eval = cfg.manual_gc_eval
 
     @contextlib.contextmanager
-    def training(self) -> Iterator[None]:
+    def training(self) -> Iterator["ManualGC"]:
         """The training loop: no automatic collection inside it when manual (what was pending
         is collected first)."""
         if not self.enabled:
-            yield
+            yield self
             return
         gc.collect()
         with gc_paused():
-            yield
+            yield self
 
     def after_step(self, iteration: int) -> None:
         if self.enabled and self.interval and iteration % self.interval == 0:

@@ -12,6 +12,7 @@ The Trainer only wires them together and calls the plugins' hooks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -439,38 +440,34 @@ class Trainer:
         metrics: dict = {}
         eval_loss = None
         tokens_per_step = self._global_batch_size() * cfg.model.seq_length
-        stop, collector = StopRequest(), ManualGC(cfg.train)
-        try:
-            with collector.training():
-                while self.state.iteration < stop_at:
-                    for p in self.plugins:
-                        p.on_step_begin(self, self.state.iteration + 1)
-                    if self.left:
-                        return {}
-                    start = time.perf_counter()
-                    metrics = self.train_step()
-                    seconds = time.perf_counter() - start
-                    for p in self.plugins:
-                        p.on_step_end(self, self.state.iteration, metrics)
-                    # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
-                    reporter.step(self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds)
-                    collector.after_step(self.state.iteration)
-                    if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
-                        with collector.evaluation():
-                            eval_loss = self.evaluate()
-                        reporter.eval(self.state.iteration, eval_loss)
-                    if self._due_for_checkpoint():
-                        self.save()
-                    if stop.agreed():
-                        reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
-                        break
-                if cfg.checkpoint.save and not self._saved_at_current_iteration():
-                    self.save()
+        with contextlib.closing(StopRequest()) as stop, ManualGC(cfg.train).training() as collector:
+            while self.state.iteration < stop_at:
                 for p in self.plugins:
-                    p.on_train_end(self)
-                return reporter.summary(metrics.get("loss"), eval_loss)
-        finally:
-            stop.close()
+                    p.on_step_begin(self, self.state.iteration + 1)
+                if self.left:
+                    return {}
+                start = time.perf_counter()
+                metrics = self.train_step()
+                seconds = time.perf_counter() - start
+                for p in self.plugins:
+                    p.on_step_end(self, self.state.iteration, metrics)
+                # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
+                reporter.step(self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds)
+                collector.after_step(self.state.iteration)
+                if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
+                    with collector.evaluation():
+                        eval_loss = self.evaluate()
+                    reporter.eval(self.state.iteration, eval_loss)
+                if self._due_for_checkpoint():
+                    self.save()
+                if stop.agreed():
+                    reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
+                    break
+            if cfg.checkpoint.save and not self._saved_at_current_iteration():
+                self.save()
+            for p in self.plugins:
+                p.on_train_end(self)
+            return reporter.summary(metrics.get("loss"), eval_loss)
 
     def _note_restart(self) -> None:
         """Say so when the launcher restarted the job after a worker failed."""

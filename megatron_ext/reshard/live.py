@@ -232,7 +232,8 @@ def _agree(move: Move) -> Move:
     rounds: refused before anything changes otherwise) and whether building its layout ahead
     failed anywhere: then every rank drops what it built, the log says why, and the same move
     builds at the switch."""
-    digest = hashlib.sha256(repr((move.transfer.digest, [len(r.ops) for r in move.steps])).encode())
+    cuts = [(len(r.ops), sum(op.nbytes for op in r.ops)) for r in move.steps]  # the budget cut them
+    digest = hashlib.sha256(repr((move.transfer.digest, cuts)).encode())
     mine = torch.tensor([int(digest.hexdigest()[:15], 16), int(move.build_failure is not None)])  # 60 bits
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)

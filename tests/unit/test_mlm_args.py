@@ -168,9 +168,9 @@ CASES = [
     ),
     (
         "awkward_strings",
-        "--save '/tmp/a b$c,d' --wandb-project 'it'\"'\"'s ~${x}'",
-        {"checkpoint.save": "'/tmp/a b$c,d'", "logging.wandb_project": "'it\\'s ~\\${x}'"},
-        {"checkpoint.save": "/tmp/a b$c,d", "logging.wandb_project": "it's ~${x}"},
+        "--save 'out/a b$c,d' --wandb-project 'it'\"'\"'s ~${x}'",
+        {"checkpoint.save": "'out/a b$c,d'", "logging.wandb_project": "'it\\'s ~\\${x}'"},
+        {"checkpoint.save": "out/a b$c,d", "logging.wandb_project": "it's ~${x}"},
     ),
 ]
 

@@ -30,11 +30,9 @@ class ManualGC:
     def training(self) -> Iterator["ManualGC"]:
         """The training loop: no automatic collection inside it when manual (what was pending
         is collected first)."""
-        if not self.enabled:
-            yield self
-            return
-        gc.collect()
-        with gc_paused():
+        if self.enabled:
+            gc.collect()
+        with gc_paused() if self.enabled else contextlib.nullcontext():
             yield self
 
     def after_step(self, iteration: int) -> None:

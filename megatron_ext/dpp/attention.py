@@ -120,10 +120,12 @@ class ChunkContext:
     cache: PrefixKVCache = dataclasses.field(default_factory=PrefixKVCache)
     segments: Optional[tuple[Segment, ...]] = None
     seq_lengths: tuple[int, ...] = ()
+    padding: int = 0  # tokens after the segments that belong to no sequence
 
-    def enter(self, segments: tuple[Segment, ...], seq_lengths: tuple[int, ...]) -> None:
+    def enter(self, segments: tuple[Segment, ...], seq_lengths: tuple[int, ...], padding: int = 0) -> None:
         self.segments = tuple(segments)
         self.seq_lengths = tuple(seq_lengths)
+        self.padding = padding
 
     def leave(self) -> None:
         self.segments = None
@@ -132,7 +134,7 @@ class ChunkContext:
         """Position ids of the chunk's tokens: a slice continues its sequence (start + offset)."""
         if self.segments is None:
             return None
-        return torch.cat([torch.arange(s.start, s.start + s.length) for s in self.segments])
+        return torch.cat([torch.arange(s.start, s.start + s.length) for s in self.segments] + [torch.arange(self.padding)])
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float) -> Tensor:
@@ -219,13 +221,13 @@ class ChunkCoreAttention(MegatronModule):
     ):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("dpp attention takes the chunk layout from its ChunkContext, not packed_seq_params")
-        segments = self.context.segments
+        segments, padding = self.context.segments, self.context.padding
         if segments is None:
             return attend(query, key, value, 0, self.scale)
-        if query.shape[1] != 1 or query.shape[0] != sum(s.length for s in segments):
+        if query.shape[1] != 1 or query.shape[0] != sum(s.length for s in segments) + padding:
             raise ValueError(
                 f"dpp attention: got q of shape {tuple(query.shape)} for a chunk of "
-                f"{sum(s.length for s in segments)} tokens (batch size must be 1)"
+                f"{sum(s.length for s in segments) + padding} tokens (batch size must be 1)"
             )
         outputs, offset = [], 0
         for seg in segments:
@@ -239,6 +241,8 @@ class ChunkCoreAttention(MegatronModule):
             outputs.append(
                 _SliceAttention.apply(q, k, v, self.context.cache, cache_key, seg.start, keep, self.scale)
             )
+        # Padding attends to nothing: its output is zero (and its loss is masked out).
+        outputs.append(query.new_zeros(padding, 1, query.shape[2] * value.shape[3]))
         return torch.cat(outputs)
 
 

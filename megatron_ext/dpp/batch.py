@@ -142,7 +142,8 @@ def dp_share(lengths: Sequence[int], dp: int, rank: int) -> list[int]:
 
 def chunk_inputs(chunk: Chunk, documents: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model inputs of one chunk, batch size 1: its segments' tokens end to end, next-token
-    labels, position ids that continue across slices (start + offset), and the loss mask."""
+    labels, position ids that continue across slices (start + offset), and the loss mask; then
+    the chunk's padding (token 0, masked out of the loss)."""
     tokens, labels, positions = [], [], []
     for seg in chunk.segments:
         doc = documents[seg.seq]
@@ -151,10 +152,12 @@ def chunk_inputs(chunk: Chunk, documents: Sequence[torch.Tensor]) -> dict[str, t
         tokens.append(doc[seg.start : seg.start + seg.length])
         labels.append(doc[seg.start + 1 : seg.start + seg.length + 1])
         positions.append(torch.arange(seg.start, seg.start + seg.length))
-    tokens_t = torch.cat(tokens)[None]
+    pad = torch.zeros(chunk.padding, dtype=tokens[0].dtype)
+    loss_mask = torch.ones(chunk.tokens, dtype=torch.float32)
+    loss_mask[chunk.tokens - chunk.padding :] = 0.0
     return {
-        "tokens": tokens_t,
-        "labels": torch.cat(labels)[None],
-        "position_ids": torch.cat(positions)[None],
-        "loss_mask": torch.ones_like(tokens_t, dtype=torch.float32),
+        "tokens": torch.cat([*tokens, pad])[None],
+        "labels": torch.cat([*labels, pad])[None],
+        "position_ids": torch.cat([*positions, torch.arange(chunk.padding)])[None],
+        "loss_mask": loss_mask[None],
     }

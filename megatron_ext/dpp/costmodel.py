@@ -202,7 +202,8 @@ class CostModel:
         return self.gamma + work * (1.0 + self.t0 / max(tokens, 1))
 
     def layer_forward_s(self, chunk: Chunk) -> float:
-        work = sum(self.segment_work(s.length, s.prefix) for s in chunk.segments)
+        # Padding runs through the dense parts only (it attends to nothing).
+        work = sum(self.segment_work(s.length, s.prefix) for s in chunk.segments) + self.alpha * chunk.padding
         return self.time_from_work(work, chunk.tokens)
 
     def slice_tokens(self, time_s: float, prefix: int) -> int:
@@ -229,7 +230,7 @@ class CostModel:
         if self.bwd_alpha is None:
             return self.bwd_ratio * self.layer_forward_s(chunk)
         work = sum(self.bwd_alpha * s.length + _attention_work(self.bwd_beta, self.bwd_beta_self, s.length, s.prefix)
-                   + self.bwd_prefix_s_token * s.prefix for s in chunk.segments)
+                   + self.bwd_prefix_s_token * s.prefix for s in chunk.segments) + self.bwd_alpha * chunk.padding
         return self.bwd_gamma + work * (1.0 + self.t0 / max(chunk.tokens, 1))
 
     def head_forward_s(self, tokens: int) -> float:

@@ -161,6 +161,10 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         raise ValueError(f"dpp memory fit: token counts must be positive, got {list(tokens)}")
     model = model_chunks[0]
     config = get_model_config(model)
+    tp = config.tensor_model_parallel_size
+    # Under sequence parallelism a stage's input holds the chunk's tokens split over TP.
+    sp = tp if config.sequence_parallel else 1
+    tokens = [-(-int(t) // sp) * sp for t in tokens]
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     layers = len(get_attr_wrapped_model(model, "decoder").layers)
     meter = ActivationMeter(model_chunks)
@@ -175,7 +179,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
             for recompute in (0, layers):
                 chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
                 batch = chunk_inputs(chunk, [torch.zeros(n_tokens + 1, dtype=torch.long)])  # any tokens do
-                set_input([None if first else torch.randn(n_tokens, 1, config.hidden_size, requires_grad=True)])
+                set_input([None if first else torch.randn(n_tokens // sp, 1, config.hidden_size, requires_grad=True)])
                 context.enter(chunk.segments, (n_tokens,))
                 config.recompute_num_layers = recompute
                 with meter.track(0):
@@ -211,13 +215,14 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     y = np.array([b for *_, b in ends], dtype=float)
     kept, recomputed, head = np.linalg.lstsq(X, y, rcond=None)[0]
     residual = float(np.max(np.abs(X @ [kept, recomputed, head] / y - 1)))
-    groups = config.num_query_groups or config.num_attention_heads
+    # A TP rank's attention runs its own heads and K/V groups.
+    heads, groups = config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
     kv_dim = config.kv_channels * groups
     # Released before the top layer's attention backward, per token: the layer's output
     # projection and MLP (and on the last stage the head, which the cost model counts apart).
     # The least over stages, so that no stage's transient is underestimated.
     released = min(b / t - (head if 0 < s == last_stage else 0.0) for s, t, b in freed)
-    pair, key, query = attention_backward_bytes(config.num_attention_heads, groups, config.kv_channels, config.params_dtype)
+    pair, key, query = attention_backward_bytes(heads, groups, config.kv_channels, config.params_dtype)
     fitted = dataclasses.replace(
         cost,
         act_bytes_token=kept,

@@ -9,10 +9,14 @@ stage's layers the chunk recomputes in backward.
 
 Plans are plain frozen values, identical on every rank, so no shape is ever exchanged at run
 time: both sides of a p2p transfer know a chunk's token count from the plan.
+
+Under sequence parallelism every chunk's token count must be a multiple of the tensor-parallel
+size: `padded` rounds a batch's chunks up with padding tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal
@@ -37,15 +41,25 @@ class Segment:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One pipeline micro-batch. Segments are laid out in order along the token axis."""
+    """One pipeline micro-batch. Segments are laid out in order along the token axis, then
+    `padding` tokens of no sequence (no loss, attending to nothing else), so that sequence
+    parallelism can split the chunk evenly over the tensor-parallel ranks."""
 
     id: int
     kind: ChunkKind
     segments: tuple[Segment, ...]
+    padding: int = 0
 
     @functools.cached_property
     def tokens(self) -> int:  # cached: planners ask for it millions of times per batch
-        return sum(s.length for s in self.segments)
+        return sum(s.length for s in self.segments) + self.padding
+
+
+def padded(chunks: tuple[Chunk, ...], multiple: int) -> tuple[Chunk, ...]:
+    """`chunks` with each token count rounded up to a multiple of `multiple` by padding."""
+    if multiple < 1:
+        raise ValueError(f"dpp: a chunk's token multiple must be positive, got {multiple}")
+    return tuple(dataclasses.replace(c, padding=-sum(s.length for s in c.segments) % multiple) for c in chunks)
 
 
 @dataclass(frozen=True)

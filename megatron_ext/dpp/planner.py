@@ -26,6 +26,7 @@ plans against the budget less the memory model's stated error (`costmodel.usable
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from megatron_ext.dpp import checkpointing
 from megatron_ext.dpp.checkpointing import BudgetTooSmall, Mode
 from megatron_ext.dpp.chunking import chunk_batch, chunk_on_mesh
 from megatron_ext.dpp.costmodel import CostModel, budget_for, stage_layers, usable_budget
-from megatron_ext.dpp.plan import Chunk, Group, Segment, StepPlan
+from megatron_ext.dpp.plan import Chunk, Group, Segment, StepPlan, padded
 from megatron_ext.dpp.schedule import group_dp, longest_first, one_f_one_b, units, with_recompute
 from megatron_ext.dpp.simulate import memory_peaks, simulate
 
@@ -71,7 +72,7 @@ def _renumber(chunks: Sequence[Chunk], groups: Sequence[Group], pp: int, seq_len
     """Give chunks ids in execution (first-stage forward) order."""
     order = [o.chunk for g in groups for o in g.ops[0] if o.kind == "F"]
     new = {old: i for i, old in enumerate(order)}
-    out_chunks = tuple(Chunk(new[c], chunks[c].kind, chunks[c].segments) for c in order)
+    out_chunks = tuple(dataclasses.replace(chunks[c], id=new[c]) for c in order)
     out_groups = tuple(
         Group(tuple(tuple(type(o)(o.kind, new[o.chunk], o.recompute) for o in ops) for ops in g.ops)) for g in groups
     )
@@ -148,10 +149,11 @@ def _plan_chunks(chunks: tuple[Chunk, ...], lengths: Sequence[int], cost: CostMo
     return _renumber(chunks, groups, pp, lengths)
 
 
-def _search_meshes(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap, stats,
+def _search_meshes(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap, stats, multiple,
                    meshes=None) -> tuple[StepPlan | None, int, float]:
     """The fastest plan over the searched meshes (the policy's, or `meshes`: shares of
-    `chunking.blended_mesh`) and slice numbers K: (plan, K, iteration s)."""
+    `chunking.blended_mesh`) and slice numbers K, chunks padded to `multiple` tokens: (plan,
+    K, iteration s)."""
     policy_meshes, mode = DPP_POLICIES[policy]
     meshes = policy_meshes if meshes is None else meshes
     best, best_k, best_time = None, 0, math.inf
@@ -164,7 +166,7 @@ def _search_meshes(lengths, cost, pp, budget, layers, policy, k_candidates, max_
         for k in k_candidates:
             if k > 1 and longest / k < MIN_SLICE_TOKENS:
                 break
-            chunks = chunk_batch(lengths, cost, k, balanced)
+            chunks = padded(chunk_batch(lengths, cost, k, balanced), multiple)
             order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))
             bound = simulate(_renumber(chunks, [one_f_one_b(order, pp)], pp, lengths), cost, layers, check=False).iter_s
             bounded.append((bound, k, -float(balanced), chunks))
@@ -187,15 +189,16 @@ def _joined(parts: Sequence[tuple[StepPlan, Sequence[int]]], pp: int, lengths: S
     groups: list[Group] = []
     for plan, seqs in parts:
         base = len(chunks)
-        chunks += [Chunk(base + c.id, c.kind, tuple(Segment(seqs[s.seq], s.start, s.length) for s in c.segments))
+        chunks += [Chunk(base + c.id, c.kind, tuple(Segment(seqs[s.seq], s.start, s.length) for s in c.segments), c.padding)
                    for c in plan.chunks]
         groups += [Group(tuple(tuple(type(o)(o.kind, base + o.chunk, o.recompute) for o in ops) for ops in g.ops))
                    for g in plan.groups]
     return _renumber(chunks, groups, pp, lengths)
 
 
-def _plan_dpp(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap, stats):
-    best, best_k, best_time = _search_meshes(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap, stats)
+def _plan_dpp(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap, stats, multiple):
+    best, best_k, best_time = _search_meshes(lengths, cost, pp, budget, layers, policy, k_candidates, max_groups, gap,
+                                             stats, multiple)
     # When memory already splits the step into pipelines (or no plan fits), one mesh for the
     # whole batch is the longest sequence's: few, large slices that it alone may need (its K/V
     # kept for later slices grows with K) also make the rest's chunks large and memory-bound.
@@ -210,10 +213,11 @@ def _plan_dpp(lengths, cost, pp, budget, layers, policy, k_candidates, max_group
         # (13B, 128K, PP 4: slices of 58% and 42% fit, 167 s against 181 s for even ones).
         meshes = DPP_POLICIES[policy][0]
         blends = tuple(sorted({*meshes, *BLENDS}, reverse=True)) if set(meshes) == {True, False} else meshes
-        alone = _search_meshes([lengths[longest]], cost, pp, budget, layers, policy, k_candidates, 1, gap, parts, blends)
+        alone = _search_meshes([lengths[longest]], cost, pp, budget, layers, policy, k_candidates, 1, gap, parts,
+                               multiple, blends)
         if alone[0] is not None:
             others = _search_meshes([lengths[i] for i in rest], cost, pp, budget, layers, policy, k_candidates,
-                                    max_groups - 1, gap, parts)
+                                    max_groups - 1, gap, parts, multiple)
             if others[0] is not None:
                 plan = _joined([(alone[0], [longest]), (others[0], rest)], pp, lengths)
                 t = simulate(plan, cost, layers, check=False).iter_s
@@ -242,8 +246,11 @@ def plan_step_info(
     k_candidates: Sequence[int] = K_CANDIDATES,
     max_groups: int = 2,
     mip_rel_gap: float = 0.02,
+    token_multiple: int = 1,
 ) -> tuple[StepPlan, PlanInfo]:
-    """Plan one global batch with `policy`; raises BudgetTooSmall (naming the minimum feasible
+    """Plan one global batch with `policy`, every chunk padded to a multiple of
+    `token_multiple` tokens (the tensor-parallel size under sequence parallelism; a static
+    policy's is its StaticConfig's); raises BudgetTooSmall (naming the minimum feasible
     budget) when no plan of the policy fits `budget_bytes` on every stage."""
     if policy not in POLICIES:
         raise ValueError(f"dpp: unknown policy {policy!r}; known: {POLICIES}")
@@ -259,7 +266,8 @@ def plan_step_info(
     stats = _Stats()
     if policy in DPP_POLICIES:
         usable = usable_budget(budget_bytes, min(_states(cost_model, layers)))
-        plan = _plan_dpp(lengths, cost_model, pp, usable, layers, policy, k_candidates, max_groups, mip_rel_gap, stats)
+        plan = _plan_dpp(lengths, cost_model, pp, usable, layers, policy, k_candidates, max_groups, mip_rel_gap, stats,
+                         token_multiple)
         if plan is None:
             raise BudgetTooSmall(budget_bytes, budget_for(stats.min_budget(), min(_states(cost_model, layers))),
                                  f"this batch ({len(lengths)} sequences, longest {max(lengths)}) with {policy}")
@@ -267,6 +275,9 @@ def plan_step_info(
     else:
         if static is None or static.policy != policy:
             raise ValueError(f"dpp: policy {policy!r} needs its StaticConfig (tune_static)")
+        if static.token_multiple != token_multiple:
+            raise ValueError(f"dpp: the {policy} configuration pads chunks to {static.token_multiple} tokens, "
+                             f"this plan needs {token_multiple}")
         plan, k = plan_static(lengths, static, cost_model, pp), static.param
     planner_s = time.process_time() - t
     sim = simulate(plan, cost_model, layers, budget_bytes)
@@ -287,6 +298,7 @@ class StaticConfig:
     param: int  # split: N spans per context; chunkflow: ChunkSize; packed: the context
     recompute: int = 0  # packed / split: layers recomputed on every stage for every chunk
     keep: int = 0  # chunkflow: chunks per sequence that keep their activations
+    token_multiple: int = 1  # every chunk padded to a multiple of this many tokens
 
 
 def pack_ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -331,10 +343,10 @@ def _kind(segs: tuple[Segment, ...], lengths: Sequence[int]) -> str:
 def _static_chunks(lengths: Sequence[int], cfg: StaticConfig, cost: CostModel) -> tuple[Chunk, ...]:
     if cfg.policy == "chunkflow":
         mesh = list(range(0, max(lengths), cfg.param)) + [max(lengths)]
-        return chunk_on_mesh(lengths, cost, mesh, math.inf)
+        return padded(chunk_on_mesh(lengths, cost, mesh, math.inf), cfg.token_multiple)
     span = cfg.context if cfg.policy == "packed" else math.ceil(cfg.context / cfg.param)
     segs = [sp for b in pack_ffd(lengths, cfg.context) for sp in _spans(lengths, b, span)]
-    return tuple(Chunk(i, _kind(s, lengths), s) for i, s in enumerate(segs))
+    return padded(tuple(Chunk(i, _kind(s, lengths), s) for i, s in enumerate(segs)), cfg.token_multiple)
 
 
 def plan_static(lengths: Sequence[int], cfg: StaticConfig, cost: CostModel, pp: int, layers: Sequence[int] | None = None) -> StepPlan:
@@ -349,18 +361,18 @@ def plan_static(lengths: Sequence[int], cfg: StaticConfig, cost: CostModel, pp: 
     return _renumber(chunks, [one_f_one_b(unit_list, pp, rec)], pp, lengths)
 
 
-def _static_candidates(policy: str, context: int, num_layers: int, pp: int) -> list[StaticConfig]:
+def _static_candidates(policy: str, context: int, num_layers: int, pp: int, multiple: int) -> list[StaticConfig]:
     per_stage = num_layers // pp
     spans = [n for n in (1, 2, 4, 8, 16, 32, 64) if context // n >= MIN_SLICE_TOKENS]
     if policy == "packed":
-        return [StaticConfig("packed", context, context, c) for c in range(per_stage + 1)]
+        return [StaticConfig("packed", context, context, c, token_multiple=multiple) for c in range(per_stage + 1)]
     if policy == "split":
-        return [StaticConfig("split", context, n, c) for n in spans for c in range(per_stage + 1)]
-    return [StaticConfig("chunkflow", context, context // n, 0, keep) for n in spans for keep in (1, 2, 4) if keep <= n]
+        return [StaticConfig("split", context, n, c, token_multiple=multiple) for n in spans for c in range(per_stage + 1)]
+    return [StaticConfig("chunkflow", context, context // n, 0, keep, multiple) for n in spans for keep in (1, 2, 4) if keep <= n]
 
 
 def tune_static(policy: str, tuning_lengths: Sequence[int], cost: CostModel, pp: int, budget_bytes: float, context: int,
-                layers: Sequence[int] | None = None) -> StaticConfig:
+                layers: Sequence[int] | None = None, token_multiple: int = 1) -> StaticConfig:
     """The offline choice a user would make: among configurations that fit the budget on the
     worst case (every sequence as long as the context) and on a tuning batch, the fastest on
     the tuning batch; for
@@ -370,7 +382,7 @@ def tune_static(policy: str, tuning_lengths: Sequence[int], cost: CostModel, pp:
     usable = usable_budget(budget_bytes, min(_states(cost, layers)))
     batches = ([context] * (pp + 2), tuning_lengths)
     fitting, frugal, frugal_peak = [], None, math.inf
-    for cfg in _static_candidates(policy, context, cost.num_layers, pp):
+    for cfg in _static_candidates(policy, context, cost.num_layers, pp, token_multiple):
         if fitting and fitting[-1].policy != "chunkflow" and fitting[-1].param == cfg.param:
             continue  # the least recompute that fits this span size is already found
         peak = max(max(memory_peaks(plan_static(b, cfg, cost, pp, layers), cost, layers)) for b in batches)

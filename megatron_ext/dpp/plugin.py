@@ -80,11 +80,6 @@ class DppPlugin(Plugin):
         p = trainer.cfg.parallel
         if p.vpp or p.cp > 1:
             raise ValueError("dpp: interleaved pipelines (parallel.vpp) and context parallelism (parallel.cp) are not supported")
-        if p.sequence_parallel and p.tp > 1:
-            # Sequence parallelism splits each chunk's tokens over the TP ranks, but the planner's
-            # chunks are not cut to multiples of tp (TP without it is supported and tested).
-            raise ValueError("dpp: parallel.sequence_parallel is not supported yet (chunk token counts are not "
-                             "multiples of parallel.tp); set it to false")
         if trainer.cfg.model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
             raise ValueError(f"dpp: only model.arch=gpt is supported, not {trainer.cfg.model.arch!r}")
         if trainer.cfg.model.num_experts:
@@ -105,7 +100,9 @@ class DppPlugin(Plugin):
 
             from megatron_ext.dpp.runtime import dpp_forward_backward_func
 
-            planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, trainer.cfg.parallel.pp, _cost_model(self.cfg, trainer, self.context))
+            p = trainer.cfg.parallel
+            planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, p.pp, _cost_model(self.cfg, trainer, self.context),
+                                  token_multiple=p.tp if p.sequence_parallel else 1)
             self._stream = self.plan_stream(IndexedDataset(_dataset_prefix(trainer)), trainer.cfg.train.seed, planner)
             first = next(self._stream)  # plans (and refuses a hopeless budget) before training
             trainer.note(self._stream.position.counts.line() + " (first batch)")
@@ -206,12 +203,13 @@ class StepPlanner:
     """Plans this data-parallel replica's share of each global batch. The first pipeline stage
     of the replica plans and sends the plan to the others, so every stage runs the same plan
     whatever the solver's timing does. `plan` = `agree(solve)`; `solve` communicates with no
-    one, so it may run in a background thread (ahead.PlanAhead), `agree` is collective."""
+    one, so it may run in a background thread (ahead.PlanAhead), `agree` is collective. Chunks
+    are padded to multiples of `token_multiple` tokens (the TP size under sequence parallelism)."""
 
-    def __init__(self, cfg: DppConfig, num_layers: int, pp: int, cost) -> None:
+    def __init__(self, cfg: DppConfig, num_layers: int, pp: int, cost, token_multiple: int = 1) -> None:
         from megatron_ext.dpp.costmodel import stage_layers
 
-        self.cfg, self.pp, self.cost = cfg, pp, cost
+        self.cfg, self.pp, self.cost, self.token_multiple = cfg, pp, cost, token_multiple
         self.layers = stage_layers(num_layers, pp)
         self.static = None
 
@@ -255,8 +253,10 @@ class StepPlanner:
         budget = self.cfg.memory_budget_mb * 2**20
         try:
             if self.cfg.policy in STATIC_POLICIES and self.static is None:
-                self.static = tune_static(self.cfg.policy, lengths, self.cost, self.pp, budget, self.cfg.max_seq_len, self.layers)
-            return plan_step_info(lengths, self.cost, self.pp, budget, self.cfg.policy, self.layers, self.static)[0]
+                self.static = tune_static(self.cfg.policy, lengths, self.cost, self.pp, budget, self.cfg.max_seq_len, self.layers,
+                                          self.token_multiple)
+            return plan_step_info(lengths, self.cost, self.pp, budget, self.cfg.policy, self.layers, self.static,
+                                  token_multiple=self.token_multiple)[0]
         except BudgetTooSmall as refused:
             return PlanFailure(str(refused), refused=True)
         except Exception:  # every stage must hear of it, or the others wait for a plan forever

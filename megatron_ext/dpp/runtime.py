@@ -58,6 +58,8 @@ def validate_plan(plan: StepPlan, num_layers_per_stage: Optional[list[int]] = No
     other in a cycle."""
     if any(c.id != i for i, c in enumerate(plan.chunks)):
         raise ValueError("dpp plan: chunks[i].id must be i")
+    if any(c.padding < 0 for c in plan.chunks):
+        raise ValueError("dpp plan: a chunk's padding must not be negative")
     seen: set[int] = set()
     group_of_seq: dict[int, int] = {}
     for g, group in enumerate(plan.groups):
@@ -187,7 +189,7 @@ class DppStep:
                     if chunk.tokens % tp:
                         raise ValueError(f"dpp: chunk {chunk.id} has {chunk.tokens} tokens, not divisible by tp={tp} (sequence parallel)")
                     shape = (chunk.tokens // tp, 1, config.hidden_size)
-                    self.context.enter(chunk.segments, plan.seq_lengths)
+                    self.context.enter(chunk.segments, plan.seq_lengths, chunk.padding)
                     began = time.perf_counter()
                     if op.kind == "F":
                         input_tensor = p2p.recv_forward(shape, first)

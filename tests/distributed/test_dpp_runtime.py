@@ -86,11 +86,11 @@ def planning_cost(pp: int):
                      num_layers=layers_per_stage(pp) * pp)
 
 
-def planned(pp: int) -> StepPlan:
+def planned(pp: int, token_multiple: int = 1) -> StepPlan:
     """The DPP planner's plan of PLANNED_LENGTHS under a budget that makes it recompute."""
     from megatron_ext.dpp.planner import plan_step
 
-    return plan_step(PLANNED_LENGTHS, planning_cost(pp), pp, 4e6, "dpp")
+    return plan_step(PLANNED_LENGTHS, planning_cost(pp), pp, 4e6, "dpp", token_multiple=token_multiple)
 
 
 # A static packed plan with uniform recompute (one of each stage's two layers) over chunks that

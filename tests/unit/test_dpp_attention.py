@@ -70,21 +70,27 @@ def reference(cfg, seqs):
     return outs, [[t.grad.clone() for t in (q, k, v)] for q, k, v, _ in seqs]
 
 
-def run_chunks(cfg, lengths, chunks, seqs, recompute: bool):
+def run_chunks(cfg, lengths, chunks, seqs, recompute: bool, padding: int = 0):
+    """Each chunk's segments, then `padding` rows of random q/k/v (whose output must be zero and
+    whose gradient, through the padding's random loss weights, must not reach any sequence)."""
     context = ChunkContext()
     attention = ChunkCoreAttention(cfg, layer_number=3, context=context)
+    g = torch.Generator().manual_seed(3)
     pieces = []
     for segments in chunks:
-        context.enter(segments, lengths)
-        q, k, v = (torch.cat([seqs[s.seq][i][s.start : s.start + s.length] for s in segments]) for i in range(3))
-        w = torch.cat([seqs[s.seq][3][s.start : s.start + s.length] for s in segments])
+        context.enter(segments, lengths, padding)
+        q, k, v = (torch.cat([seqs[s.seq][i][s.start : s.start + s.length] for s in segments]
+                             + [torch.randn(padding, 1, seqs[0][i].shape[2], HEAD_DIM, generator=g)]) for i in range(3))
+        w = torch.cat([seqs[s.seq][3][s.start : s.start + s.length] for s in segments]
+                      + [torch.randn(padding, 1, cfg.num_attention_heads * HEAD_DIM, generator=g)])
         if recompute:  # forward again inside backward, as megatron's block recompute does
             out = torch.utils.checkpoint.checkpoint(attention, q, k, v, None, use_reentrant=True)
         else:
             out = attention(q, k, v, None)
+        assert not out[out.shape[0] - padding :].any(), "padding must attend to nothing"
         pieces.append((segments, out, (out * w).sum()))
     for segments, _, loss in reversed(pieces):
-        context.enter(segments, lengths)
+        context.enter(segments, lengths, padding)
         loss.backward()
     context.leave()
     assert len(context.cache) == 0 and context.cache.nbytes == 0, "the prefix cache was not emptied"
@@ -97,13 +103,14 @@ def run_chunks(cfg, lengths, chunks, seqs, recompute: bool):
     return outs, [[t.grad.clone() for t in (q, k, v)] for q, k, v, _ in seqs]
 
 
+@pytest.mark.parametrize("padding", [0, 3], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_chunk_attention_equals_whole_sequences(one_rank_world, name, recompute):
+def test_chunk_attention_equals_whole_sequences(one_rank_world, name, recompute, padding):
     lengths, chunks, heads, groups = CASES[name]
     cfg = config(heads, groups)
     ref_out, ref_grads = reference(cfg, random_qkv(lengths, heads, groups))
-    out, grads = run_chunks(cfg, lengths, chunks, random_qkv(lengths, heads, groups), recompute)
+    out, grads = run_chunks(cfg, lengths, chunks, random_qkv(lengths, heads, groups), recompute, padding)
     for i in range(len(lengths)):
         torch.testing.assert_close(out[i], ref_out[i], rtol=1e-5, atol=1e-6)
         for which, got, want in zip("qkv", grads[i], ref_grads[i]):

@@ -18,11 +18,16 @@ BUDGET = TOY.model_state_bytes(2, True, True) + 4e6
 CONTEXT = 1024
 
 
+# token multiple 3: every chunk padded as sequence parallelism over 3 TP ranks needs
+@pytest.mark.parametrize("multiple", [1, 3])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_plans_the_whole_batch(policy):
-    static = tune_static(policy, LENGTHS[::-1], TOY, 2, BUDGET, CONTEXT, LAYERS) if policy in STATIC_POLICIES else None
-    plan, info = plan_step_info(LENGTHS, TOY, 2, BUDGET, policy, layers=LAYERS, static=static, k_candidates=(1, 2, 4, 8))
+def test_every_policy_plans_the_whole_batch(policy, multiple):
+    static = (tune_static(policy, LENGTHS[::-1], TOY, 2, BUDGET, CONTEXT, LAYERS, token_multiple=multiple)
+              if policy in STATIC_POLICIES else None)
+    plan, info = plan_step_info(LENGTHS, TOY, 2, BUDGET, policy, layers=LAYERS, static=static, k_candidates=(1, 2, 4, 8),
+                                token_multiple=multiple)
     check_plan(plan, LAYERS)
+    assert all(c.padding == -sum(s.length for s in c.segments) % multiple for c in plan.chunks)
     sim = simulate(plan, TOY, LAYERS, BUDGET)
     assert sim.iter_s == pytest.approx(info.predicted_iter_s)
     rec = [o.recompute for g in plan.groups for ops in g.ops for o in ops if o.kind == "F"]
@@ -45,6 +50,8 @@ def test_dpp_plan_mixes_split_packed_and_hybrid_chunks():
     (lambda: plan_step(LENGTHS, TOY, 2, BUDGET, "fastest", layers=LAYERS), "unknown policy"),
     (lambda: plan_step(LENGTHS, TOY, 2, BUDGET, "split", layers=LAYERS), "StaticConfig"),
     (lambda: plan_step([], TOY, 2, BUDGET, "dpp", layers=LAYERS), "at least one sequence"),
+    (lambda: plan_step(LENGTHS, TOY, 2, BUDGET, "packed", layers=LAYERS, token_multiple=2,
+                       static=tune_static("packed", LENGTHS, TOY, 2, BUDGET, CONTEXT, LAYERS)), "pads chunks to 1"),
 ])
 def test_bad_requests_are_refused(call, msg):
     with pytest.raises(ValueError, match=msg):

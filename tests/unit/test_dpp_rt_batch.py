@@ -11,7 +11,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
 from megatron_ext.dpp.batch import DocumentBatches, chunk_inputs, dp_share
-from megatron_ext.dpp.plan import Chunk, Group, Op, Segment as S, StepPlan
+from megatron_ext.dpp.plan import Chunk, Group, Op, Segment as S, StepPlan, padded
 from megatron_ext.dpp.runtime import validate_plan
 
 DOC_LENGTHS = [5, 1, 40, 12, 3, 25, 2, 9]  # tokens per document
@@ -72,6 +72,16 @@ def test_chunk_inputs_continue_positions_and_shift_labels():
     assert got["labels"].tolist() == [list(range(113, 121)) + [201, 202, 203, 204]]
     assert got["position_ids"].tolist() == [list(range(12, 20)) + [0, 1, 2, 3]]
     assert got["loss_mask"].sum().item() == 12
+
+
+def test_chunk_inputs_pad_to_the_chunk_size_outside_the_loss():
+    docs = [torch.arange(100, 121), torch.arange(200, 205)]
+    chunk = padded((Chunk(0, "hybrid", (S(0, 12, 8), S(1, 0, 3))),), 4)[0]
+    got = chunk_inputs(chunk, docs)
+    assert chunk.padding == 1 and chunk.tokens == 12
+    assert got["tokens"].tolist() == [list(range(112, 120)) + [200, 201, 202, 0]]
+    assert got["position_ids"].tolist() == [list(range(12, 20)) + [0, 1, 2, 0]]
+    assert got["loss_mask"].tolist() == [[1.0] * 11 + [0.0]]
 
 
 # --- plan checks ------------------------------------------------------------------------------

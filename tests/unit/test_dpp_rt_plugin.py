@@ -38,7 +38,8 @@ def test_bad_config_is_refused(field, value, message):
 
 @pytest.mark.parametrize("parallel,arch,message", [
     ({}, "hybrid", "model.arch=gpt"),
-    ({"tp": 2, "sequence_parallel": True}, "gpt", "sequence_parallel"),
+    ({"cp": 2}, "gpt", "parallel.cp"),
+    ({"vpp": 2}, "gpt", "parallel.vpp"),
 ])
 def test_unsupported_setups_are_refused(parallel, arch, message):
     from types import SimpleNamespace
@@ -49,8 +50,9 @@ def test_unsupported_setups_are_refused(parallel, arch, message):
         DppPlugin().setup(SimpleNamespace(cfg=cfg))
 
 
-def test_tensor_parallelism_without_sequence_parallelism_is_accepted():
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallelism_is_accepted(sequence_parallel):
     from types import SimpleNamespace
 
-    layout = SimpleNamespace(vpp=None, cp=1, tp=2, sequence_parallel=False)
+    layout = SimpleNamespace(vpp=None, cp=1, tp=2, sequence_parallel=sequence_parallel)
     DppPlugin().setup(SimpleNamespace(cfg=SimpleNamespace(parallel=layout, model=SimpleNamespace(arch="gpt", num_experts=None))))

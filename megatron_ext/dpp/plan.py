@@ -42,7 +42,7 @@ class Segment:
 @dataclass(frozen=True)
 class Chunk:
     """One pipeline micro-batch. Segments are laid out in order along the token axis, then
-    `padding` tokens of no sequence (no loss, attending to nothing else), so that sequence
+    `padding` tokens of no sequence (no loss, attending to nothing), so that sequence
     parallelism can split the chunk evenly over the tensor-parallel ranks."""
 
     id: int

@@ -45,51 +45,91 @@ POLICIES = ("dpp", "packed", "split", "chunkflow", "dpp_no_balance", "dpp_no_ckp
 # --- worker: one rank of the PP=2 run ----------------------------------------------------------
 
 
-def worker(args) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+def build(args) -> tuple:
+    """The PP=2 trainer (llama_tiny, seq_length 256 for the model's own buffers; DPP chunks set
+    the real lengths), its DppPlugin and the run's indexed dataset."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from megatron_ext.config.schema import Config, ParallelConfig, TrainConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.batch import DocumentBatches
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import ActivationMeter, Timeline, fit_activation_bytes
-    from megatron_ext.dpp.plugin import DppConfig, DppPlugin, StepPlanner, _dataset_prefix
-    from megatron_ext.dpp.runtime import DppStep
-    from megatron_ext.dpp.simulate import memory_peaks, simulate
+    from megatron_ext.dpp.plugin import DppConfig, DppPlugin, _dataset_prefix
     from megatron_ext.platform.launch import join_world
-    from megatron_ext.training.step import forward_step
     from megatron_ext.training.trainer import Trainer
 
     join_world("cpu")
-    rank = dist.get_rank()
     model = dataclasses.replace(MODEL_PRESETS[args.model], seq_length=256)
     plugin = DppPlugin(DppConfig(max_seq_len=args.max_seq_len, docs_per_batch=args.docs, cost_model=args.cost_model))
     cfg = Config(model=model, parallel=ParallelConfig(pp=2, use_distributed_optimizer=False),
                  train=TrainConfig(iters=1, eval_interval=0), plugins=["dpp"])
     trainer = Trainer(cfg, [plugin])
     trainer.setup()
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    dataset = IndexedDataset(_dataset_prefix(trainer))
+    return trainer, plugin, IndexedDataset(_dataset_prefix(trainer))
+
+
+def global_batches(dataset, args, count: int) -> list:
+    """`count` global batches (`--dist corpus`: whole documents of the seeded stream, truncated;
+    else real-text prefixes of `--dist` lengths, `skewed_batches`)."""
+    from megatron_ext.dpp.batch import DocumentBatches
+
     if args.dist == "corpus":
         documents = DocumentBatches(dataset, args.docs, args.max_seq_len, "truncate", args.seed)
-        batches = [b for _, b in zip(range(args.batches), documents)]
-    else:
-        batches = skewed_batches(dataset, args)
-    cost, fit = fit_activation_bytes(trainer.model, plugin.context, CostModel.from_json(args.cost_model))
-    layers = [model.num_layers // 2] * 2
-    states = [cost.model_state_bytes(layers[p], p == 0, p == 1) for p in range(2)]
+        return [b for _, b in zip(range(count), documents)]
+    return skewed_batches(dataset, argparse.Namespace(**{**vars(args), "batches": count}))
 
-    def planner(policy: str, act_budget: float) -> StepPlanner:
-        return StepPlanner(DppConfig(max_seq_len=args.max_seq_len, policy=policy, memory_budget_mb=(max(states) + act_budget) / 2**20),
-                           model.num_layers, 2, cost)
+
+def stage_states(cost, num_layers: int) -> list[float]:
+    from megatron_ext.dpp.costmodel import stage_layers
+
+    layers = stage_layers(num_layers, 2)
+    return [cost.model_state_bytes(layers[p], p == 0, p == 1) for p in range(2)]
+
+
+def step_planner(args, cost, num_layers: int, policy: str, act_budget: float):
+    """A PP=2 StepPlanner of `policy` whose per-stage budget is the model states plus `act_budget`."""
+    from megatron_ext.dpp.plugin import DppConfig, StepPlanner
+
+    budget_mb = (max(stage_states(cost, num_layers)) + act_budget) / 2**20
+    return StepPlanner(DppConfig(max_seq_len=args.max_seq_len, policy=policy, memory_budget_mb=budget_mb), num_layers, 2, cost)
+
+
+def activation_need(args, cost, num_layers: int, batches: list) -> float:
+    """What the batches' activations need per stage with no recompute (dpp_no_ckpt's plans, the
+    simulator's peaks less the model states): the reference budgets are fractions of."""
+    from megatron_ext.dpp.costmodel import stage_layers
+    from megatron_ext.dpp.simulate import memory_peaks
+
+    states = stage_states(cost, num_layers)
+    free = step_planner(args, cost, num_layers, "dpp_no_ckpt", 1e15)
+    peaks = (memory_peaks(free.plan(b).plan, cost, stage_layers(num_layers, 2)) for b in batches)
+    return max(max(p - s for p, s in zip(peak, states)) for peak in peaks)
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext.dpp.costmodel import CostModel, stage_layers
+    from megatron_ext.dpp.memory import ActivationMeter, Timeline, fit_activation_bytes
+    from megatron_ext.dpp.runtime import DppStep
+    from megatron_ext.dpp.simulate import memory_peaks, simulate
+    from megatron_ext.training.step import forward_step
+
+    trainer, plugin, dataset = build(args)
+    rank = dist.get_rank()
+    model = trainer.cfg.model
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    batches = global_batches(dataset, args, args.batches)
+    cost, fit = fit_activation_bytes(trainer.model, plugin.context, CostModel.from_json(args.cost_model))
+    layers = list(stage_layers(model.num_layers, 2))
+    states = stage_states(cost, model.num_layers)
+
+    def planner(policy: str, act_budget: float):
+        return step_planner(args, cost, model.num_layers, policy, act_budget)
 
     if args.act_budget_mb:
         budgets = {None: args.act_budget_mb * 2**20}
     else:  # binding: fractions of what the batches need without any recompute
-        free = planner("dpp_no_ckpt", 1e15)
-        need = max(max(p - s for p, s in zip(memory_peaks(free.plan(b).plan, cost, layers), states)) for b in batches)
+        need = activation_need(args, cost, model.num_layers, batches)
         budgets = {f: f * need for f in args.budget_fractions}
     meter, timeline = ActivationMeter(trainer.model), Timeline()
     step = DppStep(plugin.context, meter, timeline)

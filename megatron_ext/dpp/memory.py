@@ -152,6 +152,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     import numpy as np
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
     from megatron_ext.dpp.batch import chunk_inputs
@@ -174,6 +175,9 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     hook = top.register_full_backward_pre_hook(lambda module, grad: at_attention.append(meter.live_bytes))
     set_input = get_attr_wrapped_model(model, "set_input_tensor")
     recompute_before = config.recompute_num_layers
+    # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user; a backward
+    # here (outside its schedules) would leave a shape the schedules cannot copy into.
+    aux_scale_before = MoEAuxLossAutoScaler.main_loss_backward_scale
     try:  # the model leaves as it came, even when a forward raises: no input, recompute, grads
         for n_tokens in tokens:
             for recompute in (0, layers):
@@ -196,6 +200,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         context.leave()
         set_input([None])
         config.recompute_num_layers = recompute_before
+        MoEAuxLossAutoScaler.main_loss_backward_scale = aux_scale_before
         for m in model_chunks:
             m.zero_grad_buffer()
     gathered = [None] * dist.get_world_size()

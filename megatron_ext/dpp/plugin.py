@@ -82,8 +82,10 @@ class DppPlugin(Plugin):
             raise ValueError("dpp: interleaved pipelines (parallel.vpp) and context parallelism (parallel.cp) are not supported")
         if trainer.cfg.model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
             raise ValueError(f"dpp: only model.arch=gpt is supported, not {trainer.cfg.model.arch!r}")
-        if trainer.cfg.model.num_experts:
-            raise ValueError("dpp: MoE models are not supported yet (model.num_experts must be unset)")
+        if p.ep > 1:
+            # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
+            # their MoE layers' token exchanges would not pair up chunk by chunk.
+            raise ValueError("dpp: expert parallelism (parallel.ep > 1) is not supported; MoE models run with parallel.ep=1")
 
     def layer_spec(self, spec, trainer: Trainer):
         from megatron_ext.dpp.attention import dpp_layer_spec

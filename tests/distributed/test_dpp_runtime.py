@@ -252,9 +252,9 @@ def named_grads(model_chunks) -> dict[str, torch.Tensor]:
     return {name: p.main_grad.detach().clone() for name, p in unwrap_model(model_chunks[0]).named_parameters()}
 
 
-def reference(pp: int, lengths, grads_of=named_grads) -> tuple[dict, float]:
+def reference(pp: int, lengths, grads_of=named_grads, model=None) -> tuple[dict, float]:
     """Gradients (as `grads_of(model chunks)` keys them) and loss of the whole batch on one
-    process with megatron's own attention."""
+    process with megatron's own attention (the model of `model_config(pp)`, or `model`)."""
     import torch.distributed as dist
 
     from megatron_ext.config.schema import Config
@@ -264,7 +264,7 @@ def reference(pp: int, lengths, grads_of=named_grads) -> tuple[dict, float]:
 
     join_world("cpu")
     try:
-        trainer = Trainer(Config(model=model_config(pp)))
+        trainer = Trainer(Config(model=model or model_config(pp)))
         trainer._init_layout()
         trainer.vocab_size = VOCAB
         trainer.model, trainer.model_config = trainer.build_model(trainer.cfg.parallel)

@@ -41,31 +41,40 @@ def test_cached_kv_shares_storage_with_saved_tensors():
     assert meter.live_bytes == 0
 
 
-def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_raises(one_rank_world):
-    """A forward that raises half-way through the fit (here: the third one, after two
-    backwards have accumulated gradients) leaves the recompute count, the chunk context, the
-    model's input, its hooks and its gradients as they were; bad token counts are refused first."""
+def dpp_model(preset: str, **changes):
+    """A two-layer one-stage model of `preset` with the DPP layer spec, DDP-wrapped: (bare
+    model, DDP model, its config, its ChunkContext)."""
     import dataclasses
 
-    import pytest
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
     from megatron_ext.dpp.attention import ChunkContext, dpp_layer_spec
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_activation_bytes
     from megatron_ext.dpp.plugin import prepare_model
     from megatron_ext.models.arch import architecture
 
-    model_cfg = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_layers=2, seq_length=32)
+    model_cfg = dataclasses.replace(MODEL_PRESETS[preset], vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_layers=2,
+                                    seq_length=32, **changes)
     arch, context = architecture(model_cfg), ChunkContext()
     config = arch.transformer_config(model_cfg, ParallelConfig(), True)
     spec = dpp_layer_spec(arch.spec(model_cfg, True), context)
     model = arch.build(model_cfg, config, spec, 64, pre_process=True, post_process=True, vp_stage=None)
     prepare_model([model], context)
+    return model, DistributedDataParallel(config, DistributedDataParallelConfig(), model), config, context
+
+
+def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_raises(one_rank_world):
+    """A forward that raises half-way through the fit (here: the third one, after two
+    backwards have accumulated gradients) leaves the recompute count, the chunk context, the
+    model's input, its hooks and its gradients as they were; bad token counts are refused first."""
+    import pytest
+
+    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.memory import fit_activation_bytes
+
+    model, ddp, config, context = dpp_model("llama_tiny")
     config.recompute_num_layers = 1  # what the caller had set
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     cost = CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4)
     with pytest.raises(ValueError, match="token counts must be positive"):
         fit_activation_bytes([ddp], context, cost, tokens=(16, 0))
@@ -84,3 +93,17 @@ def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_rais
     assert context.segments is None and len(context.cache) == 0
     assert model.decoder.input_tensor is None
     assert all(not p.main_grad.any() for p in model.parameters())
+
+
+def test_fitting_activation_bytes_leaves_the_moe_aux_loss_scale_as_it_was(one_rank_world):
+    """Megatron's schedules copy the MoE aux-loss scale into a process-global tensor that a
+    backward outside them would create with another shape (the training step then fails)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.memory import fit_activation_bytes
+
+    _, ddp, _, context = dpp_model("llama_moe_tiny", moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01)
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    fit_activation_bytes([ddp], context, CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4), tokens=(16, 24))
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale is None

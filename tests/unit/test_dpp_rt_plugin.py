@@ -40,19 +40,21 @@ def test_bad_config_is_refused(field, value, message):
     ({}, "hybrid", "model.arch=gpt"),
     ({"cp": 2}, "gpt", "parallel.cp"),
     ({"vpp": 2}, "gpt", "parallel.vpp"),
+    ({"ep": 2}, "gpt", "parallel.ep"),
 ])
 def test_unsupported_setups_are_refused(parallel, arch, message):
     from types import SimpleNamespace
 
-    layout = SimpleNamespace(**{"vpp": None, "cp": 1, "tp": 1, "sequence_parallel": False, **parallel})
+    layout = SimpleNamespace(**{"vpp": None, "cp": 1, "tp": 1, "ep": 1, "sequence_parallel": False, **parallel})
     cfg = SimpleNamespace(parallel=layout, model=SimpleNamespace(arch=arch, num_experts=None))
     with pytest.raises(ValueError, match=message):
         DppPlugin().setup(SimpleNamespace(cfg=cfg))
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tensor_parallelism_is_accepted(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,num_experts", [(False, None), (True, None), (True, 4)])
+def test_tensor_parallelism_and_moe_are_accepted(sequence_parallel, num_experts):
     from types import SimpleNamespace
 
-    layout = SimpleNamespace(vpp=None, cp=1, tp=2, sequence_parallel=sequence_parallel)
-    DppPlugin().setup(SimpleNamespace(cfg=SimpleNamespace(parallel=layout, model=SimpleNamespace(arch="gpt", num_experts=None))))
+    layout = SimpleNamespace(vpp=None, cp=1, tp=2, ep=1, sequence_parallel=sequence_parallel)
+    model = SimpleNamespace(arch="gpt", num_experts=num_experts)
+    DppPlugin().setup(SimpleNamespace(cfg=SimpleNamespace(parallel=layout, model=model)))

@@ -1,17 +1,18 @@
-"""A DPP step under tensor parallelism (TP=2, with and without sequence parallelism) equals the
-one-process reference step on the same global batch, and its activation peak per stage is the
-one the simulator predicts.
+"""A DPP step under other layouts and models than test_dpp_runtime's (tensor parallelism with
+and without sequence parallelism, MoE layers) equals the one-process reference step on the same
+global batch, and its activation peak per stage is the one the simulator predicts.
 
 Each TP rank runs the chunk attention over its own heads (and K/V groups): a slice's cached
 prefix K/V and the dK/dV later slices hand back are per rank, the row-parallel projection sums
 the heads. Under sequence parallelism a stage's input and the layers' norms hold a chunk's
 tokens split over the TP ranks, so every chunk is padded to an even token count (padding has
-no loss and attends to nothing). The workers run the hand-made plan of `test_dpp_runtime`
-(split slices, hybrid and packed chunks, recompute on some chunks, two 1F1B groups) at
-TP=2 x PP=1 and TP=2 x PP=2, and the real planner's plan at TP=2 x PP=2. Gradients are compared
-as logical tensors: megatron's sharded state dict names the box of the whole tensor each rank
-holds (fused QKV, SwiGLU halves and vocabulary slices included), so every shard is checked
-against its box of the reference.
+no loss and attends to nothing). MoE layers route each token on its own (no auxiliary loss, no
+token dropping), so chunking does not change what an expert computes. The workers run the
+hand-made plan of `test_dpp_runtime` (split slices, hybrid and packed chunks, recompute on some
+chunks, two 1F1B groups) or the real planner's plan. Gradients are compared as logical tensors:
+megatron's sharded state dict names the box of the whole tensor each rank holds (fused QKV,
+SwiGLU halves, vocabulary slices and experts included), so every shard is checked against its
+box of the reference.
 
 This file is also the worker script torchrun starts.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,31 +46,48 @@ from tests.distributed.test_dpp_runtime import (  # noqa: E402
     reference,
 )
 
-# name -> (world size, tp, pp, plan, sequence parallel); `planned` cases also count the
-# stages' activation bytes.
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    tp: int
+    pp: int
+    plan: str  # "hand" (test_dpp_runtime's) or "planned" (the planner's; activation bytes counted too)
+    sequence_parallel: bool = False
+    moe: bool = False
+
+
 CASES = {
-    "tp2": (2, 2, 1, "hand", False),
-    "tp2_sp": (2, 2, 1, "hand", True),
-    "tp2_pp2": (4, 2, 2, "hand", False),
-    "tp2_pp2_planned": (4, 2, 2, "planned", False),
-    "tp2_sp_pp2_planned": (4, 2, 2, "planned", True),
+    "tp2": Case(2, 2, 1, "hand"),
+    "tp2_sp": Case(2, 2, 1, "hand", sequence_parallel=True),
+    "tp2_pp2": Case(4, 2, 2, "hand"),
+    "tp2_pp2_planned": Case(4, 2, 2, "planned"),
+    "tp2_sp_pp2_planned": Case(4, 2, 2, "planned", sequence_parallel=True),
+    "moe_pp2_planned": Case(2, 1, 2, "planned", moe=True),
+    "moe_tp2_sp_pp2_planned": Case(4, 2, 2, "planned", sequence_parallel=True, moe=True),
 }
+
+
+def case_model(name: str):
+    case = CASES[name]
+    model = model_config(case.pp)
+    return dataclasses.replace(model, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48) if case.moe else model
 
 
 def case_plan(name: str):
     """The case's plan, its chunks padded to a multiple of tp under sequence parallelism."""
     from megatron_ext.dpp.plan import padded
 
-    _, tp, pp, kind, sp = CASES[name]
-    multiple = tp if sp else 1
-    if kind == "planned":
-        return planned(pp, multiple)
-    plan = make_plan(pp, recompute=True, groups=2)
+    case = CASES[name]
+    multiple = case.tp if case.sequence_parallel else 1
+    if case.plan == "planned":
+        return planned(case.pp, multiple)
+    plan = make_plan(case.pp, recompute=True, groups=2)
     return dataclasses.replace(plan, chunks=padded(plan.chunks, multiple))
 
 
 def case_lengths(name: str) -> tuple[int, ...]:
-    return PLANNED_LENGTHS if CASES[name][3] == "planned" else LENGTHS
+    return PLANNED_LENGTHS if CASES[name].plan == "planned" else LENGTHS
 
 
 def grad_shards(model_chunks) -> list[tuple[tuple, torch.Size, tuple[slice, ...], torch.Tensor]]:
@@ -110,15 +129,16 @@ def worker(out_dir: str, world: int, *names: str) -> None:
 
     join_world("cpu")
     for name in names:
-        _, tp, pp, kind, sp = CASES[name]
+        case = CASES[name]
+        pp = case.pp
         plugin = DppPlugin()
-        parallel = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, use_distributed_optimizer=False)
-        trainer = Trainer(Config(model=model_config(pp), parallel=parallel), [plugin])
+        parallel = ParallelConfig(tp=case.tp, pp=pp, sequence_parallel=case.sequence_parallel, use_distributed_optimizer=False)
+        trainer = Trainer(Config(model=case_model(name), parallel=parallel), [plugin])
         trainer._init_layout()
         trainer.vocab_size = VOCAB
         trainer.model, trainer.model_config = trainer.build_model(trainer.cfg.parallel)
         plan, report, step = case_plan(name), {}, plugin.step
-        if kind == "planned":  # also count the stage's activation bytes exactly
+        if case.plan == "planned":  # also count the stage's activation bytes exactly
             layers = [layers_per_stage(pp)] * pp
             cost, _ = fit_activation_bytes(trainer.model, plugin.context, planning_cost(pp))
             stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -150,23 +170,23 @@ def whole_grads(model_chunks) -> dict[tuple, torch.Tensor]:
 
 def launch_of(name: str) -> tuple[int, tuple[str, ...]]:
     """(world size, the cases one torchrun launch runs): every case of that world size."""
-    world = CASES[name][0]
-    return world, tuple(n for n, c in CASES.items() if c[0] == world)
+    world = CASES[name].world
+    return world, tuple(n for n, c in CASES.items() if c.world == world)
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    return launcher(tmp_path_factory.mktemp("dpp_tp"), __file__, launch_of)
+    return launcher(tmp_path_factory.mktemp("dpp_layouts"), __file__, launch_of)
 
 
 # A launch takes a minute or more on a shared 2-core machine (measured 63 s for TP=2 x PP=1).
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_dpp_step_under_tp_equals_single_process_reference(launched, name):
+def test_dpp_step_equals_single_process_reference(launched, name):
     out = launched(name)
-    world, tp, pp, *_ = CASES[name]
-    ref_grads, ref_loss = reference(pp, case_lengths(name), grads_of=whole_grads)
+    world = CASES[name].world
+    ref_grads, ref_loss = reference(CASES[name].pp, case_lengths(name), grads_of=whole_grads, model=case_model(name))
     covered = {key: torch.zeros_like(grad, dtype=torch.bool) for key, grad in ref_grads.items()}
     for rank in range(world):
         got = torch.load(out / f"{name}_rank{rank}.pt")
@@ -180,18 +200,19 @@ def test_dpp_step_under_tp_equals_single_process_reference(launched, name):
     missing = [key for key, seen in covered.items() if not seen.all()]
     assert not missing, f"{name}: gradients no rank holds: {missing}"
     # TP really split the model: some rank holds a strict part of some tensor.
-    assert any(tuple(b - a for a, b in box) != tuple(ref_grads[(k, i)].shape)
+    assert CASES[name].tp == 1 or any(tuple(b - a for a, b in box) != tuple(ref_grads[(k, i)].shape)
                for rank in range(world) for (k, i, box) in torch.load(out / f"{name}_rank{rank}.pt")["grads"])
 
 
-# The simulator's per-stage activation peak against the exact count of a pipelined TP step: a
-# TP rank holds its own heads' attention tensors and K/V prefix, and under sequence parallelism
-# a split part of each layer's token-wise tensors (fitted per run, like every run's terms).
+# The simulator's per-stage activation peak against the exact count of a pipelined step: a TP
+# rank holds its own heads' attention tensors and K/V prefix, under sequence parallelism a split
+# part of each layer's token-wise tensors, and an MoE layer its experts' share of the routed
+# tokens (fitted per run, like every run's terms).
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][3] == "planned"])
-def test_simulated_activation_peak_under_tp_matches_the_exact_count(launched, name):
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].plan == "planned"])
+def test_simulated_activation_peak_matches_the_exact_count(launched, name):
     out = launched(name)
-    for rank in range(CASES[name][0]):
+    for rank in range(CASES[name].world):
         got = torch.load(out / f"{name}_rank{rank}.pt")
         assert got["predicted_act_bytes"] == pytest.approx(got["measured_act_bytes"], rel=ACTIVATION_ERROR), f"rank {rank}"

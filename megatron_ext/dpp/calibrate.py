@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -167,6 +168,28 @@ def reduce_rounds(timed: dict, statistic: str) -> dict:
     return {k: (agg(f), agg(b), m) for k, (f, b, m) in timed.items()}
 
 
+def layer_shape(mc) -> dict:
+    """What a calibrated layer's times and bytes depend on, from a model config (ModelConfig)."""
+    heads, moe = mc.num_attention_heads, bool(mc.num_experts)
+    return dict(hidden=mc.hidden_size, ffn=mc.ffn_hidden_size, heads=heads, kv_heads=mc.num_query_groups or heads,
+                head_dim=mc.head_dim or mc.hidden_size // heads, num_experts=mc.num_experts,
+                moe_ffn=mc.moe_ffn_hidden_size if moe else None, topk=mc.moe_router_topk if moe else None)
+
+
+def check_calibrated_for(path: str, mc) -> None:
+    """Refuse a cost model calibrated on another layer shape than the model config `mc`'s (its
+    times would be another model's, its parameter count the model states of another). Fields
+    a cost model written before they were recorded does not have are not compared."""
+    shape = json.loads(Path(path).read_text()).get("shape", {})
+    wanted = layer_shape(mc)
+    differ = [f"{k} {shape[k]} (this run: {wanted[k]})" for k in wanted if k in shape and shape[k] != wanted[k]]
+    if differ:
+        raise ValueError(
+            f"dpp.cost_model: {path} was calibrated for another model: " + ", ".join(differ)
+            + "; calibrate this one (python -m megatron_ext.dpp.calibrate --model <its preset>)"
+        )
+
+
 def default_vocab(model_name: str) -> int:
     """The vocabulary the trainer gives the preset: its own size, else the byte tokenizer's
     (the default tokenizer, which scripts/bench/dpp_measured.py trains with)."""
@@ -196,7 +219,7 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
     context = ChunkContext()
     layer = build_module(dpp_layer_spec(layer_spec(mc, use_te=False), context), config=config, layer_number=1)
     params = {p.data_ptr() for p in layer.parameters()}
-    heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    groups = config.num_query_groups or config.num_attention_heads
     dim = config.kv_channels
     rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=int(mc.rotary_base),
                            use_cpu_initialization=True, cp_group=parallel_state.get_context_parallel_group())
@@ -239,8 +262,7 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
     context.leave()
     samples = [Sample(q, p, *best[("layer", q, p)][:2], float(best[("layer", q, p)][2])) for q in qs for p in prefixes]
     head = [HeadSample(q, *best[("head", q, 0)][:2]) for q in qs]
-    shape = dict(hidden=config.hidden_size, ffn=config.ffn_hidden_size, heads=heads, kv_heads=groups,
-                 layer_params=sum(p.numel() for p in layer.parameters()), num_layers=mc.num_layers,
+    shape = dict(layer_shape(mc), layer_params=sum(p.numel() for p in layer.parameters()), num_layers=mc.num_layers,
                  vocab=mc.vocab_size, padded_vocab=padded)
     rounds = {f"{kind} {q}" + (f" {p}" if kind == "layer" else ""): [f, b] for (kind, q, p), (f, b, _) in timed.items()}
     return samples, head, shape, rounds

@@ -175,6 +175,7 @@ def _dataset_prefix(trainer: Trainer) -> str:
 def _cost_model(cfg: DppConfig, trainer: Trainer, context):
     """The calibrated cost model, its activation terms refitted to this run's model and
     runtime (a few single-chunk forwards per stage, counted exactly)."""
+    from megatron_ext.dpp.calibrate import check_calibrated_for
     from megatron_ext.dpp.costmodel import CostModel
     from megatron_ext.dpp.memory import fit_activation_bytes
 
@@ -183,6 +184,7 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
             "dpp.cost_model: give a cost model fitted on this machine "
             "(python -m megatron_ext.dpp.calibrate writes one)"
         )
+    check_calibrated_for(cfg.cost_model, trainer.cfg.model)
     return fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
 
 

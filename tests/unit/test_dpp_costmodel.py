@@ -191,3 +191,40 @@ def test_rounds_reduce_to_their_min_or_median():
     assert reduce_rounds(timed, "median") == {("layer", 64, 0): (0.25, 0.5, 100)}
     with pytest.raises(ValueError, match="statistic 'mean'"):
         reduce_rounds(timed, "mean")
+
+
+# what the run's model changes -> the words the refusal must name (None: accepted)
+CALIBRATED_FOR = {
+    "same_model": ({}, None),
+    "wider": ({"hidden_size": 256}, "hidden 128 (this run: 256)"),
+    "other_ffn": ({"ffn_hidden_size": 512}, "ffn 352"),
+    "moe_layers": ({"num_experts": 4, "moe_ffn_hidden_size": 176}, "num_experts None (this run: 4)"),
+}
+
+
+@pytest.mark.parametrize("case", CALIBRATED_FOR)
+def test_a_cost_model_calibrated_for_another_layer_shape_is_refused(tmp_path, case):
+    from megatron_ext.config.store import MODEL_PRESETS
+    from megatron_ext.dpp.calibrate import check_calibrated_for, layer_shape
+
+    calibrated = MODEL_PRESETS["llama_tiny"]
+    path = tmp_path / "cost.json"
+    CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4).to_json(path, shape=dict(layer_shape(calibrated), layer_params=1))
+    changes, message = CALIBRATED_FOR[case]
+    run = dataclasses.replace(calibrated, **changes)
+    if message is None:
+        check_calibrated_for(str(path), run)
+    else:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            check_calibrated_for(str(path), run)
+
+
+def test_a_cost_model_written_before_a_shape_field_was_recorded_is_compared_on_the_others(tmp_path):
+    from megatron_ext.config.store import MODEL_PRESETS
+    from megatron_ext.dpp.calibrate import check_calibrated_for
+
+    path = tmp_path / "old.json"
+    CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4).to_json(path, shape={"hidden": 128, "ffn": 352, "heads": 4, "kv_heads": 4})
+    check_calibrated_for(str(path), dataclasses.replace(MODEL_PRESETS["llama_tiny"], num_experts=4))
+    with pytest.raises(ValueError, match="heads 4"):
+        check_calibrated_for(str(path), dataclasses.replace(MODEL_PRESETS["llama_tiny"], num_attention_heads=8))

@@ -246,3 +246,45 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     return fitted, {"rows": rows, "kept_layer_bytes_token": kept, "recomputed_layer_bytes_token": recomputed,
                     "head_bytes_token": head, "max_relative_residual": residual, "released_before_attention": freed,
                     "attention_backward": {"pair": pair, "key": key, "query": query}}
+
+
+def state_bytes_per_param(precision: str, optimizer: str, distributed_optimizer: bool, dp: int) -> float:
+    """Model-state bytes per parameter on a rank: the parameter, its fp32 gradient buffer
+    (megatron's DDP reduces in fp32 here), and the optimizer's fp32 state (Adam's two moments or
+    SGD's momentum, plus an fp32 master copy of half-precision parameters), sharded over the
+    `dp` data-parallel ranks by the distributed optimizer."""
+    moments = {"adam": 2, "sgd": 1}
+    if optimizer not in moments:
+        raise ValueError(f"dpp: no model-state size for optimizer {optimizer!r} (known: {sorted(moments)})")
+    half = precision in ("bf16", "fp16")
+    optimizer_bytes = 4 * moments[optimizer] + (4 if half else 0)
+    return (2 if half else 4) + 4 + optimizer_bytes / (dp if distributed_optimizer else 1)
+
+
+def fit_model_states(model_chunks: list, cost, bytes_per_param: float):
+    """`cost` with its model-state terms counted on this run's model (collective over the
+    world): the parameters of one decoder layer, and what the first and the last pipeline stage
+    hold besides their layers (the embedding; the final norm, the output layer or a tied
+    embedding's copy), as this rank holds them (its TP shards), at `bytes_per_param` each. With
+    one stage everything beside the layers counts as its embedding."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    layers = get_attr_wrapped_model(model_chunks[0], "decoder").layers
+    params = {p.data_ptr(): p.numel() for chunk in model_chunks for p in chunk.parameters()}
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), per_layer, sum(params.values()) - len(layers) * per_layer)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    last = max(stage for stage, _, _ in gathered)
+    besides = lambda s: max(extra for stage, _, extra in gathered if stage == s)  # noqa: E731
+    return dataclasses.replace(
+        cost,
+        layer_params=max(n for _, n, _ in gathered),
+        embedding_params=besides(0),
+        head_params=besides(last) if last > 0 else 0,
+        state_bytes_param=bytes_per_param,
+    )

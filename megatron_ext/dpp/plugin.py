@@ -32,9 +32,9 @@ class DppConfig:
     too_long: str = "truncate"
     # Whole documents per global batch, over all data-parallel replicas.
     docs_per_batch: int = 16
-    # Memory per pipeline stage the plan must fit: model states (as the cost model counts them)
-    # plus activations. A budget no plan can meet is refused before the first step, naming the
-    # smallest feasible one.
+    # Memory per pipeline stage the plan must fit: model states (the stage's parameters, their
+    # fp32 gradients and optimizer state, counted on the run's model) plus activations. A
+    # budget no plan can meet is refused before the first step, naming the smallest feasible one.
     memory_budget_mb: float = 1024.0
     # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
     policy: str = "dpp"
@@ -174,10 +174,13 @@ def _dataset_prefix(trainer: Trainer) -> str:
 
 def _cost_model(cfg: DppConfig, trainer: Trainer, context):
     """The calibrated cost model, its activation terms refitted to this run's model and
-    runtime (a few single-chunk forwards per stage, counted exactly)."""
+    runtime (a few single-chunk forwards per stage, counted exactly) and its model states
+    counted on this run's model and optimizer."""
+    from megatron.core import parallel_state
+
     from megatron_ext.dpp.calibrate import check_calibrated_for
     from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_activation_bytes
+    from megatron_ext.dpp.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
 
     if cfg.cost_model is None:
         raise ValueError(
@@ -185,7 +188,11 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
             "(python -m megatron_ext.dpp.calibrate writes one)"
         )
     check_calibrated_for(cfg.cost_model, trainer.cfg.model)
-    return fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
+    cost = fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
+    run = trainer.cfg
+    per_param = state_bytes_per_param(run.model.precision, run.optim.optimizer, run.parallel.use_distributed_optimizer,
+                                      parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    return fit_model_states(trainer.model, cost, per_param)
 
 
 @dataclass(frozen=True)

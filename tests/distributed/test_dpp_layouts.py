@@ -119,7 +119,7 @@ def worker(out_dir: str, world: int, *names: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.config.schema import Config, ParallelConfig
-    from megatron_ext.dpp.memory import ActivationMeter, fit_activation_bytes
+    from megatron_ext.dpp.memory import ActivationMeter, fit_activation_bytes, fit_model_states
     from megatron_ext.dpp.plugin import DppPlugin
     from megatron_ext.dpp.runtime import DppStep, PlannedBatch
     from megatron_ext.dpp.simulate import memory_peaks
@@ -143,6 +143,9 @@ def worker(out_dir: str, world: int, *names: str) -> None:
             cost, _ = fit_activation_bytes(trainer.model, plugin.context, planning_cost(pp))
             stage = parallel_state.get_pipeline_model_parallel_rank()
             report["predicted_act_bytes"] = float(memory_peaks(plan, cost, layers)[stage] - cost.model_state_bytes(layers[0], False, False))
+            counted = fit_model_states(trainer.model, cost, bytes_per_param=1.0)
+            report["predicted_params"] = counted.model_state_bytes(layers[stage], stage == 0, stage == pp - 1)
+            report["params"] = sum({p.data_ptr(): p.numel() for m in trainer.model for p in m.parameters()}.values())
             step = DppStep(plugin.context, ActivationMeter(trainer.model))
         losses = step(PlannedBatch(plan, tuple(documents(case_lengths(name)))), forward_step, trainer.model)
         if step.meter is not None:
@@ -216,3 +219,15 @@ def test_simulated_activation_peak_matches_the_exact_count(launched, name):
     for rank in range(CASES[name].world):
         got = torch.load(out / f"{name}_rank{rank}.pt")
         assert got["predicted_act_bytes"] == pytest.approx(got["measured_act_bytes"], rel=ACTIVATION_ERROR), f"rank {rank}"
+
+
+# The model states a plan's budget holds besides activations: the stage's parameters as the
+# rank holds them (its TP shards; the embedding on the first stage, the output layer on the last).
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].plan == "planned"])
+def test_model_states_are_the_stage_parameters(launched, name):
+    out = launched(name)
+    for rank in range(CASES[name].world):
+        got = torch.load(out / f"{name}_rank{rank}.pt")
+        assert got["predicted_params"] == got["params"], f"rank {rank}"

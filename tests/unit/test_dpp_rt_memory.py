@@ -3,6 +3,7 @@ until backward frees it; the K/V prefix cache counts once with what attention sa
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ext.dpp.attention import PrefixKVCache
@@ -68,8 +69,6 @@ def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_rais
     """A forward that raises half-way through the fit (here: the third one, after two
     backwards have accumulated gradients) leaves the recompute count, the chunk context, the
     model's input, its hooks and its gradients as they were; bad token counts are refused first."""
-    import pytest
-
     from megatron_ext.dpp.costmodel import CostModel
     from megatron_ext.dpp.memory import fit_activation_bytes
 
@@ -107,3 +106,31 @@ def test_fitting_activation_bytes_leaves_the_moe_aux_loss_scale_as_it_was(one_ra
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     fit_activation_bytes([ddp], context, CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4), tokens=(16, 24))
     assert MoEAuxLossAutoScaler.main_loss_backward_scale is None
+
+
+@pytest.mark.parametrize("precision,optimizer,distributed,dp,expected", [
+    ("fp32", "adam", False, 4, 4 + 4 + 8),  # parameter, fp32 gradient, two moments
+    ("fp32", "sgd", True, 2, 4 + 4 + 4 / 2),
+    ("bf16", "adam", True, 4, 2 + 4 + (4 + 8) / 4),  # plus an fp32 master copy, sharded
+])
+def test_state_bytes_per_param(precision, optimizer, distributed, dp, expected):
+    from megatron_ext.dpp.memory import state_bytes_per_param
+
+    assert state_bytes_per_param(precision, optimizer, distributed, dp) == expected
+
+
+def test_state_bytes_of_an_unknown_optimizer_are_refused():
+    from megatron_ext.dpp.memory import state_bytes_per_param
+
+    with pytest.raises(ValueError, match="lion"):
+        state_bytes_per_param("fp32", "lion", False, 1)
+
+
+def test_one_stage_model_states_are_its_parameters(one_rank_world):
+    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.memory import fit_model_states
+
+    model, ddp, _, _ = dpp_model("llama_tiny")
+    counted = fit_model_states([ddp], CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4), bytes_per_param=16.0)
+    assert counted.model_state_bytes(2, True, True) == 16.0 * sum(p.numel() for p in model.parameters())
+    assert counted.layer_params == sum(p.numel() for p in model.decoder.layers[1].parameters())

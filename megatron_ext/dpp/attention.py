@@ -224,10 +224,10 @@ class ChunkCoreAttention(MegatronModule):
         segments, padding = self.context.segments, self.context.padding
         if segments is None:
             return attend(query, key, value, 0, self.scale)
-        if query.shape[1] != 1 or query.shape[0] != sum(s.length for s in segments) + padding:
+        tokens = sum(s.length for s in segments) + padding
+        if query.shape[1] != 1 or query.shape[0] != tokens:
             raise ValueError(
-                f"dpp attention: got q of shape {tuple(query.shape)} for a chunk of "
-                f"{sum(s.length for s in segments) + padding} tokens (batch size must be 1)"
+                f"dpp attention: got q of shape {tuple(query.shape)} for a chunk of {tokens} tokens (batch size must be 1)"
             )
         outputs, offset = [], 0
         for seg in segments:
@@ -241,8 +241,8 @@ class ChunkCoreAttention(MegatronModule):
             outputs.append(
                 _SliceAttention.apply(q, k, v, self.context.cache, cache_key, seg.start, keep, self.scale)
             )
-        # Padding attends to nothing: its output is zero (and its loss is masked out).
-        outputs.append(query.new_zeros(padding, 1, query.shape[2] * value.shape[3]))
+        if padding:  # attends to nothing: its output is zero (and its loss is masked out)
+            outputs.append(query.new_zeros(padding, 1, query.shape[2] * value.shape[3]))
         return torch.cat(outputs)
 
 

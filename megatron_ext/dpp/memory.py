@@ -146,7 +146,8 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     (its RoPE table; the output layer and loss on the last stage). The bytes still held when
     the top layer's attention starts its backward give what backward releases before it; the
     attention's own backward transient is fitted on bare segments
-    (`attention_backward_bytes`). Returns (model, fit details)."""
+    (`attention_backward_bytes`). Under sequence parallelism the token counts are rounded up to
+    multiples of tp (the rows returned hold the rounded ones). Returns (model, fit details)."""
     import dataclasses
 
     import numpy as np

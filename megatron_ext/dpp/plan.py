@@ -51,15 +51,20 @@ class Chunk:
     padding: int = 0
 
     @functools.cached_property
+    def sequence_tokens(self) -> int:
+        """Tokens of the segments (the chunk's tokens less its padding)."""
+        return sum(s.length for s in self.segments)
+
+    @functools.cached_property
     def tokens(self) -> int:  # cached: planners ask for it millions of times per batch
-        return sum(s.length for s in self.segments) + self.padding
+        return self.sequence_tokens + self.padding
 
 
 def padded(chunks: tuple[Chunk, ...], multiple: int) -> tuple[Chunk, ...]:
     """`chunks` with each token count rounded up to a multiple of `multiple` by padding."""
     if multiple < 1:
         raise ValueError(f"dpp: a chunk's token multiple must be positive, got {multiple}")
-    return tuple(dataclasses.replace(c, padding=-sum(s.length for s in c.segments) % multiple) for c in chunks)
+    return tuple(dataclasses.replace(c, padding=-c.sequence_tokens % multiple) for c in chunks)
 
 
 @dataclass(frozen=True)

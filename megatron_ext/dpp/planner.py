@@ -189,7 +189,7 @@ def _joined(parts: Sequence[tuple[StepPlan, Sequence[int]]], pp: int, lengths: S
     groups: list[Group] = []
     for plan, seqs in parts:
         base = len(chunks)
-        chunks += [Chunk(base + c.id, c.kind, tuple(Segment(seqs[s.seq], s.start, s.length) for s in c.segments), c.padding)
+        chunks += [dataclasses.replace(c, id=base + c.id, segments=tuple(Segment(seqs[s.seq], s.start, s.length) for s in c.segments))
                    for c in plan.chunks]
         groups += [Group(tuple(tuple(type(o)(o.kind, base + o.chunk, o.recompute) for o in ops) for ops in g.ops))
                    for g in plan.groups]
@@ -368,7 +368,8 @@ def _static_candidates(policy: str, context: int, num_layers: int, pp: int, mult
         return [StaticConfig("packed", context, context, c, token_multiple=multiple) for c in range(per_stage + 1)]
     if policy == "split":
         return [StaticConfig("split", context, n, c, token_multiple=multiple) for n in spans for c in range(per_stage + 1)]
-    return [StaticConfig("chunkflow", context, context // n, 0, keep, multiple) for n in spans for keep in (1, 2, 4) if keep <= n]
+    return [StaticConfig("chunkflow", context, context // n, 0, keep, token_multiple=multiple)
+            for n in spans for keep in (1, 2, 4) if keep <= n]
 
 
 def tune_static(policy: str, tuning_lengths: Sequence[int], cost: CostModel, pp: int, budget_bytes: float, context: int,

@@ -77,11 +77,15 @@ class DppPlugin(Plugin):
         self.tokens_total, self.train_seconds = 0, 0.0
 
     def setup(self, trainer: Trainer) -> None:
-        p = trainer.cfg.parallel
+        p, model = trainer.cfg.parallel, trainer.cfg.model
         if p.vpp or p.cp > 1:
             raise ValueError("dpp: interleaved pipelines (parallel.vpp) and context parallelism (parallel.cp) are not supported")
-        if trainer.cfg.model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
-            raise ValueError(f"dpp: only model.arch=gpt is supported, not {trainer.cfg.model.arch!r}")
+        if model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
+            raise ValueError(f"dpp: only model.arch=gpt is supported, not {model.arch!r}")
+        if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_aux_loss_coeff > 0:
+            # Chunks are padded to multiples of tp, and megatron routes padding like any token.
+            raise ValueError("dpp: an MoE auxiliary loss (model.moe_aux_loss_coeff > 0) with sequence parallelism is not "
+                             "supported: the padding of chunks would enter the load-balancing loss")
         if p.ep > 1:
             # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
             # their MoE layers' token exchanges would not pair up chunk by chunk.

@@ -176,6 +176,10 @@ class DppStep:
         p2p = P2PCommunicator(pp_group, config)
         model_type = get_model_type(model)
         tp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+        uneven = [c.id for c in plan.chunks if c.tokens % tp]
+        if uneven:  # before anything runs: sequence parallelism splits every chunk over the TP ranks
+            raise ValueError(f"dpp: chunks {uneven} have token counts not divisible by tp={tp} (sequence parallel; "
+                             "plan with token_multiple=tp)")
         losses: list = []
         total_tokens = torch.zeros([], dtype=torch.int)
         no_sync = (config.no_sync_func or contextlib.nullcontext)()
@@ -186,8 +190,6 @@ class DppStep:
                 sends: list = []
                 for op in group.ops[stage]:
                     chunk = plan.chunk(op.chunk)
-                    if chunk.tokens % tp:
-                        raise ValueError(f"dpp: chunk {chunk.id} has {chunk.tokens} tokens, not divisible by tp={tp} (sequence parallel)")
                     shape = (chunk.tokens // tp, 1, config.hidden_size)
                     self.context.enter(chunk.segments, plan.seq_lengths, chunk.padding)
                     began = time.perf_counter()

@@ -327,7 +327,7 @@ def main() -> None:
     ap.add_argument("--dist", default="github", help="as dpp_measured.py: a length distribution or 'corpus'")
     ap.add_argument("--docs", type=int, default=8, help="documents per global batch")
     ap.add_argument("--blocks", type=int, default=4, help="segments of the stream, each run by both arms (ABBA)")
-    ap.add_argument("--steps", type=int, default=5, help="steps per block (the first one is reported apart)")
+    ap.add_argument("--steps", type=int, default=6, help="steps per block (the first one is reported apart)")
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--budget-fraction", type=float, default=0.25,
                     help="activation budget per stage, as a fraction of what the batches need without recompute")

@@ -147,7 +147,14 @@ def worker(out_dir: str, world: int, *names: str) -> None:
             report["predicted_params"] = counted.model_state_bytes(layers[stage], stage == 0, stage == pp - 1)
             report["params"] = sum({p.data_ptr(): p.numel() for m in trainer.model for p in m.parameters()}.values())
             step = DppStep(plugin.context, ActivationMeter(trainer.model))
-        losses = step(PlannedBatch(plan, tuple(documents(case_lengths(name)))), forward_step, trainer.model)
+        batch = tuple(documents(case_lengths(name)))
+        if case.sequence_parallel and case.plan == "hand":  # the plan unpadded: refused before anything runs
+            try:
+                step(PlannedBatch(make_plan(pp, recompute=True, groups=2), batch), forward_step, trainer.model)
+            except ValueError as refused:
+                report["unpadded_refused"] = str(refused)
+            report["untouched"] = all(not p.main_grad.any() for m in trainer.model for p in m.parameters())
+        losses = step(PlannedBatch(plan, batch), forward_step, trainer.model)
         if step.meter is not None:
             report["measured_act_bytes"] = step.meter.peak_bytes
         report.update(grads=logical_grads(trainer.model), loss=reduce_loss(losses))
@@ -231,3 +238,12 @@ def test_model_states_are_the_stage_parameters(launched, name):
     for rank in range(CASES[name].world):
         got = torch.load(out / f"{name}_rank{rank}.pt")
         assert got["predicted_params"] == got["params"], f"rank {rank}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_plan_with_chunks_sequence_parallelism_cannot_split_is_refused_before_anything_runs(launched):
+    out = launched("tp2_sp")
+    for rank in range(CASES["tp2_sp"].world):
+        got = torch.load(out / f"tp2_sp_rank{rank}.pt")
+        assert "not divisible by tp=2" in got["unpadded_refused"] and got["untouched"]

@@ -159,6 +159,25 @@ def test_activation_bytes_are_linear_in_recompute_and_keep_kv_of_continued_slice
         assert a[0] - a[1] == pytest.approx(per_recomputed)
 
 
+def test_padding_costs_dense_work_and_token_bytes_but_no_attention():
+    """A padded chunk takes what its segments take plus, per padding token, the dense parts'
+    time (forward and backward) and a token's bytes; its attention terms do not grow."""
+    # the chunk attention's memory terms (fit_activation_bytes): no per-pair or per-key bytes
+    model = dataclasses.replace(TOY, t0=0.0, bwd_alpha=3e-6, bwd_beta=5e-9, bwd_gamma=2e-4, act_bytes_attn=0.0,
+                                act_bytes_key=0.0)
+    lengths = [300, 50]
+    plain = Chunk(0, "hybrid", (Segment(0, 200, 100), Segment(1, 0, 50)))
+    pad = dataclasses.replace(plain, padding=3)
+    assert pad.tokens == plain.tokens + 3 and pad.sequence_tokens == plain.tokens
+    assert model.layer_forward_s(pad) == pytest.approx(model.layer_forward_s(plain) + 3 * model.alpha)
+    assert model.layer_backward_s(pad) == pytest.approx(model.layer_backward_s(plain) + 3 * model.bwd_alpha)
+    assert model.attention_backward_bytes(pad) == model.attention_backward_bytes(plain)
+    for r in (0, 2):
+        kept = model.activation_bytes(pad, lengths, 4, r, last=True) - model.activation_bytes(plain, lengths, 4, r, last=True)
+        per_token = (4 - r) * model.act_bytes_token + r * model.ckpt_bytes_token + model.head_bytes_token
+        assert kept == pytest.approx(3 * per_token)
+
+
 def test_analytic_model_round_trips_through_json(tmp_path):
     m = analytic_gpu(LLAMA_7B)
     m.to_json(tmp_path / "m.json", note="x")

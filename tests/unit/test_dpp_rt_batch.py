@@ -3,6 +3,7 @@ data-parallel shares, a chunk's model inputs, and the plan checks that run befor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -82,6 +83,13 @@ def test_chunk_inputs_pad_to_the_chunk_size_outside_the_loss():
     assert got["tokens"].tolist() == [list(range(112, 120)) + [200, 201, 202, 0]]
     assert got["position_ids"].tolist() == [list(range(12, 20)) + [0, 1, 2, 0]]
     assert got["loss_mask"].tolist() == [[1.0] * 11 + [0.0]]
+
+
+def test_bad_padding_is_refused():
+    with pytest.raises(ValueError, match="multiple must be positive"):
+        padded(CHUNKS, 0)
+    with pytest.raises(ValueError, match="padding must not be negative"):
+        validate_plan(plan((F0, F1, B1, B0), (F0, F1, B1, B0), chunks=(CHUNKS[0], dataclasses.replace(CHUNKS[1], padding=-1))))
 
 
 # --- plan checks ------------------------------------------------------------------------------

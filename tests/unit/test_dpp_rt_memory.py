@@ -103,9 +103,12 @@ def test_fitting_activation_bytes_leaves_the_moe_aux_loss_scale_as_it_was(one_ra
     from megatron_ext.dpp.memory import fit_activation_bytes
 
     _, ddp, _, context = dpp_model("llama_moe_tiny", moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01)
+    cost = CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4)
+    for before in (None, torch.ones(1)):  # unset, and as megatron's schedules set it
+        MoEAuxLossAutoScaler.main_loss_backward_scale = before
+        fit_activation_bytes([ddp], context, cost, tokens=(16, 24))
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale is before
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    fit_activation_bytes([ddp], context, CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4), tokens=(16, 24))
-    assert MoEAuxLossAutoScaler.main_loss_backward_scale is None
 
 
 @pytest.mark.parametrize("precision,optimizer,distributed,dp,expected", [

@@ -36,25 +36,32 @@ def test_bad_config_is_refused(field, value, message):
         DppPlugin(DppConfig(**{field: value}))
 
 
-@pytest.mark.parametrize("parallel,arch,message", [
-    ({}, "hybrid", "model.arch=gpt"),
-    ({"cp": 2}, "gpt", "parallel.cp"),
-    ({"vpp": 2}, "gpt", "parallel.vpp"),
-    ({"ep": 2}, "gpt", "parallel.ep"),
+MOE_WITH_AUX_LOSS = {"num_experts": 4, "moe_aux_loss_coeff": 0.01}
+
+
+@pytest.mark.parametrize("parallel,model,message", [
+    ({}, {"arch": "hybrid"}, "model.arch=gpt"),
+    ({"cp": 2}, {}, "parallel.cp"),
+    ({"vpp": 2}, {}, "parallel.vpp"),
+    ({"ep": 2}, {"num_experts": 4}, "parallel.ep"),
+    ({"tp": 2, "sequence_parallel": True}, MOE_WITH_AUX_LOSS, "moe_aux_loss_coeff"),
 ])
-def test_unsupported_setups_are_refused(parallel, arch, message):
+def test_unsupported_setups_are_refused(parallel, model, message):
     from types import SimpleNamespace
 
     layout = SimpleNamespace(**{"vpp": None, "cp": 1, "tp": 1, "ep": 1, "sequence_parallel": False, **parallel})
-    cfg = SimpleNamespace(parallel=layout, model=SimpleNamespace(arch=arch, num_experts=None))
+    model = SimpleNamespace(**{"arch": "gpt", "num_experts": None, "moe_aux_loss_coeff": 0.0, **model})
     with pytest.raises(ValueError, match=message):
-        DppPlugin().setup(SimpleNamespace(cfg=cfg))
+        DppPlugin().setup(SimpleNamespace(cfg=SimpleNamespace(parallel=layout, model=model)))
 
 
-@pytest.mark.parametrize("sequence_parallel,num_experts", [(False, None), (True, None), (True, 4)])
-def test_tensor_parallelism_and_moe_are_accepted(sequence_parallel, num_experts):
+# (sequence parallel, model): MoE with an auxiliary loss is fine where no chunk is padded
+@pytest.mark.parametrize("sequence_parallel,model", [
+    (False, {}), (True, {}), (True, {"num_experts": 4}), (False, MOE_WITH_AUX_LOSS),
+])
+def test_tensor_parallelism_and_moe_are_accepted(sequence_parallel, model):
     from types import SimpleNamespace
 
     layout = SimpleNamespace(vpp=None, cp=1, tp=2, ep=1, sequence_parallel=sequence_parallel)
-    model = SimpleNamespace(arch="gpt", num_experts=num_experts)
+    model = SimpleNamespace(**{"arch": "gpt", "num_experts": None, "moe_aux_loss_coeff": 0.0, **model})
     DppPlugin().setup(SimpleNamespace(cfg=SimpleNamespace(parallel=layout, model=model)))

@@ -184,6 +184,11 @@ def launch_of(name: str) -> tuple[int, tuple[str, ...]]:
     return world, tuple(n for n, c in CASES.items() if c.world == world)
 
 
+def reports(out: Path, name: str):
+    """(rank, what the rank's worker saved) for every rank of case `name`."""
+    return [(rank, torch.load(out / f"{name}_rank{rank}.pt")) for rank in range(CASES[name].world)]
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     return launcher(tmp_path_factory.mktemp("dpp_layouts"), __file__, launch_of)
@@ -222,9 +227,7 @@ def test_dpp_step_equals_single_process_reference(launched, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].plan == "planned"])
 def test_simulated_activation_peak_matches_the_exact_count(launched, name):
-    out = launched(name)
-    for rank in range(CASES[name].world):
-        got = torch.load(out / f"{name}_rank{rank}.pt")
+    for rank, got in reports(launched(name), name):
         assert got["predicted_act_bytes"] == pytest.approx(got["measured_act_bytes"], rel=ACTIVATION_ERROR), f"rank {rank}"
 
 
@@ -234,16 +237,12 @@ def test_simulated_activation_peak_matches_the_exact_count(launched, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].plan == "planned"])
 def test_model_states_are_the_stage_parameters(launched, name):
-    out = launched(name)
-    for rank in range(CASES[name].world):
-        got = torch.load(out / f"{name}_rank{rank}.pt")
+    for rank, got in reports(launched(name), name):
         assert got["predicted_params"] == got["params"], f"rank {rank}"
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_plan_with_chunks_sequence_parallelism_cannot_split_is_refused_before_anything_runs(launched):
-    out = launched("tp2_sp")
-    for rank in range(CASES["tp2_sp"].world):
-        got = torch.load(out / f"tp2_sp_rank{rank}.pt")
+    for _, got in reports(launched("tp2_sp"), "tp2_sp"):
         assert "not divisible by tp=2" in got["unpadded_refused"] and got["untouched"]

@@ -72,7 +72,8 @@ class DppPlugin(Plugin):
         self.step = DppStep(self.context)
         self._func: Optional[Callable] = None
         self._stream = None  # the PlanAhead of the run's planned batches
-        self._resume = None  # the StreamPosition a checkpoint carried
+        self._resume = None  # the StreamPosition a checkpoint (or the layout before a reshard) carried
+        self._relayout = False  # a live reshard has rebuilt the model on another layout
         self._step_began = 0.0
         self.tokens_total, self.train_seconds = 0, 0.0
 
@@ -98,6 +99,13 @@ class DppPlugin(Plugin):
 
     def after_model_built(self, model_chunks: list, trainer: Trainer) -> list:
         prepare_model(model_chunks, self.context)
+        if self._stream is not None:
+            # A live reshard built the model of another layout: plan again for it (cost model
+            # refitted, chunks and stages anew) from the first batch not yet trained.
+            self._resume = self._stream.position
+            self._stream.close()
+            self._stream = self._func = None
+            self._relayout = True
         return model_chunks
 
     def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
@@ -111,7 +119,7 @@ class DppPlugin(Plugin):
                                   token_multiple=p.tp if p.sequence_parallel else 1)
             self._stream = self.plan_stream(IndexedDataset(_dataset_prefix(trainer)), trainer.cfg.train.seed, planner)
             first = next(self._stream)  # plans (and refuses a hopeless budget) before training
-            trainer.note(self._stream.position.counts.line() + " (first batch)")
+            trainer.note(self._stream.position.counts.line() + (" (first batch on the new layout)" if self._relayout else " (first batch)"))
             self._func = dpp_forward_backward_func(self.step, _prepend(first, self._stream))
         return self._func
 

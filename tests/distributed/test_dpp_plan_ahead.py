@@ -1,5 +1,5 @@
 """dpp across processes: data-parallel replicas that plan ahead still agree, and a resumed run
-trains on exactly the batches of an uninterrupted one.
+or a run resharded live trains on exactly the batches of an uninterrupted one.
 
 `agreement` (2 gloo ranks, DP=2, no model): each replica plans its share of the same global
 batches in the background; the plans equal the ones it makes at each step, the shares partition
@@ -8,6 +8,9 @@ small on it alone) makes every replica raise at that step instead of training on
 
 `resume` (slow, the trainer on 2 ranks, PP=2): a run that checkpoints at step 3 and resumes has
 the losses of an uninterrupted run at steps 4-6, bit for bit.
+
+`reshard` (slow, the trainer with the reshard plugin): a run moved live from PP=2 to DP=2, or
+onto two more workers of a pool, has the losses of the run that stays at PP=2.
 """
 
 from __future__ import annotations
@@ -120,3 +123,50 @@ def test_a_resumed_run_has_the_losses_of_an_uninterrupted_run(tmp_path):
     assert resumed["losses"] == whole["losses"][3:]
     # The documents truncated over the whole run are counted across the restart too.
     assert resumed["notes"][-2] == whole["notes"][-2]
+
+
+# name -> (overrides, the move, what its report says): a move within the job's processes, and
+# one that brings two standby workers of a pool in (they read the plan stream's position from
+# the running workers' state)
+MOVES = {
+    "in_process": (["launcher.nproc=2"], "{step: 3, layout: {pp: 1, dp: 2}}", "tp1·pp2·dp1 -> tp1·pp1·dp2"),
+    "worker_pool": (["launcher.nproc=4", "parallel.dp=1"], "{step: 3, layout: {pp: 2, dp: 2}}",
+                    "tp1·pp2·dp1·+2 standby -> tp1·pp2·dp2"),
+}
+
+
+@pytest.fixture(scope="module")
+def reshard_runs(tmp_path_factory):
+    """`run(overrides)`: a 5-step DPP run from PP=2 on 2 workers, with `overrides`; the run
+    without any (it stays at PP=2) is made once."""
+    from megatron_ext.train import run_from_overrides
+
+    root = tmp_path_factory.mktemp("dpp_reshard")
+    cost_model().to_json(root / "cost.json")
+    common = [
+        "experiment=none", "parallel.pp=2", "train.eval_interval=0", "logging.progress_bar=false",
+        "model.seq_length=64", f"data.cache_dir={root / 'cache'}", f"dpp.cost_model={root / 'cost.json'}",
+        "dpp.max_seq_len=256", f"dpp.docs_per_batch={DOCS}", "dpp.memory_budget_mb=64", "train.iters=5",
+    ]
+    runs = {}
+
+    def run(*overrides: str) -> dict:
+        if overrides not in runs:
+            runs[overrides] = run_from_overrides([*common, *overrides])
+        return runs[overrides]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("move", MOVES)
+def test_a_run_resharded_live_has_the_losses_of_a_run_that_stays_on_its_layout(reshard_runs, move):
+    """After a live move the DPP plugin plans again for the new layout from the first batch
+    not yet trained; every step equals the one-process step on its batch, so the losses are
+    those of the run that stays at PP=2 (up to the reductions' order)."""
+    overrides, schedule, report = MOVES[move]
+    stays = reshard_runs("plugins=[dpp]", "launcher.nproc=2")
+    moved = reshard_runs("plugins=[reshard,dpp]", *overrides, f"reshard.schedule=[{schedule}]")
+    assert any(report in note for note in moved["notes"])
+    assert moved["losses"] == pytest.approx(stays["losses"], rel=1e-5)
+    assert moved["notes"][-1].split(" tokens")[0] == stays["notes"][-1].split(" tokens")[0]  # the same documents trained

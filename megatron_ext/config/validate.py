@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from megatron_ext.config.schema import Config
 from megatron_ext.platform import optional
-from megatron_ext.plugin import registered_plugins
+from megatron_ext.plugin import Plugin, registered_plugins
 
 
 class ConfigError(ValueError):
@@ -363,6 +363,16 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
     ]
 
 
+def one_step_plugin(cfg: Config, world: int, device: str) -> Optional[str]:
+    """The Trainer runs the first plugin's step function; a second one would be ignored."""
+    known = registered_plugins()
+    own_step = [n for n in dict.fromkeys(cfg.plugins)
+                if n in known and known[n].forward_backward_func is not Plugin.forward_backward_func]
+    if len(own_step) > 1:
+        return f"{' and '.join(own_step)} each run the training step (forward_backward_func); a run can use one of them"
+    return None
+
+
 # megatron's hybrid layer symbols: Mamba2, attention, MLP, MoE.
 HYBRID_SYMBOLS = "M*-E"
 
@@ -464,6 +474,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
     ("model.moe_token_dispatcher", alltoall_needs_cuda),
     ("plugins", plugins_registered),
+    ("plugins", one_step_plugin),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),
     ("model.hybrid_pattern", hybrid_pattern_fits),
     ("model.mamba_num_groups", mamba_heads_fit),

@@ -124,6 +124,8 @@ BAD = [
      "model.moe_token_dispatcher", "needs CUDA streams"),
     ("unknown_plugin", {"plugins": ["nope"]}, 1, "cpu",
      "plugins", "unknown plugin 'nope'"),
+    ("two_step_plugins", {"plugins": ["dpp", "elastic"]}, 1, "cpu",
+     "plugins", "dpp and elastic each run the training step"),
 ]
 
 
@@ -167,6 +169,7 @@ GOOD = [
                          "model.num_query_groups": 3, "model.hidden_size": 576}, 3, "cpu"),
     ("gbs_derived", {"train.global_batch_size": None}, 3, "cpu"),
     ("pool_with_standby", {"parallel.dp": 2, "plugins": ["reshard"]}, 4, "cpu"),
+    ("reshard_with_one_step_plugin", {"plugins": ["reshard", "dpp"]}, 1, "cpu"),
     ("alltoall_on_cuda", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
      1, "cuda"),
 ]

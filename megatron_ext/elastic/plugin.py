@@ -123,6 +123,13 @@ class ElasticPlugin(Plugin):
     name = "elastic"
     config_class = ElasticConfig
 
+    def check(self, cfg, world_size: int) -> None:
+        from megatron_ext.config.validate import ConfigError
+
+        if "reshard" in cfg.plugins:  # a live move carries the trainer's model and optimizer only
+            raise ConfigError("plugins", "elastic with reshard is not supported: a live move would not carry elastic's "
+                                         "frozen teacher (the parent) to the new layout")
+
     def setup(self, trainer) -> None:
         p = trainer.cfg.parallel
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences

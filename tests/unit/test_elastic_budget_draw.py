@@ -125,3 +125,11 @@ def test_micro_batch_forward_step_is_the_old_one(world):  # noqa: F811
     assert got_grads.keys() == want_grads.keys() and any(k.startswith("1.") for k in got_grads)
     for k in want_grads:
         assert torch.equal(got_grads[k], want_grads[k]), k
+
+
+def test_elastic_with_live_reshard_is_refused_before_launch():
+    from megatron_ext.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="frozen teacher"):
+        ElasticPlugin(ElasticConfig()).check(SimpleNamespace(plugins=["reshard", "elastic"]), 2)
+    ElasticPlugin(ElasticConfig()).check(SimpleNamespace(plugins=["elastic"]), 2)

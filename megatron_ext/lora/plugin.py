@@ -76,3 +76,11 @@ class LoraPlugin(Plugin):
 
     name = "lora"
     config_class = LoraConfig
+
+    def check(self, cfg, world_size: int) -> None:
+        from megatron_ext.config.validate import ConfigError
+
+        others = [name for name in cfg.plugins if name != self.name]
+        if others:  # they hook into the Trainer, which a sweep does not run
+            raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "
+                                         "run them without lora")

@@ -104,3 +104,14 @@ def test_sweep_trains_every_job_and_writes_its_outputs(tmp_path):
         assert saved.keys() == weights.keys()
         assert all(torch.equal(saved[k][i], weights[k][i]) for k in saved for i in (0, 1))
         assert any(b.abs().max() > 0 for _, b in saved.values()), "the adapter never trained"
+
+
+def test_other_plugins_beside_lora_are_refused_before_launch():
+    from types import SimpleNamespace
+
+    from megatron_ext.config.validate import ConfigError
+    from megatron_ext.lora.plugin import LoraConfig, LoraPlugin
+
+    with pytest.raises(ConfigError, match=r"\['reshard'\] would be ignored"):
+        LoraPlugin(LoraConfig()).check(SimpleNamespace(plugins=["lora", "reshard"]), 1)
+    LoraPlugin(LoraConfig()).check(SimpleNamespace(plugins=["lora"]), 1)

@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -133,28 +133,36 @@ def _saved_bytes(fn, params: set[int]) -> tuple[object, int]:
     return out, total
 
 
-def _timed_once(fn) -> tuple[float, float, int]:
-    """(forward s, backward s, saved bytes) of fn() -> (output, saved). CPU time of this
-    process: on a CPU shared with other jobs, waiting for a core is not the layer's cost."""
-    t = time.process_time()
+def device_clock(device) -> Callable[[], float]:
+    """The clock a layer is timed with: on the CPU this process's CPU time (on a CPU shared with
+    other jobs, waiting for a core is not the layer's cost); on a GPU the wall clock after the
+    device's queued kernels are done."""
+    from megatron_ext.platform.device import wall_clock
+
+    return time.process_time if device.type == "cpu" else wall_clock(device)
+
+
+def _timed_once(fn, clock: Callable[[], float] = time.process_time) -> tuple[float, float, int]:
+    """(forward s, backward s, saved bytes) of fn() -> (output, saved), timed by `clock`."""
+    t = clock()
     out, saved = fn()
-    f = time.process_time() - t
-    t = time.process_time()
+    f = clock() - t
+    t = clock()
     out.sum().backward()
-    return f, time.process_time() - t, saved
+    return f, clock() - t, saved
 
 
 STATISTICS = {"min": min, "median": statistics.median}
 
 
-def _rounds(runs: dict, rounds: int) -> dict:
+def _rounds(runs: dict, rounds: int, clock: Callable[[], float] = time.process_time) -> dict:
     """Each run timed once per round, rounds over the whole grid (a burst of load from other
     processes spoils one round of a point, not all of its repeats): per run, its forward
     seconds, backward seconds (one per round) and saved bytes."""
     out: dict = {k: ([], [], 0) for k in runs}
     for _ in range(rounds):
         for k, fn in runs.items():
-            f, b, m = _timed_once(fn)
+            f, b, m = _timed_once(fn, clock)
             out[k] = (out[k][0] + [f], out[k][1] + [b], m)
     return out
 
@@ -200,9 +208,10 @@ def default_vocab(model_name: str) -> int:
 
 
 def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats: int,
-            vocab: int, statistic: str = "median") -> tuple[list[Sample], list[HeadSample], dict, dict]:
-    """Samples of the layer and of the head (`statistic` of each point's rounds), the model's
-    shape, and every round's times per point ("layer q p" / "head q": [forward], [backward])."""
+            vocab: int, statistic: str = "median", device=None) -> tuple[list[Sample], list[HeadSample], dict, dict]:
+    """Samples of the layer and of the head (`statistic` of each point's rounds) on `device`
+    (default: the CPU), the model's shape, and every round's times per point ("layer q p" /
+    "head q": [forward], [backward])."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -214,24 +223,26 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
     from megatron_ext.dpp.plan import Segment
     from megatron_ext.models.gpt import layer_spec, padded_vocab_size, transformer_config
 
+    device = device or torch.device("cpu")
+    on_cpu = device.type == "cpu"
     mc = MODEL_PRESETS[model_name]
-    config = transformer_config(mc, ParallelConfig(), on_cpu=True)
+    config = transformer_config(mc, ParallelConfig(), on_cpu=on_cpu)
     context = ChunkContext()
-    layer = build_module(dpp_layer_spec(layer_spec(mc, use_te=False), context), config=config, layer_number=1)
+    layer = build_module(dpp_layer_spec(layer_spec(mc, use_te=False), context), config=config, layer_number=1).to(device)
     params = {p.data_ptr() for p in layer.parameters()}
     groups = config.num_query_groups or config.num_attention_heads
     dim = config.kv_channels
     rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=int(mc.rotary_base),
-                           use_cpu_initialization=True, cp_group=parallel_state.get_context_parallel_group())
+                           use_cpu_initialization=on_cpu, cp_group=parallel_state.get_context_parallel_group()).to(device)
     padded = padded_vocab_size(vocab, mc, tp=1)
     output_layer = tensor_parallel.ColumnParallelLinear(
         config.hidden_size, padded, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
-        gather_output=False)
+        gather_output=False).to(device)
 
     def layer_run(q: int, p: int):
-        x = torch.randn(q, 1, config.hidden_size, requires_grad=True)
+        x = torch.randn(q, 1, config.hidden_size, device=device, requires_grad=True)
         emb = rope(p + q)[p:]
-        prefix_kv = [torch.randn(p, 1, groups, dim) for _ in range(2)]
+        prefix_kv = [torch.randn(p, 1, groups, dim, device=device) for _ in range(2)]
         segments = (Segment(0, p, q),)
 
         def run():
@@ -246,8 +257,8 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
         return run
 
     def head_run(n: int):
-        x = torch.randn(n, 1, config.hidden_size, requires_grad=True)
-        labels = torch.randint(padded, (n, 1))
+        x = torch.randn(n, 1, config.hidden_size, device=device, requires_grad=True)
+        labels = torch.randint(padded, (n, 1), device=device)
 
         def loss():  # GPTModel's output layer and its unfused compute_language_model_loss
             logits, _ = output_layer(x)
@@ -257,7 +268,7 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
 
     runs = {("layer", q, p): layer_run(q, p) for q in qs for p in prefixes}
     runs.update({("head", q, 0): head_run(q) for q in qs})
-    timed = _rounds(runs, repeats)
+    timed = _rounds(runs, repeats, device_clock(device))
     best = reduce_rounds(timed, statistic)
     context.leave()
     samples = [Sample(q, p, *best[("layer", q, p)][:2], float(best[("layer", q, p)][2])) for q in qs for p in prefixes]
@@ -304,6 +315,8 @@ def main() -> None:
                     help="then measure what a PP=2 step adds to the layers (2 processes, dpp/overhead.py)")
     ap.add_argument("--overhead-seq-len", type=int, default=4096, help="the longest sequence of the overhead's plans")
     ap.add_argument("--overhead-rounds", type=int, default=2, help="steps of each of the overhead's plans")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where the layers are timed (auto: CUDA when available)")
     ap.add_argument("--vocab", type=int, default=None,
                     help="the tokenizer's vocabulary, padded as the trainer pads it; default: the preset's, else "
                          "the byte tokenizer's")
@@ -314,12 +327,12 @@ def main() -> None:
 
     from megatron_ext.platform.launch import join_world
 
-    join_world("cpu")
+    _, device = join_world(args.device)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     t = time.perf_counter()
     samples, head, shape, rounds = measure(args.model, args.q, args.prefix, args.repeats, args.vocab or default_vocab(args.model),
-                                           args.statistic)
+                                           args.statistic, device)
     model, errors = calibrate(samples, head, shape)
     model.to_json(args.out, model=args.model, shape=shape, errors=errors, samples=[dataclasses.asdict(s) for s in samples],
                   head_samples=[dataclasses.asdict(s) for s in head], measure_s=time.perf_counter() - t,

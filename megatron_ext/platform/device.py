@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 
@@ -18,3 +21,16 @@ def current_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def wall_clock(device: torch.device) -> Callable[[], float]:
+    """`time.perf_counter`, read on a GPU once the device's queued kernels are done (they run
+    asynchronously, so an unsynchronised reading times their launch only)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synchronized() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronized

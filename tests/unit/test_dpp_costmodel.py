@@ -202,6 +202,32 @@ def test_calibration_times_the_runtime_layer_and_the_head(one_rank_world):
     assert by_point[16, 0] == by_point[16, 24] and by_point[32, 0] == by_point[32, 24] == 2 * by_point[16, 0]
 
 
+def test_layers_are_timed_by_cpu_time_on_the_cpu_and_by_the_synchronised_wall_clock_on_a_gpu():
+    import time
+
+    import torch
+
+    from megatron_ext.dpp.calibrate import device_clock
+    from megatron_ext.platform.device import wall_clock
+
+    assert device_clock(torch.device("cpu")) is time.process_time
+    assert wall_clock(torch.device("cpu")) is time.perf_counter
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda", 0)
+        assert device_clock(gpu) is not time.process_time and wall_clock(gpu) is not time.perf_counter
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_calibration_times_layers_on_the_gpu(one_rank_world):
+    import torch
+
+    from megatron_ext.dpp.calibrate import default_vocab, measure
+
+    samples, head, _, _ = measure("llama_tiny", (64, 128), (0, 64), repeats=2, vocab=default_vocab("llama_tiny"),
+                                  device=torch.device("cuda", 0))
+    assert all(s.fwd_s > 0 and s.bwd_s > 0 for s in samples) and all(h.fwd_s > 0 for h in head)
+
+
 def test_rounds_reduce_to_their_min_or_median():
     from megatron_ext.dpp.calibrate import reduce_rounds
 

@@ -42,6 +42,9 @@ class Plugin:
 
     name: str = ""
     config_class: Optional[type] = None
+    # Whether the plugin runs the training step (its `forward_backward_func` returns one): a
+    # run may list one such plugin.
+    runs_step: bool = False
 
     def __init__(self, cfg: Any = None) -> None:
         # The plugin's own config section (an instance of `config_class`), or None.

@@ -29,13 +29,19 @@ from megatron_ext.plugin import build_plugins
 register_configs()
 
 
-def run(cfg: Config) -> Optional[dict]:
-    """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
-    run summary (from rank 0, the reporting rank, when workers were started here)."""
+def preflight(cfg: Config) -> None:
+    """Refuse, before anything is launched or written, a config that cannot run: the rules of
+    config/validate.py and each plugin's own `check`."""
     world = world_size_of(cfg)
     validate(cfg, world)
     for plugin in build_plugins(cfg.plugins, cfg):
         plugin.check(cfg, world)
+
+
+def run(cfg: Config) -> Optional[dict]:
+    """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
+    run summary (from rank 0, the reporting rank, when workers were started here)."""
+    preflight(cfg)
     if detect_launch() is None and cfg.launcher.nproc > 1:
         launcher = cfg.launcher
         results = launch_local(
@@ -99,6 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             _fail(_first_line(e))
         if lora is not None:
             try:
+                preflight(lora[0])
                 run_sweep(*lora)
             except (ConfigError, ValueError) as e:  # refused before training
                 _fail(_first_line(e))

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from megatron_ext.config.schema import Config
 from megatron_ext.platform import optional
-from megatron_ext.plugin import Plugin, registered_plugins
+from megatron_ext.plugin import registered_plugins
 
 
 class ConfigError(ValueError):
@@ -366,8 +366,7 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
 def one_step_plugin(cfg: Config, world: int, device: str) -> Optional[str]:
     """The Trainer runs the first plugin's step function; a second one would be ignored."""
     known = registered_plugins()
-    own_step = [n for n in dict.fromkeys(cfg.plugins)
-                if n in known and known[n].forward_backward_func is not Plugin.forward_backward_func]
+    own_step = [n for n in dict.fromkeys(cfg.plugins) if n in known and known[n].runs_step]
     if len(own_step) > 1:
         return f"{' and '.join(own_step)} each run the training step (forward_backward_func); a run can use one of them"
     return None

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,7 +234,8 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
     groups = config.num_query_groups or config.num_attention_heads
     dim = config.kv_channels
     rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=int(mc.rotary_base),
-                           use_cpu_initialization=on_cpu, cp_group=parallel_state.get_context_parallel_group()).to(device)
+                           use_cpu_initialization=True, cp_group=parallel_state.get_context_parallel_group())
+    rope.inv_freq = rope.inv_freq.to(device)  # a plain attribute, which .to() would not move
     padded = padded_vocab_size(vocab, mc, tp=1)
     output_layer = tensor_parallel.ColumnParallelLinear(
         config.hidden_size, padded, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
@@ -328,6 +330,9 @@ def main() -> None:
     from megatron_ext.platform.launch import join_world
 
     _, device = join_world(args.device)
+    if args.overhead and device.type != "cpu":
+        # Its PP=2 run is a gloo world on the CPU: its terms would not be this device's.
+        sys.exit("dpp calibrate: the overhead run (--overhead) times PP=2 steps on the CPU only; on a GPU pass --no-overhead")
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     t = time.perf_counter()

@@ -190,27 +190,24 @@ def shape_labels(shapes: Sequence[tuple[str, int]]) -> list[str]:
     return [f"{mesh} k{k}{' recompute' if r else ''}" for mesh, k in shapes for r in (False, True)]
 
 
-def _p2p_samples(hidden: int, rank: int, rounds: int, device) -> list[tuple[int, float]]:
+def _p2p_samples(hidden: int, rank: int, rounds: int) -> list[tuple[int, float]]:
     """(tokens, the median one-way seconds over `rounds` round trips) per token count."""
     import torch
     import torch.distributed as dist
 
-    from megatron_ext.platform.device import wall_clock
-
-    clock = wall_clock(device)
     out = []
     for n in P2P_TOKENS:
-        x, times = torch.randn(n, 1, hidden, device=device), []
+        x, times = torch.randn(n, 1, hidden), []
         for _ in range(rounds):
             dist.barrier()
-            t = clock()
+            t = time.perf_counter()
             if rank == 0:
                 dist.send(x, 1)
                 dist.recv(x, 1)
             else:
                 dist.recv(x, 0)
                 dist.send(x, 0)
-            times.append((clock() - t) / 2)
+            times.append((time.perf_counter() - t) / 2)
         out.append((n, statistics.median(times)))
     return out
 
@@ -228,7 +225,6 @@ def measure(cost: CostModel, model: str, seq_len: int, docs: int, seed: int, sha
     from megatron_ext.dpp.memory import Timeline
     from megatron_ext.dpp.plugin import DppConfig, DppPlugin
     from megatron_ext.dpp.runtime import DppStep, PlannedBatch
-    from megatron_ext.platform.device import wall_clock
     from megatron_ext.training.step import forward_step
     from megatron_ext.training.trainer import Trainer
 
@@ -246,25 +242,23 @@ def measure(cost: CostModel, model: str, seq_len: int, docs: int, seed: int, sha
                  for p in plans}
     timeline = Timeline()
     step = DppStep(plugin.context, None, timeline)
-    device = next(trainer.model[0].parameters()).device
-    clock = wall_clock(device)  # the timeline's clock too
 
     def run(plan: StepPlan) -> tuple[float, list]:
         for m in trainer.model:
             m.zero_grad_buffer()
         timeline.clear()
         dist.barrier()
-        t = clock()
+        t = time.perf_counter()
         step(PlannedBatch(plan, documents[plan.seq_lengths]), forward_step, trainer.model)
         dist.barrier()
-        return clock() - t, [(*r[:4], r[4] - t, r[5] - t) for r in timeline.records]
+        return time.perf_counter() - t, [(*r[:4], r[4] - t, r[5] - t) for r in timeline.records]
 
     run(plans[0])  # warm-up
     records = []
     for _ in range(rounds):
         for i, plan in enumerate(plans):
             records.append((i, *run(plan)))
-    p2p = _p2p_samples(get_model_config(trainer.model[0]).hidden_size, rank, 15, device)
+    p2p = _p2p_samples(get_model_config(trainer.model[0]).hidden_size, rank, rounds=15)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
     trainer.close()

@@ -61,6 +61,7 @@ def _check(cfg: DppConfig) -> None:
 class DppPlugin(Plugin):
     name = "dpp"
     config_class = DppConfig
+    runs_step = True
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else DppConfig())
@@ -76,6 +77,7 @@ class DppPlugin(Plugin):
         self._relayout = False  # a live reshard has rebuilt the model on another layout
         self._step_began = 0.0
         self.tokens_total, self.train_seconds = 0, 0.0
+        self.planning_s = self.waited_s = 0.0  # of the streams closed so far (one per layout)
 
     def setup(self, trainer: Trainer) -> None:
         p, model = trainer.cfg.parallel, trainer.cfg.model
@@ -102,9 +104,8 @@ class DppPlugin(Plugin):
         if self._stream is not None:
             # A live reshard built the model of another layout: plan again for it (cost model
             # refitted, chunks and stages anew) from the first batch not yet trained.
-            self._resume = self._stream.position
-            self._stream.close()
-            self._stream = self._func = None
+            self._close_stream()
+            self._func = None
             self._relayout = True
         return model_chunks
 
@@ -160,14 +161,22 @@ class DppPlugin(Plugin):
     def on_train_end(self, trainer: Trainer) -> None:
         if self._stream is None:
             return
-        self._stream.close()
         trainer.note(self._stream.position.counts.line())
+        self._close_stream()
         tps = self.tokens_total / self.train_seconds if self.train_seconds else 0.0
         trainer.note(
             f"dpp: {self.tokens_total} tokens of whole documents in {self.train_seconds:.2f} s of steps "
-            f"({tps:,.0f} tokens/s); planning took {self._stream.planning_s:.2f} s, of which steps "
-            f"waited {self._stream.waited_s:.2f} s"
+            f"({tps:,.0f} tokens/s); planning took {self.planning_s:.2f} s, of which steps waited {self.waited_s:.2f} s"
         )
+
+    def _close_stream(self) -> None:
+        """Stop planning. A stream opened next (after a reshard) starts where this one stopped;
+        its planning times join the run's."""
+        self._resume = self._stream.position or self._resume
+        self._stream.close()
+        self.planning_s += self._stream.planning_s
+        self.waited_s += self._stream.waited_s
+        self._stream = None
 
 
 def _dataset_prefix(trainer: Trainer) -> str:

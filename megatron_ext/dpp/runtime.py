@@ -32,7 +32,6 @@ from megatron_ext.dpp.attention import ChunkContext
 from megatron_ext.dpp.batch import chunk_inputs
 from megatron_ext.dpp.memory import ActivationMeter, Timeline
 from megatron_ext.dpp.plan import StepPlan
-from megatron_ext.platform.device import wall_clock
 
 
 @dataclass(frozen=True)
@@ -181,9 +180,8 @@ class DppStep:
         if uneven:  # before anything runs: sequence parallelism splits every chunk over the TP ranks
             raise ValueError(f"dpp: chunks {uneven} have token counts not divisible by tp={tp} (sequence parallel; "
                              "plan with token_multiple=tp)")
-        now = self._clock(model)
         losses: list = []
-        total_tokens = torch.zeros([], dtype=torch.int)
+        total_tokens = torch.zeros([], dtype=torch.int, device=next(model.parameters()).device)
         no_sync = (config.no_sync_func or contextlib.nullcontext)()
         no_sync.__enter__()
         try:
@@ -194,10 +192,10 @@ class DppStep:
                     chunk = plan.chunk(op.chunk)
                     shape = (chunk.tokens // tp, 1, config.hidden_size)
                     self.context.enter(chunk.segments, plan.seq_lengths, chunk.padding)
-                    began = now()
+                    began = time.perf_counter()
                     if op.kind == "F":
                         input_tensor = p2p.recv_forward(shape, first)
-                        began = now()
+                        began = time.perf_counter()
                         config.recompute_num_layers = op.recompute
                         with self._metered(chunk.id):
                             output, tokens = schedules.forward_step(
@@ -218,14 +216,14 @@ class DppStep:
                     else:
                         input_tensor, output = live.pop(chunk.id)
                         grad = p2p.recv_backward(shape, last)
-                        began = now()
+                        began = time.perf_counter()
                         with self._metered(chunk.id):
                             input_grad = schedules.backward_step(input_tensor, output, grad, model_type, config)
                         del input_tensor, output
                         if not first:
                             sends.append((p2p.send_backward_recv_backward(input_grad, False, None, overlap_p2p_comm=True), input_grad))
                     if self.timeline is not None:
-                        self.timeline.record(stage, op.kind, chunk.id, op.recompute, began, now())
+                        self.timeline.record(stage, op.kind, chunk.id, op.recompute, began, time.perf_counter())
                     self.context.leave()
                 for (_, handles), _ in sends:
                     for handle in handles.values():
@@ -241,11 +239,6 @@ class DppStep:
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func([model], total_tokens if config.calculate_per_token_loss else None)
         return losses
-
-    def _clock(self, model) -> Callable[[], float]:
-        """The timeline's clock; it waits for a GPU's queued kernels only when a timeline
-        records the step (training does not wait on the device)."""
-        return wall_clock(next(model.parameters()).device) if self.timeline is not None else time.perf_counter
 
     def _metered(self, chunk_id: int):
         return self.meter.track(chunk_id) if self.meter is not None else contextlib.nullcontext()

@@ -118,19 +118,26 @@ def default_grid(space, choices: int) -> dict[str, list[int]]:
     return grid
 
 
+# A live move carries the trainer's model and optimizer only.
+WITH_RESHARD = ("elastic with reshard is not supported: a live move would not carry elastic's frozen teacher (the "
+                "parent) to the new layout")
+
+
 @register_plugin
 class ElasticPlugin(Plugin):
     name = "elastic"
     config_class = ElasticConfig
+    runs_step = True
 
     def check(self, cfg, world_size: int) -> None:
         from megatron_ext.config.validate import ConfigError
 
-        if "reshard" in cfg.plugins:  # a live move carries the trainer's model and optimizer only
-            raise ConfigError("plugins", "elastic with reshard is not supported: a live move would not carry elastic's "
-                                         "frozen teacher (the parent) to the new layout")
+        if "reshard" in cfg.plugins:
+            raise ConfigError("plugins", WITH_RESHARD)
 
     def setup(self, trainer) -> None:
+        if "reshard" in trainer.cfg.plugins:  # a Trainer built without train.run(): check here too
+            raise ValueError(f"plugins: {WITH_RESHARD}")
         p = trainer.cfg.parallel
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")

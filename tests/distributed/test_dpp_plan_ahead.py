@@ -168,5 +168,6 @@ def test_a_run_resharded_live_has_the_losses_of_a_run_that_stays_on_its_layout(r
     stays = reshard_runs("plugins=[dpp]", "launcher.nproc=2")
     moved = reshard_runs("plugins=[reshard,dpp]", *overrides, f"reshard.schedule=[{schedule}]")
     assert any(report in note for note in moved["notes"])
+    assert any(note.endswith("(first batch on the new layout)") for note in moved["notes"])  # planned again
     assert moved["losses"] == pytest.approx(stays["losses"], rel=1e-5)
     assert moved["notes"][-1].split(" tokens")[0] == stays["notes"][-1].split(" tokens")[0]  # the same documents trained

@@ -202,7 +202,7 @@ def test_calibration_times_the_runtime_layer_and_the_head(one_rank_world):
     assert by_point[16, 0] == by_point[16, 24] and by_point[32, 0] == by_point[32, 24] == 2 * by_point[16, 0]
 
 
-def test_layers_are_timed_by_cpu_time_on_the_cpu_and_by_the_synchronised_wall_clock_on_a_gpu():
+def test_layers_are_timed_by_cpu_time_on_the_cpu():
     import time
 
     import torch
@@ -212,9 +212,6 @@ def test_layers_are_timed_by_cpu_time_on_the_cpu_and_by_the_synchronised_wall_cl
 
     assert device_clock(torch.device("cpu")) is time.process_time
     assert wall_clock(torch.device("cpu")) is time.perf_counter
-    if torch.cuda.is_available():
-        gpu = torch.device("cuda", 0)
-        assert device_clock(gpu) is not time.process_time and wall_clock(gpu) is not time.perf_counter
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")

@@ -47,7 +47,8 @@ def distiller(space: ElasticSpace, teacher, **kw) -> tuple[Distiller, Curriculum
 def test_default_is_micro_batch_and_bad_values_are_refused():
     assert CurriculumConfig().budget_draw == "micro_batch"
     assert ElasticConfig().budget_draw == "micro_batch"
-    cfg = SimpleNamespace(parallel=SimpleNamespace(vpp=None, pp=1, cp=1, ep=1), model=SimpleNamespace(arch="gpt"))
+    cfg = SimpleNamespace(parallel=SimpleNamespace(vpp=None, pp=1, cp=1, ep=1), model=SimpleNamespace(arch="gpt"),
+                          plugins=["elastic"])
     with pytest.raises(ValueError, match="elastic.budget_draw='per_token'"):  # refused before the model is built
         ElasticPlugin(ElasticConfig(budget_draw="per_token")).setup(SimpleNamespace(cfg=cfg))
     ElasticPlugin(ElasticConfig(budget_draw="sample")).setup(SimpleNamespace(cfg=cfg))
@@ -133,3 +134,5 @@ def test_elastic_with_live_reshard_is_refused_before_launch():
     with pytest.raises(ConfigError, match="frozen teacher"):
         ElasticPlugin(ElasticConfig()).check(SimpleNamespace(plugins=["reshard", "elastic"]), 2)
     ElasticPlugin(ElasticConfig()).check(SimpleNamespace(plugins=["elastic"]), 2)
+    with pytest.raises(ValueError, match="frozen teacher"):  # a Trainer built without train.run()
+        ElasticPlugin(ElasticConfig()).setup(SimpleNamespace(cfg=SimpleNamespace(plugins=["reshard", "elastic"])))

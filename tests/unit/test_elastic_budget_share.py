@@ -104,7 +104,7 @@ def test_the_ep_groups_windows_against_a_brute_force():
 
 def trainer(ep: int, pp: int = 1) -> SimpleNamespace:
     parallel = SimpleNamespace(vpp=None, pp=pp, cp=1, ep=ep)
-    return SimpleNamespace(cfg=SimpleNamespace(parallel=parallel, model=SimpleNamespace(arch="hybrid")))
+    return SimpleNamespace(cfg=SimpleNamespace(parallel=parallel, model=SimpleNamespace(arch="hybrid"), plugins=["elastic"]))
 
 
 @pytest.mark.parametrize("ep, share", [(2, 1), (2, 3), (4, 2), (4, 6)])

@@ -192,7 +192,8 @@ def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, elastic
 
     from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
 
-    trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(**parallel), model=SimpleNamespace(arch="gpt")))
+    trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(**parallel), model=SimpleNamespace(arch="gpt"),
+                                                  plugins=["elastic"]))
     with pytest.raises(ValueError, match=message):
         ElasticPlugin(ElasticConfig(**elastic)).setup(trainer)
 

@@ -106,12 +106,14 @@ def test_sweep_trains_every_job_and_writes_its_outputs(tmp_path):
         assert any(b.abs().max() > 0 for _, b in saved.values()), "the adapter never trained"
 
 
-def test_other_plugins_beside_lora_are_refused_before_launch():
-    from types import SimpleNamespace
+@pytest.mark.parametrize("multirun", [True, False], ids=["hydra-multirun", "single-config"])
+def test_other_plugins_beside_lora_are_refused_before_launch(tmp_path, capsys, multirun):
+    from megatron_ext.train import main
 
-    from megatron_ext.config.validate import ConfigError
-    from megatron_ext.lora.plugin import LoraConfig, LoraPlugin
-
-    with pytest.raises(ConfigError, match=r"\['reshard'\] would be ignored"):
-        LoraPlugin(LoraConfig()).check(SimpleNamespace(plugins=["lora", "reshard"]), 1)
-    LoraPlugin(LoraConfig()).check(SimpleNamespace(plugins=["lora"]), 1)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        main([*(["-m"] if multirun else []), *TINY, "plugins=[lora,reshard]", f"lora.output_dir={out}",
+              "lora.rank=4,8" if multirun else "lora.rank=4"])
+    assert stopped.value.code == 2
+    assert "['reshard'] would be ignored" in capsys.readouterr().err
+    assert not out.exists()

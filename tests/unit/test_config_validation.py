@@ -266,3 +266,17 @@ def test_cli_rejects_bad_override_before_writing_anything(tmp_path):
     ]
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "ckpt").exists()
+
+
+# overrides -> the plugins the composed config switches on: a plugin preset chosen on the
+# command line sets them over the experiment's (the default experiment's is reshard)
+@pytest.mark.parametrize("overrides, plugins", [
+    ([], ["reshard"]),
+    (["plugin=elastic"], ["elastic"]),
+    (["experiment=none", "plugin=dpp"], ["dpp"]),
+    (["experiment=lora_sweep"], ["lora"]),
+], ids=["default", "preset_over_default_experiment", "preset_over_none", "lora_sweep"])
+def test_a_chosen_plugin_preset_is_not_overridden_by_the_experiment(overrides, plugins):
+    from megatron_ext.config import compose_config
+
+    assert compose_config(overrides).plugins == plugins

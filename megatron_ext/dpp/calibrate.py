@@ -134,13 +134,14 @@ def _saved_bytes(fn, params: set[int]) -> tuple[object, int]:
     return out, total
 
 
-def device_clock(device) -> Callable[[], float]:
-    """The clock a layer is timed with: on the CPU this process's CPU time (on a CPU shared with
-    other jobs, waiting for a core is not the layer's cost); on a GPU the wall clock after the
-    device's queued kernels are done."""
+def device_clock(device, tp: int = 1) -> Callable[[], float]:
+    """The clock a layer is timed with: in one CPU process its CPU time (on a CPU shared with
+    other jobs, waiting for a core is not the layer's cost); across tensor-parallel ranks, whose
+    waits for each other are, and on a GPU, the wall clock (after the device's queued kernels
+    are done)."""
     from megatron_ext.platform.device import wall_clock
 
-    return time.process_time if device.type == "cpu" else wall_clock(device)
+    return time.process_time if device.type == "cpu" and tp == 1 else wall_clock(device)
 
 
 def _timed_once(fn, clock: Callable[[], float] = time.process_time) -> tuple[float, float, int]:
@@ -168,6 +169,21 @@ def _rounds(runs: dict, rounds: int, clock: Callable[[], float] = time.process_t
     return out
 
 
+def _slowest_rank(timed: dict, device) -> dict:
+    """Each round's times as the slowest rank of the world measured them (the ranks of a
+    tensor-parallel layer wait for each other); one rank: as they are."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return timed
+    keys = sorted(timed)
+    times = torch.tensor([timed[k][0] + timed[k][1] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    rounds = len(timed[keys[0]][0])
+    return {k: (row[:rounds], row[rounds:], timed[k][2]) for k, row in zip(keys, times.tolist())}
+
+
 def reduce_rounds(timed: dict, statistic: str) -> dict:
     """Per run (forward s, backward s, saved bytes) with `statistic` ("min": the best round, the
     layer's own cost; "median": a typical round, as a step runs each op once) of its rounds."""
@@ -185,17 +201,21 @@ def layer_shape(mc) -> dict:
                 moe_ffn=mc.moe_ffn_hidden_size if moe else None, topk=mc.moe_router_topk if moe else None)
 
 
-def check_calibrated_for(path: str, mc) -> None:
+def check_calibrated_for(path: str, mc, parallel=None) -> None:
     """Refuse a cost model calibrated on another layer shape than the model config `mc`'s (its
-    times would be another model's, its parameter count the model states of another). Fields
-    a cost model written before they were recorded does not have are not compared."""
+    times would be another model's, its parameter count the model states of another), or, given
+    the run's `parallel` config, at another tensor parallelism. Fields a cost model written
+    before they were recorded does not have are not compared."""
     shape = json.loads(Path(path).read_text()).get("shape", {})
     wanted = layer_shape(mc)
+    if parallel is not None:
+        wanted.update(tp=parallel.tp, sequence_parallel=bool(parallel.sequence_parallel and parallel.tp > 1))
     differ = [f"{k} {shape[k]} (this run: {wanted[k]})" for k in wanted if k in shape and shape[k] != wanted[k]]
     if differ:
         raise ValueError(
             f"dpp.cost_model: {path} was calibrated for another model: " + ", ".join(differ)
-            + "; calibrate this one (python -m megatron_ext.dpp.calibrate --model <its preset>)"
+            + "; calibrate this one (python -m megatron_ext.dpp.calibrate --model <its preset> [--tp N "
+            "--sequence-parallel])"
         )
 
 
@@ -209,10 +229,14 @@ def default_vocab(model_name: str) -> int:
 
 
 def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats: int,
-            vocab: int, statistic: str = "median", device=None) -> tuple[list[Sample], list[HeadSample], dict, dict]:
+            vocab: int, statistic: str = "median", device=None, tp: int = 1,
+            sequence_parallel: bool = False) -> tuple[list[Sample], list[HeadSample], dict, dict]:
     """Samples of the layer and of the head (`statistic` of each point's rounds) on `device`
     (default: the CPU), the model's shape, and every round's times per point ("layer q p" /
-    "head q": [forward], [backward])."""
+    "head q": [forward], [backward]). With `tp` > 1 (collective: the ranks of megatron's
+    tensor-parallel group, initialised for it) each rank runs its shard of the layer and the
+    head, and a point's time is the slowest rank's; under `sequence_parallel` a chunk's tokens
+    enter split over the ranks."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -227,22 +251,25 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
     device = device or torch.device("cpu")
     on_cpu = device.type == "cpu"
     mc = MODEL_PRESETS[model_name]
-    config = transformer_config(mc, ParallelConfig(), on_cpu=on_cpu)
+    split = tp if sequence_parallel else 1
+    if any(q % split for q in qs):
+        raise ValueError(f"dpp calibrate: under sequence parallelism every --q must be a multiple of tp={tp}, got {list(qs)}")
+    config = transformer_config(mc, ParallelConfig(tp=tp, sequence_parallel=sequence_parallel), on_cpu=on_cpu)
     context = ChunkContext()
     layer = build_module(dpp_layer_spec(layer_spec(mc, use_te=False), context), config=config, layer_number=1).to(device)
     params = {p.data_ptr() for p in layer.parameters()}
-    groups = config.num_query_groups or config.num_attention_heads
+    groups = (config.num_query_groups or config.num_attention_heads) // tp  # this rank's K/V groups
     dim = config.kv_channels
     rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, rotary_base=int(mc.rotary_base),
                            use_cpu_initialization=True, cp_group=parallel_state.get_context_parallel_group())
     rope.inv_freq = rope.inv_freq.to(device)  # a plain attribute, which .to() would not move
-    padded = padded_vocab_size(vocab, mc, tp=1)
+    padded = padded_vocab_size(vocab, mc, tp=tp)
     output_layer = tensor_parallel.ColumnParallelLinear(
         config.hidden_size, padded, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
         gather_output=False).to(device)
 
     def layer_run(q: int, p: int):
-        x = torch.randn(q, 1, config.hidden_size, device=device, requires_grad=True)
+        x = torch.randn(q // split, 1, config.hidden_size, device=device, requires_grad=True)
         emb = rope(p + q)[p:]
         prefix_kv = [torch.randn(p, 1, groups, dim, device=device) for _ in range(2)]
         segments = (Segment(0, p, q),)
@@ -259,7 +286,7 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
         return run
 
     def head_run(n: int):
-        x = torch.randn(n, 1, config.hidden_size, device=device, requires_grad=True)
+        x = torch.randn(n // split, 1, config.hidden_size, device=device, requires_grad=True)
         labels = torch.randint(padded, (n, 1), device=device)
 
         def loss():  # GPTModel's output layer and its unfused compute_language_model_loss
@@ -270,13 +297,13 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
 
     runs = {("layer", q, p): layer_run(q, p) for q in qs for p in prefixes}
     runs.update({("head", q, 0): head_run(q) for q in qs})
-    timed = _rounds(runs, repeats, device_clock(device))
+    timed = _slowest_rank(_rounds(runs, repeats, device_clock(device, tp)), device)
     best = reduce_rounds(timed, statistic)
     context.leave()
     samples = [Sample(q, p, *best[("layer", q, p)][:2], float(best[("layer", q, p)][2])) for q in qs for p in prefixes]
     head = [HeadSample(q, *best[("head", q, 0)][:2]) for q in qs]
     shape = dict(layer_shape(mc), layer_params=sum(p.numel() for p in layer.parameters()), num_layers=mc.num_layers,
-                 vocab=mc.vocab_size, padded_vocab=padded)
+                 vocab=mc.vocab_size, padded_vocab=padded, tp=tp, sequence_parallel=sequence_parallel)
     rounds = {f"{kind} {q}" + (f" {p}" if kind == "layer" else ""): [f, b] for (kind, q, p), (f, b, _) in timed.items()}
     return samples, head, shape, rounds
 
@@ -288,13 +315,15 @@ def calibrate(samples: Sequence[Sample], head: Sequence[HeadSample], shape: dict
     bwd_gamma, bwd_alpha, bwd_beta, bwd_beta_self, bwd_per_prefix = fit_backward(train)
     head_gamma, head_fwd, head_bwd_gamma, head_bwd = fit_head(head[0::2])
     per_token, per_pair, per_key = fit_memory(train)
-    kv_dim = shape["hidden"] // shape["heads"] * shape["kv_heads"]
+    tp = shape.get("tp", 1)  # a rank's share: its K/V groups, and under SP its part of the tokens
+    kv_dim = shape["hidden"] // shape["heads"] * shape["kv_heads"] // tp
+    hidden = shape["hidden"] // (tp if shape.get("sequence_parallel") else 1)
     model = CostModel(
         alpha=alpha, beta=beta, gamma=gamma, bwd_ratio=ratio, bwd_alpha=bwd_alpha, bwd_beta=bwd_beta, bwd_gamma=bwd_gamma,
         beta_self=beta_self, bwd_beta_self=bwd_beta_self, prefix_s_token=per_prefix, bwd_prefix_s_token=bwd_per_prefix,
         head_gamma=head_gamma, head_s_token=head_fwd, head_bwd_gamma=head_bwd_gamma, head_bwd_s_token=head_bwd,
         act_bytes_token=per_token, act_bytes_attn=per_pair, act_bytes_key=per_key,
-        ckpt_bytes_token=bytes_per_value * shape["hidden"],
+        ckpt_bytes_token=bytes_per_value * hidden,
         kv_bytes_token=bytes_per_value * 2 * kv_dim,
         # fp32 params, grads and two Adam moments
         state_bytes_param=4.0 * bytes_per_value,
@@ -319,11 +348,29 @@ def main() -> None:
     ap.add_argument("--overhead-rounds", type=int, default=2, help="steps of each of the overhead's plans")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="where the layers are timed (auto: CUDA when available)")
+    ap.add_argument("--tp", type=int, default=1, help="time each rank's shard of a tensor-parallel layer (tp processes)")
+    ap.add_argument("--sequence-parallel", action="store_true", help="with --tp: tokens enter split over the ranks")
     ap.add_argument("--vocab", type=int, default=None,
                     help="the tokenizer's vocabulary, padded as the trainer pads it; default: the preset's, else "
                          "the byte tokenizer's")
     args = ap.parse_args()
+    if args.tp < 1 or (args.sequence_parallel and args.tp == 1):
+        sys.exit("dpp calibrate: --tp must be >= 1, and --sequence-parallel needs --tp > 1")
+    if args.overhead and args.tp > 1:
+        # Its PP=2 run is at TP=1: its terms would not be this layout's.
+        sys.exit("dpp calibrate: the overhead run (--overhead) times PP=2 steps at TP=1 only; with --tp pass --no-overhead")
 
+    from megatron_ext.platform.launch import detect_launch, free_port, launch_local
+
+    if args.tp > 1 and detect_launch() is None:
+        launch_local(args.tp, calibrate_on_this_rank, (args,), "127.0.0.1", free_port())
+    else:
+        calibrate_on_this_rank(args)
+
+
+def calibrate_on_this_rank(args: argparse.Namespace) -> None:
+    """One rank of the calibration (of `args.tp` ranks); the first writes the cost model."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -333,11 +380,23 @@ def main() -> None:
     if args.overhead and device.type != "cpu":
         # Its PP=2 run is a gloo world on the CPU: its terms would not be this device's.
         sys.exit("dpp calibrate: the overhead run (--overhead) times PP=2 steps on the CPU only; on a GPU pass --no-overhead")
-    parallel_state.initialize_model_parallel()
+    if dist.get_world_size() != args.tp:
+        sys.exit(f"dpp calibrate: --tp {args.tp} needs a world of {args.tp} processes, not {dist.get_world_size()}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(1234)
     t = time.perf_counter()
     samples, head, shape, rounds = measure(args.model, args.q, args.prefix, args.repeats, args.vocab or default_vocab(args.model),
-                                           args.statistic, device)
+                                           args.statistic, device, args.tp, args.sequence_parallel)
+    first = dist.get_rank() == 0
+    dist.destroy_process_group()
+    if first:
+        write(args, samples, head, shape, rounds, time.perf_counter() - t)
+
+
+def write(args: argparse.Namespace, samples: list[Sample], head: list[HeadSample], shape: dict, rounds: dict,
+          measure_s: float) -> None:
+    """Fit, write and report the cost model; then its overhead terms (unless --no-overhead)."""
+    t = time.perf_counter() - measure_s
     model, errors = calibrate(samples, head, shape)
     model.to_json(args.out, model=args.model, shape=shape, errors=errors, samples=[dataclasses.asdict(s) for s in samples],
                   head_samples=[dataclasses.asdict(s) for s in head], measure_s=time.perf_counter() - t,

@@ -208,7 +208,7 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
             "dpp.cost_model: give a cost model fitted on this machine "
             "(python -m megatron_ext.dpp.calibrate writes one)"
         )
-    check_calibrated_for(cfg.cost_model, trainer.cfg.model)
+    check_calibrated_for(cfg.cost_model, trainer.cfg.model, trainer.cfg.parallel)
     cost = fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
     run = trainer.cfg
     per_param = state_bytes_per_param(run.model.precision, run.optim.optimizer, run.parallel.use_distributed_optimizer,

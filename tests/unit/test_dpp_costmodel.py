@@ -235,30 +235,35 @@ def test_rounds_reduce_to_their_min_or_median():
         reduce_rounds(timed, "mean")
 
 
-# what the run's model changes -> the words the refusal must name (None: accepted)
+# what the run changes (model, parallel) -> the words the refusal must name (None: accepted);
+# the cost model was calibrated for llama_tiny at TP=1
 CALIBRATED_FOR = {
-    "same_model": ({}, None),
-    "wider": ({"hidden_size": 256}, "hidden 128 (this run: 256)"),
-    "other_ffn": ({"ffn_hidden_size": 512}, "ffn 352"),
-    "moe_layers": ({"num_experts": 4, "moe_ffn_hidden_size": 176}, "num_experts None (this run: 4)"),
+    "same_model": ({}, {}, None),
+    "wider": ({"hidden_size": 256}, {}, "hidden 128 (this run: 256)"),
+    "other_ffn": ({"ffn_hidden_size": 512}, {}, "ffn 352"),
+    "moe_layers": ({"num_experts": 4, "moe_ffn_hidden_size": 176}, {}, "num_experts None (this run: 4)"),
+    "tensor_parallel": ({}, {"tp": 2}, "tp 1 (this run: 2)"),
+    "sequence_parallel": ({}, {"tp": 2, "sequence_parallel": True}, "sequence_parallel False (this run: True)"),
 }
 
 
 @pytest.mark.parametrize("case", CALIBRATED_FOR)
 def test_a_cost_model_calibrated_for_another_layer_shape_is_refused(tmp_path, case):
+    from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
     from megatron_ext.dpp.calibrate import check_calibrated_for, layer_shape
 
     calibrated = MODEL_PRESETS["llama_tiny"]
     path = tmp_path / "cost.json"
-    CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4).to_json(path, shape=dict(layer_shape(calibrated), layer_params=1))
-    changes, message = CALIBRATED_FOR[case]
-    run = dataclasses.replace(calibrated, **changes)
+    shape = dict(layer_shape(calibrated), layer_params=1, tp=1, sequence_parallel=False)
+    CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4).to_json(path, shape=shape)
+    model, parallel, message = CALIBRATED_FOR[case]
+    run = (dataclasses.replace(calibrated, **model), ParallelConfig(**parallel))
     if message is None:
-        check_calibrated_for(str(path), run)
+        check_calibrated_for(str(path), *run)
     else:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            check_calibrated_for(str(path), run)
+            check_calibrated_for(str(path), *run)
 
 
 def test_a_cost_model_written_before_a_shape_field_was_recorded_is_compared_on_the_others(tmp_path):

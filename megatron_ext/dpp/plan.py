@@ -64,6 +64,8 @@ def padded(chunks: tuple[Chunk, ...], multiple: int) -> tuple[Chunk, ...]:
     """`chunks` with each token count rounded up to a multiple of `multiple` by padding."""
     if multiple < 1:
         raise ValueError(f"dpp: a chunk's token multiple must be positive, got {multiple}")
+    if multiple == 1:  # nothing to pad: the very chunks (planners call this for every candidate)
+        return tuple(chunks)
     return tuple(dataclasses.replace(c, padding=-c.sequence_tokens % multiple) for c in chunks)
 
 

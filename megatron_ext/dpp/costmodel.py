@@ -24,7 +24,8 @@ per layer `act_bytes_token` per token, `act_bytes_attn` per (query, key) pair (d
 attention materialises its scores; 0 for flash attention) and `act_bytes_key` per prefix token
 (the attention saves the K/V it attended to, prefix included). A recomputed layer keeps only its
 input (`ckpt_bytes_token` per token) and, for a slice that later slices of its sequence attend
-to, that slice's K/V (`kv_bytes_token` per token). Model states are `state_bytes_param` per
+to, that slice's K/V (`kv_bytes_token` per token); the recomputed block keeps its other inputs
+(the RoPE table) once (`ckpt_block_bytes_token` per token). Model states are `state_bytes_param` per
 parameter, with the embedding on the first stage and the output layer on the last.
 
 Backward adds transients on top of what the chunks keep. The output layer's bytes and, in the
@@ -158,6 +159,8 @@ class CostModel:
     act_bytes_attn: float = 0.0
     act_bytes_key: float = 0.0  # per prefix key: the prefix K/V concatenated and saved by attention
     ckpt_bytes_token: float = 0.0
+    # a chunk's recomputed block keeps its other inputs (the RoPE table) once, whatever its depth
+    ckpt_block_bytes_token: float = 0.0
     kv_bytes_token: float = 0.0
     head_bytes_token: float = 0.0
     attn_freed_bytes_token: float = 0.0
@@ -268,11 +271,13 @@ class CostModel:
         return self.ckpt_bytes_token * chunk.tokens + self.kv_bytes_token * continued
 
     def activation_bytes(self, chunk: Chunk, seq_lengths: Sequence[int], layers: int, recompute: int, last: bool) -> float:
-        """Bytes chunk keeps on a stage between its forward and its backward; linear in
-        `recompute` (the ILP relies on it)."""
+        """Bytes chunk keeps on a stage between its forward and its backward: linear in
+        `recompute` but for the recomputed block's own inputs, kept once (the ILP takes the
+        slope of one recomputed layer, which counts them for every layer: an overestimate)."""
         full = self.layer_act_bytes(chunk)
         kept = (layers - recompute) * full + recompute * self.layer_ckpt_bytes(chunk, seq_lengths)
-        return kept + (self.head_bytes_token * chunk.tokens if last else 0.0)
+        block = self.ckpt_block_bytes_token * chunk.tokens if recompute else 0.0
+        return kept + block + (self.head_bytes_token * chunk.tokens if last else 0.0)
 
     def attention_backward_bytes(self, chunk: Chunk) -> float:
         """The most one layer's attention backward holds at once: its segments run backward

@@ -181,10 +181,10 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     aux_scale_before = MoEAuxLossAutoScaler.main_loss_backward_scale
     try:  # the model leaves as it came, even when a forward raises: no input, recompute, grads
         for n_tokens in tokens:
-            for recompute in (0, layers):
+            for recompute in sorted({0, 1, layers}):
                 chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
                 batch = chunk_inputs(chunk, [torch.zeros(n_tokens + 1, dtype=torch.long)])  # any tokens do
-                set_input([None if first else torch.randn(n_tokens // sp, 1, config.hidden_size, requires_grad=True)])
+                set_input([None if first else torch.randn(n_tokens // sp, 1, config.hidden_size, dtype=config.params_dtype, requires_grad=True)])
                 context.enter(chunk.segments, (n_tokens,))
                 config.recompute_num_layers = recompute
                 with meter.track(0):
@@ -209,18 +209,21 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     rows = [r for part, _ in gathered for r in part]
     freed = [r for _, part in gathered for r in part]
     last_stage = max(r[0] for r in rows)
-    # bytes = T * ((L - r) * kept layer + r * recomputed layer + head on the last stage), fitted
-    # on the first and the last stage. The first stage's own bytes (its RoPE table, the token
-    # ids) are spread over its layers: stages are equally deep, so every (layers, recompute)
-    # combination stays exact there, middle stages (which hold a little less) are over-counted,
-    # never under, and what is fitted is determined by the rows (a separate stage term would
-    # not be: with r in {0, L} it trades off against the per-layer terms). With one stage the
-    # head is spread over the layers too.
+    # bytes = T * ((L - r) * kept layer + r * recomputed layer + [r > 0] * recomputed block +
+    # head on the last stage), fitted on the first and the last stage. The recomputed block
+    # keeps its inputs beside the hidden states (the RoPE table) once, however many layers it
+    # holds; r = 1 tells it from the per-layer term (with L = 1 it is that term). The first
+    # stage's own bytes (its RoPE table, the token ids) are spread over its layers: stages are
+    # equally deep, so every (layers, recompute) combination stays exact there, middle stages
+    # (which hold a little less) are over-counted, never under, and what is fitted is
+    # determined by the rows (a separate stage term would not be: it trades off against the
+    # per-layer terms). With one stage the head is spread over the layers too.
     ends = [row for row in rows if row[0] in (0, last_stage)]
-    X = np.array([[t * (n - r), t * r, t * (0 < s == last_stage)] for s, t, r, n, _ in ends], dtype=float)
+    X = np.array([[t * (n - r), t * r, t * (r > 0 and n > 1), t * (0 < s == last_stage)]
+                  for s, t, r, n, _ in ends], dtype=float)
     y = np.array([b for *_, b in ends], dtype=float)
-    kept, recomputed, head = np.linalg.lstsq(X, y, rcond=None)[0]
-    residual = float(np.max(np.abs(X @ [kept, recomputed, head] / y - 1)))
+    kept, recomputed, block, head = np.linalg.lstsq(X, y, rcond=None)[0]
+    residual = float(np.max(np.abs(X @ [kept, recomputed, block, head] / y - 1)))
     # A TP rank's attention runs its own heads and K/V groups.
     heads, groups = config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
     kv_dim = config.kv_channels * groups
@@ -237,6 +240,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         act_bytes_attn=0.0,
         act_bytes_key=0.0,
         ckpt_bytes_token=recomputed,
+        ckpt_block_bytes_token=block,
         kv_bytes_token=2 * kv_dim * torch.finfo(config.params_dtype).bits // 8,
         head_bytes_token=head,
         attn_freed_bytes_token=released,
@@ -245,6 +249,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         attn_bwd_bytes_query=query,
     )
     return fitted, {"rows": rows, "kept_layer_bytes_token": kept, "recomputed_layer_bytes_token": recomputed,
+                    "recomputed_block_bytes_token": block,
                     "head_bytes_token": head, "max_relative_residual": residual, "released_before_attention": freed,
                     "attention_backward": {"pair": pair, "key": key, "query": query}}
 

@@ -55,6 +55,7 @@ class Case:
     plan: str  # "hand" (test_dpp_runtime's) or "planned" (the planner's; activation bytes counted too)
     sequence_parallel: bool = False
     moe: bool = False
+    precision: str = "fp32"  # bf16: the memory checks only (the reference step is fp32)
 
 
 CASES = {
@@ -65,12 +66,13 @@ CASES = {
     "tp2_sp_pp2_planned": Case(4, 2, 2, "planned", sequence_parallel=True),
     "moe_pp2_planned": Case(2, 1, 2, "planned", moe=True),
     "moe_tp2_sp_pp2_planned": Case(4, 2, 2, "planned", sequence_parallel=True, moe=True),
+    "bf16_pp2_planned": Case(2, 1, 2, "planned", precision="bf16"),
 }
 
 
 def case_model(name: str):
     case = CASES[name]
-    model = model_config(case.pp)
+    model = dataclasses.replace(model_config(case.pp), precision=case.precision)
     return dataclasses.replace(model, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48) if case.moe else model
 
 
@@ -197,7 +199,7 @@ def launched(tmp_path_factory):
 # A launch takes a minute or more on a shared 2-core machine (measured 63 s for TP=2 x PP=1).
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].precision == "fp32"])
 def test_dpp_step_equals_single_process_reference(launched, name):
     out = launched(name)
     world = CASES[name].world
@@ -219,13 +221,20 @@ def test_dpp_step_equals_single_process_reference(launched, name):
                for rank in range(world) for (k, i, box) in torch.load(out / f"{name}_rank{rank}.pt")["grads"])
 
 
+# bf16: the first stage's peak is 1.0% under the count on this plan: a recomputed slice's
+# backward holds 128 bytes per token more than the model counts in bf16 (exact in fp32; whole
+# sequences, which the fit runs, show none). Not found yet.
+BF16_GAP = pytest.mark.xfail(strict=True, reason="bf16 recompute transient of slices under-counted (README)")
+
+
 # The simulator's per-stage activation peak against the exact count of a pipelined step: a TP
 # rank holds its own heads' attention tensors and K/V prefix, under sequence parallelism a split
 # part of each layer's token-wise tensors, and an MoE layer its experts' share of the routed
 # tokens (fitted per run, like every run's terms).
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].plan == "planned"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[BF16_GAP] if CASES[n].precision == "bf16" else [])
+                                  for n in CASES if CASES[n].plan == "planned"])
 def test_simulated_activation_peak_matches_the_exact_count(launched, name):
     for rank, got in reports(launched(name), name):
         assert got["predicted_act_bytes"] == pytest.approx(got["measured_act_bytes"], rel=ACTIVATION_ERROR), f"rank {rank}"

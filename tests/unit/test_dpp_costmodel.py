@@ -159,6 +159,14 @@ def test_activation_bytes_are_linear_in_recompute_and_keep_kv_of_continued_slice
         assert a[0] - a[1] == pytest.approx(per_recomputed)
 
 
+def test_a_recomputed_block_keeps_its_other_inputs_once():
+    model = dataclasses.replace(TOY, ckpt_block_bytes_token=32.0)
+    chunk = Chunk(0, "packed", (Segment(0, 0, 50),))
+    for r in range(5):
+        added = model.activation_bytes(chunk, [50], 4, r, last=False) - TOY.activation_bytes(chunk, [50], 4, r, last=False)
+        assert added == (32.0 * 50 if r else 0.0)
+
+
 def test_padding_costs_dense_work_and_token_bytes_but_no_attention():
     """A padded chunk takes what its segments take plus, per padding token, the dense parts'
     time (forward and backward) and a token's bytes; its attention terms do not grow."""

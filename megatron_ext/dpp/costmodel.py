@@ -161,6 +161,9 @@ class CostModel:
     ckpt_bytes_token: float = 0.0
     # a chunk's recomputed block keeps its other inputs (the RoPE table) once, whatever its depth
     ckpt_block_bytes_token: float = 0.0
+    # of a recomputed layer's kept input, what its replay saves anew instead of sharing it (a
+    # half-precision norm saves an fp32 copy of its input, not the input itself)
+    ckpt_unshared_bytes_token: float = 0.0
     kv_bytes_token: float = 0.0
     head_bytes_token: float = 0.0
     attn_freed_bytes_token: float = 0.0
@@ -294,6 +297,7 @@ class CostModel:
         last slice has handed its prefix's dK/dV down for each of them."""
         full = self.layer_act_bytes(chunk)
         kept = self.layer_ckpt_bytes(chunk, seq_lengths)
+        shared = (self.ckpt_bytes_token - self.ckpt_unshared_bytes_token) * chunk.tokens
         attention = max(0.0, self.attention_backward_bytes(chunk) - self.attn_freed_bytes_token * chunk.tokens)
         # A middle slice adds to dK/dV buffers its later slices made; a last one makes new ones.
         handed = self.kv_bytes_token * sum(s.prefix for s in chunk.segments if s.start + s.length >= seq_lengths[s.seq])
@@ -302,7 +306,7 @@ class CostModel:
         for layer in reversed(range(layers)):
             recomputed = layer < recompute
             below -= kept if recomputed else full
-            own = kept + full - self.ckpt_bytes_token * chunk.tokens if recomputed else full
+            own = kept + full - shared if recomputed else full
             peak = max(peak, below + own + attention + handed * (layers - 1 - layer))
         return max(0.0, peak - retained)
 

@@ -170,10 +170,15 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     layers = len(get_attr_wrapped_model(model, "decoder").layers)
     meter = ActivationMeter(model_chunks)
-    rows, freed = [], []
-    at_attention: list[int] = []  # bytes held when the top layer's attention starts backward
-    top = get_attr_wrapped_model(model, "decoder").layers[-1].self_attention.core_attention
-    hook = top.register_full_backward_pre_hook(lambda module, grad: at_attention.append(meter.live_bytes))
+    rows = []
+    drops = {}  # (stage, T, recompute) -> per layer: bytes retained - bytes when its attention starts backward
+    at_attention: dict[int, int] = {}  # layer -> bytes held when its attention starts backward
+
+    def note_attention(layer: int):
+        return lambda module, grad: at_attention.setdefault(layer, meter.live_bytes) and None
+
+    hooks = [layer.self_attention.core_attention.register_full_backward_pre_hook(note_attention(i))
+             for i, layer in enumerate(get_attr_wrapped_model(model, "decoder").layers)]
     set_input = get_attr_wrapped_model(model, "set_input_tensor")
     recompute_before = config.recompute_num_layers
     # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user; a backward
@@ -189,15 +194,17 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
                 config.recompute_num_layers = recompute
                 with meter.track(0):
                     out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-                rows.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, recompute, layers, meter.live_bytes))
+                stage = parallel_state.get_pipeline_model_parallel_rank()
+                rows.append((stage, n_tokens, recompute, layers, meter.live_bytes))
                 at_attention.clear()
-                out.backward(torch.ones_like(out) if last else torch.randn_like(out))
-                if not recompute:
-                    freed.append((parallel_state.get_pipeline_model_parallel_rank(), n_tokens, rows[-1][-1] - at_attention[0]))
+                with meter.track(0):  # a recomputed layer's replay saves its tensors in backward
+                    out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+                drops[stage, n_tokens, recompute] = [rows[-1][-1] - at_attention[i] for i in range(layers)]
                 del out
                 context.leave()
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         context.leave()
         set_input([None])
         config.recompute_num_layers = recompute_before
@@ -205,9 +212,9 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         for m in model_chunks:
             m.zero_grad_buffer()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (rows, freed))
-    rows = [r for part, _ in gathered for r in part]
-    freed = [r for _, part in gathered for r in part]
+    dist.all_gather_object(gathered, (rows, drops))
+    rows = [row for part, _ in gathered for row in part]
+    drops = {key: value for _, part in gathered for key, value in part.items()}
     last_stage = max(r[0] for r in rows)
     # bytes = T * ((L - r) * kept layer + r * recomputed layer + [r > 0] * recomputed block +
     # head on the last stage), fitted on the first and the last stage. The recomputed block
@@ -227,10 +234,19 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     # A TP rank's attention runs its own heads and K/V groups.
     heads, groups = config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
     kv_dim = config.kv_channels * groups
-    # Released before the top layer's attention backward, per token: the layer's output
-    # projection and MLP (and on the last stage the head, which the cost model counts apart).
-    # The least over stages, so that no stage's transient is underestimated.
-    released = min(b / t - (head if 0 < s == last_stage else 0.0) for s, t, b in freed)
+    # What a layer's backward releases before its attention's, per token (its output projection
+    # and MLP): without recompute, layer l's drop is the layers above it, the head on the last
+    # stage (counted apart) and this. The least over stages, lengths and layers, so that no
+    # stage's transient is underestimated.
+    full = {key: value for key, value in drops.items() if key[2] == 0}
+    released = min(drop[l] / t - (layers - 1 - l) * kept - (head if 0 < s == last_stage else 0.0)
+                   for (s, t, _), drop in full.items() for l in range(layers))
+    # Of a recomputed layer's kept input, what its replay saves again as the very same storage
+    # (nearly all of it in fp32; in half precision the norm saves an fp32 copy instead): a
+    # recomputed layer's drop, less the one without recompute, is that shared part less a
+    # whole layer, less what the recomputed layers above it keep less than whole ones.
+    shared = min((drop[l] - full[s, t, 0][l]) / t + kept + (r - l - 1) * (kept - recomputed)
+                  for (s, t, r), drop in drops.items() for l in range(r))
     pair, key, query = attention_backward_bytes(heads, groups, config.kv_channels, config.params_dtype)
     fitted = dataclasses.replace(
         cost,
@@ -241,6 +257,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         act_bytes_key=0.0,
         ckpt_bytes_token=recomputed,
         ckpt_block_bytes_token=block,
+        ckpt_unshared_bytes_token=recomputed - shared,
         kv_bytes_token=2 * kv_dim * torch.finfo(config.params_dtype).bits // 8,
         head_bytes_token=head,
         attn_freed_bytes_token=released,
@@ -249,8 +266,8 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         attn_bwd_bytes_query=query,
     )
     return fitted, {"rows": rows, "kept_layer_bytes_token": kept, "recomputed_layer_bytes_token": recomputed,
-                    "recomputed_block_bytes_token": block,
-                    "head_bytes_token": head, "max_relative_residual": residual, "released_before_attention": freed,
+                    "recomputed_block_bytes_token": block, "recomputed_shared_bytes_token": shared,
+                    "head_bytes_token": head, "max_relative_residual": residual, "released_bytes_token": released,
                     "attention_backward": {"pair": pair, "key": key, "query": query}}
 
 

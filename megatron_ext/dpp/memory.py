@@ -158,6 +158,8 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
 
     from megatron_ext.dpp.batch import chunk_inputs
     from megatron_ext.dpp.plan import Chunk, Segment
+    from megatron_ext.platform.device import current_device
+    from megatron_ext.training.step import forward_step
 
     if not tokens or any(int(t) < 1 for t in tokens):
         raise ValueError(f"dpp memory fit: token counts must be positive, got {list(tokens)}")
@@ -189,16 +191,19 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
             for recompute in sorted({0, 1, layers}):
                 chunk = Chunk(0, "packed", (Segment(0, 0, n_tokens),))
                 batch = chunk_inputs(chunk, [torch.zeros(n_tokens + 1, dtype=torch.long)])  # any tokens do
-                set_input([None if first else torch.randn(n_tokens // sp, 1, config.hidden_size, dtype=config.params_dtype, requires_grad=True)])
+                set_input([None if first else torch.randn(n_tokens // sp, 1, config.hidden_size, dtype=config.params_dtype,
+                                                          device=current_device(), requires_grad=True)])
                 context.enter(chunk.segments, (n_tokens,))
                 config.recompute_num_layers = recompute
-                with meter.track(0):
-                    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                with meter.track(0):  # the step's own forward and loss (which saves the loss mask)
+                    out, loss_of = forward_step(iter([batch]), model)
+                    if last:
+                        out = loss_of(out)[0]
                 stage = parallel_state.get_pipeline_model_parallel_rank()
                 rows.append((stage, n_tokens, recompute, layers, meter.live_bytes))
                 at_attention.clear()
                 with meter.track(0):  # a recomputed layer's replay saves its tensors in backward
-                    out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+                    out.backward(None if last else torch.randn_like(out))
                 drops[stage, n_tokens, recompute] = [rows[-1][-1] - at_attention[i] for i in range(layers)]
                 del out
                 context.leave()

@@ -140,12 +140,13 @@ def attention_backward_bytes(heads: int, groups: int, head_dim: int, dtype: torc
 
 def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int] = (192, 384, 768)):
     """`cost` with its activation terms fitted to this runtime (collective over the world):
-    each stage forwards one whole sequence of T tokens with none and with all of its layers
-    recomputed (random input on later stages, no pipeline), and the meter's bytes held until
-    backward give bytes/token of a kept layer, of a recomputed layer, and of the stage itself
-    (its RoPE table; the output layer and loss on the last stage). The bytes still held when
-    the top layer's attention starts its backward give what backward releases before it; the
-    attention's own backward transient is fitted on bare segments
+    each stage runs the step's forward (and loss) on one whole sequence of T tokens with none,
+    one and all of its layers recomputed (random input on later stages, no pipeline), and the
+    meter's bytes held until backward give bytes/token of a kept layer, of a recomputed layer,
+    and of the stage itself (its RoPE table; the output layer and loss on the last stage). The
+    bytes still held when each layer's attention starts its backward give what a layer releases
+    before it and what a recomputed layer's replay shares with its kept input; the attention's
+    own backward transient is fitted on bare segments
     (`attention_backward_bytes`). Under sequence parallelism the token counts are rounded up to
     multiples of tp (the rows returned hold the rounded ones). Returns (model, fit details)."""
     import dataclasses
@@ -177,7 +178,9 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     at_attention: dict[int, int] = {}  # layer -> bytes held when its attention starts backward
 
     def note_attention(layer: int):
-        return lambda module, grad: at_attention.setdefault(layer, meter.live_bytes) and None
+        def hook(module, grad_output) -> None:
+            at_attention.setdefault(layer, meter.live_bytes)
+        return hook
 
     hooks = [layer.self_attention.core_attention.register_full_backward_pre_hook(note_attention(i))
              for i, layer in enumerate(get_attr_wrapped_model(model, "decoder").layers)]
@@ -243,14 +246,14 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     # and MLP): without recompute, layer l's drop is the layers above it, the head on the last
     # stage (counted apart) and this. The least over stages, lengths and layers, so that no
     # stage's transient is underestimated.
-    full = {key: value for key, value in drops.items() if key[2] == 0}
+    plain = {key: drop for key, drop in drops.items() if key[2] == 0}
     released = min(drop[l] / t - (layers - 1 - l) * kept - (head if 0 < s == last_stage else 0.0)
-                   for (s, t, _), drop in full.items() for l in range(layers))
+                   for (s, t, _), drop in plain.items() for l in range(layers))
     # Of a recomputed layer's kept input, what its replay saves again as the very same storage
     # (nearly all of it in fp32; in half precision the norm saves an fp32 copy instead): a
     # recomputed layer's drop, less the one without recompute, is that shared part less a
     # whole layer, less what the recomputed layers above it keep less than whole ones.
-    shared = min((drop[l] - full[s, t, 0][l]) / t + kept + (r - l - 1) * (kept - recomputed)
+    shared = min((drop[l] - plain[s, t, 0][l]) / t + kept + (r - l - 1) * (kept - recomputed)
                   for (s, t, r), drop in drops.items() for l in range(r))
     pair, key, query = attention_backward_bytes(heads, groups, config.kv_channels, config.params_dtype)
     fitted = dataclasses.replace(

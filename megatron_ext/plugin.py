@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 HOOKS = (
     "check",
+    "check_layout",
     "setup",
     "layer_spec",
     "after_model_built",
@@ -54,6 +55,12 @@ class Plugin:
         """Before any process starts (in the launching process): raise a ConfigError or
         ValueError for a setting that cannot work with the run's config `cfg` on `world_size`
         processes, so that bad input stops the run before anything is launched or written."""
+
+    def check_layout(self, cfg: Any, world_size: int) -> None:
+        """Raise a ConfigError or ValueError for a parallel layout or model (`cfg.parallel`,
+        `cfg.model`) this plugin cannot train: called for the run's first layout before any
+        process starts, for each layout a reshard schedule names, and before a live reshard
+        moves the run (a request refused this way leaves the run where it is)."""
 
     def setup(self, trainer: Trainer) -> None:
         """After the world exists, before the model is built."""

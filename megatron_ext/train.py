@@ -31,11 +31,12 @@ register_configs()
 
 def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
-    config/validate.py and each plugin's own `check`."""
+    config/validate.py and each plugin's own `check` and `check_layout`."""
     world = world_size_of(cfg)
     validate(cfg, world)
     for plugin in build_plugins(cfg.plugins, cfg):
         plugin.check(cfg, world)
+        plugin.check_layout(cfg, world)
 
 
 def run(cfg: Config) -> Optional[dict]:

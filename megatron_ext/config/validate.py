@@ -510,6 +510,13 @@ def validate(cfg: Config, world_size: int, device: Optional[str] = None) -> None
         raise ConfigError(field, rule, others)
 
 
+def validate_layout(cfg: Config, world_size: int, plugins: Sequence = ()) -> None:
+    """`validate`, then each plugin's `check_layout`: for a layout the run starts on or moves to."""
+    validate(cfg, world_size)
+    for plugin in plugins:
+        plugin.check_layout(cfg, world_size)
+
+
 def resolve_dp(cfg: Config, world_size: int) -> int:
     """The data-parallel size of a launch with `world_size` processes."""
     dp = _dp_or_none(cfg, world_size)

@@ -212,8 +212,10 @@ def check_calibrated_for(path: str, mc, parallel=None) -> None:
         wanted.update(tp=parallel.tp, sequence_parallel=bool(parallel.sequence_parallel and parallel.tp > 1))
     differ = [f"{k} {shape[k]} (this run: {wanted[k]})" for k in wanted if k in shape and shape[k] != wanted[k]]
     if differ:
-        raise ValueError(
-            f"dpp.cost_model: {path} was calibrated for another model: " + ", ".join(differ)
+        from megatron_ext.config.validate import ConfigError
+
+        raise ConfigError(
+            "dpp.cost_model", f"{path} was calibrated for another model: " + ", ".join(differ)
             + "; calibrate this one (python -m megatron_ext.dpp.calibrate --model <its preset> [--tp N "
             "--sequence-parallel])"
         )

@@ -13,6 +13,7 @@ the layer spec and a module swap after the model is built.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ class DppConfig:
     memory_budget_mb: float = 1024.0
     # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
     policy: str = "dpp"
-    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: None is
-    # refused when the first batch is planned. Its activation terms are refitted to the run.
+    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: a missing
+    # one is refused before the run starts. Its activation terms are refitted to the run.
     cost_model: Optional[str] = None
     # Plan the next global batch in a background thread while the current one trains (the
     # plans are the same either way; false plans each batch at its own step).
@@ -79,20 +80,17 @@ class DppPlugin(Plugin):
         self.tokens_total, self.train_seconds = 0, 0.0
         self.planning_s = self.waited_s = 0.0  # of the streams closed so far (one per layout)
 
+    def check_layout(self, cfg, world_size: int) -> None:
+        """Before the run starts and before a live reshard moves it: a layout or model DPP
+        cannot train, or a cost model that is missing or was calibrated for another layer
+        shape or tensor parallelism, is refused."""
+        refuse_layout(cfg)
+        refuse_cost_model(self.cfg.cost_model, cfg)
+
     def setup(self, trainer: Trainer) -> None:
-        p, model = trainer.cfg.parallel, trainer.cfg.model
-        if p.vpp or p.cp > 1:
-            raise ValueError("dpp: interleaved pipelines (parallel.vpp) and context parallelism (parallel.cp) are not supported")
-        if model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
-            raise ValueError(f"dpp: only model.arch=gpt is supported, not {model.arch!r}")
-        if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_aux_loss_coeff > 0:
-            # Chunks are padded to multiples of tp, and megatron routes padding like any token.
-            raise ValueError("dpp: an MoE auxiliary loss (model.moe_aux_loss_coeff > 0) with sequence parallelism is not "
-                             "supported: the padding of chunks would enter the load-balancing loss")
-        if p.ep > 1:
-            # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
-            # their MoE layers' token exchanges would not pair up chunk by chunk.
-            raise ValueError("dpp: expert parallelism (parallel.ep > 1) is not supported; MoE models run with parallel.ep=1")
+        # A Trainer built without train.run() has not been through preflight. Its cost model
+        # is checked when the first batch is planned (the calibration's own runs have none).
+        refuse_layout(trainer.cfg)
 
     def layer_spec(self, spec, trainer: Trainer):
         from megatron_ext.dpp.attention import dpp_layer_spec
@@ -179,6 +177,41 @@ class DppPlugin(Plugin):
         self._stream = None
 
 
+def refuse_layout(cfg) -> None:
+    """Raise a ConfigError for a parallel layout or model (`cfg`'s) that DPP cannot train."""
+    from megatron_ext.config.validate import ConfigError
+
+    p, model = cfg.parallel, cfg.model
+    if p.vpp:
+        raise ConfigError("parallel.vpp", "dpp runs a non-interleaved pipeline; leave parallel.vpp unset")
+    if p.cp > 1:
+        raise ConfigError("parallel.cp", "dpp does not support context parallelism (it splits long sequences itself)")
+    if model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
+        raise ConfigError("model.arch", f"dpp supports model.arch=gpt only, not {model.arch!r}")
+    if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_aux_loss_coeff > 0:
+        # Chunks are padded to multiples of tp, and megatron routes padding like any token.
+        raise ConfigError("model.moe_aux_loss_coeff", "dpp with sequence parallelism does not support an MoE "
+                          "auxiliary loss: the padding of chunks would enter the load-balancing loss")
+    if p.ep > 1:
+        # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
+        # their MoE layers' token exchanges would not pair up chunk by chunk.
+        raise ConfigError("parallel.ep", "dpp does not support expert parallelism; MoE models run with parallel.ep=1")
+
+
+def refuse_cost_model(path: Optional[str], cfg) -> None:
+    """Raise a ConfigError for a `dpp.cost_model` that is missing or was calibrated for
+    another layer shape or tensor parallelism than `cfg`'s model and layout."""
+    from megatron_ext.config.validate import ConfigError
+    from megatron_ext.dpp.calibrate import check_calibrated_for
+
+    how = "python -m megatron_ext.dpp.calibrate writes one"
+    if path is None:
+        raise ConfigError("dpp.cost_model", f"give a cost model fitted on this machine ({how})")
+    if not os.path.isfile(path):
+        raise ConfigError("dpp.cost_model", f"{path} is not a file ({how})")
+    check_calibrated_for(path, cfg.model, cfg.parallel)
+
+
 def _dataset_prefix(trainer: Trainer) -> str:
     """The run's (first) indexed dataset: `data.data_path`, or the default corpus."""
     from megatron_ext.data import default_corpus_prefix
@@ -199,16 +232,10 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
     counted on this run's model and optimizer."""
     from megatron.core import parallel_state
 
-    from megatron_ext.dpp.calibrate import check_calibrated_for
     from megatron_ext.dpp.costmodel import CostModel
     from megatron_ext.dpp.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
 
-    if cfg.cost_model is None:
-        raise ValueError(
-            "dpp.cost_model: give a cost model fitted on this machine "
-            "(python -m megatron_ext.dpp.calibrate writes one)"
-        )
-    check_calibrated_for(cfg.cost_model, trainer.cfg.model, trainer.cfg.parallel)
+    refuse_cost_model(cfg.cost_model, trainer.cfg)
     cost = fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
     run = trainer.cfg
     per_param = state_bytes_per_param(run.model.precision, run.optim.optimizer, run.parallel.use_distributed_optimizer,

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
-from megatron_ext.config.validate import validate
+from megatron_ext.config.validate import validate_layout
 from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.boxes import Box
 from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, peak_bytes, rounds
@@ -250,7 +250,7 @@ def _agree(move: Move) -> Move:
 
 def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:
     """(the planner's model, the layout now, the layout `target`), after checking `target`."""
-    validate(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size())
+    validate_layout(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size(), trainer.plugins)
     return planner_model(trainer), _layout(trainer.cfg.parallel), _layout(target)
 
 

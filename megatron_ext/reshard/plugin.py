@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_ext.plugin import Plugin, register_plugin
+from megatron_ext.plugin import Plugin, build_plugins, register_plugin
 
 if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
     from megatron_ext.reshard.live import Preparation
@@ -94,7 +94,7 @@ class ReshardPlugin(Plugin):
             raise ConfigError("reshard.memory_budget_mb", f"must be positive, got {self.cfg.memory_budget_mb}")
         if self.cfg.prepare_steps_ahead < 0:
             raise ConfigError("reshard.prepare_steps_ahead", f"must be 0 or more, got {self.cfg.prepare_steps_ahead}")
-        check_schedule(cfg, self.cfg.schedule, world_size)
+        check_schedule(cfg, self.cfg.schedule, world_size, build_plugins(cfg.plugins, cfg))
 
     def setup(self, trainer) -> None:
         import torch.distributed as dist
@@ -104,7 +104,7 @@ class ReshardPlugin(Plugin):
         self.reports: list = []
         self._due = {int(entry["step"]): dict(entry["layout"]) for entry in self.cfg.schedule}
         pool = current_pool()  # a Trainer built without train.run(): check here too
-        check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size())
+        check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size(), trainer.plugins)
         self._next: Optional[tuple[int, _Planned]] = None  # the next scheduled move
         self._requested_move: Optional[_Planned] = None
 
@@ -209,12 +209,13 @@ class ReshardPlugin(Plugin):
     def _checked(trainer, current, layout: dict):
         import torch.distributed as dist
 
-        from megatron_ext.config.validate import validate
+        from megatron_ext.config.validate import validate_layout
         from megatron_ext.reshard.pool import current_pool
 
         target = target_config(current, layout)
         pool = current_pool()
-        validate(dataclasses.replace(trainer.cfg, parallel=target), pool.size if pool else dist.get_world_size())
+        validate_layout(dataclasses.replace(trainer.cfg, parallel=target), pool.size if pool else dist.get_world_size(),
+                        trainer.plugins)
         return target
 
     def _requested(self) -> Optional[dict]:
@@ -232,15 +233,15 @@ class ReshardPlugin(Plugin):
         return message[0]
 
 
-def check_schedule(cfg, schedule: list, world_size: int) -> None:
-    """Raise ConfigError for the first scheduled layout the model cannot run on `world_size`
-    workers, each layout taken from the one before it."""
-    from megatron_ext.config.validate import validate
+def check_schedule(cfg, schedule: list, world_size: int, plugins: list) -> None:
+    """Raise ConfigError for the first scheduled layout the model, or one of the run's
+    `plugins`, cannot run on `world_size` workers, each layout taken from the one before it."""
+    from megatron_ext.config.validate import validate_layout
 
     parallel = cfg.parallel
     for entry in sorted(schedule, key=lambda e: int(e["step"])):
         parallel = target_config(parallel, dict(entry["layout"]))
-        validate(dataclasses.replace(cfg, parallel=parallel), world_size)
+        validate_layout(dataclasses.replace(cfg, parallel=parallel), world_size, plugins)
 
 
 def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.schema import Config, ParallelConfig
-from megatron_ext.config.validate import resolve_dp, validate
+from megatron_ext.config.validate import resolve_dp, validate_layout
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
 from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, rounds
@@ -215,9 +215,10 @@ def pool_layout(cfg: Config, parallel: ParallelConfig, pool_size: int) -> Parall
     return dataclasses.replace(ParallelLayout.from_config(parallel, active), world=pool_size)
 
 
-def check_resize(cfg: Config, target: ParallelConfig, pool: WorkerPool) -> None:
-    """Raise ConfigError when `target` cannot run on this pool (before anything moves)."""
-    validate(dataclasses.replace(cfg, parallel=target), pool.size)
+def check_resize(trainer, target: ParallelConfig, pool: WorkerPool) -> None:
+    """Raise ConfigError when `target` cannot run on this pool, or the trainer's plugins
+    cannot train on it (before anything moves)."""
+    validate_layout(dataclasses.replace(trainer.cfg, parallel=target), pool.size, trainer.plugins)
 
 
 def plan_resize(trainer, target: ParallelConfig, budget_mb: float) -> Move:
@@ -234,7 +235,7 @@ def prepare_resize(trainer, target: ParallelConfig, budget_mb: float, prebuild_t
     plan (on pool rank 0, the one that sends it) and, with `prebuild_target` (and no plugin
     that rewrites the model), the new world built ahead on all of its ranks."""
     pool = current_pool()
-    check_resize(trainer.cfg, target, pool)
+    check_resize(trainer, target, pool)
     number, message = None, None
     if prebuild_target and can_prebuild(trainer):
         number = pool.next_world()
@@ -287,7 +288,7 @@ def resize(
     `trainer` is in the new world, or has `left` it."""
     clock = StallClock()
     pool = current_pool()
-    check_resize(trainer.cfg, target, pool)
+    check_resize(trainer, target, pool)
     mine = PreparedResize()
     if prepared is not None:
         try:

@@ -171,3 +171,12 @@ def test_a_run_resharded_live_has_the_losses_of_a_run_that_stays_on_its_layout(r
     assert any(note.endswith("(first batch on the new layout)") for note in moved["notes"])  # planned again
     assert moved["losses"] == pytest.approx(stays["losses"], rel=1e-5)
     assert moved["notes"][-1].split(" tokens")[0] == stays["notes"][-1].split(" tokens")[0]  # the same documents trained
+
+
+def test_a_requested_move_to_a_layout_dpp_cannot_train_is_refused_and_training_goes_on(reshard_runs, tmp_path):
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"layout": {"pp": 1, "cp": 2}}))
+    run = reshard_runs("plugins=[reshard,dpp]", "launcher.nproc=2", f"reshard.request_file={request}")
+    refused = [note for note in run["notes"] if "reshard request refused" in note]
+    assert len(refused) == 1 and "parallel.cp: dpp does not support context parallelism" in refused[0], run["notes"]
+    assert len(run["losses"]) == 5  # every step trained, on the layout it started on

@@ -39,6 +39,9 @@ RECORDER = textwrap.dedent(
         def check(self, cfg, world_size):
             CALLS.append(["check", world_size])
 
+        def check_layout(self, cfg, world_size):
+            CALLS.append(["check_layout", cfg.parallel.pp])
+
         def setup(self, trainer):
             CALLS.append(["setup", self.cfg.tag])
 
@@ -112,6 +115,7 @@ def test_every_hook_is_called(tmp_path):
     first = run_recorder(tmp_path, "first", "train.iters=2", f"checkpoint.save={ckpt}")
     assert first == [
         ["check", 1],  # in the launching process, before any worker starts
+        ["check_layout", 1],  # the run's first layout
         ["setup", "from_cli"],
         ["layer_spec", "ModuleSpec"],
         ["after_model_built", 1],

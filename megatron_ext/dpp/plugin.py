@@ -109,14 +109,12 @@ class DppPlugin(Plugin):
 
     def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
         if self._func is None:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
             from megatron_ext.dpp.runtime import dpp_forward_backward_func
 
             p = trainer.cfg.parallel
             planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, p.pp, _cost_model(self.cfg, trainer, self.context),
                                   token_multiple=p.tp if p.sequence_parallel else 1)
-            self._stream = self.plan_stream(IndexedDataset(_dataset_prefix(trainer)), trainer.cfg.train.seed, planner)
+            self._stream = self.plan_stream(open_documents(trainer), trainer.cfg.train.seed, planner)
             first = next(self._stream)  # plans (and refuses a hopeless budget) before training
             trainer.note(self._stream.position.counts.line() + (" (first batch on the new layout)" if self._relayout else " (first batch)"))
             self._func = dpp_forward_backward_func(self.step, _prepend(first, self._stream))
@@ -212,18 +210,21 @@ def refuse_cost_model(path: Optional[str], cfg) -> None:
     check_calibrated_for(path, cfg.model, cfg.parallel)
 
 
-def _dataset_prefix(trainer: Trainer) -> str:
-    """The run's (first) indexed dataset: `data.data_path`, or the default corpus."""
-    from megatron_ext.data import default_corpus_prefix
-
+def open_documents(trainer: Trainer):
+    """The run's documents: its indexed dataset, a blend of them (`data.data_path` with or
+    without weights, see blend.py), or the default corpus."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
-    paths = get_blend_from_list(list(trainer.cfg.data.data_path))[0] if trainer.cfg.data.data_path else []
-    if len(paths) > 1:
-        raise ValueError("dpp: a blend of datasets is not supported yet; give one data.data_path prefix")
-    if paths:
-        return paths[0]
-    return default_corpus_prefix(trainer._cache_dir(), trainer.cfg.data.corpus, trainer.tokenizer_spec)
+    from megatron_ext.data import default_corpus_prefix
+    from megatron_ext.dpp.blend import DocumentBlend
+
+    if not trainer.cfg.data.data_path:
+        return IndexedDataset(default_corpus_prefix(trainer._cache_dir(), trainer.cfg.data.corpus, trainer.tokenizer_spec))
+    prefixes, weights = get_blend_from_list(list(trainer.cfg.data.data_path))
+    if len(prefixes) == 1:
+        return IndexedDataset(prefixes[0])
+    return DocumentBlend([IndexedDataset(p) for p in prefixes], weights, seed=trainer.cfg.train.seed)
 
 
 def _cost_model(cfg: DppConfig, trainer: Trainer, context):

@@ -48,11 +48,9 @@ POLICIES = ("dpp", "packed", "split", "chunkflow", "dpp_no_balance", "dpp_no_ckp
 def build(args) -> tuple:
     """The PP=2 trainer (llama_tiny, seq_length 256 for the model's own buffers; DPP chunks set
     the real lengths), its DppPlugin and the run's indexed dataset."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     from megatron_ext.config.schema import Config, ParallelConfig, TrainConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.plugin import DppConfig, DppPlugin, _dataset_prefix
+    from megatron_ext.dpp.plugin import DppConfig, DppPlugin, open_documents
     from megatron_ext.platform.launch import join_world
     from megatron_ext.training.trainer import Trainer
 
@@ -63,7 +61,7 @@ def build(args) -> tuple:
                  train=TrainConfig(iters=1, eval_interval=0), plugins=["dpp"])
     trainer = Trainer(cfg, [plugin])
     trainer.setup()
-    return trainer, plugin, IndexedDataset(_dataset_prefix(trainer))
+    return trainer, plugin, open_documents(trainer)
 
 
 def global_batches(dataset, args, count: int) -> list:

@@ -42,7 +42,6 @@ class DocumentBlend:
         self.datasets = list(datasets)
         self.source = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, p in enumerate(picks)])
         self.document = np.concatenate(picks).astype(np.int64)
-        self.tokens = [int(n[p].sum()) for n, p in zip(lengths, picks)]  # per dataset, in one pass
 
     def __len__(self) -> int:
         return len(self.document)

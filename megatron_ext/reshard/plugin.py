@@ -157,8 +157,8 @@ class ReshardPlugin(Plugin):
         if layout is None:
             return
         try:
-            target = self._checked(trainer, trainer.cfg.parallel, layout)
-            self._requested_move = self._prepare(trainer, target)
+            # prepare checks the target (the config rules, every plugin's check_layout) first
+            self._requested_move = self._prepare(trainer, target_config(trainer.cfg.parallel, layout))
         except ValueError as e:  # a bad request must not stop a running job
             trainer.note(f"step {step}: reshard request refused: {e}")
             return
@@ -204,19 +204,6 @@ class ReshardPlugin(Plugin):
         if self.cfg.report_file and not trainer.left and dist.get_rank() == 0:
             with open(self.cfg.report_file, "a") as f:
                 f.write(json.dumps({"step": step, **dataclasses.asdict(report)}) + "\n")
-
-    @staticmethod
-    def _checked(trainer, current, layout: dict):
-        import torch.distributed as dist
-
-        from megatron_ext.config.validate import validate_layout
-        from megatron_ext.reshard.pool import current_pool
-
-        target = target_config(current, layout)
-        pool = current_pool()
-        validate_layout(dataclasses.replace(trainer.cfg, parallel=target), pool.size if pool else dist.get_world_size(),
-                        trainer.plugins)
-        return target
 
     def _requested(self) -> Optional[dict]:
         """The layout in the request file, read on rank 0 and shared with every rank."""

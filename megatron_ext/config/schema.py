@@ -13,7 +13,13 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    """A LLaMA-style decoder (RMSNorm, SwiGLU, RoPE, GQA), optionally with MoE MLPs."""
+    """A decoder in megatron-core's GPTModel space, optionally with MoE MLPs.
+
+    The defaults are a LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, no dropout),
+    the family of this project's presets. Megatron-LM's own defaults are GPT-3's (LayerNorm,
+    GeLU with a 4h MLP, learned absolute positions, biases, dropout 0.1); the Megatron-LM entry
+    point (`config/mlm_args.py`) sets those when its flags leave them out.
+    """
 
     name: str = "llama_tiny"
     num_layers: int = 4
@@ -34,11 +40,57 @@ class ModelConfig:
     # are decoupled (e.g. a submodel sliced from an elastic parent keeps the parent's head size).
     head_dim: Optional[int] = None
     init_method_std: float = 0.02
+    # LayerNorm | RMSNorm
+    normalization: str = "RMSNorm"
+    # swiglu (gated SiLU) | gelu | squared_relu
+    activation: str = "swiglu"
+    # rope | yarn | learned_absolute | none
+    position_embedding_type: str = "rope"
+    # Fraction of each head's channels that RoPE rotates.
+    rotary_percent: float = 1.0
+    # RoPE frequency scaling: None, or llama3 (Llama 3.1's bands, `rope_scaling_factor`).
+    rope_scaling: Optional[str] = None
+    rope_scaling_factor: float = 8.0
+    # Rows of the learned position table (learned_absolute) and the context length a
+    # Hugging Face export declares; None: seq_length.
+    max_position_embeddings: Optional[int] = None
+    add_bias_linear: bool = False
+    # Bias on the QKV projection alone (Qwen2); add_bias_linear implies it.
+    add_qkv_bias: bool = False
+    # RMS/LayerNorm on each head's queries and keys (Qwen3, OLMo 2).
+    qk_layernorm: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    # Multi-latent attention (DeepSeek-V2/V3): low-rank compressed queries and keys/values.
+    multi_latent_attention: bool = False
+    # None: queries are not compressed.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     # Mixture of experts: None means dense MLPs in every layer.
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     moe_aux_loss_coeff: float = 0.0
+    # aux_loss | seq_aux_loss | sinkhorn | none (megatron's moe_router_load_balancing_type)
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_pre_softmax: bool = False
+    # softmax | sigmoid
+    moe_router_score_function: str = "softmax"
+    # DeepSeek-V3's aux-loss-free balancing: a per-expert bias updated from the routed counts.
+    moe_router_enable_expert_bias: bool = False
+    # Group-limited routing: experts in `num_groups` groups, tokens routed within the best
+    # `group_topk` groups. None: not grouped.
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    # Width of the shared expert that every token passes through; None: no shared expert.
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    # MoE in every N-th layer (1: every layer), or megatron's pattern string "([0]+[1]*3)*8".
+    moe_layer_freq: str = "1"
+    moe_grouped_gemm: bool = False
     # allgather works everywhere; alltoall needs CUDA streams in megatron-core 0.16.
     moe_token_dispatcher: str = "allgather"
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
@@ -102,6 +154,8 @@ class DataConfig:
     tokenizer: str = "auto"
     split: str = "969,30,1"
     cache_dir: str = "~/.cache/megatron_ext"
+    # Megatron's mock dataset (random tokens of the model's vocabulary), no files read.
+    mock: bool = False
     num_workers: int = 0
 
 
@@ -120,11 +174,18 @@ class OptimConfig:
     # None: train.iters.
     lr_decay_iters: Optional[int] = None
     lr_decay_style: str = "cosine"
+    # Megatron-LM's sample-based schedule: warmup and decay counted in samples rather than
+    # iterations (exclusive with lr_warmup_iters / lr_decay_iters).
+    lr_warmup_samples: Optional[int] = None
+    lr_decay_samples: Optional[int] = None
 
 
 @dataclass
 class TrainConfig:
     iters: int = 200
+    # Megatron-LM's --train-samples: train for this many samples instead of `iters`
+    # (iterations = train_samples / global_batch_size).
+    train_samples: Optional[int] = None
     micro_batch_size: int = 4
     # None: micro_batch_size * dp (one micro-batch per data-parallel rank per step).
     global_batch_size: Optional[int] = 16
@@ -155,6 +216,11 @@ class CheckpointConfig:
     interval: Optional[int] = None
     # Keep this many most recent checkpoints; None keeps all.
     keep_last: Optional[int] = 2
+    # A missing `load` directory starts from scratch instead of being an error (the
+    # resume-if-present idiom, save == load).
+    load_optional: bool = False
+    # Write checkpoints in the background (dist_checkpointing's async save); training goes on.
+    async_save: bool = False
 
 
 @dataclass
@@ -163,6 +229,13 @@ class LoggingConfig:
     progress_bar: bool = True
     tensorboard_dir: Optional[str] = None
     wandb_project: Optional[str] = None
+    # Megatron-LM's logging switches, to the log line and TensorBoard.
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_throughput: bool = False
+    log_timers_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
 
 
 @dataclass
@@ -177,6 +250,9 @@ class LauncherConfig:
     # Times the local workers are restarted after one fails (torchrun's --max-restarts). A
     # restarted job resumes from `checkpoint.load`.
     max_restarts: int = 0
+    # After a pre-emption signal (SIGTERM, SIGINT, SIGUSR1), the seconds the job has to agree
+    # on a step, save and exit before it is aborted (the last complete checkpoint stays).
+    preempt_timeout_s: float = 120.0
 
 
 @dataclass

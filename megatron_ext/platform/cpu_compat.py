@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from megatron_ext.platform.float16_optimizer_checkpoint import fix_float16_optimizer_checkpoint
+
 CPU = torch.device("cpu")
 
 
@@ -397,6 +399,29 @@ def materialise_initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 }
 
 
+def _fix_alltoall_split_sizes() -> None:
+    """The all-to-all token dispatcher copies its split sizes to the host as numpy arrays with
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors: on the CPU
+    they stay tensors, and torch's `all_to_all_single` refuses a tensor as split sizes. Its
+    other CUDA uses (the device-to-host side stream, its event) are answered by
+    `device_literals`."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "__cpu_numpy__", False):
+        return
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__cpu_numpy__ = True
+    # The dispatcher bound the function by name at import time.
+    moe_utils.maybe_move_tensor_to_cpu = dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 @dataclass(frozen=True)
 class Fix:
     name: str
@@ -414,6 +439,8 @@ FIXES: tuple[Fix, ...] = (
     Fix("optimizer_type_checks", _fix_optimizer_type_checks),
     Fix("te_general_gemm", _fix_te_general_gemm, cpu_only=False),
     Fix("torch_adam_checkpointing", _fix_torch_adam_checkpointing, cpu_only=False),
+    Fix("float16_optimizer_checkpoint", fix_float16_optimizer_checkpoint, cpu_only=False),
+    Fix("alltoall_split_sizes", _fix_alltoall_split_sizes),
 )
 
 _applied: list[str] = []

@@ -91,7 +91,7 @@ class ModelConfig:
     # MoE in every N-th layer (1: every layer), or megatron's pattern string "([0]+[1]*3)*8".
     moe_layer_freq: str = "1"
     moe_grouped_gemm: bool = False
-    # allgather works everywhere; alltoall needs CUDA streams in megatron-core 0.16.
+    # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA.
     moe_token_dispatcher: str = "allgather"
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
     # megatron_ext checkpoint folder, or `pkg:<module>/<file>` inside an installed package. The

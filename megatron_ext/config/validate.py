@@ -345,15 +345,6 @@ def not_negative(path: str) -> Rule:
     return rule
 
 
-def alltoall_needs_cuda(cfg: Config, world: int, device: str) -> Optional[str]:
-    if cfg.model.moe_token_dispatcher == "alltoall" and device == "cpu":
-        return (
-            "model.moe_token_dispatcher=alltoall needs CUDA streams in megatron-core 0.16; "
-            "use allgather on CPU"
-        )
-    return None
-
-
 def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
     known = registered_plugins()
     return [
@@ -471,7 +462,6 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("train.manual_gc_interval", not_negative("train.manual_gc_interval")),
     ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
-    ("model.moe_token_dispatcher", alltoall_needs_cuda),
     ("plugins", plugins_registered),
     ("plugins", one_step_plugin),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),

@@ -422,6 +422,39 @@ def _fix_alltoall_split_sizes() -> None:
     moe_utils.maybe_move_tensor_to_cpu = dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _fix_uneven_tp_collectives() -> None:
+    """The all-to-all dispatcher at TP > 1 gathers and reduce-scatters the routed tokens over
+    the tensor-parallel ranks in unequal parts (`output_split_sizes` / `input_split_sizes`),
+    with a list `all_gather` / `reduce_scatter` that NCCL runs unevenly but gloo refuses
+    ("invalid tensor size"). On the CPU the gather pads each part to the largest and gathers
+    evenly, and the reduce-scatter all-reduces the whole tensor and keeps this rank's part."""
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "__uneven_on_cpu__", False):
+        return
+
+    @functools.wraps(gather)
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = torch.nn.functional.pad(input_, (0, 0) * (input_.dim() - 1) + (0, longest - input_.shape[0]))
+        parts = gather(padded.contiguous(), group).split(longest)
+        return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        summed = input_.clone()
+        torch.distributed.all_reduce(summed, group=group)
+        return summed.split(list(input_split_sizes))[group.rank()].contiguous()
+
+    gather_along_first_dim.__uneven_on_cpu__ = True
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 @dataclass(frozen=True)
 class Fix:
     name: str
@@ -441,6 +474,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("torch_adam_checkpointing", _fix_torch_adam_checkpointing, cpu_only=False),
     Fix("float16_optimizer_checkpoint", fix_float16_optimizer_checkpoint, cpu_only=False),
     Fix("alltoall_split_sizes", _fix_alltoall_split_sizes),
+    Fix("uneven_tp_collectives", _fix_uneven_tp_collectives),
 )
 
 _applied: list[str] = []

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from tests.distributed._checkpoint_tensors import checkpoint_tensors
 
 from megatron_ext.train import run_from_overrides
-from megatron_ext.training.checkpoint import iteration_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -43,12 +42,6 @@ CASES = {
 
 def train(cache: Path, nproc: int, *overrides: str) -> list[float]:
     return run_from_overrides([*COMMON, f"data.cache_dir={cache}", f"launcher.nproc={nproc}", *overrides])["losses"]
-
-
-def checkpoint_tensors(root: Path, iteration: int, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint, whole (all shards), by key."""
-    dcp_to_torch_save(iteration_dir(root, iteration), scratch)
-    return {k: v for k, v in torch.load(scratch, weights_only=False).items() if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -3,8 +3,9 @@
 Megatron-Core writes `torch.cuda.current_device()`, `device="cuda"`, CUDA streams/events and the
 CUDA RNG into code that is otherwise device-agnostic. On a machine without CUDA those calls can
 only raise, so redirecting them to the CPU changes nothing that worked: the CPU fixes apply only
-when `torch.cuda.is_available()` is False. Two fixes are plain bugs of megatron-core without
-Transformer Engine/Apex and apply on every device (`cpu_only=False`).
+when `torch.cuda.is_available()` is False. Three fixes are plain bugs of megatron-core (two
+without Transformer Engine/Apex, one of its Float16 optimizer's checkpoint) and apply on every
+device (`cpu_only=False`).
 
 Each fix is a named entry of `FIXES` with the upstream diff that would make it unnecessary
 (`patches/NNNN-<name>.diff`, checked against megatron-core 0.16.1 by scripts/check_patches.py). The mechanism of most fixes

@@ -54,7 +54,7 @@ def fix_float16_optimizer_checkpoint() -> None:
         elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             # Before the first update (fp16's first steps are skipped) torch's Adam has no state,
             # and a resume template (`init_state_fn`) asks for moments the checkpoint lacks.
-            from megatron_ext.platform.cpu_compat import materialise_initial_adam_state
+            from megatron_ext.platform.cpu_compat import materialise_initial_adam_state  # imports this module
 
             materialise_initial_adam_state(self.optimizer)
         return _sharded_state(self, self.state_dict(), model_sharded_state_dict)

@@ -25,18 +25,21 @@ from megatron_ext.config import Config, compose_config, register_configs, to_obj
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
 from megatron_ext.plugin import build_plugins
+from megatron_ext.training.preflight import check_inputs
 
 register_configs()
 
 
 def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
-    config/validate.py and each plugin's own `check` and `check_layout`."""
+    config/validate.py, each plugin's own `check` and `check_layout`, then the files the run
+    reads and the checkpoint directory it writes (training/preflight.py)."""
     world = world_size_of(cfg)
     validate(cfg, world)
     for plugin in build_plugins(cfg.plugins, cfg):
         plugin.check(cfg, world)
         plugin.check_layout(cfg, world)
+    check_inputs(cfg)
 
 
 def run(cfg: Config) -> Optional[dict]:

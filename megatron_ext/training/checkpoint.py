@@ -31,23 +31,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from megatron_ext.training.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (this module's API)
+
 # Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | os.PathLike) -> Optional[int]:
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"checkpoint.load: {tracker} does not hold an iteration number: {text!r}")
-    return int(text)
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:

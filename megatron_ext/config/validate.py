@@ -512,7 +512,7 @@ def in_range(path: str, interval: str) -> Rule:
 
 def min_lr_at_most_lr(cfg: Config, world: int, device: str) -> Optional[str]:
     lr, min_lr = cfg.optim.lr, cfg.optim.min_lr
-    if min_lr > lr:
+    if lr >= 0 and min_lr > lr:  # a negative lr is reported by its range alone
         return f"optim.min_lr ({min_lr}) must be <= optim.lr ({lr})"
     return None
 

@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -210,7 +211,9 @@ def _check_checkpoint(
 
 def _saved_model(field: str, root: str, iteration: int) -> dict[str, Any]:
     """The model section of the config that wrote the checkpoint ({} when it has none)."""
-    from megatron_ext.training import checkpoint as ckpt  # megatron: only when there is one to read
+    with warnings.catch_warnings():  # megatron's import notes are the workers' to print
+        warnings.simplefilter("ignore")
+        from megatron_ext.training import checkpoint as ckpt  # megatron: only when there is one to read
 
     try:
         common = ckpt.load_common(root, iteration)

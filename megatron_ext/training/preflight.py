@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import socket
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -239,7 +240,7 @@ def check_save(save: str) -> None:
         tracker.latest_iteration(root)
     except ValueError as e:
         raise ConfigError("checkpoint.save", str(e)) from None
-    probe = root / f".write_test.{os.getpid()}"
+    probe = root / f".write_test.{socket.gethostname()}.{os.getpid()}"  # every rank of srun probes
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe.touch()

@@ -135,6 +135,8 @@ def check_pretrained(model: ModelConfig) -> None:
             _check_hf_folder(path)
         else:
             check_gguf(path)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError("model.pretrained", str(e)) from None
 

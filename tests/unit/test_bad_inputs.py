@@ -143,7 +143,7 @@ def test_bad_input_is_one_line_exit_2(overrides, field, says, inputs, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2
     assert len(err) == 1, err
-    assert err[0].startswith(f"error: {field}: "), err[0]
+    assert err[0].startswith(f"error: {field}: ") and f"{field}: {field}:" not in err[0], err[0]
     assert says.format(d=inputs) in err[0]
     assert "+train" not in err[0] and "+optim" not in err[0]  # Hydra's advice to add the key
     assert files_under(inputs) == before

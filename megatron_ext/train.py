@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
@@ -90,6 +91,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         return run(to_object(cfg))
     except ConfigError as e:
         _fail(str(e))
+    except ChildFailedError as e:
+        _fail_if_refused(e)
+        raise
 
 
 def _fail(message: str) -> None:
@@ -126,6 +130,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run(cfg)
     except ConfigError as e:
         _fail(str(e))
+    except ChildFailedError as e:
+        _fail_if_refused(e)
+        raise
+
+
+def _fail_if_refused(error: ChildFailedError) -> None:
+    """Workers that refused an input only they could read (a checkpoint shard cut short) raise
+    a ConfigError: its one line, as the launcher's own refusals."""
+    refusal = "ConfigError: "
+    for failure in error.failures.values():
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        if message.startswith(refusal):
+            _fail(message[len(refusal):].splitlines()[0])
 
 
 def _first_line(e: Exception) -> str:

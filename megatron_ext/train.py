@@ -119,6 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 _fail(_first_line(e))
             return
     if any(a.startswith("-") for a in argv):
+        _check_overrides_of_hydra_run(argv)
         sys.argv = [sys.argv[0], *argv]
         _hydra_main()
         return
@@ -143,6 +144,21 @@ def _fail_if_refused(error: ChildFailedError) -> None:
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
         if message.startswith(refusal):
             _fail(message[len(refusal):].splitlines()[0])
+
+
+def _check_overrides_of_hydra_run(argv: list[str]) -> None:
+    """The overrides of a run with Hydra's flags (`--cfg job`, ...), refused as a plain run's
+    are: Hydra's own message for an unknown key advises `+key=`, which adds a key the schema
+    does not have. Multiruns and other primary configs are left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.multirun or args.config_name or args.config_path or args.config_dir:
+        return
+    try:
+        compose_config(args.overrides)
+    except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
+        _fail(_first_line(e))
 
 
 def _first_line(e: Exception) -> str:

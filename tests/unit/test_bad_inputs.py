@@ -124,6 +124,8 @@ CASES = {
     "force_added_key": (["++optim.lrr=1"], "optim.lrr", "did you mean optim.lr (float)?"),
     "section_typo": (["trian.iters=5"], "trian.iters", "did you mean train.iters (int)?"),
     "preset_typo": (["model=llama_tinyy"], "model", "no preset 'llama_tinyy'; did you mean llama_tiny?"),
+    "key_typo_with_hydra_flag": (["--cfg", "job", "train.itres=5"], "train.itres", "did you mean train.iters (int)?"),
+    "key_typo_in_multirun": (["-m", "train.itres=5,6"], "train.itres", "did you mean train.iters (int)?"),
 }
 
 
@@ -139,7 +141,7 @@ def test_bad_input_is_one_line_exit_2(overrides, field, says, inputs, tmp_path, 
         args.append(f"checkpoint.save={tmp_path}/save")
     before = files_under(inputs)
     with pytest.raises(SystemExit) as exit_:
-        main([*BASE, *args])
+        main([*args, *BASE])  # Hydra's flags first: its parser takes one run of overrides after them
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2
     assert len(err) == 1, err

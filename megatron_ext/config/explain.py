@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megatron_ext.config.validate import ConfigError
@@ -44,7 +44,7 @@ def type_name(hint: Any) -> str:
     if typing.get_origin(hint) is dict:
         return "mapping"
     if dataclasses.is_dataclass(hint):
-        return f"a section ({', '.join(f.name for f in dataclasses.fields(hint))})"
+        return "a section"
     return "any value" if hint is Any else getattr(hint, "__name__", str(hint))
 
 
@@ -52,7 +52,9 @@ def nearest_key(key: str, schema: type) -> str:
     """'; did you mean <key> (<type>)?' for the schema key closest to `key`, or the keys of the
     section it is under when none is close."""
     keys = schema_keys(schema)
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    # a dotted key is a field: a section is no answer to it
+    candidates = [k for k, hint in keys.items() if "." not in key or not dataclasses.is_dataclass(hint)]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if close:
         return f"; did you mean {close[0]} ({type_name(keys[close[0]])})?"
     section = key.rpartition(".")[0]
@@ -108,19 +110,21 @@ def composition_error(error: Exception, overrides: Sequence[str], schema: type) 
 
 
 def unknown_keys(cfg: DictConfig, schema: type) -> None:
-    """Refuse keys of `cfg` that the schema's sections do not have (added with `+key=` or by a
-    YAML file): they would be dropped without a word."""
-    for key, value in _keys_outside(cfg, schema, ""):
+    """Refuse a key of `cfg` that the schema's sections do not have (added with `+key=` or by a
+    YAML file): it would be dropped without a word."""
+    outside = next(_keys_outside(cfg, schema, ""), None)
+    if outside is not None:
+        key, value = outside
         raise ConfigError(key, f"no such key (set to {value!r}){nearest_key(key, schema)}")
 
 
-def _keys_outside(node: DictConfig, section: type, prefix: str):
+def _keys_outside(node: DictConfig, section: type, prefix: str) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of each key of `node` that the dataclass `section` lacks, recursively
     through its sub-sections."""
     hints = typing.get_type_hints(section)
-    for name in node.keys():
-        key, child = f"{prefix}{name}", node._get_node(name)
+    for name, value in node.items_ex(resolve=False):
+        key = f"{prefix}{name}"
         if name not in hints:
-            yield key, child if isinstance(child, (DictConfig, ListConfig)) else child._value()
-        elif dataclasses.is_dataclass(hints[name]) and isinstance(child, DictConfig):
-            yield from _keys_outside(child, hints[name], f"{key}.")
+            yield key, value
+        elif dataclasses.is_dataclass(hints[name]) and isinstance(value, DictConfig):
+            yield from _keys_outside(value, hints[name], f"{key}.")

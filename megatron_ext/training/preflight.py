@@ -5,6 +5,8 @@ the path; otherwise a rank would find it minutes later, as a traceback, or never
 `checkpoint.load` trained from scratch).
 
 Only the launcher's cheap imports are used here (no megatron) unless a checkpoint must be read.
+Paths are taken as the readers and writers take them: `~` is expanded where they expand it
+(model.pretrained, data.corpus), not in checkpoint and data paths.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def check_data(data: DataConfig) -> None:
     if data.mock:
         return
     for prefix in data_prefixes(list(data.data_path)):
-        _check_indexed_dataset(os.path.expanduser(prefix))
+        _check_indexed_dataset(prefix)
     if not data.data_path and data.corpus != "stdlib" and not os.path.exists(os.path.expanduser(data.corpus)):
         raise ConfigError("data.corpus", f"{data.corpus} does not exist (a text file, a folder of them, or stdlib)")
 
@@ -166,7 +168,7 @@ def check_load(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
     load = checkpoint.load
     if not load:
         return
-    root = os.path.expanduser(load)
+    root = load
     optional = checkpoint.load_optional or _same_dir(load, checkpoint.save)
     try:
         iteration = tracker.latest_iteration(root)
@@ -187,7 +189,7 @@ def check_load(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
 
 
 def _same_dir(a: str, b: Optional[str]) -> bool:
-    return b is not None and os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _check_checkpoint(
@@ -235,7 +237,7 @@ def _one_line(e: BaseException) -> str:
 def check_save(save: str) -> None:
     """`checkpoint.save` can be written: created if missing (as the first save would), then a
     file made and removed in it."""
-    root = Path(os.path.expanduser(save))
+    root = Path(save)
     if root.exists() and not root.is_dir():
         raise ConfigError("checkpoint.save", f"{root} is not a directory")
     try:

@@ -208,7 +208,9 @@ class TrainConfig:
 class CheckpointConfig:
     # Directory to save to (megatron layout: iter_0000100/ + latest_checkpointed_iteration.txt).
     save: Optional[str] = None
-    # Directory to resume from; the usual idiom is save == load.
+    # Directory to resume from; it must hold a checkpoint, except when it is also `save` (the
+    # resume-if-present idiom: a first run finds nothing yet and starts from scratch) or with
+    # `load_optional`.
     load: Optional[str] = None
     # Resume from this iteration of `load` instead of the latest (megatron's --ckpt-step).
     step: Optional[int] = None
@@ -216,8 +218,8 @@ class CheckpointConfig:
     interval: Optional[int] = None
     # Keep this many most recent checkpoints; None keeps all.
     keep_last: Optional[int] = 2
-    # A missing `load` directory starts from scratch instead of being an error (the
-    # resume-if-present idiom, save == load).
+    # A `load` directory without a checkpoint starts from scratch instead of being an error
+    # (implied when load == save).
     load_optional: bool = False
     # Write checkpoints in the background (dist_checkpointing's async save); training goes on.
     async_save: bool = False

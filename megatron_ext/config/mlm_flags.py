@@ -2246,5 +2246,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
 )
 
-# megatron_ext's own flag: local workers when not under torchrun/srun.
-OWN_FLAGS: tuple[Flag, ...] = group("megatron_ext", mapped("--nproc", "int", "launcher.nproc"))
+# Flags beyond Megatron-LM's current parser.
+OWN_FLAGS: tuple[Flag, ...] = group(
+    "megatron_ext",
+    mapped("--nproc", "int", "launcher.nproc", note="local workers when not under torchrun/srun"),
+    mapped(
+        "--virtual-pipeline-model-parallel-size", "int", "parallel.vpp",
+        note="older Megatron-LM's name of --num-virtual-stages-per-pipeline-rank",
+    ),
+)

@@ -24,6 +24,7 @@ notice, or refused. Decisions a Megatron-LM user should know:
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -88,6 +89,7 @@ def _add(parser: argparse.ArgumentParser, flag: Flag) -> None:
         )
 
 
+@functools.cache  # 900 flags: built once; parsing does not change it
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m megatron_ext.pretrain_gpt",

@@ -1,6 +1,8 @@
 """Every flag of Megatron-LM's `pretrain_gpt.py` parser, one row each, grouped as in Megatron-LM's
 megatron/training/arguments.py (and megatron/post_training/arguments.py, which pretrain_gpt.py
-adds when ModelOpt is installed).
+adds when ModelOpt is installed), as of Megatron-LM commit d98e8a64 (2026-08-22): the
+hand-written add_argument calls and the flags its ArgumentGroupFactory derives from
+TransformerConfig and megatron.training.config's dataclasses.
 
 A row says how the flag is read (its value syntax, as Megatron-LM's parser reads it) and what
 it does here, one of:

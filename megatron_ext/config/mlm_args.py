@@ -48,7 +48,6 @@ _HF_TOKENIZERS = (
     "GPTSentencePieceTokenizer", "SFTTokenizer",
 )
 _TRANSFORMER_IMPL = {"local": "local", "transformer_engine": "auto"}
-_ACTIVATIONS = {"swiglu": "swiglu", "squared_relu": "squared_relu"}
 # `key=value`, `+key=value`, `++key=value`: Hydra overrides, passed through as they are.
 _OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w.\-/@]*=")
 _TYPES = {"int": int, "float": float, "str": str}

@@ -243,6 +243,12 @@ def _positions(b: _Builder) -> None:
                       "without rope positions: use --position-embedding-type none")
 
 
+VPP_FLAGS = (
+    "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+    "--virtual-pipeline-model-parallel-size",
+)
+
+
 def _parallel(b: _Builder) -> None:
     if b.has("--sequence-parallel"):
         if b.get("--tensor-model-parallel-size", 1) == 1:
@@ -250,6 +256,12 @@ def _parallel(b: _Builder) -> None:
                      "Megatron-LM does")
         else:
             b.set("parallel.sequence_parallel", True, "--sequence-parallel")
+    vpp = [n for n in VPP_FLAGS if b.has(n)]
+    if vpp and not b.has("--global-batch-size"):
+        # Megatron-LM's default global batch, micro batch * dp, is one micro-batch per step:
+        # fewer than the interleaved schedule's group of pp micro-batches.
+        b.problem(vpp[0], "needs --global-batch-size (a multiple of --micro-batch-size * dp * "
+                  "--pipeline-model-parallel-size)")
     per_stage = b.get("--num-layers-per-virtual-pipeline-stage")
     if per_stage is None:
         return

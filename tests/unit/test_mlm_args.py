@@ -49,13 +49,15 @@ CASES = [
     ),
     (
         "vpp_from_layers_per_stage",
-        "--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2",
+        "--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+        "--global-batch-size 16",
         {"model.num_layers": "8", "parallel.pp": "2", "parallel.vpp": "2"},
         {"parallel.vpp": 2},
     ),
     (
         "vpp_stages_per_rank",
-        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2",
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--global-batch-size 16",
         {"parallel.vpp": "2"},
         {"parallel.vpp": 2},
     ),
@@ -292,7 +294,12 @@ def _sample(flag) -> list[str]:
 
 
 # Flags that Megatron-LM reads only together with another one.
-NEEDS = {"--lr-decay-samples": ["--train-samples", "8"], "--lr-warmup-samples": ["--train-samples", "8"]}
+NEEDS = {
+    "--lr-decay-samples": ["--train-samples", "8"],
+    "--lr-warmup-samples": ["--train-samples", "8"],
+    "--num-virtual-stages-per-pipeline-rank": ["--global-batch-size", "8"],
+    "--virtual-pipeline-model-parallel-size": ["--global-batch-size", "8"],
+}
 
 
 def _outcome(flag) -> list[str]:
@@ -382,7 +389,10 @@ BAD = [
     ("two_vpp_flags", "--num-layers 8 --pipeline-model-parallel-size 2 "
      "--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 2",
      "exclusive"),
-    ("vpp_without_layers", "--num-layers-per-virtual-pipeline-stage 2", "needs --num-layers"),
+    ("vpp_without_layers", "--num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8",
+     "needs --num-layers"),
+    ("vpp_without_global_batch", "--pipeline-model-parallel-size 2 "
+     "--num-virtual-stages-per-pipeline-rank 2", "needs --global-batch-size"),
     ("etp", "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
      "must equal --tensor-model-parallel-size"),
     ("short_positions", "--seq-length 256 --max-position-embeddings 128",

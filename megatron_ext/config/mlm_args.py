@@ -27,7 +27,7 @@ import argparse
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
 

@@ -30,6 +30,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if list(argv) == ["--flag-table"]:
         print(flag_table_markdown(), end="")
         return
+    if list(argv) in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     sources: Mapping[str, str] = {}
     try:
         translation = translate(argv)

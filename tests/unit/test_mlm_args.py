@@ -485,3 +485,8 @@ def test_fidelity_doc_is_generated_from_the_table():
 def test_flag_table_command_prints_the_doc(capsys):
     main(["--flag-table"])
     assert capsys.readouterr().out == flag_table_markdown()
+
+
+def test_help_points_at_the_flag_table(capsys):
+    main(["--help"])
+    assert "--flag-table" in capsys.readouterr().out

@@ -287,6 +287,28 @@ def global_batch_divisible(cfg: Config, world: int, device: str) -> Optional[str
     return None
 
 
+def interleaved_micro_batches(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron-core 0.16's interleaved schedule runs the micro-batches in groups of pp per
+    # virtual stage (microbatch_group_size_per_vp_stage defaults to pp) and raises a ValueError
+    # inside every worker when the count is not a multiple of pp.
+    # A global batch of None (one micro-batch) is not checked: layouts are also checked for a
+    # model alone, without a run's batch (see reshard/layout.py).
+    p, t, dp = cfg.parallel, cfg.train, _dp_or_none(cfg, world)
+    if p.vpp is None or dp is None or t.global_batch_size is None:
+        return None
+    gbs = t.global_batch_size
+    if gbs % (t.micro_batch_size * dp):
+        return None  # global_batch_divisible reports it
+    micro = gbs // (t.micro_batch_size * dp)
+    if micro % p.pp:
+        return (
+            f"the micro-batches per step (train.global_batch_size / (train.micro_batch_size * dp)"
+            f" = {gbs} / ({t.micro_batch_size} * {dp}) = {micro}) must be divisible by "
+            f"parallel.pp ({p.pp}) with parallel.vpp (interleaved pipeline)"
+        )
+    return None
+
+
 def sequence_parallel_needs_tp(cfg: Config, world: int, device: str) -> Optional[str]:
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         return "parallel.sequence_parallel requires parallel.tp > 1"
@@ -450,6 +472,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("parallel.ep", ep_divides_dp_cp),
     ("model.moe_router_topk", topk_within_experts),
     ("train.global_batch_size", global_batch_divisible),
+    ("train.global_batch_size", interleaved_micro_batches),
     ("parallel.sequence_parallel", sequence_parallel_needs_tp),
     ("model.seq_length", seq_length_fits_cp),
     ("model.seq_length", seq_length_fits_sp),

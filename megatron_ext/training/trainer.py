@@ -56,6 +56,7 @@ from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.preemption import StopRequest
+from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 from megatron_ext.training.release import release_in_background
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 
@@ -119,6 +120,10 @@ class Trainer:
         self.on_cpu = current_device().type == "cpu"
         self.world_size = dist.get_world_size()
         self.dp = resolve_dp(cfg, self.world_size)
+        # A sample-based run trains the iterations its samples fill; everything else reads them.
+        self.cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self._global_batch_size()))
+        )
         self.model: list = []
         self.optimizer = None
         self.model_config = None  # megatron's TransformerConfig of the current layout
@@ -317,21 +322,7 @@ class Trainer:
         return optimizer
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
-        o, iters = self.cfg.optim, self.cfg.train.iters
-        warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None else iters // 20
-        return OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=o.lr_decay_iters or iters,
-            lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=iters,
-            wd_incr_style="constant",
-        )
+        return build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train, self._global_batch_size())
 
     def _build_data(self) -> None:
         self.train_ds, self.valid_ds = self.open_datasets()
@@ -405,7 +396,7 @@ class Trainer:
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise FloatingPointError(f"iteration {self.state.iteration + 1}: optimizer step skipped")
-        self.scheduler.step(increment=1)
+        self.scheduler.step(increment=scheduler_increment(self.cfg.train, self._global_batch_size()))
         self.state.iteration += 1
         self.state.consumed_samples += self._global_batch_size()
         return {

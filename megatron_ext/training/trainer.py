@@ -13,6 +13,7 @@ The Trainer only wires them together and calls the plugins' hooks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import time
@@ -127,10 +128,13 @@ class Trainer:
         self.on_cpu = current_device().type == "cpu"
         self.world_size = dist.get_world_size()
         self.dp = resolve_dp(cfg, self.world_size)
-        # A sample-based run trains the iterations its samples fill; everything else reads them.
-        self.cfg = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self._global_batch_size()))
-        )
+        if cfg.train.train_samples is not None:
+            # A sample-based run trains the iterations its samples fill; everything reads them
+            # there. A copy, not dataclasses.replace: that keeps only the fields of this
+            # process's schema class, and a config received from another process may carry
+            # plugin sections this one has not registered.
+            self.cfg = copy.copy(cfg)
+            self.cfg.train = dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self._global_batch_size()))
         self.model: list = []
         self.optimizer = None
         self.model_config = None  # megatron's TransformerConfig of the current layout

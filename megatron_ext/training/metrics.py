@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Optional
 
+import psutil
 import torch
 
 from megatron_ext.config.schema import LoggingConfig
@@ -41,8 +42,6 @@ def memory_stats() -> dict[str, float]:
             "max_allocated_bytes": stats["allocated_bytes.all.peak"],
             "allocated_count": stats["allocation.all.current"],
         }
-    import psutil  # megatron-core's checkpoint writer needs it too
-
     return {
         "rss_bytes": psutil.Process().memory_info().rss,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux

@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.datasets.utils import Split
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
@@ -29,8 +31,6 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     init_num_microbatches_calculator,
 )
-from megatron.core.datasets.utils import Split
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -63,8 +63,8 @@ from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import StopRequest
-from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 from megatron_ext.training.release import release_in_background
+from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 from megatron_ext.training.timers import Timers
 
@@ -512,14 +512,14 @@ class Trainer:
                 if stop.agreed():
                     reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
                     break
-            self._finalize_saves()
+            self._finalize_saves()  # a save of this iteration still being written counts once published
             if cfg.checkpoint.save and not self._saved_at_current_iteration():
                 self.save()
             test_loss = None
             if self.state.iteration >= cfg.train.iters and self._evaluates():
                 with collector.evaluation():
                     eval_loss, test_loss = self._final_evaluation(eval_loss, evaluated_at)
-            self._finalize_saves()
+            self._finalize_saves()  # the final save, written while the final evaluation ran
             for p in self.plugins:
                 p.on_train_end(self)
             return reporter.summary(metrics.get("loss"), eval_loss, test_loss)

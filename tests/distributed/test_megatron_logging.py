@@ -70,7 +70,8 @@ def _model_tensors(checkpoint_dir, out) -> list[torch.Tensor]:
     state = torch.load(out, weights_only=False)
     return [
         value for key, value in state.items()
-        if torch.is_tensor(value) and not key.startswith(("optimizer.", "rng_state")) and "_extra_state" not in key
+        if torch.is_tensor(value) and "optimizer." not in key and not key.startswith("rng_state")
+        and "_extra_state" not in key
     ]
 
 
@@ -79,6 +80,8 @@ LAYOUTS = {
     "tp2": (["parallel.tp=2"], 2),
     # Tied embeddings: the last stage's output-layer copy is counted once, with the first's.
     "pp2": (["parallel.pp=2"], 2),
+    # Expert weights: each rank holds half of the experts, summed over the expert group.
+    "moe_ep2": (["model.num_experts=4", "parallel.ep=2"], 2),
     "tp2_pp2": pytest.param((["parallel.tp=2", "parallel.pp=2"], 4), marks=pytest.mark.slow),
 }
 

@@ -12,8 +12,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from megatron_ext.config.schema import ModelConfig
 from megatron_ext.train import run_from_overrides
 from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
@@ -58,7 +60,11 @@ def test_switches_write_their_tags(tmp_path):
     assert expected <= set(_scalars(tb).Tags()["scalars"])
     assert not expected & set(_scalars(tmp_path / "plain").Tags()["scalars"])
     events = _scalars(tb)
-    assert all(e.value > 0 for e in events.Scalars("train/throughput"))
+    # TFLOP/s per rank: Megatron-LM's count of one iteration's operations over its time.
+    flops = flops_per_iteration(ModelConfig(seq_length=32), 384, 4)  # the byte vocabulary, padded
+    times = {e.step: e.value for e in events.Scalars("timers/iteration-time")}
+    for e in events.Scalars("train/throughput"):
+        assert e.value == pytest.approx(flops / (times[e.step] * 1e12), rel=1e-5)
     assert all(e.value > 2**20 for e in events.Scalars("memory/rss_bytes"))
     (loss,), (ppl,) = events.Scalars("eval/loss"), events.Scalars("eval/ppl")
     assert ppl.value == pytest.approx(math.exp(loss.value), rel=1e-6)

@@ -73,6 +73,8 @@ OPTIONAL_SIZES = (
     "model.moe_ffn_hidden_size",
     "model.mamba_num_heads",
     "optim.lr_decay_iters",
+    "train.train_samples",
+    "optim.lr_decay_samples",
     "checkpoint.interval",
     "checkpoint.keep_last",
 )
@@ -349,6 +351,68 @@ def warmup_before_decay_end(cfg: Config, world: int, device: str) -> Optional[st
     return None
 
 
+def _global_batch_or_none(cfg: Config, world: int) -> Optional[int]:
+    dp = _dp_or_none(cfg, world)
+    if cfg.train.global_batch_size is not None:
+        return cfg.train.global_batch_size
+    return cfg.train.micro_batch_size * dp if dp is not None else None
+
+
+def schedule_in_one_unit(cfg: Config, world: int, device: str) -> list[str]:
+    """Megatron-LM's rule: a run is sized and scheduled in iterations or in samples, not both
+    (a zero warmup is neither)."""
+    o = cfg.optim
+    if cfg.train.train_samples is not None:
+        mixed = [("optim.lr_warmup_iters", o.lr_warmup_iters not in (None, 0)),
+                 ("optim.lr_decay_iters", o.lr_decay_iters is not None)]
+        return [
+            f"{path} counts iterations, but train.train_samples sizes the run in samples; "
+            f"use {path.replace('iters', 'samples')}"
+            for path, bad in mixed if bad
+        ]
+    mixed = [("optim.lr_warmup_samples", o.lr_warmup_samples not in (None, 0)),
+             ("optim.lr_decay_samples", o.lr_decay_samples is not None)]
+    return [
+        f"{path} counts samples, but the run is sized in iterations (train.iters); "
+        "set train.train_samples for a sample-based run"
+        for path, bad in mixed if bad
+    ]
+
+
+def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
+    samples, gbs = cfg.train.train_samples, _global_batch_or_none(cfg, world)
+    if samples is not None and gbs is not None and samples < gbs:
+        return (
+            f"train.train_samples ({samples}) must be at least one global batch ({gbs}): the run "
+            f"trains train_samples // global batch = 0 iterations"
+        )
+    return None
+
+
+def sample_warmup_before_decay_end(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps.
+    warmup, samples = cfg.optim.lr_warmup_samples, cfg.train.train_samples
+    if warmup is None or samples is None:
+        return None
+    decay = cfg.optim.lr_decay_samples or samples
+    if not 0 <= warmup < decay:
+        return f"optim.lr_warmup_samples ({warmup}) must be >= 0 and < the lr decay samples ({decay})"
+    return None
+
+
+def async_save_needs_save_dir(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.checkpoint.async_save and not cfg.checkpoint.save:
+        return "checkpoint.async_save needs checkpoint.save (the directory it writes to)"
+    return None
+
+
+def one_data_source(cfg: Config, world: int, device: str) -> Optional[str]:
+    # Megatron-LM: "A single data source must be provided".
+    if cfg.data.mock and cfg.data.data_path:
+        return "data.mock (megatron's mock dataset) and data.data_path are exclusive: one data source"
+    return None
+
+
 def one_of(path: str, allowed: Sequence[str]) -> Rule:
     def rule(cfg: Config, world: int, device: str) -> Optional[str]:
         value = _get(cfg, path)
@@ -477,6 +541,11 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.seq_length", seq_length_fits_cp),
     ("model.seq_length", seq_length_fits_sp),
     ("optim.lr_warmup_iters", warmup_before_decay_end),
+    ("train.train_samples", schedule_in_one_unit),
+    ("train.train_samples", samples_fill_a_batch),
+    ("optim.lr_warmup_samples", sample_warmup_before_decay_end),
+    ("checkpoint.async_save", async_save_needs_save_dir),
+    ("data.mock", one_data_source),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
     ("model.spec", te_spec_available),

@@ -6,6 +6,10 @@ from unittest import mock
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
@@ -31,6 +35,23 @@ def _single_process_is_rank_zero() -> Iterator[None]:
         yield
 
 
+def _documents_in_split(bounds: Optional[tuple[float, float]], num_documents: int) -> int:
+    # the same rounding BlendedMegatronDatasetBuilder uses to cut the documents
+    if bounds is None:
+        return 0
+    return round(bounds[1] * num_documents) - round(bounds[0] * num_documents)
+
+
+def split_has_documents(data_path: Sequence[str], split: str, split_kind: Split) -> bool:
+    """Whether `split` (megatron's "969,30,1") leaves `split_kind` documents of every dataset
+    of `data_path` (prefixes, optionally weighted as megatron's --data-path)."""
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[split_kind.value]
+    prefixes = get_blend_from_list(list(data_path))[0]
+    return all(
+        _documents_in_split(bounds, IndexedDataset(p).sequence_lengths.shape[0]) > 0 for p in prefixes
+    )
+
+
 def _check_split_coverage(
     prefixes: Sequence[str], config: GPTDatasetConfig, num_samples: Sequence[int]
 ) -> None:
@@ -43,10 +64,7 @@ def _check_split_coverage(
             bounds = config.split_matrix[split.value]
             if num_samples[split.value] == 0:
                 continue
-            # the same rounding BlendedMegatronDatasetBuilder uses to cut the documents
-            if bounds is None or round(bounds[1] * num_documents) <= round(
-                bounds[0] * num_documents
-            ):
+            if _documents_in_split(bounds, num_documents) <= 0:
                 raise ValueError(
                     f"data.split={config.split!r} leaves the {split.name} split no documents of "
                     f"{prefix} ({num_documents} documents), but {num_samples[split.value]} "

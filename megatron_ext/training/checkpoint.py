@@ -9,6 +9,12 @@ rename it into place and then replace the tracker. A crash at any point before t
 the tracker pointing at the previous checkpoint, which stays loadable; leftovers of a broken save
 are removed by the next save.
 
+An async save (Megatron-LM's --async-save) hands the writing to dist_checkpointing's async
+request, run in a background process by megatron's `AsyncCallsQueue`; the rename and the tracker
+are the request's last finalisation step, which megatron runs on every rank only once every
+rank's write has completed. So a background write that fails or is cut off publishes nothing.
+The caller finalises outstanding saves before it saves again and before it exits.
+
 Where each tensor lives comes from megatron's own metadata: the model's and the optimizer's
 `sharded_state_dict()`. The distributed optimizer's state is saved "fully reshardable", so a
 checkpoint written at TP2 x PP2 resumes at PP2 x DP2.
@@ -28,6 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -93,11 +100,20 @@ def save_checkpoint(
     optimizer,
     common: dict[str, Any],
     keep_last: Optional[int] = None,
+    async_queue: Optional[AsyncCallsQueue] = None,
 ) -> Path:
-    """Write checkpoint `iteration` under `root`; `common` is plain state (same on all ranks)."""
+    """Write checkpoint `iteration` under `root`; `common` is plain state (same on all ranks).
+    With `async_queue` (no save of it outstanding), the tensors are written in the background
+    and the checkpoint is published when the queue finalises the request."""
     state = sharded_state_dict(model_chunks, optimizer)
     state["common"] = common
-    return write_staged(root, iteration, lambda folder: dist_checkpointing.save(state, str(folder)), keep_last)
+    if async_queue is None:
+        return write_staged(root, iteration, lambda folder: dist_checkpointing.save(state, str(folder)), keep_last)
+    staging = _open_staging(root, iteration)
+    request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+    request.add_finalize_fn(lambda: _publish(root, iteration, keep_last))
+    async_queue.schedule_async_request(request)
+    return iteration_dir(root, iteration)
 
 
 def write_staged(
@@ -111,21 +127,37 @@ def write_staged(
     `group` (collective; default the world, whose rank 0 renames). The folder is a staging one,
     renamed to `iteration_dir` and recorded in the tracker only after every rank has written: a
     crash mid-save leaves the previous checkpoint the latest, and no half-written one."""
-    root = Path(root)
-    final = iteration_dir(root, iteration)
-    staging = root / f".{final.name}.tmp"
-    rank = dist.get_rank(group)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_staging(root)
+    write(_open_staging(root, iteration, group))
+    return _publish(root, iteration, keep_last, group)
+
+
+def _staging_dir(root: str | os.PathLike, iteration: int) -> Path:
+    return Path(root) / f".{iteration_dir(root, iteration).name}.tmp"
+
+
+def _open_staging(root: str | os.PathLike, iteration: int, group: Optional[dist.ProcessGroup] = None) -> Path:
+    """An empty staging folder for checkpoint `iteration`, leftovers of broken saves removed
+    (collective over `group`)."""
+    staging = _staging_dir(root, iteration)
+    if dist.get_rank(group) == 0:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(Path(root))
         staging.mkdir()
     dist.barrier(group=group)
-    write(staging)
+    return staging
+
+
+def _publish(
+    root: str | os.PathLike, iteration: int, keep_last: Optional[int], group: Optional[dist.ProcessGroup] = None
+) -> Path:
+    """Once every rank of `group` has written the staging folder: rename it into place, then
+    point the tracker at it (collective)."""
+    root, final = Path(root), iteration_dir(root, iteration)
     dist.barrier(group=group)
-    if rank == 0:
+    if dist.get_rank(group) == 0:
         if final.exists():  # a re-save of the same iteration replaces it
             shutil.rmtree(final)
-        os.replace(staging, final)
+        os.replace(_staging_dir(root, iteration), final)
         _write_tracker(root, iteration)
         if keep_last:
             _prune(root, keep_last)

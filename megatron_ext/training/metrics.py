@@ -1,23 +1,71 @@
 """What a person watching the run sees: a progress bar, log lines, TensorBoard, optional W&B.
 
-Only one rank reports: the last rank of the world, which sits on the last pipeline stage and
-therefore holds the loss.
+Only one rank reports (rank 0; the loss is broadcast to every rank). Megatron-LM's logging
+switches add to the log line and TensorBoard: the parameter norm and the zeros in the gradients
+(`train/params_norm`, `train/num_zeros_in_grad`), the model's TFLOP/s per rank
+(`train/throughput`, Megatron-LM's count of operations), the step's phases (`timers/...-time`),
+memory (`memory/...`) and the validation perplexity (`eval/ppl`, exp of the loss capped at 20 as
+Megatron-LM caps it). Memory on a GPU is the CUDA allocator's (Megatron-LM's four numbers); on
+the CPU there is no allocator to ask, so it is the reporting process's resident set and its peak
+as the operating system counts them.
 """
 
 from __future__ import annotations
 
+import math
+import resource
 import sys
 import time
 from typing import Optional
 
+import psutil
+import torch
+
 from megatron_ext.config.schema import LoggingConfig
+from megatron_ext.platform.device import current_device
+
+# Megatron-LM caps the exponent of the reported perplexity.
+PPL_MAX_LOSS = 20.0
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(PPL_MAX_LOSS, loss))
+
+
+def memory_stats() -> dict[str, float]:
+    """This process's memory: the CUDA allocator's counters, or on the CPU the resident set."""
+    if current_device().type == "cuda":
+        stats = torch.cuda.memory_stats()
+        return {
+            "reserved_bytes": stats["reserved_bytes.all.current"],
+            "allocated_bytes": stats["allocated_bytes.all.current"],
+            "max_allocated_bytes": stats["allocated_bytes.all.peak"],
+            "allocated_count": stats["allocation.all.current"],
+        }
+    return {
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+    }
 
 
 class MetricsReporter:
-    def __init__(self, cfg: LoggingConfig, total_iters: int, start_iter: int, is_reporting_rank: bool):
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        total_iters: int,
+        start_iter: int,
+        is_reporting_rank: bool,
+        flops_per_iteration: Optional[float] = None,
+        world_size: int = 1,
+    ):
         self.cfg = cfg
         self.active = is_reporting_rank
         self.total_iters = total_iters
+        # Operations of one iteration over the whole world (None: not counted for this model).
+        self.flops_per_iteration = flops_per_iteration
+        self.world_size = world_size
+        self._window_seconds = 0.0
+        self._window_steps = 0
         self._bar = None
         self._tb = None
         self._wandb = None
@@ -45,28 +93,48 @@ class MetricsReporter:
 
             self._wandb = wandb.init(project=cfg.wandb_project)
 
-    def step(self, iteration: int, metrics: dict, tokens: int, seconds: float) -> None:
-        """Record a finished training step; `metrics` holds loss, lr, grad_norm, ..."""
+    def step(
+        self, iteration: int, metrics: dict, tokens: int, seconds: float, timers: Optional[dict] = None
+    ) -> None:
+        """Record a finished training step; `metrics` holds loss, lr, grad_norm, and what the
+        logging switches add (params_norm, num_zeros_in_grad); `timers`: seconds per phase."""
         self.losses.append(metrics["loss"])
         self.tokens_total += tokens
         self.train_seconds += seconds
         self._window_tokens += tokens
+        self._window_seconds += seconds
+        self._window_steps += 1
         if not self.active:
             return
         tps = tokens / seconds if seconds > 0 else 0.0
         metrics = {**metrics, "tokens_per_s": tps}
+        if self.cfg.log_throughput and self.flops_per_iteration is not None:
+            metrics["throughput"] = self._tflops_per_rank(seconds)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             self._bar.update(1)
         if iteration % self.cfg.log_interval == 0:
             self._write_line(iteration, metrics)
         self._scalars("train", iteration, metrics)
+        if self.cfg.log_timers_to_tensorboard:
+            phases = {"iteration": seconds, **(timers or {})}
+            self._scalars("timers", iteration, {f"{name}-time": t for name, t in phases.items()})
+        if self.cfg.log_memory_to_tensorboard:
+            self._scalars("memory", iteration, memory_stats())
 
-    def eval(self, iteration: int, loss: float) -> None:
+    def _tflops_per_rank(self, seconds: float) -> float:
+        return self.flops_per_iteration / (max(seconds, 1e-9) * 1e12 * self.world_size)
+
+    def eval(self, iteration: int, loss: float, split: str = "eval") -> None:
+        """A held-out loss: the validation set (`eval`) or, at the end, the test set (`test`)."""
         if not self.active:
             return
-        self._print(f"eval  iter {iteration:6d} | loss {loss:.4f}")
-        self._scalars("eval", iteration, {"loss": loss})
+        ppl = perplexity(loss)
+        self._print(f"{split:5s} iter {iteration:6d} | loss {loss:.4f} | ppl {ppl:.4f}")
+        scalars = {"loss": loss}
+        if self.cfg.log_validation_ppl_to_tensorboard:
+            scalars["ppl"] = ppl
+        self._scalars(split, iteration, scalars)
 
     def note(self, line: str) -> None:
         self.notes.append(line)
@@ -76,11 +144,22 @@ class MetricsReporter:
     def _write_line(self, iteration: int, m: dict) -> None:
         now = time.perf_counter()
         tps = self._window_tokens / max(now - self._window_start, 1e-9)
-        self._window_tokens, self._window_start = 0, now
-        self._print(
+        line = (
             f"iter {iteration:6d}/{self.total_iters} | loss {m['loss']:.4f} | lr {m['lr']:.3e}"
             f" | grad norm {m['grad_norm']:.3f} | tokens/s {tps:,.0f}"
         )
+        if "params_norm" in m:
+            line += f" | params norm {m['params_norm']:.3f}"
+        if "num_zeros_in_grad" in m:
+            line += f" | num zeros {m['num_zeros_in_grad']:.0f}"
+        if "throughput" in m:  # over the steps since the last line, as Megatron-LM's interval
+            per_step = self._window_seconds / max(self._window_steps, 1)
+            line += f" | TFLOP/s/rank {self._tflops_per_rank(per_step):.3f}"
+        if self.cfg.log_memory_to_tensorboard:
+            line += " | " + " | ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in memory_stats().items() if k.endswith("bytes"))
+        self._window_tokens, self._window_start = 0, now
+        self._window_seconds, self._window_steps = 0.0, 0
+        self._print(line)
 
     def _print(self, line: str) -> None:
         if self._bar is not None:
@@ -95,11 +174,15 @@ class MetricsReporter:
         if self._wandb is not None:
             self._wandb.log({f"{prefix}/{k}": v for k, v in metrics.items()}, step=iteration)
 
-    def summary(self, final_loss: Optional[float], eval_loss: Optional[float]) -> dict:
+    def summary(
+        self, final_loss: Optional[float], eval_loss: Optional[float], test_loss: Optional[float] = None
+    ) -> dict:
+        """`eval_loss` / `test_loss`: the final evaluation's, on the validation and test sets."""
         tps = self.tokens_total / self.train_seconds if self.train_seconds else 0.0
         result = {
             "final_loss": final_loss,
             "eval_loss": eval_loss,
+            "test_loss": test_loss,
             "tokens": self.tokens_total,
             "train_seconds": round(self.train_seconds, 2),
             "tokens_per_s": round(tps, 1),

@@ -13,6 +13,7 @@ The Trainer only wires them together and calls the plugins' hooks.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import time
@@ -21,6 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.datasets.utils import Split
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
@@ -45,6 +48,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
+from megatron_ext.data.datasets import split_has_documents
+from megatron_ext.data.mock import build_mock_datasets
 from megatron_ext.evaluation.loss import forward_only_loss
 from megatron_ext.models.arch import architecture
 from megatron_ext.models.gpt import padded_vocab_size
@@ -53,12 +58,16 @@ from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
+from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import StopRequest
 from megatron_ext.training.release import release_in_background
+from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 from megatron_ext.training.skipped_steps import SkippedSteps
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
+from megatron_ext.training.timers import Timers
 
 
 def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
@@ -120,6 +129,13 @@ class Trainer:
         self.on_cpu = current_device().type == "cpu"
         self.world_size = dist.get_world_size()
         self.dp = resolve_dp(cfg, self.world_size)
+        if cfg.train.train_samples is not None:
+            # A sample-based run trains the iterations its samples fill; everything reads them
+            # there. A copy, not dataclasses.replace: that keeps only the fields of this
+            # process's schema class, and a config received from another process may carry
+            # plugin sections this one has not registered.
+            self.cfg = copy.copy(cfg)
+            self.cfg.train = dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self._global_batch_size()))
         self.model: list = []
         self.optimizer = None
         self.model_config = None  # megatron's TransformerConfig of the current layout
@@ -132,6 +148,9 @@ class Trainer:
         # Set when a shrinking reshard leaves this rank out of the new world: train() returns.
         self.left = False
         self.skipped_steps = SkippedSteps()
+        self.timers = Timers()
+        # Megatron's queue of background checkpoint writes (checkpoint.async_save).
+        self._async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -309,6 +328,7 @@ class Trainer:
             fp16=cfg.model.precision == "fp16",
             params_dtype=model_config.params_dtype,
             use_distributed_optimizer=parallel.use_distributed_optimizer,
+            log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
         )
         # Megatron's gloo groups only serve the legacy DP-zero checkpoint formats (ours is fully
         # reshardable), and megatron takes them from its global state only.
@@ -319,52 +339,66 @@ class Trainer:
         return optimizer
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
-        o, iters = self.cfg.optim, self.cfg.train.iters
-        warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None else iters // 20
-        return OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=o.lr_decay_iters or iters,
-            lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=iters,
-            wd_incr_style="constant",
-        )
+        return build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train, self._global_batch_size())
 
     def _build_data(self) -> None:
         self.train_ds, self.valid_ds = self.open_datasets()
+        self.test_ds = self._open_test_dataset()
         self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+
+    def _evaluates(self) -> bool:
+        return bool(self.cfg.train.eval_interval and self.cfg.train.eval_iters)
 
     def open_datasets(self, dp: Optional[int] = None) -> tuple:
         """(training, validation) datasets, sized for `dp` data-parallel ranks (default: this
         layout's). Collective: megatron's builder has the other ranks wait for rank 0's index
         files."""
         cfg = self.cfg
+        gbs = self._global_batch_size(dp)
+        # Every evaluation reads the same held-out batches, so one round of them is enough.
+        eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
+        train_ds, valid_ds, _ = self._datasets((cfg.train.iters * gbs, eval_samples, 0))
+        return train_ds, valid_ds
+
+    def _open_test_dataset(self):
+        """Megatron-LM's test set, evaluated once after training: `eval_iters` global batches
+        of the split's test share, when it gives the test split documents."""
+        cfg = self.cfg
+        if not self._evaluates():
+            return None
+        if not cfg.data.mock and not split_has_documents(self.data_path, cfg.data.split, Split.test):
+            return None
+        return self._datasets((0, 0, cfg.train.eval_iters * self._global_batch_size()))[2]
+
+    def _datasets(self, num_samples: tuple[int, int, int]) -> tuple:
+        """(train, valid, test) with these sample counts: megatron's mock datasets, or GPT
+        datasets over data.data_path (default: the corpus, tokenized once into the cache)."""
+        cfg = self.cfg
+        if cfg.data.mock:
+            return build_mock_datasets(
+                self.tokenizer, cfg.model.seq_length, num_samples, cfg.train.seed, self._index_cache_dir()
+            )
         if self.data_path is None:
             self.data_path = list(cfg.data.data_path) or [
                 default_corpus_prefix(self._cache_dir(), cfg.data.corpus, self.tokenizer_spec)
             ]
-        gbs = self._global_batch_size(dp)
-        # Every evaluation reads the same held-out batches, so one round of them is enough.
-        eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
-        num_samples = (cfg.train.iters * gbs, eval_samples, 0)
-        train_ds, valid_ds, _ = build_gpt_datasets(
+        return build_gpt_datasets(
             self.data_path,
             self.tokenizer,
             cfg.model.seq_length,
             cfg.data.split,
             num_samples,
             cfg.train.seed,
-            os.path.join(self._cache_dir(), "index"),
+            self._index_cache_dir(),
         )
-        return train_ds, valid_ds
 
     def _cache_dir(self) -> str:
         return os.path.expanduser(self.cfg.data.cache_dir)
+
+    def _index_cache_dir(self) -> str:
+        """Where megatron's GPTDataset keeps its sample indices (Megatron-LM's
+        --data-cache-path is data.cache_dir)."""
+        return os.path.join(self._cache_dir(), "index")
 
     def _iterator(self, dataset, consumed_samples: int):
         """This rank's micro-batches from `consumed_samples` on. Interleaved schedules advance
@@ -395,7 +429,7 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self.forward_backward_func()(
+        losses = self.timers.timed("forward-backward", self.forward_backward_func())(
             forward_step_func=forward_step,
             data_iterator=self.train_iter,
             model=self.model,
@@ -405,30 +439,35 @@ class Trainer:
             forward_only=False,
         )
         loss_scale = self.optimizer.get_loss_scale().item()
-        update_ok, grad_norm, _ = self.optimizer.step()
+        update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
         # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
         if update_ok:
-            self.scheduler.step(increment=1)
+            self.scheduler.step(increment=scheduler_increment(self.cfg.train, self._global_batch_size()))
         self.state.iteration += 1
         self.state.consumed_samples += self._global_batch_size()
         skipped = self.skipped_steps.record(self.state.iteration, update_ok, loss_scale, self.optimizer)
         if skipped is not None:
             self.note(skipped)
-        return {
+        metrics = {
             "loss": broadcast_from_last_rank(reduce_loss(losses)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
             "loss_scale": loss_scale,
             "skipped_iterations": self.skipped_steps.total,
         }
+        if self.cfg.logging.log_num_zeros_in_grad:
+            metrics["num_zeros_in_grad"] = float(num_zeros_in_grad)
+        return metrics
 
-    def evaluate(self) -> Optional[float]:
-        """Loss on the held-out split: the same `eval_iters` global batches every time."""
-        if self.valid_ds is None or not self.cfg.train.eval_iters:
+    def evaluate(self, dataset=None) -> Optional[float]:
+        """Loss on a held-out split (default: validation): the same `eval_iters` global
+        batches every time."""
+        dataset = self.valid_ds if dataset is None else dataset
+        if dataset is None or not self.cfg.train.eval_iters:
             return None
         return forward_only_loss(
             self.model,
-            self._iterator(self.valid_ds, 0),
+            self._iterator(dataset, 0),
             get_num_microbatches() * self.cfg.train.eval_iters,
             self.cfg.model.seq_length,
             self.cfg.train.micro_batch_size,
@@ -439,14 +478,19 @@ class Trainer:
         cfg = self.cfg
         # Rank 0 reports: it is in every world a worker pool forms (the loss is on every rank).
         self.reporter = reporter = MetricsReporter(
-            cfg.logging, cfg.train.iters, self.state.iteration, dist.get_rank() == 0
+            cfg.logging,
+            cfg.train.iters,
+            self.state.iteration,
+            dist.get_rank() == 0,
+            flops_per_iteration(cfg.model, self.vocab_size, self._global_batch_size()),
+            self.world_size,
         )
         self._note_restart()
         stop_at = cfg.train.iters
         if cfg.train.exit_interval:
             stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
         metrics: dict = {}
-        eval_loss = None
+        eval_loss, evaluated_at = None, None
         tokens_per_step = self._global_batch_size() * cfg.model.seq_length
         with contextlib.closing(StopRequest()) as stop, ManualGC(cfg.train).training() as collector:
             while self.state.iteration < stop_at:
@@ -457,25 +501,51 @@ class Trainer:
                 start = time.perf_counter()
                 metrics = self.train_step()
                 seconds = time.perf_counter() - start
+                if cfg.logging.log_params_norm:
+                    metrics["params_norm"] = params_l2_norm(self.model)
                 for p in self.plugins:
                     p.on_step_end(self, self.state.iteration, metrics)
                 # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
-                reporter.step(self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds)
+                reporter.step(
+                    self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds, self.timers.pop()
+                )
                 collector.after_step(self.state.iteration)
                 if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
                     with collector.evaluation():
-                        eval_loss = self.evaluate()
+                        eval_loss, evaluated_at = self.evaluate(), self.state.iteration
                     reporter.eval(self.state.iteration, eval_loss)
+                self._finalize_saves(blocking=False)
                 if self._due_for_checkpoint():
                     self.save()
                 if stop.agreed():
                     reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
                     break
+            self._finalize_saves()  # a save of this iteration still being written counts once published
             if cfg.checkpoint.save and not self._saved_at_current_iteration():
                 self.save()
+            test_loss = None
+            if self.state.iteration >= cfg.train.iters and self._evaluates():
+                with collector.evaluation():
+                    eval_loss, test_loss = self._final_evaluation(eval_loss, evaluated_at)
+            self._finalize_saves()  # the final save, written while the final evaluation ran
             for p in self.plugins:
                 p.on_train_end(self)
-            return reporter.summary(metrics.get("loss"), eval_loss)
+            return reporter.summary(metrics.get("loss"), eval_loss, test_loss)
+
+    def _final_evaluation(
+        self, eval_loss: Optional[float], evaluated_at: Optional[int]
+    ) -> tuple[Optional[float], Optional[float]]:
+        """Megatron-LM's evaluation after a run that trained to the end (not one stopped by a
+        signal or exit_interval): `eval_iters` batches of the validation set (the periodic
+        evaluation's, when it just ran at this iteration: the same batches, the same weights)
+        and of the test set when the split has one."""
+        if evaluated_at != self.state.iteration:
+            eval_loss = self.evaluate()
+            self.reporter.eval(self.state.iteration, eval_loss)
+        test_loss = self.evaluate(self.test_ds) if self.test_ds is not None else None
+        if test_loss is not None:
+            self.reporter.eval(self.state.iteration, test_loss, split="test")
+        return eval_loss, test_loss
 
     def _note_restart(self) -> None:
         """Say so when the launcher restarted the job after a worker failed."""
@@ -522,6 +592,8 @@ class Trainer:
         }
 
     def save(self) -> None:
+        # An async save first waits for the one before it: a save clears unpublished staging.
+        self._finalize_saves()
         ckpt.save_checkpoint(
             self.cfg.checkpoint.save,
             self.state.iteration,
@@ -529,7 +601,14 @@ class Trainer:
             self.optimizer,
             self.common_state(),
             keep_last=self.cfg.checkpoint.keep_last,
+            async_queue=self._async_saves,
         )
+
+    def _finalize_saves(self, blocking: bool = True) -> None:
+        """Publish the async saves whose writes are done on every rank; `blocking`: wait for
+        all of them (collective, like megatron's finalisation)."""
+        if self._async_saves is not None:
+            self._async_saves.maybe_finalize_async_calls(blocking=blocking)
 
     def _load(self, root: str, iteration: int, common: dict) -> None:
         # RNG policy: restored when the TP x PP layout is the one that saved it (bitwise
@@ -568,6 +647,7 @@ class Trainer:
         `new_world`: torch's world was formed anew (a worker pool changed the number of
         workers). `prebuilt`: `parallel`'s groups, model and optimizer, built beforehand beside
         this layout (megatron_ext/reshard/prebuild.py); only installed here."""
+        self._finalize_saves()  # in the world and groups that started them
         scheduler_state = self.scheduler.state_dict()
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
         self.world_size = dist.get_world_size()  # a worker pool may have formed a new world

@@ -1,0 +1,100 @@
+"""Async checkpoint saves (dist_checkpointing's async request, written by a background process
+while training goes on): resuming from one is bitwise the same as resuming from a sync save, and
+a background write cut off mid-way publishes nothing, the previous checkpoint stays the latest."""
+
+from __future__ import annotations
+
+import os
+import queue
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from megatron_ext.train import run_from_overrides
+from megatron_ext.training import checkpoint as ckpt
+
+pytestmark = pytest.mark.distributed
+
+COMMON = [
+    "experiment=none",
+    "train.iters=6",
+    "train.eval_interval=0",
+    "logging.progress_bar=false",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "checkpoint.interval=3",
+]
+
+
+def _tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
+
+
+# name -> (layout overrides, workers)
+LAYOUTS = {
+    "one_rank": ([], 1),
+    # Finalisation is collective: every rank's write done before rank 0 publishes.
+    "tp2": (["parallel.tp=2"], 2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_async_save_resumes_bitwise_like_sync_save(tmp_path, monkeypatch, layout):
+    overrides, workers = layout
+    scheduled = []  # seen in this process: the one-rank run's
+    real_schedule = AsyncCallsQueue.schedule_async_request
+    monkeypatch.setattr(
+        AsyncCallsQueue, "schedule_async_request", lambda q, r: scheduled.append(r) or real_schedule(q, r)
+    )
+    common = [*COMMON, *overrides, f"launcher.nproc={workers}", f"data.cache_dir={tmp_path / 'cache'}"]
+    roots = {"sync": tmp_path / "sync", "async": tmp_path / "async"}
+    losses = {
+        kind: run_from_overrides([*common, f"checkpoint.save={root}", f"checkpoint.async_save={kind == 'async'}"])["losses"]
+        for kind, root in roots.items()
+    }
+    assert losses["async"] == losses["sync"]
+    assert len(scheduled) == (2 if workers == 1 else 0)  # iterations 3 and 6, in the background
+    for root in roots.values():
+        assert ckpt.latest_iteration(root) == 6 and not list(root.glob(".iter_*.tmp"))
+
+    # The iteration-3 save was written while steps 4-6 changed the weights.
+    sync3, async3 = (_tensors(ckpt.iteration_dir(r, 3), tmp_path / f"{k}.pt") for k, r in roots.items())
+    assert sync3.keys() == async3.keys()
+    assert all(torch.equal(sync3[k], async3[k]) for k in sync3)
+    resumed = {
+        kind: run_from_overrides([*common, f"checkpoint.load={root}", "checkpoint.step=3"])["losses"]
+        for kind, root in roots.items()
+    }
+    assert resumed["async"] == resumed["sync"] == losses["sync"][3:]
+
+
+def test_async_write_cut_off_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    common, root = [*COMMON, f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "ckpt"
+    uninterrupted = run_from_overrides(common)["losses"]
+
+    real_write = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+    def write_part_then_die(transform_list, use_msc, rank, write_buckets, results_queue):
+        """The background writer of the iteration-6 save: one file, then the process is gone."""
+        if ".iter_0000006.tmp" not in str(write_buckets[0][0]):
+            return real_write(transform_list, use_msc, rank, write_buckets, results_queue)
+        real_write(transform_list, use_msc, rank, write_buckets[:1], queue.Queue())
+        os._exit(1)
+
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", staticmethod(write_part_then_die))
+    with pytest.raises(CheckpointException):  # megatron's finalisation finds the write unfinished
+        run_from_overrides([*common, f"checkpoint.save={root}", "checkpoint.async_save=true"])
+    monkeypatch.undo()
+
+    assert ckpt.latest_iteration(root) == 3
+    assert not ckpt.iteration_dir(root, 6).exists()
+    assert list(root.glob(".iter_0000006.tmp/*.distcp")), "the cut-off write should have left part of its files"
+    resumed = run_from_overrides([*common, f"checkpoint.load={root}", f"checkpoint.save={root}"])["losses"]
+    assert resumed == uninterrupted[3:]
+    assert ckpt.latest_iteration(root) == 6

@@ -4,18 +4,24 @@ Every cache file is written to a temporary name and renamed (the corpus in prepr
 megatron's dataset indices through megatron_ext.platform.atomic_index_writes), but a file left
 by an older version, or cut by a full disk before that, may be truncated. Such a file is found
 by its size against its own header (a .npy's shape and dtype, an indexed dataset's .idx) and
-removed, so that the build that follows writes it again.
+removed, so that the build that follows writes it again. A build that runs out of space ends
+in one line naming the file and the space left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import struct
+from typing import Iterator
 
 import numpy
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+
+from megatron_ext.config.validate import ConfigError
+from megatron_ext.platform.disk_space import disk_full
 
 _log = logging.getLogger(__name__)
 
@@ -53,3 +59,16 @@ def indexed_dataset_is_whole(prefix: str) -> bool:
     except (OSError, ValueError, IndexError, AssertionError, struct.error):  # a cut .idx, an empty file
         return False
     return os.path.getsize(get_bin_path(prefix)) == expected and os.path.getsize(get_idx_path(prefix)) > 0
+
+
+@contextlib.contextmanager
+def full_disk_named(cache_dir: str) -> Iterator[None]:
+    """A write under `cache_dir` that runs out of space: one line (data.cache_dir) naming the
+    file, where the error names it, and the space left."""
+    try:
+        yield
+    except OSError as e:
+        reason = disk_full(e, e.filename or cache_dir)
+        if reason is None:
+            raise
+        raise ConfigError("data.cache_dir", reason) from e

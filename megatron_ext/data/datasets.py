@@ -15,7 +15,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
-from megatron_ext.data.cache_files import drop_truncated_indices
+from megatron_ext.data.cache_files import drop_truncated_indices, full_disk_named
 from megatron_ext.data.tokenizers import Tokenizer
 from megatron_ext.platform.atomic_index_writes import make_index_writes_atomic
 
@@ -119,7 +119,7 @@ def build_gpt_datasets(
     if os.path.isdir(cache_dir) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         drop_truncated_indices(cache_dir)  # the others read the caches after rank 0 has built them
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config)
-    with _single_process_is_rank_zero():
+    with _single_process_is_rank_zero(), full_disk_named(cache_dir):
         train, valid, test = builder.build()
     return train, valid, test
 

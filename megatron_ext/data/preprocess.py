@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
-from megatron_ext.data.cache_files import indexed_dataset_is_whole
+from megatron_ext.data.cache_files import full_disk_named, indexed_dataset_is_whole
 from megatron_ext.data.corpus import DEFAULT_MAX_BYTES, corpus_fingerprint, iter_documents
 from megatron_ext.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -103,7 +103,8 @@ def _build_once(prefix: str, corpus: str, tokenizer: Tokenizer, max_bytes: int) 
     # The lock serialises independent processes (separate jobs, test workers) sharing a cache.
     with _file_lock(prefix + ".lock"):
         if not indexed_dataset_is_whole(prefix):  # none yet, or cut by a full disk or a kill
-            build_indexed_dataset(iter_documents(corpus, max_bytes), tokenizer, prefix)
+            with full_disk_named(os.path.dirname(prefix)):
+                build_indexed_dataset(iter_documents(corpus, max_bytes), tokenizer, prefix)
 
 
 def default_corpus_prefix(

@@ -37,6 +37,10 @@ def save_atomically(file, arr, allow_pickle: bool = True, **kwargs) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from e  # a write to a file object names no file
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

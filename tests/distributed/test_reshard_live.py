@@ -100,11 +100,11 @@ def run_with_fault(tmp_path, *overrides: str) -> dict:
     return run_script(FAULTS, tmp_path, "plugins=[fault,reshard]", *overrides)
 
 
-def run_script(script: Path, tmp_path, plugins: str, *overrides: str) -> dict:
-    """A run of COMMON with `plugins` through `script`, which registers a test plugin and
+def run_script(script: Path, tmp_path, plugins: str, *overrides: str, common: tuple = tuple(COMMON[:-1])) -> dict:
+    """A run of `common` with `plugins` through `script`, which registers a test plugin and
     writes the run's summary."""
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, str(script), str(out), *COMMON[:-1], plugins, *overrides]
+    cmd = [sys.executable, str(script), str(out), *common, plugins, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULTS.parents[2])}
     # A killed worker's job runs twice (the launcher restarts it): allow for a busy machine.
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -156,13 +156,17 @@ POISONED_REQUESTS = [
 ]
 
 
-def test_poisoned_request_files_are_refused_renamed_and_a_valid_one_still_applies(uninterrupted, cache, tmp_path):
+def test_poisoned_request_files_are_refused_renamed_and_a_valid_one_still_applies(cache, tmp_path):
+    # 12 steps: the valid request (step 6) is planned in the background for as many steps as a
+    # busy machine needs; the reference is the uninterrupted run of as many steps.
+    common = [o for o in COMMON[:-1] if not o.startswith("train.iters=")] + ["train.iters=12"]
+    uninterrupted = run_from_overrides([*common, cache, "parallel.tp=2", "parallel.pp=2"])["losses"]
     request, cases = tmp_path / "request.json", tmp_path / "cases.json"
     texts = [text for text, _ in POISONED_REQUESTS] + ['{"layout": {"tp": 1, "pp": 2}}']
     cases.write_text(json.dumps(texts))
     summary = run_script(
-        REQUEST_WRITER, tmp_path, "plugins=[requests,reshard]", "parallel.tp=2", "parallel.pp=2",
-        f"reshard.request_file={request}", f"requests.file={request}", f"requests.cases={cases}",
+        REQUEST_WRITER, tmp_path, "plugins=[requests,reshard]", cache, "parallel.tp=2", "parallel.pp=2",
+        f"reshard.request_file={request}", f"requests.file={request}", f"requests.cases={cases}", common=tuple(common),
     )
     notes = [n for n in summary["notes"] if "reshard" in n]
     rejected = [f"{request}.rejected"] + [f"{request}.rejected.{k}" for k in (1, 2, 3)]
@@ -174,7 +178,7 @@ def test_poisoned_request_files_are_refused_renamed_and_a_valid_one_still_applie
         assert note.startswith(f"step {step}: reshard request refused: {request}: ") and problem in note, note
         assert note.endswith(f"; renamed to {name}") and (tmp_path / name).read_bytes() == text.encode("latin-1")
     assert "step 6: reshard request to {'tp': 1, 'pp': 2} accepted" in notes[5]
-    assert "reshard tp2·pp2·dp1 -> tp1·pp2·dp2" in notes[6], notes
+    assert len([n for n in notes[6:] if "reshard tp2·pp2·dp1 -> tp1·pp2·dp2" in n]) == 1, notes
     assert not request.exists() and sorted(p.name for p in tmp_path.glob("request.json.*")) == sorted(
         [Path(n).name for n in rejected] + ["request.json.done"]
     )

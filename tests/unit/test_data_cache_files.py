@@ -109,3 +109,11 @@ def test_a_truncated_default_corpus_is_built_again(tmp_path, part):
     Path(prefix + part).write_bytes(whole[: len(whole) // 2])
     assert default_corpus_prefix(cache, str(text), "byte") == prefix
     assert Path(prefix + part).read_bytes() == whole
+
+
+def test_megatron_writes_its_indices_through_the_atomic_save():
+    # The installed megatron-core saves with a module-global numpy.save (0.16.1); a version that
+    # no longer does needs another way (platform/atomic_index_writes.py).
+    from megatron_ext.platform.atomic_index_writes import MODULES, make_index_writes_atomic
+
+    assert make_index_writes_atomic() == list(MODULES)

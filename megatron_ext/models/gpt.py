@@ -32,6 +32,7 @@ from megatron.core.utils import get_pg_rank
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.context_parallel import ContextParallelAttention
+from megatron_ext.models.mla import MLACoreAttention
 from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 
@@ -241,8 +242,7 @@ def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
         normalization=model.normalization,
     )
     attention = spec.submodules.self_attention.submodules
-    if not model.multi_latent_attention:
-        attention.core_attention = ContextParallelAttention
+    attention.core_attention = MLACoreAttention if model.multi_latent_attention else ContextParallelAttention
     for norm in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if model.qk_layernorm and hasattr(attention, norm):
             setattr(attention, norm, LocalNorm)

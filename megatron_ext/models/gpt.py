@@ -7,7 +7,6 @@ the ModuleSpec (`layer_spec` hook), never by editing this file.
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import functools
@@ -33,6 +32,7 @@ from megatron.core.utils import get_pg_rank
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.context_parallel import ContextParallelAttention
 from megatron_ext.models.mla import MLACoreAttention
+from megatron_ext.models.moe_layers import megatron_moe_layer_freq, moe_layer_pattern
 from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 
@@ -58,33 +58,6 @@ def padded_vocab_size(vocab_size: int, model: ModelConfig, tp: int) -> int:
     """
     multiple = math.lcm(model.make_vocab_size_divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def moe_layer_pattern(model: ModelConfig) -> list[int]:
-    """model.moe_layer_freq as one 0 (dense) / 1 (MoE) per layer: an integer N puts MoE in
-    every N-th layer from the first; a string is megatron's Python list expression of 0s and 1s
-    ("([0]+[1]*3)*2"), read without executing anything but list arithmetic."""
-    text = str(model.moe_layer_freq).strip()
-    if text.isdigit():
-        freq = int(text)
-        return [int(i % freq == 0) for i in range(model.num_layers)] if freq else []
-    return _list_expression(ast.parse(text, mode="eval").body)
-
-
-def _list_expression(node: ast.AST):
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.List):
-        return [_list_expression(e) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _list_expression(node.left), _list_expression(node.right)
-        return left + right if isinstance(node.op, ast.Add) else left * right
-    raise ValueError(f"not a list expression of 0s and 1s: {ast.unparse(node)!r}")
-
-
-def _moe_layer_freq(model: ModelConfig) -> Union[int, list[int]]:
-    text = str(model.moe_layer_freq).strip()
-    return int(text) if text.isdigit() else moe_layer_pattern(model)
 
 
 def uses_grouped_gemm(model: ModelConfig, use_te: bool) -> bool:
@@ -152,7 +125,7 @@ def _moe_fields(model: ModelConfig, use_te: bool) -> dict:
         "moe_router_group_topk": model.moe_router_group_topk,
         "moe_router_topk_scaling_factor": model.moe_router_topk_scaling_factor,
         "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
-        "moe_layer_freq": _moe_layer_freq(model),
+        "moe_layer_freq": megatron_moe_layer_freq(model),
         "moe_grouped_gemm": model.moe_grouped_gemm and use_te,
     }
 

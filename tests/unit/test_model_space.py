@@ -235,3 +235,53 @@ def test_good_model_space_config_passes(name):
     fields = GOOD[name]
     world = 2 if fields.get("parallel.pp") == 2 or fields.get("parallel.tp") == 2 else 1
     assert violations(make(**fields), world, "cpu") == []
+
+
+# --- plugins: options they are not written for are refused before launch ------------------------
+
+# id -> (plugin, Config fields, blamed field)
+PLUGIN_REFUSALS = {
+    "dpp_mla": ("dpp", MLA, "model.multi_latent_attention"),
+    "dpp_learned_positions": ("dpp", {"model.position_embedding_type": "learned_absolute"}, "model.position_embedding_type"),
+    "dpp_attention_dropout": ("dpp", {"model.attention_dropout": 0.1}, "model.attention_dropout"),
+    "dpp_seq_aux_loss": ("dpp", {**MOE, "model.moe_router_load_balancing_type": "seq_aux_loss"}, "model.moe_router_load_balancing_type"),
+    "elastic_layernorm": ("elastic", {"model.normalization": "LayerNorm"}, "model.normalization"),
+    "elastic_gelu": ("elastic", {"model.activation": "gelu"}, "model.activation"),
+    "elastic_biases": ("elastic", {"model.add_qkv_bias": True}, "model.add_bias_linear"),
+    "elastic_learned_positions": ("elastic", {"model.position_embedding_type": "learned_absolute"}, "model.position_embedding_type"),
+    "elastic_mla": ("elastic", MLA, "model.multi_latent_attention"),
+    "elastic_shared_expert": ("elastic", {**MOE, "model.moe_shared_expert_intermediate_size": 32}, "model.moe_shared_expert_intermediate_size"),
+    "elastic_group_routing": ("elastic", {**MOE, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 1}, "model.moe_router_num_groups"),
+    "lora_mla": ("lora", MLA, "model.multi_latent_attention"),
+    "lora_moe": ("lora", MOE, "model.num_experts"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLUGIN_REFUSALS))
+def test_plugin_refuses_what_it_is_not_written_for(name):
+    from megatron_ext.config.validate import ConfigError
+    from megatron_ext.plugin import registered_plugins
+
+    plugin_name, fields, field = PLUGIN_REFUSALS[name]
+    cfg = make(**fields)
+    cfg.plugins = [plugin_name]
+    plugin = registered_plugins()[plugin_name]()
+    with pytest.raises(ConfigError) as refused:
+        plugin.check(cfg, 1)
+        plugin.check_layout(cfg, 1)
+    assert refused.value.field == field and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("plugin_name", ["dpp", "elastic", "lora"])
+def test_plugins_still_take_the_llama_default(plugin_name, tmp_path):
+    from megatron_ext.config.validate import ConfigError
+    from megatron_ext.plugin import registered_plugins
+
+    cfg = make()
+    cfg.plugins = [plugin_name]
+    plugin = registered_plugins()[plugin_name]()
+    try:
+        plugin.check(cfg, 1)
+        plugin.check_layout(cfg, 1)
+    except ConfigError as refused:  # dpp wants a cost model file: that is not a model-space refusal
+        assert refused.field == "dpp.cost_model", refused

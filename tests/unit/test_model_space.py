@@ -285,3 +285,27 @@ def test_plugins_still_take_the_llama_default(plugin_name, tmp_path):
         plugin.check_layout(cfg, 1)
     except ConfigError as refused:  # dpp wants a cost model file: that is not a model-space refusal
         assert refused.field == "dpp.cost_model", refused
+
+
+INIT_CASES = {"gpt3": dict(dataclasses.asdict(MODEL_PRESETS["gpt3_tiny"]), hidden_dropout=0.0, attention_dropout=0.0)}
+INIT_CASES.update({name: fields for name, (fields, _) in OPTIONS.items()})
+
+
+@pytest.mark.parametrize("name", list(INIT_CASES))
+def test_initial_weights_do_not_depend_on_the_process_rng(one_rank_world, name):
+    """Every parameter and buffer is drawn from its logical name (models/init.py) or set to a
+    constant, never taken from the generator megatron builds with, which differs by layout."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ext.models.init import init_weights_layout_independent
+
+    model_cfg = dataclasses.replace(ModelConfig(), **INIT_CASES[name])
+    states = []
+    for process_seed in (1, 2):
+        torch.manual_seed(process_seed)
+        model_parallel_cuda_manual_seed(process_seed)
+        model = build(model_cfg)
+        init_weights_layout_independent([model], model.config, seed=1234)
+        states.append({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")})
+    differ = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+    assert differ == []

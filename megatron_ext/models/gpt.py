@@ -108,7 +108,20 @@ def _mla_fields(model: ModelConfig) -> dict:
     }
 
 
-def _moe_fields(model: ModelConfig, use_te: bool) -> dict:
+def _aux_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """megatron's aux-loss coefficient that gives the load-balancing loss model.moe_aux_loss_coeff's
+    weight under every layout.
+
+    With per-token loss (calculate_per_token_loss, below) megatron-core 0.16's router weights
+    each rank's share of the load-balancing loss by that rank's own token count, while the
+    gradients are divided by the whole batch's. Sequence (TP) and context parallelism split a
+    micro-batch's tokens over tp * cp ranks, so the loss would weigh 1 / (tp * cp) of what it
+    weighs on one rank; the coefficient makes up for it. (The logged loss divides the
+    coefficient out again.)"""
+    return model.moe_aux_loss_coeff * parallel.tp * parallel.cp
+
+
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> dict:
     if model.num_experts is None:
         return {"num_moe_experts": None}
     return {
@@ -116,7 +129,7 @@ def _moe_fields(model: ModelConfig, use_te: bool) -> dict:
         "moe_router_topk": model.moe_router_topk,
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
         "moe_token_dispatcher_type": model.moe_token_dispatcher,
-        "moe_aux_loss_coeff": model.moe_aux_loss_coeff,
+        "moe_aux_loss_coeff": _aux_loss_coeff(model, parallel),
         "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
         "moe_router_pre_softmax": model.moe_router_pre_softmax,
         "moe_router_score_function": model.moe_router_score_function,
@@ -159,7 +172,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         sequence_parallel=parallel.sequence_parallel,
-        **_moe_fields(model, use_transformer_engine(model, on_cpu)),
+        **_moe_fields(model, parallel, use_transformer_engine(model, on_cpu)),
         **_mla_fields(model),
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -87,6 +87,9 @@ ALL_CASES = {**CASES, **SLOW_CASES}
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
 # megatron's MoE layer needs sequence parallelism under TP.
 MOE_LAYOUTS = {"tp2_sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2)}
+# The load-balancing loss is summed over the ranks that split a micro-batch's tokens (TP with
+# sequence parallelism, CP): models/gpt.py weighs it as one rank would.
+AUX_LOSS_LAYOUTS = {**MOE_LAYOUTS, "cp2": dict(cp=2)}
 # Sequence parallelism splits the tokens of LayerNorm's weight and bias gradients too.
 GPT3_LAYOUTS = {**LAYOUTS, "tp2_sp": dict(tp=2, sequence_parallel=True)}
 
@@ -100,6 +103,8 @@ def layouts(case: str) -> dict:
     fields = ALL_CASES[case]
     if fields.get("multi_latent_attention"):
         return MLA_LAYOUTS
+    if fields.get("moe_aux_loss_coeff"):
+        return AUX_LOSS_LAYOUTS
     if "num_experts" in fields:
         return MOE_LAYOUTS
     return GPT3_LAYOUTS if case == "gpt3" else LAYOUTS

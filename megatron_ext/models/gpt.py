@@ -24,7 +24,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
@@ -275,13 +279,8 @@ def decoder_spec(
         specs = [spec if moe else dense for moe in pattern[offset : offset + layers]]
     else:
         specs = [spec] * layers
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalNorm if local else _te_norm())
-
-
-def _te_norm() -> type:
-    from megatron.core.extensions.transformer_engine import TENorm  # only with TE installed
-
-    return TENorm
+    # Otherwise the final norm megatron's TransformerBlock gives a bare layer spec.
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalNorm if local else LayerNormImpl)
 
 
 def build_gpt_model(

@@ -96,8 +96,9 @@ MOE_LAYOUTS = {"tp2_sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2)}
 # The load-balancing loss is summed over the ranks that split a micro-batch's tokens (TP with
 # sequence parallelism, CP): models/gpt.py weighs it as one rank would.
 AUX_LOSS_LAYOUTS = {**MOE_LAYOUTS, "cp2": dict(cp=2)}
-# Sequence parallelism splits the tokens of LayerNorm's weight and bias gradients too.
-GPT3_LAYOUTS = {**LAYOUTS, "tp2_sp": dict(tp=2, sequence_parallel=True)}
+# Sequence parallelism splits the tokens of LayerNorm's weight and bias gradients, and the
+# QK-norms' gradients are reduced over TP for it as for the heads.
+SP_LAYOUTS = {**LAYOUTS, "tp2_sp": dict(tp=2, sequence_parallel=True)}
 
 
 # Sinkhorn balances the routing over the tokens a rank holds, as megatron does: TP with
@@ -119,7 +120,7 @@ def layouts(case: str) -> dict:
         return AUX_LOSS_LAYOUTS
     if "num_experts" in fields:
         return MOE_LAYOUTS
-    return GPT3_LAYOUTS if case == "gpt3" else LAYOUTS
+    return SP_LAYOUTS if case in ("gpt3", "qwen3_like") else LAYOUTS
 
 
 # --- the worker: every case of one world, one after another -------------------------------

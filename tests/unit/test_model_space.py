@@ -309,3 +309,42 @@ def test_initial_weights_do_not_depend_on_the_process_rng(one_rank_world, name):
         states.append({k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")})
     differ = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
     assert differ == []
+
+
+# --- RoPE scaling against transformers' ------------------------------------------------------------
+
+# name -> (ModelConfig fields, the same scaling as a transformers LlamaConfig's rope_scaling)
+ROPE_SCALINGS = {
+    "llama3": (dict(rope_scaling="llama3", rope_scaling_factor=8.0, seq_length=256),
+               {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}),
+    "yarn": (dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=64,
+                  seq_length=256),
+             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_SCALINGS))
+def test_rope_scaling_equals_transformers(one_rank_world, name):
+    """The cos/sin every layer applies (YaRN's with its attention scale) equal transformers'
+    for the same scaling."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config,
+    )
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    fields, rope_scaling = ROPE_SCALINGS[name]
+    model_cfg = dataclasses.replace(ModelConfig(rotary_base=500000.0), **fields)
+    model = build(model_cfg)
+    angles = model.rotary_pos_emb(model_cfg.seq_length)
+    scale = 1.0
+    if isinstance(angles, tuple):  # YaRN: (angles, its attention scale)
+        angles, scale = angles[0], _yarn_get_concentration_factor_from_config(model.config)
+    head = model_cfg.hidden_size // model_cfg.num_attention_heads
+    hf = LlamaConfig(hidden_size=model_cfg.hidden_size, num_attention_heads=model_cfg.num_attention_heads,
+                     max_position_embeddings=model_cfg.seq_length, rope_theta=model_cfg.rotary_base, rope_scaling=rope_scaling)
+    cos, sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, model_cfg.seq_length, head), torch.arange(model_cfg.seq_length)[None])
+    angles = angles.reshape(model_cfg.seq_length, head)
+    assert torch.allclose(torch.cos(angles) * scale, cos[0], atol=1e-6)
+    assert torch.allclose(torch.sin(angles) * scale, sin[0], atol=1e-6)

@@ -7,7 +7,10 @@ losses of every step and every trained weight, put together whole from the ranks
 (sharded-state-dict boxes), must equal the reference's up to fp32 reduction order. A wrong
 split (a bias or norm not marked replicated, a QK-norm gradient not reduced over TP, a dense /
 MoE layer pattern read at the wrong pipeline offset, an initialisation that depends on the
-layout) shows as a different loss or weight.
+layout) shows as a different loss or weight. Each case's one-rank losses must also differ from
+those of its baseline (the LLaMA default, or plain MoE for router options), so an option the
+builder ignored cannot pass; grouped GEMM, which runs megatron's SequentialMLP on CPU, must
+equal plain MoE exactly.
 
 MoE layers run at TP=2 with sequence parallelism (megatron's MoE layer needs it), and the cases
 with a load-balancing loss at CP=2 too. Three things cannot match by design and are left out:
@@ -88,7 +91,16 @@ SLOW_CASES = {
     "moe_layer_pattern": dict(**MOE, moe_layer_freq="[0,1]"),
     "moe_grouped_gemm": dict(**MOE, moe_grouped_gemm=True),
 }
-ALL_CASES = {**CASES, **SLOW_CASES}
+# What the options change from: each case's one-rank run must differ from its baseline's (the
+# option reached the model), except grouped GEMM, which on CPU is the same SequentialMLP math.
+BASELINES = {"llama_baseline": {}, "moe_baseline": MOE}
+SAME_AS_BASELINE = {"moe_grouped_gemm"}
+ALL_CASES = {**CASES, **SLOW_CASES, **BASELINES}
+
+
+def baseline(case: str) -> str:
+    return "moe_baseline" if "num_experts" in ALL_CASES[case] else "llama_baseline"
+
 # name -> the two-rank layouts (ParallelConfig fields) every case runs in
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
 # megatron's MoE layer needs sequence parallelism under TP.
@@ -214,9 +226,13 @@ def whole(reports: list, layout: str) -> dict:
 def launch(out: Path, cases: dict) -> Path:
     from _torchrun import torchrun
 
-    torchrun(__file__, 1, str(out), *cases)
+    torchrun(__file__, 1, str(out), *cases, *BASELINES)
     torchrun(__file__, 2, str(out), *cases)
     return out
+
+
+def reference_losses(out: Path, case: str) -> list:
+    return torch.load(out / f"{case}_world1_rank0.pt")["reference"]["losses"]
 
 
 def check(out: Path, case: str) -> None:
@@ -248,7 +264,19 @@ def test_combined_options_equal_one_rank_at_tp2_and_pp2(launched, case):
     check(launched, case)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_combined_options_change_the_model(launched, case):
+    assert reference_losses(launched, case) != reference_losses(launched, baseline(case))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(SLOW_CASES))
 def test_each_option_equals_one_rank_at_tp2_and_pp2(launched_slow, case):
     check(launched_slow, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_each_option_changes_the_model(launched_slow, case):
+    same = reference_losses(launched_slow, case) == reference_losses(launched_slow, baseline(case))
+    assert same == (case in SAME_AS_BASELINE)

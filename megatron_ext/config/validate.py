@@ -492,7 +492,9 @@ def moe_router_fits(cfg: Config, world: int, device: str) -> list[str]:
             "(a softmax over one chosen expert has zero gradient)"
         )
     if balancing == "sinkhorn" and m.moe_aux_loss_coeff > 0:
-        found.append("model.moe_router_load_balancing_type=sinkhorn takes no aux loss: set model.moe_aux_loss_coeff to 0")
+        found.append(
+            "model.moe_router_load_balancing_type=sinkhorn takes no aux loss: set model.moe_aux_loss_coeff to 0"
+        )
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         found.append("model.moe_router_num_groups and model.moe_router_group_topk go together (group-limited routing)")
@@ -500,7 +502,9 @@ def moe_router_fits(cfg: Config, world: int, device: str) -> list[str]:
         if m.num_experts % groups:
             found.append(f"model.moe_router_num_groups ({groups}) must divide model.num_experts ({m.num_experts})")
         elif group_topk > groups:
-            found.append(f"model.moe_router_group_topk ({group_topk}) must be <= model.moe_router_num_groups ({groups})")
+            found.append(
+                f"model.moe_router_group_topk ({group_topk}) must be <= model.moe_router_num_groups ({groups})"
+            )
         elif m.moe_router_topk % group_topk or m.moe_router_topk // group_topk > m.num_experts // groups:
             found.append(
                 f"model.moe_router_topk ({m.moe_router_topk}) must split evenly over model.moe_router_group_topk "

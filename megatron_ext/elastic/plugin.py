@@ -127,9 +127,11 @@ def model_space_refusals(model) -> list[tuple[str, str]]:
     """(field, what) for the model-space options elastic's axes do not slice: they cut the
     weights of LLaMA-style layers (RMSNorm, gated MLPs, no biases, RoPE) and of routed experts."""
     found = [
-        (model.normalization != "RMSNorm", "model.normalization", "LayerNorm (its bias is not sliced with the hidden axis)"),
+        (model.normalization != "RMSNorm", "model.normalization",
+         "LayerNorm (its bias is not sliced with the hidden axis)"),
         (model.activation != "swiglu", "model.activation", f"{model.activation} (the FFN axes slice gated MLPs)"),
-        (model.add_bias_linear or model.add_qkv_bias, "model.add_bias_linear", "linear biases (not sliced with the axes)"),
+        (model.add_bias_linear or model.add_qkv_bias, "model.add_bias_linear",
+         "linear biases (not sliced with the axes)"),
         (model.position_embedding_type == "learned_absolute", "model.position_embedding_type",
          "learned_absolute (the position table is not sliced with the hidden axis)"),
         (model.multi_latent_attention, "model.multi_latent_attention", "multi-latent attention (no axes for it)"),

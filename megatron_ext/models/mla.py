@@ -34,8 +34,14 @@ class MLACoreAttention(ContextParallelAttention):
         pg_collection=None,
     ):
         super().__init__(
-            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
-            cp_comm_type, pg_collection,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout,
+            softmax_scale,
+            cp_comm_type,
+            pg_collection,
         )
         if v_channels is not None:
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition

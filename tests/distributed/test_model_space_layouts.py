@@ -43,9 +43,14 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-6
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
-MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+MLA = dict(
+    multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16
+)
 GPT3 = dict(
-    normalization="LayerNorm", activation="gelu", ffn_hidden_size=256, position_embedding_type="learned_absolute",
+    normalization="LayerNorm",
+    activation="gelu",
+    ffn_hidden_size=256,
+    position_embedding_type="learned_absolute",
     add_bias_linear=True,
 )
 # name -> ModelConfig fields changed from BASE
@@ -55,9 +60,16 @@ CASES = {
     "qwen3_like": dict(add_qkv_bias=True, qk_layernorm=True, head_dim=32, rope_scaling="llama3", tie_embeddings=False),
     "partial_rotary_squared_relu": dict(rotary_percent=0.5, activation="squared_relu", normalization="LayerNorm"),
     "moe_deepseek_router": dict(
-        **MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
-        moe_router_group_topk=1, moe_router_topk_scaling_factor=2.0, moe_shared_expert_intermediate_size=48,
-        moe_layer_freq="[0,1]", moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.01,
+        **MOE,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.0,
+        moe_shared_expert_intermediate_size=48,
+        moe_layer_freq="[0,1]",
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=0.01,
     ),
     "mla": dict(**MLA, qk_layernorm=True),
 }
@@ -69,7 +81,9 @@ SLOW_CASES = {
     "no_position": dict(position_embedding_type="none"),
     "rotary_percent": dict(rotary_percent=0.5),
     "llama3_scaling": dict(rope_scaling="llama3"),
-    "yarn": dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16),
+    "yarn": dict(
+        position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16
+    ),
     "bias": dict(add_bias_linear=True),
     "qkv_bias": dict(add_qkv_bias=True),
     "qk_layernorm": dict(qk_layernorm=True),
@@ -100,6 +114,7 @@ ALL_CASES = {**CASES, **SLOW_CASES, **BASELINES}
 
 def baseline(case: str) -> str:
     return "moe_baseline" if "num_experts" in ALL_CASES[case] else "llama_baseline"
+
 
 # name -> the two-rank layouts (ParallelConfig fields) every case runs in
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2)}
@@ -140,7 +155,13 @@ def layouts(case: str) -> dict:
 
 def config(case: str, parallel: dict, cache: str):
     from megatron_ext.config.schema import (
-        Config, DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
+        Config,
+        DataConfig,
+        LoggingConfig,
+        ModelConfig,
+        OptimConfig,
+        ParallelConfig,
+        TrainConfig,
     )
 
     base = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32)
@@ -161,7 +182,12 @@ def weight_shards(model_chunks) -> list:
     from megatron_ext.models.logical import local_box, local_shards
 
     return [
-        ((name.key, name.index), tuple(shape), tuple((b.start, b.stop) for b in local_box(sh)), sh.data.detach().clone().reshape(sh.local_shape))
+        (
+            (name.key, name.index),
+            tuple(shape),
+            tuple((b.start, b.stop) for b in local_box(sh)),
+            sh.data.detach().clone().reshape(sh.local_shape),
+        )
         for name, shape, sh in local_shards(model_chunks)
     ]
 
@@ -212,7 +238,9 @@ def whole(reports: list, layout: str) -> dict:
     found, conflicts = {}, []
     for report in reports:
         for name, shape, box, values in report[layout]["weights"]:
-            tensor, seen = found.setdefault(name, (torch.full(shape, float("nan")), torch.zeros(shape, dtype=torch.bool)))
+            tensor, seen = found.setdefault(
+                name, (torch.full(shape, float("nan")), torch.zeros(shape, dtype=torch.bool))
+            )
             region = tuple(slice(a, b) for a, b in box)
             if seen[region].any() and not torch.equal(tensor[region][seen[region]], values[seen[region]]):
                 conflicts.append(name)
@@ -245,7 +273,11 @@ def check(out: Path, case: str) -> None:
         assert losses == pytest.approx(reference["losses"], rel=LOSS_RTOL), f"{case} {layout}: losses"
         weights = whole(ranks, layout)
         assert weights.keys() == expected.keys(), f"{case} {layout}: other tensors"
-        differ = {k: (weights[k] - expected[k]).abs().max().item() for k in expected if not torch.allclose(weights[k], expected[k], atol=WEIGHT_ATOL, rtol=0)}
+        differ = {
+            k: (weights[k] - expected[k]).abs().max().item()
+            for k in expected
+            if not torch.allclose(weights[k], expected[k], atol=WEIGHT_ATOL, rtol=0)
+        }
         assert not differ, f"{case} {layout}: weights differ {differ}"
 
 

@@ -46,7 +46,9 @@ def megatron_default_gpt(model: ModelConfig) -> GPTModel:
         gradient_accumulation_fusion=False,
     )
     # Tied as Megatron-LM ties them unless --untie-embeddings-and-output-weights.
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, model.seq_length, share_embeddings_and_output_weights=True)
+    return GPTModel(
+        config, get_gpt_layer_local_spec(), VOCAB, model.seq_length, share_embeddings_and_output_weights=True
+    )
 
 
 def module_tree(model: torch.nn.Module) -> dict:
@@ -80,7 +82,12 @@ def test_gpt3_preset_module_tree(one_rank_world):
     assert all(type(n) is torch.nn.LayerNorm and n.bias is not None for n in norms)
     for layer in layers:
         assert layer.mlp.linear_fc1.weight.shape == (4 * h, h) and layer.mlp.linear_fc2.weight.shape == (h, 4 * h)
-        for linear in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj, layer.mlp.linear_fc1, layer.mlp.linear_fc2):
+        for linear in (
+            layer.self_attention.linear_qkv,
+            layer.self_attention.linear_proj,
+            layer.mlp.linear_fc1,
+            layer.mlp.linear_fc2,
+        ):
             assert linear.bias is not None and linear.bias.shape == (linear.weight.shape[0],)
         assert layer.hidden_dropout == 0.1
         assert layer.self_attention.core_attention.attention_dropout.p == 0.1
@@ -95,7 +102,9 @@ def test_llama_default_is_unchanged(one_rank_world):
     llama = ModelConfig()
     model = build(llama)
     h, ffn = llama.hidden_size, llama.ffn_hidden_size
-    norms = [model.decoder.final_layernorm] + [n for l in model.decoder.layers for n in (l.input_layernorm, l.pre_mlp_layernorm)]
+    norms = [model.decoder.final_layernorm] + [
+        n for l in model.decoder.layers for n in (l.input_layernorm, l.pre_mlp_layernorm)
+    ]
     assert all(type(n) is torch.nn.RMSNorm for n in norms)
     assert model.config.activation_func is F.silu and model.config.gated_linear_unit
     for layer in model.decoder.layers:
@@ -108,29 +117,67 @@ def test_llama_default_is_unchanged(one_rank_world):
 
 # name -> (ModelConfig fields, what the built model must show)
 OPTIONS = {
-    "qkv_bias_alone": (dict(add_qkv_bias=True), lambda m: m.decoder.layers[0].self_attention.linear_qkv.bias is not None
-                       and m.decoder.layers[0].self_attention.linear_proj.bias is None),
-    "qk_layernorm": (dict(qk_layernorm=True), lambda m: type(m.decoder.layers[0].self_attention.q_layernorm) is torch.nn.RMSNorm
-                     and m.decoder.layers[0].self_attention.k_layernorm.weight.shape == (32,)),
-    "head_dim_64_of_hidden_128_4_heads": (dict(head_dim=64), lambda m: m.decoder.layers[0].self_attention.linear_qkv.weight.shape == (3 * 4 * 64, 128)),
+    "qkv_bias_alone": (
+        dict(add_qkv_bias=True),
+        lambda m: m.decoder.layers[0].self_attention.linear_qkv.bias is not None
+        and m.decoder.layers[0].self_attention.linear_proj.bias is None,
+    ),
+    "qk_layernorm": (
+        dict(qk_layernorm=True),
+        lambda m: type(m.decoder.layers[0].self_attention.q_layernorm) is torch.nn.RMSNorm
+        and m.decoder.layers[0].self_attention.k_layernorm.weight.shape == (32,),
+    ),
+    "head_dim_64_of_hidden_128_4_heads": (
+        dict(head_dim=64),
+        lambda m: m.decoder.layers[0].self_attention.linear_qkv.weight.shape == (3 * 4 * 64, 128),
+    ),
     "squared_relu": (dict(activation="squared_relu"), lambda m: m.config.activation_func.__name__ == "squared_relu"),
-    "no_position_embedding": (dict(position_embedding_type="none"), lambda m: not hasattr(m, "rotary_pos_emb")
-                              and not hasattr(m.embedding, "position_embeddings")),
+    "no_position_embedding": (
+        dict(position_embedding_type="none"),
+        lambda m: not hasattr(m, "rotary_pos_emb") and not hasattr(m.embedding, "position_embeddings"),
+    ),
     "half_rotary": (dict(rotary_percent=0.5), lambda m: m.rotary_pos_emb.inv_freq.numel() == 8),
-    "yarn": (dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0), lambda m: type(m.rotary_pos_emb).__name__ == "YarnRotaryEmbedding"),
+    "yarn": (
+        dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0),
+        lambda m: type(m.rotary_pos_emb).__name__ == "YarnRotaryEmbedding",
+    ),
     "untied": (dict(tie_embeddings=False), lambda m: m.output_layer.weight is not None),
-    "mla": (dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
-            lambda m: type(m.decoder.layers[0].self_attention).__name__ == "MLASelfAttention"),
-    "moe_shared_expert": (dict(num_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48),
-                          lambda m: m.decoder.layers[0].mlp.shared_experts.linear_fc2.weight.shape == (128, 48)),
-    "moe_every_second_layer": (dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq="2"),
-                               lambda m: [type(l.mlp).__name__ for l in m.decoder.layers] == ["MoELayer", "MLP", "MoELayer", "MLP"]),
-    "moe_pattern": (dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq="[0]*3+[1]"),
-                    lambda m: [type(l.mlp).__name__ for l in m.decoder.layers] == ["MLP", "MLP", "MLP", "MoELayer"]),
-    "moe_expert_bias": (dict(num_experts=4, moe_ffn_hidden_size=32, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
-                        lambda m: m.decoder.layers[0].mlp.router.expert_bias.shape == (4,)),
-    "moe_grouped_gemm_runs_sequential_on_cpu": (dict(num_experts=4, moe_ffn_hidden_size=32, moe_grouped_gemm=True),
-                                                lambda m: type(m.decoder.layers[0].mlp.experts).__name__ == "SequentialMLP"),
+    "mla": (
+        dict(
+            multi_latent_attention=True,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_head_dim=16,
+            qk_pos_emb_head_dim=8,
+            v_head_dim=16,
+        ),
+        lambda m: type(m.decoder.layers[0].self_attention).__name__ == "MLASelfAttention",
+    ),
+    "moe_shared_expert": (
+        dict(num_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48),
+        lambda m: m.decoder.layers[0].mlp.shared_experts.linear_fc2.weight.shape == (128, 48),
+    ),
+    "moe_every_second_layer": (
+        dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq="2"),
+        lambda m: [type(l.mlp).__name__ for l in m.decoder.layers] == ["MoELayer", "MLP", "MoELayer", "MLP"],
+    ),
+    "moe_pattern": (
+        dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq="[0]*3+[1]"),
+        lambda m: [type(l.mlp).__name__ for l in m.decoder.layers] == ["MLP", "MLP", "MLP", "MoELayer"],
+    ),
+    "moe_expert_bias": (
+        dict(
+            num_experts=4,
+            moe_ffn_hidden_size=32,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+        ),
+        lambda m: m.decoder.layers[0].mlp.router.expert_bias.shape == (4,),
+    ),
+    "moe_grouped_gemm_runs_sequential_on_cpu": (
+        dict(num_experts=4, moe_ffn_hidden_size=32, moe_grouped_gemm=True),
+        lambda m: type(m.decoder.layers[0].mlp.experts).__name__ == "SequentialMLP",
+    ),
 }
 
 
@@ -156,8 +203,14 @@ def test_moe_layer_freq_reads_megatron_expressions():
 # --- validation ---------------------------------------------------------------------------------
 
 MOE = {"model.num_experts": 4, "model.moe_ffn_hidden_size": 32}
-MLA = {"model.multi_latent_attention": True, "model.q_lora_rank": 32, "model.kv_lora_rank": 16,
-       "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16}
+MLA = {
+    "model.multi_latent_attention": True,
+    "model.q_lora_rank": 32,
+    "model.kv_lora_rank": 16,
+    "model.qk_head_dim": 16,
+    "model.qk_pos_emb_head_dim": 8,
+    "model.v_head_dim": 16,
+}
 
 
 def make(**fields) -> Config:
@@ -178,35 +231,102 @@ BAD = {
     "hidden_dropout_one": ({"model.hidden_dropout": 1.0}, 1, "model.hidden_dropout", "in [0.0, 1.0)"),
     "attention_dropout_negative": ({"model.attention_dropout": -0.1}, 1, "model.attention_dropout", "in [0.0, 1.0)"),
     "rope_scaling_unknown": ({"model.rope_scaling": "linear"}, 1, "model.rope_scaling", "null or llama3"),
-    "rope_scaling_without_rope": ({"model.rope_scaling": "llama3", "model.position_embedding_type": "learned_absolute"}, 1,
-                                  "model.rope_scaling", "needs model.position_embedding_type=rope"),
-    "position_table_short": ({"model.position_embedding_type": "learned_absolute", "model.max_position_embeddings": 64}, 1,
-                             "model.max_position_embeddings", ">= model.seq_length (128)"),
+    "rope_scaling_without_rope": (
+        {"model.rope_scaling": "llama3", "model.position_embedding_type": "learned_absolute"},
+        1,
+        "model.rope_scaling",
+        "needs model.position_embedding_type=rope",
+    ),
+    "position_table_short": (
+        {"model.position_embedding_type": "learned_absolute", "model.max_position_embeddings": 64},
+        1,
+        "model.max_position_embeddings",
+        ">= model.seq_length (128)",
+    ),
     "head_dim_zero": ({"model.head_dim": 0}, 1, "model.head_dim", "positive integer or null"),
-    "mla_learned_positions": ({**MLA, "model.position_embedding_type": "learned_absolute"}, 1,
-                              "model.multi_latent_attention", "must be rope or yarn"),
+    "mla_learned_positions": (
+        {**MLA, "model.position_embedding_type": "learned_absolute"},
+        1,
+        "model.multi_latent_attention",
+        "must be rope or yarn",
+    ),
     "mla_gqa": ({**MLA, "model.num_query_groups": 2}, 1, "model.multi_latent_attention", "no grouped-query attention"),
     "mla_tp_on_cpu": ({**MLA, "parallel.tp": 2}, 2, "model.multi_latent_attention", "needs parallel.tp = 1"),
-    "balancing_type": ({**MOE, "model.moe_router_load_balancing_type": "global"}, 1,
-                       "model.moe_router_load_balancing_type", "one of aux_loss, seq_aux_loss, sinkhorn, none"),
-    "score_function": ({**MOE, "model.moe_router_score_function": "relu"}, 1, "model.moe_router_score_function", "one of softmax, sigmoid"),
-    "expert_bias_softmax": ({**MOE, "model.moe_router_enable_expert_bias": True}, 1, "model.num_experts", "score_function=sigmoid"),
+    "balancing_type": (
+        {**MOE, "model.moe_router_load_balancing_type": "global"},
+        1,
+        "model.moe_router_load_balancing_type",
+        "one of aux_loss, seq_aux_loss, sinkhorn, none",
+    ),
+    "score_function": (
+        {**MOE, "model.moe_router_score_function": "relu"},
+        1,
+        "model.moe_router_score_function",
+        "one of softmax, sigmoid",
+    ),
+    "expert_bias_softmax": (
+        {**MOE, "model.moe_router_enable_expert_bias": True},
+        1,
+        "model.num_experts",
+        "score_function=sigmoid",
+    ),
     "top1_softmax": ({**MOE, "model.moe_router_topk": 1}, 1, "model.num_experts", "needs model.moe_router_pre_softmax"),
-    "sinkhorn_aux_loss": ({**MOE, "model.moe_router_load_balancing_type": "sinkhorn", "model.moe_aux_loss_coeff": 0.01}, 1,
-                          "model.num_experts", "sinkhorn takes no aux loss"),
+    "sinkhorn_aux_loss": (
+        {**MOE, "model.moe_router_load_balancing_type": "sinkhorn", "model.moe_aux_loss_coeff": 0.01},
+        1,
+        "model.num_experts",
+        "sinkhorn takes no aux loss",
+    ),
     "groups_alone": ({**MOE, "model.moe_router_num_groups": 2}, 1, "model.num_experts", "go together"),
-    "groups_vs_experts": ({**MOE, "model.moe_router_num_groups": 3, "model.moe_router_group_topk": 1}, 1,
-                          "model.num_experts", "(3) must divide model.num_experts (4)"),
-    "group_topk_vs_groups": ({**MOE, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 4}, 1,
-                             "model.num_experts", "must be <= model.moe_router_num_groups (2)"),
-    "topk_vs_groups": ({**MOE, "model.moe_router_topk": 3, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 2}, 1,
-                       "model.num_experts", "must split evenly"),
-    "moe_layer_freq_length": ({**MOE, "model.moe_layer_freq": "[0,1]"}, 1, "model.moe_layer_freq", "list expression of 4 0s and 1s"),
+    "groups_vs_experts": (
+        {**MOE, "model.moe_router_num_groups": 3, "model.moe_router_group_topk": 1},
+        1,
+        "model.num_experts",
+        "(3) must divide model.num_experts (4)",
+    ),
+    "group_topk_vs_groups": (
+        {**MOE, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 4},
+        1,
+        "model.num_experts",
+        "must be <= model.moe_router_num_groups (2)",
+    ),
+    "topk_vs_groups": (
+        {**MOE, "model.moe_router_topk": 3, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 2},
+        1,
+        "model.num_experts",
+        "must split evenly",
+    ),
+    "moe_layer_freq_length": (
+        {**MOE, "model.moe_layer_freq": "[0,1]"},
+        1,
+        "model.moe_layer_freq",
+        "list expression of 4 0s and 1s",
+    ),
     "moe_layer_freq_no_moe": ({**MOE, "model.moe_layer_freq": "[0]*4"}, 1, "model.moe_layer_freq", "at least one 1"),
-    "moe_layer_freq_code": ({**MOE, "model.moe_layer_freq": "open('x')"}, 1, "model.moe_layer_freq", "positive integer"),
-    "moe_tp_without_sp": ({**MOE, "parallel.tp": 2}, 2, "parallel.sequence_parallel", "needs parallel.sequence_parallel=true"),
-    "moe_bias_on_local_layers": ({**MOE, "model.add_bias_linear": True}, 1, "model.add_bias_linear", "needs Transformer Engine"),
-    "topk_scaling_negative": ({**MOE, "model.moe_router_topk_scaling_factor": -1.0}, 1, "model.moe_router_topk_scaling_factor", "> 0"),
+    "moe_layer_freq_code": (
+        {**MOE, "model.moe_layer_freq": "open('x')"},
+        1,
+        "model.moe_layer_freq",
+        "positive integer",
+    ),
+    "moe_tp_without_sp": (
+        {**MOE, "parallel.tp": 2},
+        2,
+        "parallel.sequence_parallel",
+        "needs parallel.sequence_parallel=true",
+    ),
+    "moe_bias_on_local_layers": (
+        {**MOE, "model.add_bias_linear": True},
+        1,
+        "model.add_bias_linear",
+        "needs Transformer Engine",
+    ),
+    "topk_scaling_negative": (
+        {**MOE, "model.moe_router_topk_scaling_factor": -1.0},
+        1,
+        "model.moe_router_topk_scaling_factor",
+        "> 0",
+    ),
 }
 
 
@@ -218,15 +338,29 @@ def test_bad_model_space_config_is_refused_naming_the_field(name):
 
 
 GOOD = {
-    "gpt3_preset": {"model.name": "gpt3_tiny", **{f"model.{k}": v for k, v in dataclasses.asdict(MODEL_PRESETS["gpt3_tiny"]).items()}},
+    "gpt3_preset": {
+        "model.name": "gpt3_tiny",
+        **{f"model.{k}": v for k, v in dataclasses.asdict(MODEL_PRESETS["gpt3_tiny"]).items()},
+    },
     "mla_pp2": ({**MLA, "parallel.pp": 2}),
-    "deepseek_router": {**MOE, "model.moe_router_score_function": "sigmoid", "model.moe_router_enable_expert_bias": True,
-                        "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 1, "model.moe_shared_expert_intermediate_size": 64,
-                        "model.moe_layer_freq": "[0]+[1]*3"},
+    "deepseek_router": {
+        **MOE,
+        "model.moe_router_score_function": "sigmoid",
+        "model.moe_router_enable_expert_bias": True,
+        "model.moe_router_num_groups": 2,
+        "model.moe_router_group_topk": 1,
+        "model.moe_shared_expert_intermediate_size": 64,
+        "model.moe_layer_freq": "[0]+[1]*3",
+    },
     "top1_pre_softmax": {**MOE, "model.moe_router_topk": 1, "model.moe_router_pre_softmax": True},
     "top1_sinkhorn": {**MOE, "model.moe_router_topk": 1, "model.moe_router_load_balancing_type": "sinkhorn"},
     "moe_tp2_sp": {**MOE, "parallel.tp": 2, "parallel.sequence_parallel": True},
-    "qwen3_like": {"model.qk_layernorm": True, "model.add_qkv_bias": True, "model.head_dim": 64, "model.rope_scaling": "llama3"},
+    "qwen3_like": {
+        "model.qk_layernorm": True,
+        "model.add_qkv_bias": True,
+        "model.head_dim": 64,
+        "model.rope_scaling": "llama3",
+    },
 }
 
 
@@ -242,16 +376,36 @@ def test_good_model_space_config_passes(name):
 # id -> (plugin, Config fields, blamed field)
 PLUGIN_REFUSALS = {
     "dpp_mla": ("dpp", MLA, "model.multi_latent_attention"),
-    "dpp_learned_positions": ("dpp", {"model.position_embedding_type": "learned_absolute"}, "model.position_embedding_type"),
+    "dpp_learned_positions": (
+        "dpp",
+        {"model.position_embedding_type": "learned_absolute"},
+        "model.position_embedding_type",
+    ),
     "dpp_attention_dropout": ("dpp", {"model.attention_dropout": 0.1}, "model.attention_dropout"),
-    "dpp_seq_aux_loss": ("dpp", {**MOE, "model.moe_router_load_balancing_type": "seq_aux_loss"}, "model.moe_router_load_balancing_type"),
+    "dpp_seq_aux_loss": (
+        "dpp",
+        {**MOE, "model.moe_router_load_balancing_type": "seq_aux_loss"},
+        "model.moe_router_load_balancing_type",
+    ),
     "elastic_layernorm": ("elastic", {"model.normalization": "LayerNorm"}, "model.normalization"),
     "elastic_gelu": ("elastic", {"model.activation": "gelu"}, "model.activation"),
     "elastic_biases": ("elastic", {"model.add_qkv_bias": True}, "model.add_bias_linear"),
-    "elastic_learned_positions": ("elastic", {"model.position_embedding_type": "learned_absolute"}, "model.position_embedding_type"),
+    "elastic_learned_positions": (
+        "elastic",
+        {"model.position_embedding_type": "learned_absolute"},
+        "model.position_embedding_type",
+    ),
     "elastic_mla": ("elastic", MLA, "model.multi_latent_attention"),
-    "elastic_shared_expert": ("elastic", {**MOE, "model.moe_shared_expert_intermediate_size": 32}, "model.moe_shared_expert_intermediate_size"),
-    "elastic_group_routing": ("elastic", {**MOE, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 1}, "model.moe_router_num_groups"),
+    "elastic_shared_expert": (
+        "elastic",
+        {**MOE, "model.moe_shared_expert_intermediate_size": 32},
+        "model.moe_shared_expert_intermediate_size",
+    ),
+    "elastic_group_routing": (
+        "elastic",
+        {**MOE, "model.moe_router_num_groups": 2, "model.moe_router_group_topk": 1},
+        "model.moe_router_num_groups",
+    ),
     "lora_mla": ("lora", MLA, "model.multi_latent_attention"),
     "lora_moe": ("lora", MOE, "model.num_experts"),
 }
@@ -315,12 +469,25 @@ def test_initial_weights_do_not_depend_on_the_process_rng(one_rank_world, name):
 
 # name -> (ModelConfig fields, the same scaling as a transformers LlamaConfig's rope_scaling)
 ROPE_SCALINGS = {
-    "llama3": (dict(rope_scaling="llama3", rope_scaling_factor=8.0, seq_length=256),
-               {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}),
-    "yarn": (dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=64,
-                  seq_length=256),
-             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3": (
+        dict(rope_scaling="llama3", rope_scaling_factor=8.0, seq_length=256),
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+    "yarn": (
+        dict(
+            position_embedding_type="yarn",
+            yarn_rotary_scaling_factor=4.0,
+            yarn_original_max_position_embeddings=64,
+            seq_length=256,
+        ),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
 }
 
 
@@ -342,9 +509,16 @@ def test_rope_scaling_equals_transformers(one_rank_world, name):
     if isinstance(angles, tuple):  # YaRN: (angles, its attention scale)
         angles, scale = angles[0], _yarn_get_concentration_factor_from_config(model.config)
     head = model_cfg.hidden_size // model_cfg.num_attention_heads
-    hf = LlamaConfig(hidden_size=model_cfg.hidden_size, num_attention_heads=model_cfg.num_attention_heads,
-                     max_position_embeddings=model_cfg.seq_length, rope_theta=model_cfg.rotary_base, rope_scaling=rope_scaling)
-    cos, sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, model_cfg.seq_length, head), torch.arange(model_cfg.seq_length)[None])
+    hf = LlamaConfig(
+        hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        max_position_embeddings=model_cfg.seq_length,
+        rope_theta=model_cfg.rotary_base,
+        rope_scaling=rope_scaling,
+    )
+    cos, sin = LlamaRotaryEmbedding(hf)(
+        torch.zeros(1, model_cfg.seq_length, head), torch.arange(model_cfg.seq_length)[None]
+    )
     angles = angles.reshape(model_cfg.seq_length, head)
     assert torch.allclose(torch.cos(angles) * scale, cos[0], atol=1e-6)
     assert torch.allclose(torch.sin(angles) * scale, sin[0], atol=1e-6)

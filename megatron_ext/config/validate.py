@@ -536,12 +536,16 @@ def moe_needs_sequence_parallel(cfg: Config, world: int, device: str) -> Optiona
     return None
 
 
-def moe_bias_needs_te(cfg: Config, world: int, device: str) -> Optional[str]:
-    if cfg.model.num_experts is not None and cfg.model.add_bias_linear and _local_layers(cfg, device):
+def moe_bias_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.model.num_experts is None or not cfg.model.add_bias_linear:
+        return None
+    if _local_layers(cfg, device):
         return (
             "model.add_bias_linear with model.num_experts needs Transformer Engine: megatron-core 0.16's "
             "local experts (SequentialMLP) add the bias in place on a tensor autograd must keep"
         )
+    if cfg.parallel.tp > 1:  # experts are split like the rest of the layer: expert TP = TP
+        return "model.add_bias_linear with model.num_experts needs parallel.tp = 1 (megatron: biases in MoE need expert TP 1)"
     return None
 
 
@@ -678,7 +682,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.num_experts", moe_router_fits),
     ("model.moe_layer_freq", moe_layer_freq_fits),
     ("parallel.sequence_parallel", moe_needs_sequence_parallel),
-    ("model.add_bias_linear", moe_bias_needs_te),
+    ("model.add_bias_linear", moe_bias_fits),
 )
 
 

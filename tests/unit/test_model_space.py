@@ -192,6 +192,17 @@ def test_option_reaches_the_built_model(one_rank_world, name):
     assert torch.isfinite(loss).all()
 
 
+def test_grouped_gemm_without_te_says_so_once(caplog):
+    from megatron_ext.models import gpt
+
+    gpt._notice.cache_clear()
+    model = dataclasses.replace(ModelConfig(), num_experts=4, moe_ffn_hidden_size=32, moe_grouped_gemm=True)
+    for _ in range(2):
+        assert not gpt.uses_grouped_gemm(model, use_te=False)
+    notices = [r.getMessage() for r in caplog.records if "moe_grouped_gemm" in r.getMessage()]
+    assert len(notices) == 1 and "SequentialMLP" in notices[0] and "\n" not in notices[0]
+
+
 def test_moe_layer_freq_reads_megatron_expressions():
     model = ModelConfig(num_layers=8)
     assert moe_layer_pattern(dataclasses.replace(model, moe_layer_freq="([0]+[1]*3)*2")) == [0, 1, 1, 1] * 2
@@ -335,6 +346,13 @@ def test_bad_model_space_config_is_refused_naming_the_field(name):
     fields, world, field, phrase = BAD[name]
     found = violations(make(**fields), world, "cpu")
     assert any(f == field and phrase in rule for f, rule in found), found
+
+
+def test_moe_biases_on_transformer_engine_need_tp1():
+    fields = {**MOE, "model.add_bias_linear": True, "model.spec": "te", "parallel.tp": 2, "parallel.sequence_parallel": True}
+    found = violations(make(**fields), 2, "cuda")
+    assert ("model.add_bias_linear", "model.add_bias_linear with model.num_experts needs parallel.tp = 1 "
+            "(megatron: biases in MoE need expert TP 1)") in found
 
 
 GOOD = {

@@ -545,7 +545,10 @@ def moe_bias_fits(cfg: Config, world: int, device: str) -> Optional[str]:
             "local experts (SequentialMLP) add the bias in place on a tensor autograd must keep"
         )
     if cfg.parallel.tp > 1:  # experts are split like the rest of the layer: expert TP = TP
-        return "model.add_bias_linear with model.num_experts needs parallel.tp = 1 (megatron: biases in MoE need expert TP 1)"
+        return (
+            "model.add_bias_linear with model.num_experts needs parallel.tp = 1 "
+            "(megatron: biases in MoE need expert TP 1)"
+        )
     return None
 
 

@@ -349,7 +349,8 @@ def test_bad_model_space_config_is_refused_naming_the_field(name):
 
 
 def test_moe_biases_on_transformer_engine_need_tp1():
-    fields = {**MOE, "model.add_bias_linear": True, "model.spec": "te", "parallel.tp": 2, "parallel.sequence_parallel": True}
+    fields = {**MOE, "model.add_bias_linear": True, "model.spec": "te", "parallel.tp": 2}
+    fields["parallel.sequence_parallel"] = True
     found = violations(make(**fields), 2, "cuda")
     assert ("model.add_bias_linear", "model.add_bias_linear with model.num_experts needs parallel.tp = 1 "
             "(megatron: biases in MoE need expert TP 1)") in found

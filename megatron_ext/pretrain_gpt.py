@@ -1,35 +1,61 @@
 """Drop-in for Megatron-LM's pretrain_gpt.py: `python -m megatron_ext.pretrain_gpt <flags>`.
 
-Megatron-LM flags become Hydra overrides (see megatron_ext/config/mlm_args.py for the mapping
-and its decisions); `key=value` arguments are applied after them. Launch it the way Megatron-LM
-is launched (torchrun / srun), or alone with `--nproc N` for N local workers.
+Megatron-LM flags become Hydra overrides (megatron_ext/config/mlm_flags.py says what each flag
+does here, megatron_ext/config/mlm_args.py how they are read); `key=value` arguments are
+applied after them. Launch it the way Megatron-LM is launched (torchrun / srun), or alone with
+`--nproc N` for N local workers. `--flag-table` prints docs/megatron_flags.md.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from hydra.errors import HydraException
 
-from megatron_ext.config.mlm_args import MlmArgsError, mlm_args_to_overrides
+from megatron_ext.config.mlm_args import MlmArgsError, flag_table_markdown, translate
 from megatron_ext.config.validate import ConfigError
+
+
+def _named(error: ConfigError, sources: Mapping[str, str]) -> str:
+    """A broken rule per line, led by the flag the user typed where a flag set the field."""
+    return "\n".join(
+        f"{sources[field]} ({field}): {rule}" if field in sources else f"{field}: {rule}"
+        for field, rule in error.violations
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if list(argv) == ["--flag-table"]:
+        print(flag_table_markdown(), end="")
+        return
+    if list(argv) in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
+    sources: Mapping[str, str] = {}
     try:
-        overrides = mlm_args_to_overrides(argv)
+        translation = translate(argv)
+        sources = translation.sources
+        for line in translation.notices:
+            print(f"notice: {line}", file=sys.stderr)
         # Late: the trainer pulls in torch and megatron-core; mapping flags does not need them.
         from megatron_ext.train import run_from_overrides
 
-        run_from_overrides(overrides)
+        run_from_overrides(translation.overrides)
     # Bad flags, broken rules between fields, and Hydra's refusals of a passed-through override
-    # (unknown key, wrong type) all happen before anything is written: one line, exit code 2.
-    except (MlmArgsError, ConfigError, HydraException) as error:
-        message = str(error) if isinstance(error, ConfigError) else " ".join(str(error).split())
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+    # (unknown key, wrong type) all happen before anything is written: exit code 2.
+    except MlmArgsError as error:
+        _fail(str(error))
+    except ConfigError as error:
+        _fail(_named(error, sources))
+    except HydraException as error:
+        _fail(" ".join(str(error).split()))
+
+
+def _fail(message: str) -> None:
+    print("\n".join(f"error: {line}" for line in message.splitlines()), file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

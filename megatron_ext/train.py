@@ -20,23 +20,27 @@ from typing import Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
 from megatron_ext.plugin import build_plugins
+from megatron_ext.training.preflight import check_inputs
 
 register_configs()
 
 
 def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
-    config/validate.py and each plugin's own `check` and `check_layout`."""
+    config/validate.py, each plugin's own `check` and `check_layout`, then the files the run
+    reads and the checkpoint directory it writes (training/preflight.py)."""
     world = world_size_of(cfg)
     validate(cfg, world)
     for plugin in build_plugins(cfg.plugins, cfg):
         plugin.check(cfg, world)
         plugin.check_layout(cfg, world)
+    check_inputs(cfg)
 
 
 def run(cfg: Config) -> Optional[dict]:
@@ -87,6 +91,9 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
         return run(to_object(cfg))
     except ConfigError as e:
         _fail(str(e))
+    except ChildFailedError as e:
+        _fail_if_refused(e)
+        raise
 
 
 def _fail(message: str) -> None:
@@ -112,6 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 _fail(_first_line(e))
             return
     if any(a.startswith("-") for a in argv):
+        _check_overrides_of_hydra_run(argv)
         sys.argv = [sys.argv[0], *argv]
         _hydra_main()
         return
@@ -123,6 +131,34 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run(cfg)
     except ConfigError as e:
         _fail(str(e))
+    except ChildFailedError as e:
+        _fail_if_refused(e)
+        raise
+
+
+def _fail_if_refused(error: ChildFailedError) -> None:
+    """Workers that refused an input only they could read (a checkpoint shard cut short) raise
+    a ConfigError: its one line, as the launcher's own refusals."""
+    refusal = "ConfigError: "
+    for failure in error.failures.values():
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        if message.startswith(refusal):
+            _fail(message[len(refusal):].splitlines()[0])
+
+
+def _check_overrides_of_hydra_run(argv: list[str]) -> None:
+    """The overrides of a run with Hydra's flags (`--cfg job`, ...), refused as a plain run's
+    are: Hydra's own message for an unknown key advises `+key=`, which adds a key the schema
+    does not have. Multiruns and other primary configs are left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.multirun or args.config_name or args.config_path or args.config_dir:
+        return
+    try:
+        compose_config(args.overrides)
+    except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
+        _fail(_first_line(e))
 
 
 def _first_line(e: Exception) -> str:

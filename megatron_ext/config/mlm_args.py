@@ -1,206 +1,103 @@
 """Megatron-LM `pretrain_gpt.py` command lines as Hydra overrides on our config.
 
-    mlm_args_to_overrides(["--tensor-model-parallel-size", "2", "--bf16", "train.iters=10"])
+    translate(["--tensor-model-parallel-size", "2", "--bf16", "train.iters=10"]).overrides
     -> ["experiment=none", ..., "parallel.tp=2", "model.precision=bf16", "train.iters=10"]
 
-Every supported flag is one line of `FLAGS`. Decisions a Megatron-LM user should know:
+Every flag of Megatron-LM's parser is one row of `mlm_flags.FLAGS`: mapped, accepted with a
+notice, or refused. Decisions a Megatron-LM user should know:
 
 - The start is `experiment=none` (one process, group defaults); `--nproc N` (ours) starts N
   local workers when not under torchrun/srun. A `key=value` argument anywhere is a Hydra
   override and is applied last, so `experiment=...` or `model=...` presets still work.
-- A flag that is not given keeps megatron_ext's default, except where Megatron-LM's default
-  changes the training itself; those are emitted (the `megatron_default` column): linear lr
-  decay, min lr 0, no warmup, Adam beta2 0.999, global batch = micro batch * dp, and no
-  distributed optimizer.
-- The model is always LLaMA-style (RoPE, RMSNorm, SwiGLU, no biases, no dropout). The flags
-  that select exactly that are accepted and ignored; any other value is an error. Leaving them
-  out is not an error. Without --ffn-hidden-size, --hidden-size H gives Megatron's SwiGLU
-  default int(8H/3 / 64) * 64.
-- --max-position-embeddings is checked (>= --seq-length, Megatron's rule) and ignored: RoPE
-  models have no position table.
-- Tokenizers: HuggingFaceTokenizer / GPT2BPETokenizer with --tokenizer-model <tokenizer.json or
-  folder> set data.tokenizer; NullTokenizer means "ids are already tokens" and maps to our byte
-  tokenizer, with --vocab-size setting the embedding size. --vocab-file/--merge-file are not
-  supported (data.tokenizer is one tokenizer.json).
+- Megatron-LM's defaults where they change the model or the training are emitted when their
+  flag is absent (the rows' `default`): a command line without --swiglu, --normalization or
+  --position-embedding-type builds GPT-3's LayerNorm, GeLU with a 4h MLP, learned absolute
+  positions, biases and dropout 0.1. A `model=<preset>` override keeps the preset's
+  architecture instead (the model defaults are then not emitted).
+- Every unknown or refused flag of a command line is reported at once, one line each.
+- Tokenizers: the ones that read a Hugging Face tokenizer (HuggingFaceTokenizer, GPT2BPE,
+  Llama2/SentencePiece and SFT tokenizers) take --tokenizer-model <tokenizer.json or folder>,
+  which becomes data.tokenizer; NullTokenizer means "ids are already tokens" and maps to our
+  byte tokenizer, with --vocab-size setting the embedding size.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
 
 
 class MlmArgsError(ValueError):
-    """A Megatron-LM command line we cannot map; the message names the flag."""
+    """A Megatron-LM command line we cannot map; one line per problem, each naming its flag."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 
 
-_UNSET = object()
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One Megatron-LM flag: how it is read and which override it becomes."""
-
-    name: str
-    # The override key it sets; None: read here and used by `_derived` or only checked.
-    key: Optional[str] = None
-    # Value type; None for a switch (a flag without a value).
-    type: Optional[Callable[[str], Any]] = str
-    # For switches: the value `key` gets when the flag is present.
-    const: Any = None
-    nargs: Optional[str] = None
-    # Emitted when the flag is absent: Megatron-LM's default, where it differs from ours.
-    megatron_default: Any = _UNSET
-    # Accepted and ignored only with one of these values (switches: always); () rejects always.
-    only: Optional[tuple] = None
-    # Why `only` holds: the message when the value is rejected.
-    why: str = ""
-
-
-def value(name: str, key: str, type: Callable = str, megatron_default: Any = _UNSET) -> Flag:
-    return Flag(name, key, type, megatron_default=megatron_default)
-
-
-def switch(
-    name: str, key: Optional[str] = None, const: Any = True, megatron_default: Any = _UNSET
-) -> Flag:
-    return Flag(name, key, None, const=const, megatron_default=megatron_default)
-
-
-def read(name: str, type: Callable = str) -> Flag:
-    """A flag whose override depends on other flags (see `_derived`)."""
-    return Flag(name, None, type)
-
-
-def fixed(name: str, *values: Any, type: Optional[Callable] = str, why: str) -> Flag:
-    """A flag that only states what megatron_ext always does."""
-    return Flag(name, None, type, only=values, why=why)
-
-
-FLAGS: tuple[Flag, ...] = (
-    # Parallelism.
-    value("--tensor-model-parallel-size", "parallel.tp", int),
-    value("--pipeline-model-parallel-size", "parallel.pp", int),
-    value("--virtual-pipeline-model-parallel-size", "parallel.vpp", int),
-    read("--num-layers-per-virtual-pipeline-stage", int),
-    value("--decoder-first-pipeline-num-layers", "parallel.first_stage_layers", int),
-    value("--decoder-last-pipeline-num-layers", "parallel.last_stage_layers", int),
-    value("--context-parallel-size", "parallel.cp", int),
-    value("--expert-model-parallel-size", "parallel.ep", int),
-    switch("--sequence-parallel", "parallel.sequence_parallel"),
-    switch(
-        "--use-distributed-optimizer", "parallel.use_distributed_optimizer", megatron_default=False
-    ),
-    value("--nproc", "launcher.nproc", int),  # ours: local workers when not under torchrun/srun
-    # Model.
-    value("--num-layers", "model.num_layers", int),
-    read("--hidden-size", int),
-    read("--ffn-hidden-size", int),
-    value("--num-attention-heads", "model.num_attention_heads", int),
-    switch("--group-query-attention"),
-    read("--num-query-groups", int),
-    read("--kv-channels", int),
-    value("--seq-length", "model.seq_length", int),
-    read("--max-position-embeddings", int),
-    value("--num-experts", "model.num_experts", int),
-    value("--moe-router-topk", "model.moe_router_topk", int),
-    value("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size", int),
-    value("--moe-token-dispatcher-type", "model.moe_token_dispatcher"),
-    value("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", float),
-    value("--vocab-size", "model.vocab_size", int),
-    value("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", int),
-    switch("--untie-embeddings-and-output-weights", "model.tie_embeddings", False),
-    value("--rotary-base", "model.rotary_base", float),
-    value("--norm-epsilon", "model.norm_epsilon", float),
-    value("--init-method-std", "model.init_method_std", float),
-    switch("--bf16", "model.precision", "bf16"),
-    switch("--fp16", "model.precision", "fp16"),
-    read("--transformer-impl"),
-    # What megatron_ext models always are.
-    fixed("--position-embedding-type", "rope", why="megatron_ext models use RoPE"),
-    fixed("--normalization", "RMSNorm", why="megatron_ext models use RMSNorm"),
-    fixed("--rotary-percent", 1.0, type=float, why="megatron_ext applies RoPE to whole heads"),
-    fixed("--attention-dropout", 0.0, type=float, why="megatron_ext models have no dropout"),
-    fixed("--hidden-dropout", 0.0, type=float, why="megatron_ext models have no dropout"),
-    fixed("--swiglu", type=None, why="megatron_ext MLPs are SwiGLU"),
-    fixed("--disable-bias-linear", type=None, why="megatron_ext linears have no bias"),
-    fixed("--use-mcore-models", type=None, why="megatron_ext models are megatron-core models"),
-    fixed("--no-gradient-accumulation-fusion", type=None, why="megatron_ext has no fused wgrad"),
-    fixed("--distributed-backend", "nccl", "gloo", why="the backend follows launcher.device"),
-    fixed("--ckpt-format", "torch_dist", why="megatron_ext checkpoints are torch_dist"),
-    # Optimizer and schedule.
-    value("--lr", "optim.lr", float),
-    value("--min-lr", "optim.min_lr", float, megatron_default=0.0),
-    read("--lr-warmup-iters", int),
-    read("--lr-warmup-fraction", float),
-    value("--lr-decay-iters", "optim.lr_decay_iters", int),
-    value("--lr-decay-style", "optim.lr_decay_style", megatron_default="linear"),
-    value("--weight-decay", "optim.weight_decay", float),
-    value("--adam-beta1", "optim.adam_beta1", float),
-    value("--adam-beta2", "optim.adam_beta2", float, megatron_default=0.999),
-    value("--adam-eps", "optim.adam_eps", float),
-    value("--clip-grad", "optim.clip_grad", float),
-    # Training loop.
-    value("--micro-batch-size", "train.micro_batch_size", int),
-    value("--global-batch-size", "train.global_batch_size", int, megatron_default=None),
-    value("--train-iters", "train.iters", int),
-    value("--eval-interval", "train.eval_interval", int),
-    value("--eval-iters", "train.eval_iters", int),
-    value("--exit-interval", "train.exit_interval", int),
-    switch("--manual-gc", "train.manual_gc"),
-    value("--manual-gc-interval", "train.manual_gc_interval", int),
-    switch("--no-manual-gc-eval", "train.manual_gc_eval", False),
-    value("--seed", "train.seed", int),
-    # Data.
-    Flag("--data-path", "data.data_path", str, nargs="+"),
-    value("--split", "data.split"),
-    value("--num-workers", "data.num_workers", int),
-    read("--tokenizer-type"),
-    read("--tokenizer-model"),
-    fixed("--vocab-file", why="data.tokenizer takes one tokenizer.json: use --tokenizer-model"),
-    fixed("--merge-file", why="data.tokenizer takes one tokenizer.json: use --tokenizer-model"),
-    # Checkpoints and logging.
-    value("--save", "checkpoint.save"),
-    value("--load", "checkpoint.load"),
-    value("--save-interval", "checkpoint.interval", int),
-    value("--log-interval", "logging.log_interval", int),
-    value("--tensorboard-dir", "logging.tensorboard_dir"),
-    value("--wandb-project", "logging.wandb_project"),
+ALL_FLAGS: tuple[Flag, ...] = (*FLAGS, *OWN_FLAGS)
+_BY_NAME = {flag.name: flag for flag in ALL_FLAGS}
+# Tokenizer types that read a Hugging Face tokenizer (a tokenizer.json or a folder holding one).
+_HF_TOKENIZERS = (
+    "HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer", "SFTTokenizer",
 )
-
-_BY_NAME = {flag.name: flag for flag in FLAGS}
-_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
-_TRANSFORMER_IMPL = {"local": "local", "transformer_engine": "te"}
+_TRANSFORMER_IMPL = {"local": "local", "transformer_engine": "auto"}
 # `key=value`, `+key=value`, `++key=value`: Hydra overrides, passed through as they are.
 _OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w.\-/@]*=")
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+@dataclass
+class Translation:
+    """A command line's Hydra overrides, its notices, and which typed flag set each key."""
+
+    overrides: list[str]
+    notices: list[str] = field(default_factory=list)
+    # config key -> the flag as typed ("--tensor-model-parallel-size 3"), for error messages.
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print usage and exit; we report one line
-        raise MlmArgsError(message)
+        raise MlmArgsError([message])
 
 
-def _dest(name: str) -> str:
-    return name.lstrip("-").replace("-", "_")
+def _dest(flag: Flag) -> str:
+    return flag.name.lstrip("-").replace("-", "_")
 
 
+def _add(parser: argparse.ArgumentParser, flag: Flag) -> None:
+    # Absent flags stay out of the namespace, so "given" is "present in it".
+    common: dict[str, Any] = dict(dest=_dest(flag), default=argparse.SUPPRESS)
+    if flag.syntax == "bool":
+        parser.add_argument(*flag.names, action=argparse.BooleanOptionalAction, **common)
+    elif flag.is_switch:
+        parser.add_argument(*flag.names, action="store_true", **common)
+    else:
+        kind, nargs = re.fullmatch(r"(int|float|str)(\+|\*|\?|\d+)?", flag.syntax).groups()
+        parser.add_argument(
+            *flag.names, type=_TYPES[kind], choices=flag.choices,
+            nargs=int(nargs) if nargs and nargs.isdigit() else nargs,
+            metavar=kind.upper(), **common,
+        )
+
+
+@functools.cache  # 900 flags: built once; parsing does not change it
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m megatron_ext.pretrain_gpt",
         description="Megatron-LM pretrain_gpt.py flags, plus Hydra key=value overrides.",
         allow_abbrev=False,  # a prefix of one flag must not silently become another
+        add_help=False,
     )
-    for flag in FLAGS:
-        help = f"-> {flag.key}" if flag.key else flag.why or None
-        if flag.type is None:
-            parser.add_argument(flag.name, dest=_dest(flag.name), action="store_true", help=help)
-        else:
-            parser.add_argument(
-                flag.name, dest=_dest(flag.name), type=flag.type, nargs=flag.nargs, help=help,
-                metavar=flag.type.__name__.upper(),
-            )
+    for flag in ALL_FLAGS:
+        _add(parser, flag)
     return parser
 
 
@@ -222,141 +119,356 @@ def _hydra_value(v: Any) -> str:
     return f"'{escaped}'"
 
 
-def _check_fixed(args: argparse.Namespace) -> None:
-    for flag in FLAGS:
-        given = getattr(args, _dest(flag.name))
-        if flag.only is None or given is None or given is False:  # absent (0.0 == False)
-            continue
-        if flag.type is not None and given not in flag.only:
-            raise MlmArgsError(f"{flag.name} {given} is not supported: {flag.why}")
+class _Builder:
+    """Collects overrides, notices and problems while the flags of one command line are read."""
+
+    def __init__(self, given: dict[str, Any], typed: dict[str, str]) -> None:
+        self.given, self.typed = given, typed
+        self.values: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+        self.notices: list[str] = []
+        self.problems: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return _dest(_BY_NAME[name]) in self.given
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.given.get(_dest(_BY_NAME[name]), default)
+
+    def shown(self, name: str) -> str:
+        """The flag as the user typed it: `--name value`, or `--name` for a switch."""
+        return self.typed.get(name, name)
+
+    def set(self, key: str, value: Any, *names: str) -> None:
+        self.values[key] = value
+        if names:
+            self.sources[key] = " ".join(self.shown(n) for n in names)
+
+    def notice(self, name: str, text: str) -> None:
+        self.notices.append(f"{self.shown(name)}: {text}")
+
+    def problem(self, name: str, text: str) -> None:
+        self.problems.append(f"{self.shown(name)}: {text}")
 
 
-def _direct(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for flag in FLAGS:
-        if flag.key is None:
+def _shown_value(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _typed(argv: Sequence[str], given: dict[str, Any]) -> dict[str, str]:
+    """Canonical flag name -> the flag as typed (the alias used, with its value)."""
+    present = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    out = {}
+    for flag in ALL_FLAGS:
+        if _dest(flag) not in given:
             continue
-        given = getattr(args, _dest(flag.name))
-        if flag.type is None:
-            given = flag.const if given else None
-        if given is not None:
-            out[flag.key] = given
-        elif flag.megatron_default is not _UNSET:
-            out.setdefault(flag.key, flag.megatron_default)
+        alias = next((n for n in flag.names if n in present), flag.name)
+        value = given[_dest(flag)]
+        out[flag.name] = alias if flag.is_switch else f"{alias} {_shown_value(value)}"
     return out
 
 
-def _derived(a: argparse.Namespace) -> dict[str, Any]:
-    """Overrides that depend on several flags, following Megatron-LM's arguments.py."""
-    out: dict[str, Any] = {}
-    if a.bf16 and a.fp16:
-        raise MlmArgsError("--bf16 and --fp16 are exclusive")
-    if a.hidden_size is not None:
-        out["model.hidden_size"] = a.hidden_size
-        if a.ffn_hidden_size is None:
-            out["model.ffn_hidden_size"] = int(4 * a.hidden_size * 2 / 3 / 64) * 64
-    if a.ffn_hidden_size is not None:
-        out["model.ffn_hidden_size"] = a.ffn_hidden_size
-    if a.kv_channels is not None and (
-        a.hidden_size is None
-        or a.num_attention_heads is None
-        or a.kv_channels * a.num_attention_heads != a.hidden_size
-    ):
-        raise MlmArgsError(
-            f"--kv-channels {a.kv_channels} is not supported: megatron_ext uses "
-            "--hidden-size / --num-attention-heads (give both)"
-        )
-    if a.num_query_groups is not None and not a.group_query_attention:
-        raise MlmArgsError(
-            "--num-query-groups needs --group-query-attention (Megatron-LM ignores it without)"
-        )
-    if a.group_query_attention:
-        out["model.num_query_groups"] = a.num_query_groups or 1  # Megatron-LM's default is 1
-    if (
-        a.max_position_embeddings is not None
-        and a.seq_length is not None
-        and a.max_position_embeddings < a.seq_length
-    ):
-        raise MlmArgsError(
-            f"--max-position-embeddings ({a.max_position_embeddings}) must be >= "
-            f"--seq-length ({a.seq_length})"
-        )
-    out.update(_vpp(a))
-    out.update(_warmup(a))
-    out.update(_tokenizer(a))
-    if a.transformer_impl is not None:
-        if a.transformer_impl not in _TRANSFORMER_IMPL:
-            raise MlmArgsError(
-                f"--transformer-impl {a.transformer_impl} is not supported: use local or "
-                "transformer_engine"
-            )
-        out["model.spec"] = _TRANSFORMER_IMPL[a.transformer_impl]
-    return out
+def _read_rows(b: _Builder) -> None:
+    """Each given flag by its row: refused, noticed, or mapped onto its key."""
+    for flag in ALL_FLAGS:
+        if not b.has(flag.name):
+            continue
+        value = b.get(flag.name)
+        if flag.status == REFUSED:
+            b.problem(flag.name, flag.target)
+            continue
+        values = value if isinstance(value, list) else [value]
+        if flag.only is not None and not flag.is_switch and not set(values) <= set(flag.only):
+            b.problem(flag.name, flag.refuse)
+            continue
+        if flag.status == NOTICE and not flag.derived:
+            b.notice(flag.name, flag.target)
+        elif flag.status == MAPPED and not flag.derived:
+            b.set(flag.target, flag.value if flag.is_switch else value, flag.name)
 
 
-def _vpp(a: argparse.Namespace) -> dict[str, Any]:
-    per_stage = a.num_layers_per_virtual_pipeline_stage
+def _single(b: _Builder, name: str) -> None:
+    """Megatron takes a list for some MoE flags (one value per layer group); we take one."""
+    value = b.get(name)
+    if isinstance(value, list) and len(value) == 1:
+        b.set(_BY_NAME[name].target, value[0], name)
+    elif isinstance(value, list):
+        b.problem(name, "one value only (per-layer-group values are not supported)")
+        b.values.pop(_BY_NAME[name].target, None)
+
+
+def _model_shape(b: _Builder) -> None:
+    """Activation, FFN size and attention heads, following Megatron-LM's arguments.py."""
+    if b.has("--bf16") and b.has("--fp16"):
+        b.problem("--fp16", "--bf16 and --fp16 are exclusive")
+    gated = [n for n in ("--swiglu", "--squared-relu") if b.has(n)]
+    if len(gated) > 1:
+        b.problem(gated[1], f"{gated[0]} and {gated[1]} are exclusive")
+    activation = _BY_NAME[gated[0]].const if gated else "gelu"
+    if gated:
+        b.set("model.activation", activation, gated[0])
+    else:
+        b.values["model.activation"] = activation  # Megatron-LM's default: GeLU
+    hidden, ffn = b.get("--hidden-size"), b.get("--ffn-hidden-size")
+    if hidden is not None:
+        b.set("model.hidden_size", hidden, "--hidden-size")
+    if ffn is not None:
+        b.set("model.ffn_hidden_size", ffn, "--ffn-hidden-size")
+    elif hidden is not None:
+        # Megatron-LM: a SwiGLU MLP keeps the parameters of a 4h one, rounded down to 64.
+        size = int(4 * hidden * 2 / 3 / 64) * 64 if activation == "swiglu" else 4 * hidden
+        b.set("model.ffn_hidden_size", size, "--hidden-size")
+    groups = b.get("--num-query-groups")
+    if b.has("--group-query-attention"):
+        # Megatron-LM's default is one group (multi-query attention).
+        b.set("model.num_query_groups", groups or 1, "--group-query-attention",
+              *(["--num-query-groups"] if groups else []))
+    elif groups is not None:
+        b.notice("--num-query-groups", "ignored without --group-query-attention, as in Megatron-LM")
+    etp, tp = b.get("--expert-tensor-parallel-size"), b.get("--tensor-model-parallel-size", 1)
+    if etp is not None and etp != tp:
+        b.problem("--expert-tensor-parallel-size", _BY_NAME["--expert-tensor-parallel-size"].note)
+
+
+def _positions(b: _Builder) -> None:
+    maximum, seq = b.get("--max-position-embeddings"), b.get("--seq-length")
+    if maximum is not None and seq is not None and maximum < seq:
+        b.problem("--max-position-embeddings", f"must be >= --seq-length ({seq})")
+    if b.has("--no-position-embedding"):
+        kind = b.values.get("model.position_embedding_type", "learned_absolute")
+        if kind == "rope":
+            b.notice("--no-position-embedding", _BY_NAME["--no-position-embedding"].target)
+        else:
+            b.problem("--no-position-embedding", "deprecated in Megatron-LM, which refuses it "
+                      "without rope positions: use --position-embedding-type none")
+
+
+VPP_FLAGS = (
+    "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+    "--virtual-pipeline-model-parallel-size",
+)
+
+
+def _parallel(b: _Builder) -> None:
+    if b.has("--sequence-parallel"):
+        if b.get("--tensor-model-parallel-size", 1) == 1:
+            b.notice("--sequence-parallel", "turned off at --tensor-model-parallel-size 1, as "
+                     "Megatron-LM does")
+        else:
+            b.set("parallel.sequence_parallel", True, "--sequence-parallel")
+    vpp = [n for n in VPP_FLAGS if b.has(n)]
+    if vpp and not b.has("--global-batch-size"):
+        # Megatron-LM's default global batch, micro batch * dp, is one micro-batch per step:
+        # fewer than the interleaved schedule's group of pp micro-batches.
+        b.problem(vpp[0], "needs --global-batch-size (a multiple of --micro-batch-size * dp * "
+                  "--pipeline-model-parallel-size)")
+    per_stage = b.get("--num-layers-per-virtual-pipeline-stage")
     if per_stage is None:
-        return {}
-    if a.virtual_pipeline_model_parallel_size is not None:
-        raise MlmArgsError(
-            "--num-layers-per-virtual-pipeline-stage and --virtual-pipeline-model-parallel-size "
-            "are exclusive"
-        )
-    if a.num_layers is None:
-        raise MlmArgsError("--num-layers-per-virtual-pipeline-stage needs --num-layers")
-    pp = a.pipeline_model_parallel_size or 1
-    if a.num_layers % (pp * per_stage):
-        raise MlmArgsError(
-            f"--num-layers ({a.num_layers}) must be divisible by --pipeline-model-parallel-size "
-            f"* --num-layers-per-virtual-pipeline-stage ({pp} * {per_stage})"
-        )
-    return {"parallel.vpp": a.num_layers // pp // per_stage}
+        return
+    name = "--num-layers-per-virtual-pipeline-stage"
+    layers, pp = b.get("--num-layers"), b.get("--pipeline-model-parallel-size", 1)
+    if b.has("--virtual-pipeline-model-parallel-size") or b.has(
+        "--num-virtual-stages-per-pipeline-rank"
+    ):
+        b.problem(name, "exclusive with --num-virtual-stages-per-pipeline-rank")
+    elif layers is None:
+        b.problem(name, "needs --num-layers")
+    elif layers % (pp * per_stage):
+        b.problem(name, f"--num-layers ({layers}) must be divisible by "
+                  f"--pipeline-model-parallel-size * {name} ({pp} * {per_stage})")
+    else:
+        b.set("parallel.vpp", layers // pp // per_stage, name, "--num-layers")
 
 
-def _warmup(a: argparse.Namespace) -> dict[str, Any]:
-    if a.lr_warmup_fraction is None:
-        return {"optim.lr_warmup_iters": a.lr_warmup_iters or 0}  # Megatron-LM's default: none
-    if a.lr_warmup_iters is not None:
-        raise MlmArgsError("--lr-warmup-fraction and --lr-warmup-iters are exclusive")
-    decay_iters = a.lr_decay_iters or a.train_iters
-    if decay_iters is None:
-        raise MlmArgsError("--lr-warmup-fraction needs --lr-decay-iters or --train-iters")
-    return {"optim.lr_warmup_iters": round(a.lr_warmup_fraction * decay_iters)}
+def _schedule(b: _Builder) -> None:
+    """Warmup in iterations or samples (Megatron-LM: one or the other, by --train-samples)."""
+    samples = b.has("--train-samples")
+    if samples and b.has("--train-iters"):
+        b.problem("--train-samples", "exclusive with --train-iters")
+    wrong = ["--lr-warmup-iters", "--lr-decay-iters"] if samples else [
+        "--lr-warmup-samples", "--lr-decay-samples"]
+    for name in wrong:
+        if b.has(name):
+            b.problem(name, "does not go with --train-samples" if samples
+                      else "needs --train-samples (a sample-based schedule)")
+    fraction = b.get("--lr-warmup-fraction")
+    warmup = "--lr-warmup-samples" if samples else "--lr-warmup-iters"
+    if fraction is None:
+        count = b.get(warmup, 0)  # Megatron-LM's default: no warmup
+        key = "optim.lr_warmup_samples" if samples else "optim.lr_warmup_iters"
+        b.set(key, count, *([warmup] if b.has(warmup) else []))
+        return
+    if b.has(warmup):
+        b.problem("--lr-warmup-fraction", f"exclusive with {warmup}")
+        return
+    unit = "samples" if samples else "iters"
+    decay = b.get(f"--lr-decay-{unit}") or b.get(f"--train-{unit}")
+    if decay is None:
+        b.problem("--lr-warmup-fraction", f"needs --lr-decay-{unit} or --train-{unit}")
+        return
+    b.set(f"optim.lr_warmup_{unit}", round(fraction * decay), "--lr-warmup-fraction")
 
 
-def _tokenizer(a: argparse.Namespace) -> dict[str, Any]:
-    kind, model = a.tokenizer_type, a.tokenizer_model
-    if kind is not None and kind not in _TOKENIZERS:
-        raise MlmArgsError(
-            f"--tokenizer-type {kind} is not supported: use HuggingFaceTokenizer with "
-            f"--tokenizer-model <tokenizer.json>, or NullTokenizer"
-        )
+def _tokenizer(b: _Builder) -> None:
+    kind, model = b.get("--tokenizer-type"), b.get("--tokenizer-model")
     if kind == "NullTokenizer":
         if model is not None:
-            raise MlmArgsError("--tokenizer-model does not go with --tokenizer-type NullTokenizer")
-        return {"data.tokenizer": "byte"}
-    if kind is not None and model is None:
-        raise MlmArgsError(f"--tokenizer-type {kind} needs --tokenizer-model <tokenizer.json>")
-    return {"data.tokenizer": model} if model is not None else {}
+            b.problem("--tokenizer-model", "does not go with --tokenizer-type NullTokenizer")
+        b.set("data.tokenizer", "byte", "--tokenizer-type")
+        return
+    if kind is not None and kind not in _HF_TOKENIZERS:
+        b.problem("--tokenizer-type", "use HuggingFaceTokenizer with --tokenizer-model "
+                  "<tokenizer.json or folder>, or NullTokenizer")
+        return
+    if model is None:
+        if kind is not None:
+            b.problem("--tokenizer-type", "needs --tokenizer-model <tokenizer.json or folder>")
+        return
+    if model.endswith(".model"):
+        b.problem("--tokenizer-model", "a SentencePiece .model file is not read here: give the "
+                  "model's tokenizer.json (or its Hugging Face folder)")
+        return
+    if kind == "SFTTokenizer":
+        b.notice("--tokenizer-type", "the chat prompt format is not applied: pretraining text")
+    b.set("data.tokenizer", model, "--tokenizer-model")
 
 
-def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def _implementation(b: _Builder) -> None:
+    impl = b.get("--transformer-impl")
+    if impl is None:
+        return
+    if impl not in _TRANSFORMER_IMPL:
+        b.problem("--transformer-impl", "use local or transformer_engine")
+        return
+    b.set("model.spec", _TRANSFORMER_IMPL[impl], "--transformer-impl")
+    if impl == "transformer_engine":
+        from megatron_ext.platform import optional
+
+        if not optional.HAVE_TE:
+            b.notice("--transformer-impl", "Transformer Engine is not installed: the local "
+                     "layers run")
+
+
+def _checkpoint_format(b: _Builder) -> None:
+    kind = b.get("--ckpt-format")
+    if kind is not None and kind != "torch_dist":
+        b.notice("--ckpt-format", "checkpoints are written as torch_dist (megatron-core's "
+                 "dist_checkpointing), which Megatron-LM reads")
+
+
+def _derived(b: _Builder) -> None:
+    """Overrides that depend on several flags, following Megatron-LM's arguments.py."""
+    _model_shape(b)
+    _positions(b)
+    _parallel(b)
+    _schedule(b)
+    _tokenizer(b)
+    _implementation(b)
+    _checkpoint_format(b)
+    for name in ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"):
+        if b.has(name):
+            _single(b, name)
+
+
+def _defaults(b: _Builder, keep_model: bool) -> None:
+    """Megatron-LM's defaults for the absent flags (a `model=` preset keeps its architecture)."""
+    for flag in ALL_FLAGS:
+        if flag.default is UNSET or flag.target in b.values:
+            continue
+        if keep_model and flag.target.startswith("model."):
+            continue
+        b.values[flag.target] = flag.default
+    if keep_model and "model.activation" not in b.sources:
+        b.values.pop("model.activation", None)
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     flags = [arg for arg in argv if not _OVERRIDE.match(arg)]
     return flags, [arg for arg in argv if _OVERRIDE.match(arg)]
 
 
+def _unknown(flag_args: Sequence[str], unknown: Sequence[str]) -> list[str]:
+    """Every unknown flag, and every stray word that is not an unknown flag's value."""
+    left, problems = set(unknown), []
+    for i, arg in enumerate(flag_args):
+        if arg not in left:
+            continue
+        if arg.startswith("-"):
+            problems.append(f"{arg.split('=')[0]}: unknown Megatron-LM flag")
+            continue
+        before = flag_args[i - 1] if i else ""
+        if not (before.startswith("-") and "=" not in before and before in left):
+            problems.append(f"unexpected argument {arg!r} (overrides look like key=value)")
+    return problems
+
+
+def translate(argv: Sequence[str]) -> Translation:
+    """Megatron-LM flags (and Hydra overrides) -> Hydra overrides on our config, the notices
+    to print, and the typed flag behind each key. Raises MlmArgsError listing every problem."""
+    flag_args, passthrough = _split(argv)
+    namespace, unknown = build_parser().parse_known_args(flag_args)
+    given = vars(namespace)
+    b = _Builder(given, _typed(flag_args, given))
+    b.problems += _unknown(flag_args, unknown)
+    _read_rows(b)
+    _derived(b)
+    if b.problems:
+        raise MlmArgsError(b.problems)
+    _defaults(b, keep_model=any(arg.startswith("model=") for arg in passthrough))
+    # Hydra applies overrides in order, so a passed-through `experiment=...` replaces ours.
+    mapped = [f"{key}={_hydra_value(v)}" for key, v in b.values.items()]
+    return Translation(["experiment=none", *mapped, *passthrough], b.notices, b.sources)
+
+
 def mlm_args_to_overrides(argv: Sequence[str]) -> list[str]:
     """Megatron-LM flags (and trailing Hydra overrides) -> Hydra overrides on our config."""
-    flag_args, passthrough = _split_overrides(argv)
-    args, unknown = build_parser().parse_known_args(flag_args)
-    if unknown:
-        first = next((arg for arg in unknown if arg.startswith("-")), None)
-        if first is not None:
-            raise MlmArgsError(f"unknown Megatron-LM flag {first.split('=')[0]}")
-        raise MlmArgsError(f"unexpected argument {unknown[0]!r} (overrides look like key=value)")
-    _check_fixed(args)
-    values = {**_direct(args), **_derived(args)}
-    # Hydra applies overrides in order, so a passed-through `experiment=...` replaces ours.
-    mapped = [f"{key}={_hydra_value(v)}" for key, v in values.items()]
-    return ["experiment=none", *mapped, *passthrough]
+    return translate(argv).overrides
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _what(flag: Flag) -> str:
+    """The table's last column: the key, the notice or the reason, with value limits."""
+    if flag.status == MAPPED:
+        text = f"`{flag.target}`" + (" (with other flags)" if flag.derived else "")
+        if flag.is_switch:
+            text += f" = `{_hydra_value(flag.value)}`"
+    else:
+        text = flag.target
+    if flag.only is not None:
+        text += f"; only {', '.join(map(_shown_value, flag.only))}, else refused: {flag.refuse}"
+    if flag.note:
+        text += f"; {flag.note}"
+    if flag.default is not UNSET:
+        text += f"; absent: Megatron-LM's `{_hydra_value(flag.default)}`"
+    return _cell(text)
+
+
+def flag_table_markdown() -> str:
+    """docs/megatron_flags.md: every flag of the parser with its status, from `ALL_FLAGS`."""
+    counts = {s: sum(f.status == s for f in FLAGS) for s in (MAPPED, NOTICE, REFUSED)}
+    lines = [
+        "# Megatron-LM flags in `python -m megatron_ext.pretrain_gpt`",
+        "",
+        "Generated from `megatron_ext/config/mlm_flags.py` by "
+        "`python -m megatron_ext.pretrain_gpt --flag-table`; do not edit by hand.",
+        "",
+        "Each flag of Megatron-LM's `pretrain_gpt.py` parser is **mapped** (the same meaning, "
+        "onto a config key), accepted with a one-line **notice** (no effect here), or "
+        "**refused** with the reason; a command line lists every refused flag at once. "
+        f"Megatron-LM's {len(FLAGS)} flags: {counts[MAPPED]} mapped, {counts[NOTICE]} notice, "
+        f"{counts[REFUSED]} refused.",
+        "",
+    ]
+    title = None
+    for flag in ALL_FLAGS:
+        if flag.group != title:
+            title = flag.group
+            lines += ["", f"## {title}", "", "| flag | value | status | key / notice / reason |",
+                      "| --- | --- | --- | --- |"]
+        names = " ".join(f"`{n}`" for n in flag.names)
+        choices = f" ({'/'.join(map(str, flag.choices))})" if flag.choices else ""
+        lines.append(f"| {names} | {flag.syntax}{_cell(choices)} | {flag.status} | {_what(flag)} |")
+    return "\n".join(lines) + "\n"

@@ -96,7 +96,7 @@ class ModelConfig:
     # MoE in every N-th layer (1: every layer), or megatron's pattern string "([0]+[1]*3)*8".
     moe_layer_freq: str = "1"
     moe_grouped_gemm: bool = False
-    # allgather works everywhere; alltoall needs CUDA streams in megatron-core 0.16.
+    # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA.
     moe_token_dispatcher: str = "allgather"
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
     # megatron_ext checkpoint folder, or `pkg:<module>/<file>` inside an installed package. The
@@ -213,7 +213,9 @@ class TrainConfig:
 class CheckpointConfig:
     # Directory to save to (megatron layout: iter_0000100/ + latest_checkpointed_iteration.txt).
     save: Optional[str] = None
-    # Directory to resume from; the usual idiom is save == load.
+    # Directory to resume from; it must hold a checkpoint, except when it is also `save` (the
+    # resume-if-present idiom: a first run finds nothing yet and starts from scratch) or with
+    # `load_optional`.
     load: Optional[str] = None
     # Resume from this iteration of `load` instead of the latest (megatron's --ckpt-step).
     step: Optional[int] = None
@@ -221,8 +223,8 @@ class CheckpointConfig:
     interval: Optional[int] = None
     # Keep this many most recent checkpoints; None keeps all.
     keep_last: Optional[int] = 2
-    # A missing `load` directory starts from scratch instead of being an error (the
-    # resume-if-present idiom, save == load).
+    # A `load` directory without a checkpoint starts from scratch instead of being an error
+    # (implied when load == save).
     load_optional: bool = False
     # Write checkpoints in the background (dist_checkpointing's async save); training goes on.
     async_save: bool = False

@@ -19,6 +19,7 @@ from typing import Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from megatron_ext.config.explain import composition_error, unknown_keys
 from megatron_ext.config.schema import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
 from megatron_ext.plugin import registered_plugins
 
@@ -202,14 +203,21 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
     Used by entrypoints that do not go through `@hydra.main` (pretrain_gpt, tests, notebooks).
     """
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
+        try:
+            cfg = compose(config_name="train", overrides=list(overrides))
+        except (HydraException, OmegaConfBaseException) as e:
+            raise composition_error(e, overrides, config_schema()) from e
     return to_object(cfg)
 
 
 def to_object(cfg) -> Config:
-    """DictConfig -> the schema's dataclass instance (drops Hydra's own `hydra` node)."""
+    """DictConfig -> the schema's dataclass instance (drops Hydra's own `hydra` node). A key the
+    schema lacks is refused (ConfigError) rather than dropped."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    unknown_keys(cfg, config_schema())
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config_schema()), cfg))

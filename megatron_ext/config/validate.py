@@ -299,6 +299,28 @@ def global_batch_divisible(cfg: Config, world: int, device: str) -> Optional[str
     return None
 
 
+def interleaved_micro_batches(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron-core 0.16's interleaved schedule runs the micro-batches in groups of pp per
+    # virtual stage (microbatch_group_size_per_vp_stage defaults to pp) and raises a ValueError
+    # inside every worker when the count is not a multiple of pp.
+    # A global batch of None (one micro-batch) is not checked: layouts are also checked for a
+    # model alone, without a run's batch (see reshard/layout.py).
+    p, t, dp = cfg.parallel, cfg.train, _dp_or_none(cfg, world)
+    if p.vpp is None or dp is None or t.global_batch_size is None:
+        return None
+    gbs = t.global_batch_size
+    if gbs % (t.micro_batch_size * dp):
+        return None  # global_batch_divisible reports it
+    micro = gbs // (t.micro_batch_size * dp)
+    if micro % p.pp:
+        return (
+            f"the micro-batches per step (train.global_batch_size / (train.micro_batch_size * dp)"
+            f" = {gbs} / ({t.micro_batch_size} * {dp}) = {micro}) must be divisible by "
+            f"parallel.pp ({p.pp}) with parallel.vpp (interleaved pipeline)"
+        )
+    return None
+
+
 def sequence_parallel_needs_tp(cfg: Config, world: int, device: str) -> Optional[str]:
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         return "parallel.sequence_parallel requires parallel.tp > 1"
@@ -355,15 +377,6 @@ def not_negative(path: str) -> Rule:
         return f"{path} must be >= 0, got {value}" if value < 0 else None
 
     return rule
-
-
-def alltoall_needs_cuda(cfg: Config, world: int, device: str) -> Optional[str]:
-    if cfg.model.moe_token_dispatcher == "alltoall" and device == "cpu":
-        return (
-            "model.moe_token_dispatcher=alltoall needs CUDA streams in megatron-core 0.16; "
-            "use allgather on CPU"
-        )
-    return None
 
 
 def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
@@ -640,6 +653,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("parallel.ep", ep_divides_dp_cp),
     ("model.moe_router_topk", topk_within_experts),
     ("train.global_batch_size", global_batch_divisible),
+    ("train.global_batch_size", interleaved_micro_batches),
     ("parallel.sequence_parallel", sequence_parallel_needs_tp),
     ("model.seq_length", seq_length_fits_cp),
     ("model.seq_length", seq_length_fits_sp),
@@ -652,7 +666,6 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("train.manual_gc_interval", not_negative("train.manual_gc_interval")),
     ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
     ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
-    ("model.moe_token_dispatcher", alltoall_needs_cuda),
     ("plugins", plugins_registered),
     ("plugins", one_step_plugin),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),
@@ -687,6 +700,96 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("parallel.sequence_parallel", moe_needs_sequence_parallel),
     ("model.add_bias_linear", moe_bias_fits),
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges of the numeric fields that SIZES above does not cover. A null passes: the schema lets a
+# field be null only where null means "derive it" or "off".
+
+
+def in_range(path: str, interval: str) -> Rule:
+    """`path` must lie in `interval`, written as in mathematics: "[0, 1)", "(0, inf)". The
+    comparisons are written so that NaN fails them."""
+    low_text, high_text = (part.strip() for part in interval[1:-1].split(","))
+    low, high = float(low_text), float(high_text)
+    low_closed, high_closed = interval[0] == "[", interval[-1] == "]"
+    if high_text == "inf":
+        wanted = f"{'>=' if low_closed else '>'} {low_text}"
+    else:
+        wanted = f"in {interval}"
+
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        value = _get(cfg, path)
+        if value is None:
+            return None
+        above = value >= low if low_closed else value > low
+        below = value <= high if high_closed else value < high
+        if above and below:
+            return None
+        return f"{path} must be {wanted}, got {value!r}"
+
+    return rule
+
+
+def min_lr_at_most_lr(cfg: Config, world: int, device: str) -> Optional[str]:
+    lr, min_lr = cfg.optim.lr, cfg.optim.min_lr
+    if lr >= 0 and min_lr > lr:  # a negative lr is reported by its range alone
+        return f"optim.min_lr ({min_lr}) must be <= optim.lr ({lr})"
+    return None
+
+
+# (field, interval), each checked by `in_range`.
+RANGES: tuple[tuple[str, str], ...] = (
+    ("optim.lr", "[0, inf)"),
+    ("optim.min_lr", "[0, inf)"),
+    ("optim.weight_decay", "[0, inf)"),
+    ("optim.adam_beta1", "[0, 1)"),
+    ("optim.adam_beta2", "[0, 1)"),
+    ("optim.adam_eps", "(0, inf)"),
+    ("optim.clip_grad", "[0, inf)"),
+    ("optim.lr_warmup_samples", "[0, inf)"),
+    ("optim.lr_decay_samples", "(0, inf)"),
+    ("train.train_samples", "(0, inf)"),
+    # numpy's and torch's seeds are unsigned 32-bit
+    ("train.seed", "[0, 4294967296)"),
+    # 0: no evaluation
+    ("train.eval_interval", "[0, inf)"),
+    ("train.eval_iters", "[0, inf)"),
+    ("train.exit_interval", "(0, inf)"),
+    ("checkpoint.step", "(0, inf)"),
+    ("logging.log_interval", "(0, inf)"),
+    ("data.num_workers", "[0, inf)"),
+    ("launcher.master_port", "[0, 65535]"),
+    ("launcher.preempt_timeout_s", "(0, inf)"),
+    ("model.vocab_size", "(0, inf)"),
+    ("model.make_vocab_size_divisible_by", "(0, inf)"),
+    ("model.head_dim", "(0, inf)"),
+    ("model.max_position_embeddings", "(0, inf)"),
+    ("model.rotary_base", "(0, inf)"),
+    ("model.rotary_percent", "(0, 1]"),
+    ("model.rope_scaling_factor", "(0, inf)"),
+    ("model.norm_epsilon", "(0, inf)"),
+    ("model.init_method_std", "[0, inf)"),
+    ("model.hidden_dropout", "[0, 1)"),
+    ("model.attention_dropout", "[0, 1)"),
+    ("model.q_lora_rank", "(0, inf)"),
+    ("model.kv_lora_rank", "(0, inf)"),
+    ("model.qk_head_dim", "(0, inf)"),
+    ("model.qk_pos_emb_head_dim", "(0, inf)"),
+    ("model.v_head_dim", "(0, inf)"),
+    ("model.moe_aux_loss_coeff", "[0, inf)"),
+    ("model.moe_router_num_groups", "(0, inf)"),
+    ("model.moe_router_group_topk", "(0, inf)"),
+    ("model.moe_router_topk_scaling_factor", "(0, inf)"),
+    ("model.moe_shared_expert_intermediate_size", "(0, inf)"),
+)
+
+RANGE_RULES: tuple[tuple[str, Rule], ...] = (
+    *((path, in_range(path, interval)) for path, interval in RANGES),
+    ("optim.min_lr", min_lr_at_most_lr),
+)
+
+RULES = RULES + RANGE_RULES
 
 
 def _device_of(cfg: Config) -> str:

@@ -108,7 +108,7 @@ def load_into(model_chunks: list, model: ModelConfig, padded_vocab: int) -> None
             f"model.pretrained={model.pretrained!r}: its padded vocabulary is {saved}, "
             f"this run's is {padded_vocab}"
         )
-    ckpt.load_checkpoint(path, iteration, model_chunks, None, load_rng=False)
+    ckpt.load_checkpoint(path, iteration, model_chunks, None, load_rng=False, field="model.pretrained")
 
 
 def build_from_source(spec: str) -> tuple[list, ModelConfig, "Tokenizer", int]:

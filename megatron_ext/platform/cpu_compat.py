@@ -3,8 +3,9 @@
 Megatron-Core writes `torch.cuda.current_device()`, `device="cuda"`, CUDA streams/events and the
 CUDA RNG into code that is otherwise device-agnostic. On a machine without CUDA those calls can
 only raise, so redirecting them to the CPU changes nothing that worked: the CPU fixes apply only
-when `torch.cuda.is_available()` is False. Two fixes are plain bugs of megatron-core without
-Transformer Engine/Apex and apply on every device (`cpu_only=False`).
+when `torch.cuda.is_available()` is False. Three fixes are plain bugs of megatron-core (two
+without Transformer Engine/Apex, one of its Float16 optimizer's checkpoint) and apply on every
+device (`cpu_only=False`).
 
 Each fix is a named entry of `FIXES` with the upstream diff that would make it unnecessary
 (`patches/NNNN-<name>.diff`, checked against megatron-core 0.16.1 by scripts/check_patches.py). The mechanism of most fixes
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from megatron_ext.platform.float16_optimizer_checkpoint import fix_float16_optimizer_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -409,6 +412,62 @@ def materialise_initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 }
 
 
+def _fix_alltoall_split_sizes() -> None:
+    """The all-to-all token dispatcher copies its split sizes to the host as numpy arrays with
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors: on the CPU
+    they stay tensors, and torch's `all_to_all_single` refuses a tensor as split sizes. Its
+    other CUDA uses (the device-to-host side stream, its event) are answered by
+    `device_literals`."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "__cpu_numpy__", False):
+        return
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__cpu_numpy__ = True
+    # The dispatcher bound the function by name at import time.
+    moe_utils.maybe_move_tensor_to_cpu = dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _fix_uneven_tp_collectives() -> None:
+    """The all-to-all dispatcher at TP > 1 gathers and reduce-scatters the routed tokens over
+    the tensor-parallel ranks in unequal parts (`output_split_sizes` / `input_split_sizes`),
+    with a list `all_gather` / `reduce_scatter` that NCCL runs unevenly but gloo refuses
+    ("invalid tensor size"). On the CPU the gather pads each part to the largest and gathers
+    evenly, and the reduce-scatter all-reduces the whole tensor and keeps this rank's part."""
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "__uneven_on_cpu__", False):
+        return
+
+    @functools.wraps(gather)
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = torch.nn.functional.pad(input_, (0, 0) * (input_.dim() - 1) + (0, longest - input_.shape[0]))
+        parts = gather(padded.contiguous(), group).split(longest)
+        return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+    @functools.wraps(reduce_scatter)
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        summed = input_.clone()
+        torch.distributed.all_reduce(summed, group=group)
+        return summed.split(list(input_split_sizes))[group.rank()].contiguous()
+
+    gather_along_first_dim.__uneven_on_cpu__ = True
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 @dataclass(frozen=True)
 class Fix:
     name: str
@@ -426,6 +485,9 @@ FIXES: tuple[Fix, ...] = (
     Fix("optimizer_type_checks", _fix_optimizer_type_checks),
     Fix("te_general_gemm", _fix_te_general_gemm, cpu_only=False),
     Fix("torch_adam_checkpointing", _fix_torch_adam_checkpointing, cpu_only=False),
+    Fix("float16_optimizer_checkpoint", fix_float16_optimizer_checkpoint, cpu_only=False),
+    Fix("alltoall_split_sizes", _fix_alltoall_split_sizes),
+    Fix("uneven_tp_collectives", _fix_uneven_tp_collectives),
     Fix("mla_without_te", _fix_mla_without_te, cpu_only=False),
 )
 

@@ -30,24 +30,13 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from megatron_ext.config.validate import ConfigError
+from megatron_ext.training.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (this module's API)
+
 # Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | os.PathLike) -> Optional[int]:
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"checkpoint.load: {tracker} does not hold an iteration number: {text!r}")
-    return int(text)
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:
@@ -177,14 +166,20 @@ def load_checkpoint(
     model_chunks: list,
     optimizer,
     load_rng: bool,
+    field: str = "checkpoint.load",
 ) -> dict[str, Any]:
     """Load model (and optimizer) state of `iteration` into the current layout; returns the
-    common state. RNG states are restored only when `load_rng` (same TP x PP layout)."""
+    common state. RNG states are restored only when `load_rng` (same TP x PP layout). A
+    checkpoint that cannot be read (a shard cut short, another model's shapes) raises one line
+    naming `field` and its path."""
     path = str(iteration_dir(root, iteration))
     template = sharded_state_dict(model_chunks, optimizer, is_loading=True)
     if not load_rng:
         template.pop("rng_state")
-    state = dist_checkpointing.load(template, path)
+    try:
+        state = dist_checkpointing.load(template, path)
+    except (Exception, CheckpointException) as e:  # every rank raises it: torch gathers the readers' failures
+        raise ConfigError(field, f"{path} cannot be loaded: {_cause(e)}") from e
     if len(model_chunks) == 1:
         unwrap_model(model_chunks[0]).load_state_dict(state["model"])
     else:
@@ -195,6 +190,16 @@ def load_checkpoint(
     if load_rng:
         _restore_rng(state["rng_state"])
     return load_common(root, iteration)
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of what went wrong, under torch's wrapping of each reader's failure."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    if isinstance(error, EOFError):
+        return "a shard file is cut short (EOFError)"
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _restore_rng(rng: dict) -> None:

@@ -57,6 +57,7 @@ from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.preemption import StopRequest
 from megatron_ext.training.release import release_in_background
+from megatron_ext.training.skipped_steps import SkippedSteps
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 
 
@@ -130,6 +131,7 @@ class Trainer:
         self.data_path: Optional[list[str]] = None
         # Set when a shrinking reshard leaves this rank out of the new world: train() returns.
         self.left = False
+        self.skipped_steps = SkippedSteps()
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -402,16 +404,22 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             forward_only=False,
         )
+        loss_scale = self.optimizer.get_loss_scale().item()
         update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise FloatingPointError(f"iteration {self.state.iteration + 1}: optimizer step skipped")
-        self.scheduler.step(increment=1)
+        # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
+        if update_ok:
+            self.scheduler.step(increment=1)
         self.state.iteration += 1
         self.state.consumed_samples += self._global_batch_size()
+        skipped = self.skipped_steps.record(self.state.iteration, update_ok, loss_scale, self.optimizer)
+        if skipped is not None:
+            self.note(skipped)
         return {
             "loss": broadcast_from_last_rank(reduce_loss(losses)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "loss_scale": loss_scale,
+            "skipped_iterations": self.skipped_steps.total,
         }
 
     def evaluate(self) -> Optional[float]:

@@ -8,6 +8,8 @@
   full copy on each rank (the fully parallel load exchanges shards between the ranks).
 - tensor_cuda_method: the parameter-hash check across data-parallel replicas tells equal
   replicas from different ones.
+- uneven_tp_collectives: megatron's tensor-parallel gather (and its backward) and
+  reduce-scatter in unequal parts, as the all-to-all MoE dispatcher calls them at TP > 1.
 
 Each check runs with the runtime layer (`cpu_compat.apply()`) and, without it, on megatron-core
 with patches/*.diff applied. This file is also the worker script `torchrun` starts; megatron is
@@ -183,6 +185,33 @@ def param_hash_check() -> dict:
     return {"equal_replicas_match": equal, "different_replicas_match": differing}
 
 
+def uneven_tp_check() -> dict:
+    """The all-to-all MoE dispatcher's tensor-parallel gather and reduce-scatter of unequal
+    parts (gloo gathers equal ones only): rank 0 holds row 0 of a 3-row tensor, rank 1 rows 1-2."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    parallel_state.initialize_model_parallel(2, 1)
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = group.rank()
+    splits, rows = [1, 2], slice(rank, 2 * rank + 1)
+    whole = torch.arange(12.0).view(3, 4)
+    weights = whole + 1  # the same on both ranks: each rank's gradient of the gathered tensor
+    part = whole[rows].clone().requires_grad_()
+    gathered = mappings.gather_from_sequence_parallel_region(part, group=group, output_split_sizes=splits)
+    (gathered * weights).sum().backward()  # backward: reduce-scatter of both ranks' gradients
+    scattered = mappings.reduce_scatter_to_sequence_parallel_region(
+        whole * (rank + 1), group=group, input_split_sizes=splits
+    )
+    parallel_state.destroy_model_parallel()
+    return {
+        "uneven_gather_equal": torch.equal(gathered.detach(), whole),
+        "uneven_gather_grad_equal": torch.equal(part.grad, 2 * weights[rows]),
+        "uneven_reduce_scatter_equal": torch.equal(scattered, 3 * whole[rows]),
+    }
+
+
 def worker(out_dir: str, runtime_layer: str) -> None:
     import megatron.core
     import torch.distributed as dist
@@ -193,6 +222,7 @@ def worker(out_dir: str, runtime_layer: str) -> None:
         cpu_compat.apply()
     dist.init_process_group("gloo")
     results = {"megatron_core": megatron.core.__file__, **pipeline_check(), **param_hash_check()}
+    results.update(uneven_tp_check())
     results.update(checkpoint_check(str(Path(out_dir) / "ckpt")))
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -234,6 +264,8 @@ def test_two_ranks(runtime_layer, tmp_path):
         assert max(rank["grad_diffs"].values()) < TOLERANCE, rank["grad_diffs"]
         assert rank["equal_replicas_match"] and not rank["different_replicas_match"]
         assert rank["same_layout_equal"] and rank["replicated_equal"]
+        assert rank["uneven_gather_equal"] and rank["uneven_gather_grad_equal"], rank
+        assert rank["uneven_reduce_scatter_equal"], rank
     first, last = sorted(ranks, key=lambda r: r["stage"])
     assert first["stage"] == 0 and last["stage"] == 1
     assert abs(last["loss"] - last["reference_loss"]) < TOLERANCE

@@ -39,7 +39,7 @@ def test_start_from_megatron_checkpoint_in_another_layout(tmp_path):
 def test_another_architecture_is_refused(tmp_path):
     cache, first = f"data.cache_dir={tmp_path / 'cache'}", tmp_path / "first"
     run_from_overrides([*COMMON, cache, "train.iters=1", f"checkpoint.save={first}"])
-    with pytest.raises(ValueError, match=r"model.num_layers=2 but the source has 4"):
+    with pytest.raises(ValueError, match=r"^model.pretrained: .* model.num_layers=2 but the checkpoint has 4"):
         run_from_overrides([*COMMON, *FROZEN, cache, f"model.pretrained={first}", "model.num_layers=2"])
 
 

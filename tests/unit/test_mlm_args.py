@@ -1,30 +1,31 @@
-"""Megatron-LM command lines -> Hydra overrides -> our Config."""
+"""Megatron-LM command lines -> Hydra overrides -> our Config; the flag table and its doc."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+from pathlib import Path
 
 import pytest
 
-from megatron_ext.config import compose_config
-from megatron_ext.config.mlm_args import MlmArgsError, mlm_args_to_overrides
+from megatron_ext.config import Config, compose_config
+from megatron_ext.config.mlm_args import (
+    ALL_FLAGS,
+    MlmArgsError,
+    build_parser,
+    flag_table_markdown,
+    mlm_args_to_overrides,
+    translate,
+)
+from megatron_ext.config.mlm_flags import MAPPED, NOTICE, REFUSED
+from megatron_ext.platform import optional
 from megatron_ext.pretrain_gpt import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def as_dict(overrides: list[str]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in overrides)
-
-
-# What an empty command line gives: experiment=none plus Megatron-LM's defaults where ours differ.
-BASE = {
-    "experiment": "none",
-    "parallel.use_distributed_optimizer": "false",
-    "optim.min_lr": "0.0",
-    "optim.lr_decay_style": "linear",
-    "optim.adam_beta2": "0.999",
-    "train.global_batch_size": "null",
-    "optim.lr_warmup_iters": "0",
-}
 
 
 def field(cfg, path: str):
@@ -33,82 +34,93 @@ def field(cfg, path: str):
     return cfg
 
 
-# (id, command line, overrides beyond BASE, Config fields after composing)
+# (id, command line, overrides it must contain, Config fields after composing)
 CASES = [
     (
         "parallel",
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
-        "--expert-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --nproc 8",
-        {
-            "parallel.tp": "2", "parallel.pp": "2", "parallel.cp": "2", "parallel.ep": "2",
-            "parallel.sequence_parallel": "true", "parallel.use_distributed_optimizer": "true",
-            "launcher.nproc": "8",
-        },
-        {"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "parallel.sequence_parallel": True,
-         "parallel.use_distributed_optimizer": True, "launcher.nproc": 8},
+        "--expert-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --nproc 8 "
+        "--overlap-grad-reduce",
+        {"parallel.tp": "2", "parallel.pp": "2", "parallel.cp": "2", "parallel.ep": "2",
+         "parallel.sequence_parallel": "true", "parallel.use_distributed_optimizer": "true",
+         "launcher.nproc": "8", "parallel.overlap_grad_reduce": "true"},
+        {"parallel.tp": 2, "parallel.sequence_parallel": True, "launcher.nproc": 8,
+         "parallel.use_distributed_optimizer": True, "parallel.overlap_grad_reduce": True},
     ),
     (
         "vpp_from_layers_per_stage",
-        "--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2",
+        "--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 "
+        "--global-batch-size 16",
         {"model.num_layers": "8", "parallel.pp": "2", "parallel.vpp": "2"},
-        {"parallel.vpp": 2, "model.num_layers": 8},
+        {"parallel.vpp": 2},
+    ),
+    (
+        "vpp_stages_per_rank",
+        "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--global-batch-size 16",
+        {"parallel.vpp": "2"},
+        {"parallel.vpp": 2},
     ),
     (
         "uneven_stages",
         "--num-layers 6 --pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 1 "
         "--decoder-last-pipeline-num-layers 1",
-        {"model.num_layers": "6", "parallel.pp": "3", "parallel.first_stage_layers": "1",
-         "parallel.last_stage_layers": "1"},
+        {"parallel.first_stage_layers": "1", "parallel.last_stage_layers": "1"},
         {"parallel.first_stage_layers": 1, "parallel.last_stage_layers": 1},
     ),
     (
-        "vpp_direct",
-        "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2",
-        {"parallel.pp": "2", "parallel.vpp": "2"},
-        {"parallel.vpp": 2},
-    ),
-    (
-        "model",
+        "llama_model",
         "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention "
-        "--num-query-groups 2 --kv-channels 32 --seq-length 512 --max-position-embeddings 1024 "
-        "--rotary-base 500000 --norm-epsilon 1e-6 --init-method-std 0.01 "
-        "--untie-embeddings-and-output-weights --vocab-size 1000 --make-vocab-size-divisible-by 64",
-        {
-            "model.num_layers": "4", "model.hidden_size": "256", "model.ffn_hidden_size": "640",
-            "model.num_attention_heads": "8", "model.num_query_groups": "2",
-            "model.seq_length": "512", "model.rotary_base": "500000.0",
-            "model.norm_epsilon": "1e-06", "model.init_method_std": "0.01",
-            "model.tie_embeddings": "false", "model.vocab_size": "1000",
-            "model.make_vocab_size_divisible_by": "64",
-        },
-        {"model.num_layers": 4, "model.hidden_size": 256, "model.ffn_hidden_size": 640,
-         "model.num_query_groups": 2, "model.seq_length": 512, "model.rotary_base": 500000.0,
-         "model.tie_embeddings": False, "model.vocab_size": 1000},
+        "--num-query-groups 2 --kv-channels 64 --seq-length 512 --max-position-embeddings 1024 "
+        "--position-embedding-type rope --rotary-base 500000 --norm-epsilon 1e-6 --swiglu "
+        "--normalization RMSNorm --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
+        "--untie-embeddings-and-output-weights --use-rope-scaling --rope-scaling-factor 32",
+        {"model.ffn_hidden_size": "640", "model.num_query_groups": "2", "model.head_dim": "64",
+         "model.activation": "swiglu", "model.normalization": "RMSNorm",
+         "model.add_bias_linear": "false", "model.tie_embeddings": "false",
+         "model.rope_scaling": "llama3", "model.rope_scaling_factor": "32.0"},
+        {"model.hidden_size": 256, "model.ffn_hidden_size": 640, "model.head_dim": 64,
+         "model.max_position_embeddings": 1024, "model.position_embedding_type": "rope",
+         "model.rotary_base": 500000.0, "model.hidden_dropout": 0.0, "model.rope_scaling": "llama3"},
     ),
     (
-        "mqa_default_groups",
-        "--group-query-attention --ffn-hidden-size 100",
-        {"model.num_query_groups": "1", "model.ffn_hidden_size": "100"},
-        {"model.num_query_groups": 1, "model.ffn_hidden_size": 100},
+        "qwen_model",
+        "--add-qkv-bias --qk-layernorm --squared-relu --hidden-size 64",
+        {"model.add_qkv_bias": "true", "model.qk_layernorm": "true",
+         "model.activation": "squared_relu", "model.ffn_hidden_size": "256"},
+        {"model.add_qkv_bias": True, "model.qk_layernorm": True, "model.activation": "squared_relu"},
+    ),
+    (
+        "mla",
+        "--multi-latent-attention --q-lora-rank 64 --kv-lora-rank 32 --qk-head-dim 16 "
+        "--qk-pos-emb-head-dim 8 --v-head-dim 16",
+        {"model.multi_latent_attention": "true", "model.q_lora_rank": "64"},
+        {"model.multi_latent_attention": True, "model.q_lora_rank": 64, "model.kv_lora_rank": 32,
+         "model.qk_head_dim": 16, "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16},
     ),
     (
         "moe",
         "--num-experts 8 --moe-router-topk 1 --moe-ffn-hidden-size 64 "
-        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01",
-        {"model.num_experts": "8", "model.moe_router_topk": "1", "model.moe_ffn_hidden_size": "64",
-         "model.moe_token_dispatcher": "alltoall", "model.moe_aux_loss_coeff": "0.01"},
-        {"model.num_experts": 8, "model.moe_token_dispatcher": "alltoall"},
+        "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 --moe-grouped-gemm "
+        "--moe-router-load-balancing-type seq_aux_loss --moe-router-pre-softmax "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 "
+        "--moe-shared-expert-intermediate-size 32 --moe-layer-freq ([0]*1+[1]*3)",
+        {"model.moe_aux_loss_coeff": "0.01", "model.moe_router_load_balancing_type": "seq_aux_loss"},
+        {"model.num_experts": 8, "model.moe_token_dispatcher": "alltoall",
+         "model.moe_grouped_gemm": True, "model.moe_router_pre_softmax": True,
+         "model.moe_router_score_function": "sigmoid", "model.moe_router_enable_expert_bias": True,
+         "model.moe_router_num_groups": 4, "model.moe_router_group_topk": 2,
+         "model.moe_router_topk_scaling_factor": 2.5, "model.moe_shared_expert_intermediate_size": 32,
+         "model.moe_layer_freq": "([0]*1+[1]*3)", "model.moe_aux_loss_coeff": 0.01},
     ),
     (
         "optimizer",
         "--lr 6e-5 --min-lr 6e-6 --lr-warmup-iters 10 --lr-decay-iters 100 --lr-decay-style cosine "
         "--weight-decay 0.1 --adam-beta1 0.8 --adam-beta2 0.95 --adam-eps 1e-6 --clip-grad 0.5",
-        {"optim.lr": "6e-05", "optim.min_lr": "6e-06", "optim.lr_warmup_iters": "10",
-         "optim.lr_decay_iters": "100", "optim.lr_decay_style": "cosine",
-         "optim.weight_decay": "0.1", "optim.adam_beta1": "0.8", "optim.adam_beta2": "0.95",
-         "optim.adam_eps": "1e-06", "optim.clip_grad": "0.5"},
-        {"optim.lr": 6e-5, "optim.lr_warmup_iters": 10, "optim.lr_decay_style": "cosine",
-         "optim.adam_beta2": 0.95},
+        {"optim.lr_warmup_iters": "10", "optim.lr_decay_style": "cosine"},
+        {"optim.lr": 6e-5, "optim.min_lr": 6e-6, "optim.lr_decay_iters": 100,
+         "optim.adam_beta2": 0.95, "optim.clip_grad": 0.5},
     ),
     (
         "warmup_fraction",
@@ -117,55 +129,62 @@ CASES = [
         {"optim.lr_warmup_iters": 10},
     ),
     (
-        "training",
-        "--micro-batch-size 2 --global-batch-size 32 --train-iters 50 --eval-interval 25 "
-        "--eval-iters 3 --exit-interval 7 --seed 7 --log-interval 5",
-        {"train.micro_batch_size": "2", "train.global_batch_size": "32", "train.iters": "50",
-         "train.eval_interval": "25", "train.eval_iters": "3", "train.exit_interval": "7",
-         "train.seed": "7", "logging.log_interval": "5"},
-        {"train.global_batch_size": 32, "train.micro_batch_size": 2, "train.exit_interval": 7},
+        "sample_schedule",
+        "--train-samples 4000 --lr-decay-samples 3000 --lr-warmup-fraction 0.1",
+        {"train.train_samples": "4000", "optim.lr_decay_samples": "3000",
+         "optim.lr_warmup_samples": "300"},
+        {"train.train_samples": 4000, "optim.lr_decay_samples": 3000,
+         "optim.lr_warmup_samples": 300},
     ),
     (
-        "manual_gc",
-        "--manual-gc --manual-gc-interval 100 --no-manual-gc-eval",
-        {"train.manual_gc": "true", "train.manual_gc_interval": "100", "train.manual_gc_eval": "false"},
-        {"train.manual_gc": True, "train.manual_gc_interval": 100, "train.manual_gc_eval": False},
+        "training",
+        "--micro-batch-size 2 --global-batch-size 32 --train-iters 50 --eval-interval 25 "
+        "--eval-iters 3 --exit-interval 7 --seed 7 --log-interval 5 --manual-gc "
+        "--manual-gc-interval 100 --disable-manual-gc-eval",
+        {"train.global_batch_size": "32", "train.manual_gc_eval": "false"},
+        {"train.micro_batch_size": 2, "train.exit_interval": 7, "train.seed": 7,
+         "logging.log_interval": 5, "train.manual_gc": True, "train.manual_gc_eval": False},
     ),
     (
         "data_hf_tokenizer",
         "--data-path 0.7 /d/a_text_document 0.3 /d/b --split 949,50,1 --num-workers 2 "
-        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model /tok/tokenizer.json",
-        {"data.data_path": "['0.7',/d/a_text_document,'0.3',/d/b]", "data.split": "'949,50,1'",
-         "data.num_workers": "2", "data.tokenizer": "/tok/tokenizer.json"},
+        "--tokenizer-type HuggingFaceTokenizer --tokenizer-model /tok/tokenizer.json "
+        "--data-cache-path /cache",
+        {"data.data_path": "['0.7',/d/a_text_document,'0.3',/d/b]", "data.split": "'949,50,1'"},
         {"data.data_path": ["0.7", "/d/a_text_document", "0.3", "/d/b"], "data.split": "949,50,1",
-         "data.tokenizer": "/tok/tokenizer.json"},
+         "data.tokenizer": "/tok/tokenizer.json", "data.cache_dir": "/cache"},
     ),
     (
-        "null_tokenizer",
-        "--tokenizer-type NullTokenizer --vocab-size 512",
-        {"data.tokenizer": "byte", "model.vocab_size": "512"},
-        {"data.tokenizer": "byte", "model.vocab_size": 512},
+        "llama2_tokenizer_json",
+        "--tokenizer-type Llama2Tokenizer --tokenizer-model /tok",
+        {"data.tokenizer": "/tok"},
+        {"data.tokenizer": "/tok"},
+    ),
+    (
+        "null_tokenizer_mock_data",
+        "--tokenizer-type NullTokenizer --vocab-size 512 --mock-data",
+        {"data.tokenizer": "byte", "model.vocab_size": "512", "data.mock": "true"},
+        {"data.tokenizer": "byte", "model.vocab_size": 512, "data.mock": True},
     ),
     (
         "checkpoint_logging",
-        "--save /ck --load /ck --save-interval 50 --tensorboard-dir /tb --wandb-project proj",
-        {"checkpoint.save": "/ck", "checkpoint.load": "/ck", "checkpoint.interval": "50",
-         "logging.tensorboard_dir": "/tb", "logging.wandb_project": "proj"},
-        {"checkpoint.save": "/ck", "checkpoint.interval": 50, "logging.wandb_project": "proj"},
+        "--save /ck --load /ck --persistent-save-interval 50 --ckpt-step 20 --async-save "
+        "--exit-on-missing-checkpoint --tensorboard-dir /tb --wandb-project proj "
+        "--log-params-norm --log-num-zeros-in-grad --log-throughput --log-timers-to-tensorboard "
+        "--log-memory-to-tensorboard --log-validation-ppl-to-tensorboard",
+        {"checkpoint.interval": "50", "checkpoint.load_optional": "false"},
+        {"checkpoint.save": "/ck", "checkpoint.step": 20, "checkpoint.async_save": True,
+         "checkpoint.load_optional": False, "logging.wandb_project": "proj",
+         "logging.log_params_norm": True, "logging.log_num_zeros_in_grad": True,
+         "logging.log_throughput": True, "logging.log_timers_to_tensorboard": True,
+         "logging.log_memory_to_tensorboard": True,
+         "logging.log_validation_ppl_to_tensorboard": True},
     ),
     ("bf16", "--bf16", {"model.precision": "bf16"}, {"model.precision": "bf16"}),
     ("fp16", "--fp16", {"model.precision": "fp16"}, {"model.precision": "fp16"}),
     ("impl_local", "--transformer-impl local", {"model.spec": "local"}, {"model.spec": "local"}),
-    ("impl_te", "--transformer-impl transformer_engine", {"model.spec": "te"},
-     {"model.spec": "te"}),
-    (
-        "what_we_always_do",
-        "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
-        "--use-mcore-models --no-gradient-accumulation-fusion --distributed-backend gloo "
-        "--attention-dropout 0.0 --hidden-dropout 0 --rotary-percent 1.0 --ckpt-format torch_dist",
-        {},
-        {},
-    ),
+    ("impl_te", "--transformer-impl transformer_engine", {"model.spec": "auto"},
+     {"model.spec": "auto"}),
     (
         "awkward_strings",
         "--save 'out/a b$c,d' --wandb-project 'it'\"'\"'s ~${x}'",
@@ -179,9 +198,9 @@ CASES = [
     "command, overrides", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_flags_map_to_overrides(command, overrides):
-    out = mlm_args_to_overrides(shlex.split(command))
-    assert out[0] == "experiment=none"
-    assert as_dict(out) == {**BASE, **overrides}
+    out = as_dict(mlm_args_to_overrides(shlex.split(command)))
+    assert out["experiment"] == "none"
+    assert {key: out.get(key) for key in overrides} == overrides
 
 
 @pytest.mark.parametrize(
@@ -190,16 +209,48 @@ def test_flags_map_to_overrides(command, overrides):
 def test_overrides_compose(command, fields):
     cfg = compose_config(mlm_args_to_overrides(shlex.split(command)))
     assert {path: field(cfg, path) for path in fields} == fields
-    # Megatron-LM's defaults, not the default experiment's.
-    assert cfg.launcher.nproc == fields.get("launcher.nproc", 1)
-    assert cfg.optim.lr_decay_style == fields.get("optim.lr_decay_style", "linear")
 
 
-def test_hydra_overrides_pass_through_last():
+# What Megatron-LM builds when the model flags are left out (arguments.py's defaults), against
+# megatron_ext's own LLaMA-style defaults: every one of these differs from Config().
+GPT3_DEFAULTS = {
+    "model.normalization": "LayerNorm",
+    "model.activation": "gelu",
+    "model.position_embedding_type": "learned_absolute",
+    "model.add_bias_linear": True,
+    "model.hidden_dropout": 0.1,
+    "model.attention_dropout": 0.1,
+    "model.kv_lora_rank": 32,
+    "optim.min_lr": 0.0,
+    "optim.lr_decay_style": "linear",
+    "optim.adam_beta2": 0.999,
+    "optim.lr_warmup_iters": 0,
+    "train.global_batch_size": None,
+    "parallel.use_distributed_optimizer": False,
+    "checkpoint.load_optional": True,
+}
+
+
+def test_gpt3_command_line_gets_megatron_defaults():
+    cfg = compose_config(mlm_args_to_overrides(shlex.split("--hidden-size 64")))
+    assert {path: field(cfg, path) for path in GPT3_DEFAULTS} == GPT3_DEFAULTS
+    assert cfg.model.ffn_hidden_size == 4 * 64  # GeLU: 4h, not SwiGLU's 8h/3
+    assert cfg.model.tie_embeddings and cfg.model.rotary_percent == 1.0
+    ours = Config()
+    assert all(field(ours, path) != v for path, v in GPT3_DEFAULTS.items())
+
+
+def test_swiglu_ffn_default():
+    cfg = compose_config(mlm_args_to_overrides(["--hidden-size", "128", "--swiglu"]))
+    assert cfg.model.ffn_hidden_size == 320  # int(8 * 128 / 3 / 64) * 64
+
+
+def test_model_preset_keeps_its_architecture():
     out = mlm_args_to_overrides(["--num-layers", "4", "model=llama_tiny_gqa", "train.iters=3"])
     assert out[-2:] == ["model=llama_tiny_gqa", "train.iters=3"]
     cfg = compose_config(out)
     assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.train.iters) == (4, 2, 3)
+    assert (cfg.model.normalization, cfg.model.activation) == ("RMSNorm", "swiglu")
 
 
 def test_passed_through_experiment_replaces_none():
@@ -207,79 +258,157 @@ def test_passed_through_experiment_replaces_none():
     assert cfg.launcher.nproc == 4
 
 
-def test_megatron_gpt3_example_maps_cleanly():
-    # Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh, scaled down, without the flags
-    # we do not support (--attention-backend, --rampup-batch-size, --vocab-file/--merge-file).
-    command = """
-        --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
-        --max-position-embeddings 128
-        --micro-batch-size 1 --global-batch-size 16 --train-iters 500 --weight-decay 0.1
-        --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16
-        --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001
-        --lr-decay-iters 430
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-        --data-path /data/gpt_text_document --split 949,50,1
-        --tokenizer-type GPT2BPETokenizer --tokenizer-model /data/gpt2/tokenizer.json
-        --log-interval 100 --save-interval 10000 --eval-interval 1000 --save /ckpt --load /ckpt
-        --eval-iters 10 --tensorboard-dir /tb
-    """
-    cfg = compose_config(mlm_args_to_overrides(shlex.split(command)))
-    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.model.num_layers) == (2, 2, 4)
-    train = cfg.train
-    assert (train.micro_batch_size, train.global_batch_size, train.iters) == (1, 16, 500)
-    assert cfg.model.precision == "fp16"
-    assert cfg.model.ffn_hidden_size == 320  # Megatron-LM's SwiGLU default for hidden 128
-    assert cfg.optim.lr_warmup_iters == 0  # round(0.001 * 430)
-    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_decay_iters) == (6e-5, 6e-6, 430)
-    assert cfg.data.data_path == ["/data/gpt_text_document"]
-    assert cfg.data.tokenizer == "/data/gpt2/tokenizer.json"
-    ckpt = cfg.checkpoint
-    assert (ckpt.save, ckpt.load, ckpt.interval) == ("/ckpt", "/ckpt", 10000)
+def _config_keys() -> set[str]:
+    cfg = Config()
+    sections = [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
+    return {
+        f"{f.name}.{key.name}"
+        for f, section in zip(dataclasses.fields(cfg), sections)
+        if dataclasses.is_dataclass(section)
+        for key in dataclasses.fields(section)
+    }
 
 
-def test_megatron_llama_example_maps_cleanly():
-    # The model part of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh, scaled down.
-    command = """
-        --use-mcore-models --num-layers 2 --hidden-size 256 --ffn-hidden-size 896
-        --num-attention-heads 8 --group-query-attention --num-query-groups 2 --kv-channels 32
-        --seq-length 256 --max-position-embeddings 256 --position-embedding-type rope
-        --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
-        --swiglu --init-method-std 0.0134 --untie-embeddings-and-output-weights
-        --normalization RMSNorm --disable-bias-linear --bf16 --transformer-impl local
-    """
-    cfg = compose_config(mlm_args_to_overrides(shlex.split(command)))
-    model = cfg.model
-    assert (model.hidden_size, model.ffn_hidden_size, model.num_query_groups) == (256, 896, 2)
-    assert (model.rotary_base, model.tie_embeddings, model.spec) == (1e6, False, "local")
+def test_table_rows_are_whole():
+    names = [n for flag in ALL_FLAGS for n in flag.names]
+    assert len(names) == len(set(names)), "a flag name appears in two rows"
+    keys = _config_keys()
+    for flag in ALL_FLAGS:
+        assert flag.status in (MAPPED, NOTICE, REFUSED)
+        assert flag.target, f"{flag.name} has no key, notice or reason"
+        if flag.status == MAPPED:
+            assert flag.target in keys, f"{flag.name} maps onto {flag.target}, not a config key"
+        if flag.only is not None:
+            assert flag.refuse, f"{flag.name} refuses values without a reason"
+    build_parser()  # argparse refuses conflicting option strings
+
+
+def _sample(flag) -> list[str]:
+    """One command line giving `flag` a value its syntax accepts (an accepted one if limited)."""
+    if flag.is_switch:
+        return [flag.names[-1] if flag.syntax == "bool" else flag.name]
+    pick = (flag.only or flag.choices or {"int": (2,), "float": (0.5,), "str": ("x",)}[
+        flag.syntax.rstrip("+*0123456789")])[0]
+    count = int(flag.syntax[-1]) if flag.syntax[-1].isdigit() else 1
+    return [flag.name, *[str(pick)] * count]
+
+
+# Flags that Megatron-LM reads only together with another one.
+NEEDS = {
+    "--lr-decay-samples": ["--train-samples", "8"],
+    "--lr-warmup-samples": ["--train-samples", "8"],
+    "--num-virtual-stages-per-pipeline-rank": ["--global-batch-size", "8"],
+    "--virtual-pipeline-model-parallel-size": ["--global-batch-size", "8"],
+}
+
+
+def _outcome(flag) -> list[str]:
+    """What a command line of `flag` alone gives: its problems, its notices, or its sources."""
+    argv = _sample(flag)
+    try:
+        out = translate([*argv, *NEEDS.get(flag.name, [])])
+    except MlmArgsError as error:
+        return error.problems
+    return out.notices if out.notices else [out.sources.get(flag.target, "")]
+
+
+def test_each_flag_does_what_its_row_says():
+    """Every row of Megatron-LM's parser, alone on a command line: a refused flag is reported
+    with its reason, a notice printed, a mapped flag sets its key."""
+    wrong = {}
+    for flag in (f for f in ALL_FLAGS if not f.derived):
+        shown = " ".join(_sample(flag))
+        expected = {
+            REFUSED: [f"{shown}: {flag.target}"],
+            NOTICE: [f"{shown}: {flag.target}"],
+            MAPPED: [shown],
+        }[flag.status]
+        if _outcome(flag) != expected:
+            wrong[flag.name] = _outcome(flag)
+    assert wrong == {}
+
+
+def test_prefix_flags_are_not_abbreviations():
+    with pytest.raises(MlmArgsError, match="--num-lay: unknown Megatron-LM flag"):
+        translate(["--num-lay", "2"])
+
+
+# Notices: accepted, no effect here, one line each.
+NOTICES = [
+    ("sequence_parallel_tp1", "--sequence-parallel",
+     "--sequence-parallel: turned off at --tensor-model-parallel-size 1"),
+    ("ckpt_format", "--ckpt-format fsdp_dtensor",
+     "--ckpt-format fsdp_dtensor: checkpoints are written as torch_dist"),
+    ("groups_without_gqa", "--num-query-groups 2",
+     "--num-query-groups 2: ignored without --group-query-attention"),
+    ("no_position_embedding_rope", "--position-embedding-type rope --no-position-embedding",
+     "--no-position-embedding: deprecated"),
+    ("attention_backend", "--attention-backend flash", "--attention-backend flash: attention"),
+    ("only_default", "--moe-router-bias-update-rate 0.001",
+     "--moe-router-bias-update-rate 0.001: megatron-core's default"),
+]
+
+
+@pytest.mark.parametrize("command, line", [c[1:] for c in NOTICES], ids=[c[0] for c in NOTICES])
+def test_notices(command, line):
+    out = translate(shlex.split(command))
+    assert [n for n in out.notices if n.startswith(line)] == out.notices[:1] != []
+
+
+def test_sequence_parallel_stays_at_tp2():
+    out = translate(["--sequence-parallel", "--tensor-model-parallel-size", "2"])
+    assert as_dict(out.overrides)["parallel.sequence_parallel"] == "true" and not out.notices
+
+
+def test_transformer_engine_without_te_says_local_layers(monkeypatch):
+    monkeypatch.setattr(optional, "HAVE_TE", False)
+    out = translate(["--transformer-impl", "transformer_engine"])
+    assert out.notices == [
+        "--transformer-impl transformer_engine: Transformer Engine is not installed: the "
+        "local layers run"
+    ]
 
 
 BAD = [
-    ("unknown_flag", "--foo 3", "unknown Megatron-LM flag --foo"),
-    ("unknown_flag_equals", "--num-layers 2 --foo=3", "unknown Megatron-LM flag --foo"),
+    ("unknown_flag", "--foo 3", "--foo: unknown Megatron-LM flag"),
+    ("unknown_flag_equals", "--num-layers 2 --foo=3", "--foo: unknown Megatron-LM flag"),
     ("stray_positional", "stray", "unexpected argument 'stray'"),
     ("bad_type", "--num-layers four", "--num-layers: invalid int value"),
-    ("layernorm", "--normalization LayerNorm",
-     "--normalization LayerNorm is not supported: megatron_ext models use RMSNorm"),
-    ("learned_positions", "--position-embedding-type learned_absolute",
-     "megatron_ext models use RoPE"),
-    ("dropout", "--hidden-dropout 0.1", "--hidden-dropout 0.1 is not supported"),
-    ("partial_rope", "--rotary-percent 0", "--rotary-percent 0.0 is not supported"),
+    ("bad_choice", "--normalization BatchNorm", "--normalization: invalid choice"),
+    ("refused_value", "--position-embedding-type mrope",
+     "--position-embedding-type mrope: mrope and relative positions are not"),
+    ("router_value", "--moe-router-load-balancing-type global_aux_loss",
+     "--moe-router-load-balancing-type global_aux_loss: megatron_ext's router takes"),
+    ("two_router_values", "--moe-router-load-balancing-type aux_loss aux_loss",
+     "one value only"),
+    ("flex", "--moe-token-dispatcher-type flex", "needs DeepEP/HybridEP"),
+    ("wsd", "--lr-decay-style WSD", "WSD needs"),
     ("vocab_file", "--vocab-file v.json", "use --tokenizer-model"),
     ("bf16_and_fp16", "--bf16 --fp16", "exclusive"),
+    ("swiglu_and_squared_relu", "--swiglu --squared-relu", "exclusive"),
     ("two_vpp_flags", "--num-layers 8 --pipeline-model-parallel-size 2 "
-     "--num-layers-per-virtual-pipeline-stage 2 --virtual-pipeline-model-parallel-size 2",
+     "--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 2",
      "exclusive"),
-    ("vpp_without_layers", "--num-layers-per-virtual-pipeline-stage 2", "needs --num-layers"),
-    ("groups_without_gqa", "--num-query-groups 2", "needs --group-query-attention"),
-    ("kv_channels", "--hidden-size 256 --num-attention-heads 8 --kv-channels 64",
-     "--kv-channels 64 is not supported"),
+    ("vpp_without_layers", "--num-layers-per-virtual-pipeline-stage 2 --global-batch-size 8",
+     "needs --num-layers"),
+    ("vpp_without_global_batch", "--pipeline-model-parallel-size 2 "
+     "--num-virtual-stages-per-pipeline-rank 2", "needs --global-batch-size"),
+    ("etp", "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
+     "must equal --tensor-model-parallel-size"),
     ("short_positions", "--seq-length 256 --max-position-embeddings 128",
-     "must be >= --seq-length"),
+     "must be >= --seq-length (256)"),
+    ("no_position_embedding_learned", "--no-position-embedding", "deprecated in Megatron-LM"),
     ("warmup_both", "--train-iters 10 --lr-warmup-iters 1 --lr-warmup-fraction 0.1", "exclusive"),
     ("warmup_fraction_alone", "--lr-warmup-fraction 0.1",
      "needs --lr-decay-iters or --train-iters"),
-    ("sentencepiece", "--tokenizer-type SentencePieceTokenizer",
-     "--tokenizer-type SentencePieceTokenizer is not supported"),
+    ("samples_and_iters", "--train-samples 10 --train-iters 10", "exclusive with --train-iters"),
+    ("iters_warmup_with_samples", "--train-samples 10 --lr-warmup-iters 1",
+     "does not go with --train-samples"),
+    ("samples_warmup_with_iters", "--lr-warmup-samples 10", "needs --train-samples"),
+    ("tiktoken", "--tokenizer-type TikTokenizer --tokenizer-model t.json",
+     "--tokenizer-type TikTokenizer: use HuggingFaceTokenizer"),
+    ("sentencepiece_model_file", "--tokenizer-type Llama2Tokenizer --tokenizer-model t.model",
+     "a SentencePiece .model file is not read here"),
     ("hf_without_model", "--tokenizer-type HuggingFaceTokenizer", "needs --tokenizer-model"),
     ("impl", "--transformer-impl inference_optimized", "use local or transformer_engine"),
 ]
@@ -292,8 +421,72 @@ def test_bad_command_lines(command, phrase):
     assert phrase in str(info.value)
 
 
-def test_main_reports_unknown_flag_with_exit_code_2(capsys):
+def test_one_message_lists_every_refused_flag(capsys):
+    command = (
+        "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --enable-gpt-oss "
+        "--step-batch-size-schedule 0:16 --rope-type yarn --no-load-optim"
+    )
     with pytest.raises(SystemExit) as info:
-        main(["--num-layers", "2", "--foo"])
+        main(shlex.split(command))
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: unknown Megatron-LM flag --foo"
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --foo: unknown Megatron-LM flag",
+        "error: --step-batch-size-schedule 0:16: batch-size schedules are not supported: the "
+        "global batch is fixed",
+        "error: --rope-type yarn: YaRN for multi-latent attention has no config keys here",
+        "error: --no-load-optim: a checkpoint here always holds and restores the optimizer and "
+        "RNG state",
+        "error: --vocab-file v.json: data.tokenizer is one tokenizer.json: use --tokenizer-model "
+        "<tokenizer.json>",
+        "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "
+        "activations are not in megatron_ext's model space",
+    ]
+
+
+def test_rule_errors_name_the_typed_flag(capsys):
+    command = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --tensor-model-parallel-size 3 "
+        "--nproc 3 --attention-backend auto"
+    )
+    with pytest.raises(SystemExit) as info:
+        main(shlex.split(command))
+    assert info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("notice: --attention-backend auto: ")  # notices come first
+    assert err[1:] == [
+        "error: --tensor-model-parallel-size 3 (parallel.tp): model.num_attention_heads (4) "
+        "must be divisible by parallel.tp (3)"
+    ]
+
+
+def test_interleaved_micro_batches_refused_before_launch(capsys):
+    command = (
+        "--num-layers 4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+        "--micro-batch-size 1 --global-batch-size 3 --nproc 2"
+    )
+    with pytest.raises(SystemExit) as info:
+        main(shlex.split(command))
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --global-batch-size 3 (train.global_batch_size): the micro-batches per step "
+        "(train.global_batch_size / (train.micro_batch_size * dp) = 3 / (1 * 1) = 3) must be "
+        "divisible by parallel.pp (2) with parallel.vpp (interleaved pipeline)"
+    )
+
+
+def test_fidelity_doc_is_generated_from_the_table():
+    doc = (REPO / "docs" / "megatron_flags.md").read_text()
+    assert doc == flag_table_markdown(), (
+        "docs/megatron_flags.md is stale: python -m megatron_ext.pretrain_gpt --flag-table "
+        "> docs/megatron_flags.md"
+    )
+
+
+def test_flag_table_command_prints_the_doc(capsys):
+    main(["--flag-table"])
+    assert capsys.readouterr().out == flag_table_markdown()
+
+
+def test_help_points_at_the_flag_table(capsys):
+    main(["--help"])
+    assert "--flag-table" in capsys.readouterr().out

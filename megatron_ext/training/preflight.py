@@ -1,0 +1,253 @@
+"""What a run will read and write, checked before any worker starts: the data files, the
+pretrained weights, the checkpoint to resume from (its tracker, and that it is this model's
+shape) and the checkpoint directory to save to. A failure is a ConfigError naming the field and
+the path; otherwise a rank would find it minutes later, as a traceback, or never (a mistyped
+`checkpoint.load` trained from scratch).
+
+Only the launcher's cheap imports are used here (no megatron) unless a checkpoint must be read.
+Paths are taken as the readers and writers take them: `~` is expanded where they expand it
+(model.pretrained, data.corpus), not in checkpoint and data paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ext.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig
+from megatron_ext.config.validate import ConfigError
+from megatron_ext.training import tracker
+from megatron_ext.training.file_headers import check_gguf, check_safetensors
+
+# The model fields that decide the shapes of the tensors a checkpoint holds.
+SHAPE_FIELDS = (
+    "arch",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "tie_embeddings",
+    "normalization",
+    "activation",
+    "position_embedding_type",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_enable_expert_bias",
+    "hybrid_pattern",
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "mamba_num_groups",
+    "mamba_state_dim",
+)
+
+
+def check_inputs(cfg: Config) -> None:
+    """Raise ConfigError for the first input or output of `cfg` that cannot work."""
+    check_data(cfg.data)
+    if cfg.model.pretrained:
+        check_pretrained(cfg.model)
+    check_load(cfg.checkpoint, cfg.model)
+    if cfg.checkpoint.save:
+        check_save(cfg.checkpoint.save)  # last: it creates the directory
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def data_prefixes(data_path: list[str]) -> list[str]:
+    """The dataset prefixes of megatron's --data-path list: every other item when the list
+    pairs weights with prefixes ("0.7 a 0.3 b"), else all of them."""
+    weights = data_path[0::2]
+    if len(data_path) % 2 == 0 and all(_is_number(w) for w in weights):
+        return list(data_path[1::2])
+    return list(data_path)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_data(data: DataConfig) -> None:
+    if data.mock:
+        return
+    for prefix in data_prefixes(list(data.data_path)):
+        _check_indexed_dataset(prefix)
+    if not data.data_path and data.corpus != "stdlib" and not os.path.exists(os.path.expanduser(data.corpus)):
+        raise ConfigError("data.corpus", f"{data.corpus} does not exist (a text file, a folder of them, or stdlib)")
+
+
+def _check_indexed_dataset(prefix: str) -> None:
+    if os.path.isdir(prefix):
+        found = sorted(p.stem for p in Path(prefix).glob("*.idx"))
+        hint = f"; its datasets: {', '.join(str(Path(prefix, s)) for s in found)}" if found else ""
+        raise ConfigError("data.data_path", f"{prefix} is a folder; give the prefix of a .bin/.idx pair{hint}")
+    for suffix in (".bin", ".idx"):
+        path = prefix + suffix
+        if not os.path.isfile(path):
+            raise ConfigError("data.data_path", f"{path} does not exist (a prefix names {prefix}.bin and {prefix}.idx)")
+        if os.path.getsize(path) == 0:
+            raise ConfigError("data.data_path", f"{path} is empty")
+
+
+# --- pretrained weights -----------------------------------------------------------------------
+
+
+def pretrained_path(spec: str) -> str:
+    """The filesystem path of `model.pretrained`, `pkg:<module>/<file>` located without importing
+    the package."""
+    if not spec.startswith("pkg:"):
+        return os.path.expanduser(spec)
+    module, _, relative = spec[len("pkg:") :].partition("/")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError("model.pretrained", f"{spec}: the package {module!r} is not installed")
+    return os.path.join(found.submodule_search_locations[0], relative)
+
+
+def check_pretrained(model: ModelConfig) -> None:
+    path = pretrained_path(model.pretrained)
+    try:
+        if not os.path.exists(path):
+            raise ValueError(f"{path} does not exist")
+        if Path(path, tracker.TRACKER).is_file():
+            _check_checkpoint("model.pretrained", path, None, model)
+        elif os.path.isdir(path):
+            _check_hf_folder(path)
+        else:
+            check_gguf(path)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError("model.pretrained", str(e)) from None
+
+
+def _check_hf_folder(path: str) -> None:
+    config = Path(path, "config.json")
+    if not config.is_file():
+        raise ValueError(f"{path} is neither a GGUF file, a Hugging Face folder (no config.json) nor a checkpoint (no {tracker.TRACKER})")
+    try:
+        json.loads(config.read_text())
+    except ValueError:
+        raise ValueError(f"{config} is not valid JSON") from None
+    weights = sorted(Path(path).glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{path} has no *.safetensors files")
+    for file in weights:
+        check_safetensors(str(file))
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def check_load(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
+    """`checkpoint.load` must hold a checkpoint, except where it may be missing: with
+    `load_optional`, or when it is also `checkpoint.save` (resume-if-present: the first run of
+    `checkpoint.save=runs/x checkpoint.load=runs/x` finds nothing yet)."""
+    load = checkpoint.load
+    if not load:
+        return
+    root = load
+    optional = checkpoint.load_optional or _same_dir(load, checkpoint.save)
+    try:
+        iteration = tracker.latest_iteration(root)
+    except ValueError as e:
+        raise ConfigError("checkpoint.load", str(e)) from None
+    if iteration is None:
+        if os.path.isdir(root) and any(os.scandir(root)):
+            raise ConfigError("checkpoint.load", f"{root} holds no {tracker.TRACKER}: not a checkpoint directory")
+        if not optional:
+            state = "is empty" if os.path.isdir(root) else "does not exist"
+            raise ConfigError(
+                "checkpoint.load",
+                f"{root} {state}; set checkpoint.load_optional=true to start from scratch when it holds no checkpoint",
+            )
+        if checkpoint.step is None:
+            return
+    _check_checkpoint("checkpoint.load", root, checkpoint.step, model, field_of_step="checkpoint.step")
+
+
+def _same_dir(a: str, b: Optional[str]) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def _check_checkpoint(
+    field: str, root: str, step: Optional[int], model: ModelConfig, field_of_step: Optional[str] = None
+) -> None:
+    """The checkpoint of `root` to be read (iteration `step`, else the tracker's) exists and
+    holds a model of `model`'s shape, read from its common state."""
+    try:
+        iteration = step or tracker.latest_iteration(root)
+    except ValueError as e:
+        raise ConfigError(field, str(e)) from None
+    folder = tracker.iteration_dir(root, iteration or 0)
+    if iteration is None or not folder.is_dir():
+        raise ConfigError(field_of_step if step else field, f"{root} has no checkpoint of iteration {iteration} ({folder} is missing)")
+    saved = _saved_model(field, root, iteration)
+    differing = [
+        f"model.{name}={getattr(model, name)!r} but the checkpoint has {saved[name]!r}"
+        for name in SHAPE_FIELDS
+        if name in saved and saved[name] != getattr(model, name)
+    ]
+    if differing:
+        raise ConfigError(field, f"{folder} holds another model shape: {'; '.join(differing)}")
+
+
+def _saved_model(field: str, root: str, iteration: int) -> dict[str, Any]:
+    """The model section of the config that wrote the checkpoint ({} when it has none)."""
+    with warnings.catch_warnings():  # megatron's import notes are the workers' to print
+        warnings.simplefilter("ignore")
+        from megatron_ext.training import checkpoint as ckpt  # megatron: only when there is one to read
+
+    try:
+        common = ckpt.load_common(root, iteration)
+    except Exception as e:  # a missing or damaged common.pt, whatever megatron raises for it
+        raise ConfigError(field, f"{tracker.iteration_dir(root, iteration)} is not a readable checkpoint ({_one_line(e)})") from None
+    model = (common.get("config") or {}).get("model") or {}
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {k: v for k, v in model.items() if k in known}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def check_save(save: str) -> None:
+    """`checkpoint.save` can be written: created if missing (as the first save would), then a
+    file made and removed in it."""
+    root = Path(save)
+    if root.exists() and not root.is_dir():
+        raise ConfigError("checkpoint.save", f"{root} is not a directory")
+    try:
+        tracker.latest_iteration(root)
+    except ValueError as e:
+        raise ConfigError("checkpoint.save", str(e)) from None
+    probe = root / f".write_test.{socket.gethostname()}.{os.getpid()}"  # every rank of srun probes
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError("checkpoint.save", f"{root} is not writable ({e.strerror or e})") from None

@@ -684,6 +684,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.rope_scaling", rope_scaling_fits),
     ("model.rope_scaling_factor", positive("model.rope_scaling_factor")),
     ("model.yarn_rotary_scaling_factor", positive("model.yarn_rotary_scaling_factor")),
+    ("model.yarn_beta_fast", positive("model.yarn_beta_fast")),
+    ("model.yarn_beta_slow", positive("model.yarn_beta_slow")),
     ("model.max_position_embeddings", positions_fit_sequence),
     ("model.hidden_dropout", in_range("model.hidden_dropout", 0.0, 1.0, high_open=True)),
     ("model.attention_dropout", in_range("model.attention_dropout", 0.0, 1.0, high_open=True)),

@@ -45,10 +45,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # model.activation -> (megatron's activation_func, gated_linear_unit)
 ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False), "squared_relu": (squared_relu, False)}
 
-# megatron-core 0.16's YaRN settings besides the factor (YarnRotaryEmbedding's defaults, which
-# Megatron-LM also uses when its --yarn-* / --mscale flags are left out).
-YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-
 _log = logging.getLogger(__name__)
 
 
@@ -85,6 +81,18 @@ def _notice(text: str) -> None:
         _log.warning(text)
 
 
+def _yarn_settings(model: ModelConfig) -> dict:
+    """YaRN's settings under the names MLATransformerConfig (and, prefixed, GPTModel) use."""
+    return {
+        "rotary_scaling_factor": model.yarn_rotary_scaling_factor,
+        "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
+        "beta_fast": model.yarn_beta_fast,
+        "beta_slow": model.yarn_beta_slow,
+        "mscale": model.yarn_mscale,
+        "mscale_all_dim": model.yarn_mscale_all_dim,
+    }
+
+
 def _position_fields(model: ModelConfig) -> dict:
     """TransformerConfig fields of the position embedding; MLA takes its RoPE from its config."""
     if not model.multi_latent_attention:
@@ -93,9 +101,7 @@ def _position_fields(model: ModelConfig) -> dict:
         "rope_type": model.position_embedding_type,
         "rotary_base": model.rotary_base,
         "rotary_percent": model.rotary_percent,
-        "rotary_scaling_factor": model.yarn_rotary_scaling_factor,
-        "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
-        **YARN_DEFAULTS,
+        **_yarn_settings(model),
     }
 
 
@@ -318,12 +324,8 @@ def build_gpt_model(
 def _set_yarn_attributes(config: TransformerConfig, model: ModelConfig) -> None:
     """megatron-core 0.16's GPTModel reads YaRN's settings from `config.yarn_*` attributes
     that TransformerConfig does not declare (Megatron-LM sets them after building its config)."""
-    settings = {
-        "rotary_scaling_factor": model.yarn_rotary_scaling_factor,
-        "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
-        **YARN_DEFAULTS,
-        "correction_range_round_to_int": True,
-    }
+    # Rounding the correction range as Megatron-LM (and transformers' default) does.
+    settings = {**_yarn_settings(model), "correction_range_round_to_int": True}
     for name, value in settings.items():
         setattr(config, f"yarn_{name}", value)
 

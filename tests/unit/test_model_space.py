@@ -507,6 +507,21 @@ ROPE_SCALINGS = {
         ),
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     ),
+    # DeepSeek-V3's: its own frequency band and attention scale.
+    "yarn_mscale": (
+        dict(
+            position_embedding_type="yarn",
+            yarn_rotary_scaling_factor=40.0,
+            yarn_original_max_position_embeddings=16,
+            yarn_beta_fast=16.0,
+            yarn_beta_slow=2.0,
+            yarn_mscale=0.707,
+            yarn_mscale_all_dim=1.0,
+            seq_length=256,
+        ),
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 16.0,
+         "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 1.0},
+    ),
 }
 
 

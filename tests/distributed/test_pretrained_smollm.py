@@ -120,7 +120,8 @@ def test_tp1_logits_perplexity_and_hf_export(one_rank_world, smollm_gguf, tokeni
 
     from megatron_ext.evaluation import perplexity
     from megatron_ext.models.convert.hf import write_hf
-    from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+    from megatron_ext.models.convert.hf_config import hf_config_from_model
+    from megatron_ext.models.convert.llama import logical_to_hf
     from megatron_ext.models.convert.load import gather_logical
 
     chunks, cfg = imported(str(smollm_gguf))

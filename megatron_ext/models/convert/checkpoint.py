@@ -9,7 +9,8 @@ optimizer state) at iteration 0: training starts from it through `model.pretrain
 the weights and nothing else (no optimizer, scheduler, counters or RNG), in any layout.
 
 Export loads a checkpoint of any layout (dist_checkpointing reshards) into a TP1/PP1 model in
-this process and writes a LlamaForCausalLM folder.
+this process and writes a Hugging Face folder of the model's transformers family
+(`families.family_of`).
 
 Both write atomically: the result is assembled under a temporary name beside the destination and
 renamed into place, and every input problem is raised before anything is written.
@@ -26,7 +27,8 @@ from typing import Any, Optional
 from megatron_ext.config.schema import Config, LauncherConfig, ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
 from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, publish, staging_dir, write_hf
-from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+from megatron_ext.models.convert.hf_config import hf_config_from_model
+from megatron_ext.models.convert.llama import logical_to_hf
 from megatron_ext.models.convert.load import gather_logical, load_pretrained
 from megatron_ext.models.convert.source import Pretrained, open_pretrained
 from megatron_ext.models.convert.world import build_model, model_parallel_world

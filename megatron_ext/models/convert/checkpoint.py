@@ -66,7 +66,7 @@ def import_checkpoint(source: str, out: str, tp: int = 1, pp: int = 1, max_seq_l
     out_path = Path(out)
     staging = staging_dir(out_path)
     try:
-        launch_local(tp * pp, _import_worker, (source, str(staging), tp, pp, max_seq_length), "127.0.0.1", 0)
+        launch_local(tp * pp, save_imported, (source, str(staging), tp, pp, max_seq_length), "127.0.0.1", 0)
         _write_tokenizer(pretrained, staging / TOKENIZER_DIR)
         publish(staging, out_path)
     except BaseException:
@@ -75,7 +75,9 @@ def import_checkpoint(source: str, out: str, tp: int = 1, pp: int = 1, max_seq_l
     return out_path
 
 
-def _import_worker(source: str, out: str, tp: int, pp: int, max_seq_length: int) -> None:
+def save_imported(source: str, out: str, tp: int, pp: int, max_seq_length: int = 2048) -> None:
+    """One rank's part of an import, in a world of tp*pp ranks (joined here, or the one this
+    process is in): build its stage, load its weights, join the collective save to `out`."""
     with model_parallel_world(tp, pp):
         pretrained = open_pretrained(source, max_seq_length)
         padded = padded_vocab_size(pretrained.config.vocab_size, pretrained.config, tp)

@@ -51,6 +51,11 @@ class ModelConfig:
     # RoPE frequency scaling: None, or llama3 (Llama 3.1's bands, `rope_scaling_factor`).
     rope_scaling: Optional[str] = None
     rope_scaling_factor: float = 8.0
+    # YaRN (position_embedding_type=yarn, also MLA's): how far RoPE is stretched, and the
+    # context length trained before the stretch (Megatron-LM's --rotary-scaling-factor and
+    # --yarn-original-max-position-embeddings, with their defaults).
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
     # Rows of the learned position table (learned_absolute) and the context length a
     # Hugging Face export declares; None: seq_length.
     max_position_embeddings: Optional[int] = None

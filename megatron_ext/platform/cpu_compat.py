@@ -168,6 +168,7 @@ def _fix_device_literals() -> None:
         "megatron.core.tensor_parallel.utils",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
         "megatron.core.models.common.embeddings.rope_utils",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.transformer.dot_product_attention",
         "megatron.core.transformer.attention",

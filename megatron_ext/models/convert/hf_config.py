@@ -54,10 +54,19 @@ def _window(hf_config: Mapping[str, Any], fam: Family) -> Optional[int]:
     return int(window) if hf_config["num_hidden_layers"] > hf_config.get("max_window_layers", 28) else None
 
 
+def _num_experts(hf_config: Mapping[str, Any], default: int) -> int:
+    """transformers reads `num_experts` and `num_local_experts` as one attribute in both MoE
+    families; a config with both must agree."""
+    given = {hf_config[key] for key in ("num_local_experts", "num_experts") if hf_config.get(key) is not None}
+    if len(given) > 1:
+        raise ValueError(f"config.json: num_local_experts and num_experts disagree ({sorted(given)})")
+    return given.pop() if given else default
+
+
 def _experts(hf_config: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     if fam.model_type == "mixtral":
         return {
-            "num_experts": hf_config.get("num_local_experts", 8),
+            "num_experts": _num_experts(hf_config, 8),
             "moe_router_topk": hf_config.get("num_experts_per_tok", 2),
             "moe_ffn_hidden_size": hf_config["intermediate_size"],
             # Mixtral renormalises its top-k softmax weights: a softmax over the top-k logits.
@@ -69,7 +78,7 @@ def _experts(hf_config: Mapping[str, Any], fam: Family) -> dict[str, Any]:
     dense = set(hf_config.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     return {
-        "num_experts": hf_config.get("num_experts", 128),
+        "num_experts": _num_experts(hf_config, 128),
         "moe_router_topk": hf_config.get("num_experts_per_tok", 8),
         "moe_ffn_hidden_size": hf_config.get("moe_intermediate_size", 768),
         # norm_topk_prob renormalises the top-k of the softmax (a softmax over the top-k logits);

@@ -12,6 +12,7 @@ follows from its ModelConfig (`families.family_of`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
@@ -174,6 +175,19 @@ def rules(cfg: ModelConfig) -> list[Rule]:
     return found
 
 
+_NUMBERED_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def canonical(name: LogicalName) -> LogicalName:
+    """A block whose layers differ (dense and MoE mixed) names each layer's tensors with the
+    layer number in the key (`decoder.layers.3.mlp.router.weight`) and no layer axis; a uniform
+    block has `decoder.layers.mlp.router.weight` at index (3,). The rules use the second form."""
+    numbered = _NUMBERED_LAYER.fullmatch(name.key)
+    if numbered is None:
+        return name
+    return LogicalName(f"decoder.layers.{numbered[2]}", (int(numbered[1]), *name.index))
+
+
 def logical_names(cfg: ModelConfig) -> list[LogicalName]:
     return [rule.name for rule in rules(cfg)]
 
@@ -210,7 +224,7 @@ class HFAsLogical(Mapping[LogicalName, torch.Tensor]):
         self._rules = {rule.name: rule for rule in rules(cfg)}
 
     def __getitem__(self, name: LogicalName) -> torch.Tensor:
-        rule = self._rules[name]
+        rule = self._rules[canonical(name)]
         return _combine(rule, [self._hf[n] for n in rule.hf], self._cfg, self._padded_vocab)
 
     def __iter__(self) -> Iterator[LogicalName]:
@@ -227,6 +241,7 @@ def logical_to_hf(
     tensors: Mapping[LogicalName, torch.Tensor], cfg: ModelConfig, vocab_size: int
 ) -> dict[str, torch.Tensor]:
     """Hugging Face tensors of a whole model; vocab padding rows are dropped."""
+    tensors = {canonical(name): t for name, t in tensors.items()}
     hf = {}
     for rule in rules(cfg):
         hf.update(zip(rule.hf, _split(rule, tensors[rule.name], cfg, vocab_size)))

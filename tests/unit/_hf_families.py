@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-# 4 layers (TP2 x PP2 needs 2 per stage), 4 query / 2 KV heads.
+# 4 layers (TP2 x PP2 needs 2 per stage), 4 query / 2 KV heads. Weights five times transformers'
+# default spread, so that attention scores (and with them RoPE) move the logits.
 SIZES = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=100, max_position_embeddings=256,
+    vocab_size=100, max_position_embeddings=256, initializer_range=0.1,
 )
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 MOE = dict(intermediate_size=48, num_experts_per_tok=2)

@@ -109,13 +109,14 @@ def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> P
     model = _model_config(common["config"]["model"])
     padded = common["padded_vocab_size"]
     vocab = model.vocab_size or padded
-    check_free(Path(out))  # before the slow part
+    # Before the slow part: a model no transformers family has is refused here.
+    config = hf_config_from_model(model, vocab, common.get("token_ids"))
+    check_free(Path(out))
     with model_parallel_world():
         chunks = build_model(model, padded)
         ckpt.load_checkpoint(load, iteration, chunks, None, load_rng=False)
         tensors = logical_to_hf(gather_logical(chunks), model, vocab)
     tokenizer = Path(load, TOKENIZER_DIR)
-    config = hf_config_from_model(model, vocab, common.get("token_ids"))
     return write_hf(out, tensors, config, tokenizer if tokenizer.is_dir() else None)
 
 

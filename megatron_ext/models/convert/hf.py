@@ -44,7 +44,10 @@ def read_hf(folder: str, max_seq_length: int = 2048) -> Pretrained:
     folder = str(folder)
     with open(os.path.join(folder, "config.json")) as f:
         hf_config = json.load(f)
-    cfg = model_config_from_hf(hf_config, max_seq_length, name=Path(folder).name)
+    try:
+        cfg = model_config_from_hf(hf_config, max_seq_length, name=Path(folder).name)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder}: no *.safetensors files")

@@ -8,8 +8,8 @@ and `standardize_rope_params`):
 - a non-empty `rope_scaling` replaces `rope_parameters` as a whole;
 - `rope_theta` is the chosen dict's own, else the top-level one, else the family's default;
 - the type is `rope_type`, else the legacy `type`, else "default";
-- Llama 3's `original_max_position_embeddings` is a top-level one if the config has it, else the
-  dict's, else `max_position_embeddings`.
+- Llama 3's `original_max_position_embeddings` is the dict's, else `max_position_embeddings` (a
+  top-level key of that name counts only for families that declare it, none of these).
 
 megatron-core 0.16's RotaryEmbedding has plain RoPE and Llama 3.1's bands with its factor
 (low_freq_factor 1, high_freq_factor 4 and an original context of 8192 are fixed in it); every
@@ -41,8 +41,6 @@ def effective_rope(hf_config: Mapping[str, Any], default_theta: float) -> dict[s
     if hf_config.get("partial_rotary_factor") is not None:
         rope.setdefault("partial_rotary_factor", hf_config["partial_rotary_factor"])
     if rope["rope_type"] == "llama3":
-        if hf_config.get("original_max_position_embeddings") is not None:
-            rope["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
         rope.setdefault("original_max_position_embeddings", hf_config.get("max_position_embeddings"))
     return rope
 

@@ -22,6 +22,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling=LLAMA3)),
     "llama_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
     "qwen2": ("Qwen2Config", dict(rope_theta=1e6)),
+    # YaRN stretching a 64-token context four times (Qwen2.5's long-context recipe, shrunk).
+    "qwen2_yarn": ("Qwen2Config", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen3": ("Qwen3Config", dict(head_dim=128, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=4096)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, **MOE)),

@@ -1,5 +1,5 @@
 """Hugging Face families in megatron's GPT model space and back: Llama 3.x (llama3 RoPE), Llama
-with biases, Qwen2 (QKV bias), Qwen3 (QK-norm, head_dim 128 over hidden 64), Mistral (a window
+with biases, Qwen2 (QKV bias; also with YaRN), Qwen3 (QK-norm, head_dim 128 over hidden 64), Mistral (a window
 no shorter than the sequence), Mixtral and Qwen3-MoE (renormalised and plain top-k softmax, a
 dense layer among MoE ones).
 
@@ -31,7 +31,9 @@ LOGITS_ATOL = 1e-5
 # need some length to move the logits.
 SEQ = 128
 # The family each one is written back as: Mistral without a window is Llama's network.
-EXPORTED_AS = {"llama3": "llama", "llama_bias": "llama", "mistral": "llama", "qwen3_moe_softmax": "qwen3_moe"}
+EXPORTED_AS = {
+    "llama3": "llama", "llama_bias": "llama", "mistral": "llama", "qwen2_yarn": "qwen2", "qwen3_moe_softmax": "qwen3_moe",
+}
 
 
 def tokens() -> torch.Tensor:
@@ -79,12 +81,13 @@ def test_family_logits_match_transformers_and_export_back(one_rank_world, tmp_pa
 
 
 @pytest.mark.model
-def test_llama3_scaling_matters_at_this_length(tmp_path):
-    """The llama3 case checks the scaled frequencies: plain RoPE on the same weights gives
+@pytest.mark.parametrize("name", ["llama3", "qwen2_yarn"])
+def test_rope_scaling_matters_at_this_length(tmp_path, name):
+    """The scaled cases check the scaled frequencies: plain RoPE on the same weights gives
     logits far outside the tolerance."""
     scaled, plain = tmp_path / "scaled", tmp_path / "plain"
-    save_tiny("llama3", scaled)
-    save_tiny("llama3", plain)
+    save_tiny(name, scaled)
+    save_tiny(name, plain)
     config = json.loads((plain / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
     (plain / "config.json").write_text(json.dumps(config))
@@ -133,7 +136,17 @@ def test_rope_settings_follow_transformers(case, model_type):
 REFUSALS = {
     "linear": ("llama3", {"rope_scaling": LINEAR}, r"RoPE type 'linear' is not supported: linear scaling"),
     "dynamic": ("llama3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"'dynamic' is not supported: dynamic NTK"),
-    "yarn": ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"'yarn' is not supported"),
+    "longrope": ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, r"'longrope' is not supported"),
+    "yarn_ramp": (
+        "qwen2_yarn",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16}},
+        r"'yarn' with beta_fast=16 is not supported: megatron's YaRN is built here with beta_fast=32",
+    ),
+    "yarn_attention_scale": (
+        "qwen2_yarn",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+        r"'yarn' with mscale=1.0 with mscale_all_dim=1.0 is not supported",
+    ),
     "llama3_bands": (
         "llama3",
         {"rope_scaling": {**LLAMA3, "low_freq_factor": 2.0}},

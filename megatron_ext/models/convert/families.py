@@ -76,7 +76,10 @@ def _outside_families(cfg: ModelConfig) -> list[str]:
     checks = [
         (cfg.normalization != "RMSNorm", f"model.normalization={cfg.normalization!r} (RMSNorm)"),
         (cfg.activation != "swiglu", f"model.activation={cfg.activation!r} (swiglu)"),
-        (cfg.position_embedding_type != "rope", f"model.position_embedding_type={cfg.position_embedding_type!r} (rope)"),
+        (
+            cfg.position_embedding_type not in ("rope", "yarn"),
+            f"model.position_embedding_type={cfg.position_embedding_type!r} (rope or yarn)",
+        ),
         (cfg.rotary_percent != 1.0, f"model.rotary_percent={cfg.rotary_percent} (1.0)"),
         (cfg.multi_latent_attention, "model.multi_latent_attention=true (false)"),
         (cfg.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_intermediate_size (None)"),

@@ -3,7 +3,7 @@
 Import reads what transformers reads (its defaults where a key is left out) and refuses, with
 one line naming the key, whatever megatron's GPT model space cannot build: other activations,
 biases on some linear layers but not others, a sliding window shorter than the sequence, RoPE
-scaling other than Llama 3's. Export writes the family `families.family_of` picks, with the
+scaling other than Llama 3's and YaRN. Export writes the family `families.family_of` picks, with the
 context length the model declared (`model.max_position_embeddings`).
 """
 
@@ -170,7 +170,7 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, extra: Optional[Mapp
         "vocab_size": vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length,
         "rms_norm_eps": cfg.norm_epsilon,
-        **hf_rope(cfg.rotary_base, cfg.rope_scaling, cfg.rope_scaling_factor),
+        **hf_rope(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         **_family_keys(cfg, fam),

@@ -43,6 +43,8 @@ ARCHITECTURE = (
     "rotary_percent",
     "rope_scaling",
     "rope_scaling_factor",
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
     "add_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",

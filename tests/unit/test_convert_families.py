@@ -237,3 +237,17 @@ def test_convert_script_refuses_with_one_line_before_writing(tmp_path, capsys):
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
     assert f"{tmp_path / 'hf'}: config.json: RoPE type 'linear' is not supported" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "name, field, value", [("qwen3", "qk_layernorm", False), ("qwen2", "add_qkv_bias", False), ("mixtral", "moe_router_pre_softmax", True)]
+)
+def test_model_pretrained_refuses_a_run_of_another_network(tmp_path, name, field, value):
+    from megatron_ext.models.pretrained import check_architecture, source_config
+
+    save_tiny(name, tmp_path)
+    source = source_config(str(tmp_path))
+    run = dataclasses.replace(source, **{field: value})
+    with pytest.raises(ValueError, match=f"model.{field}={value!r} but the source has {not value!r}"):
+        check_architecture(run, source, str(tmp_path))

@@ -96,7 +96,7 @@ def family_of(cfg: ModelConfig) -> Family:
     where none is."""
     outside = _outside_families(cfg)
     if outside:
-        raise ValueError(f"no transformers family has {'; '.join(outside)} (their value in brackets)")
+        raise ValueError(f"no transformers family has {'; '.join(outside)} (what the families have in brackets)")
     moe = cfg.num_experts is not None
     if cfg.qk_layernorm:
         if cfg.add_bias_linear or cfg.add_qkv_bias:

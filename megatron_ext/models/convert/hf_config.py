@@ -42,7 +42,7 @@ def _biases(hf_config: Mapping[str, Any], fam: Family) -> dict[str, bool]:
 def _window(hf_config: Mapping[str, Any], fam: Family) -> Optional[int]:
     """The sliding window transformers applies to some layer, or None."""
     window = hf_config.get("sliding_window")
-    if window is None or fam.model_type in ("llama",):
+    if window is None or fam.model_type == "llama":
         return None
     if fam.model_type in ("mistral", "mixtral"):
         return int(window)

@@ -7,7 +7,6 @@ the ModuleSpec (`layer_spec` hook), never by editing this file.
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import functools
@@ -25,13 +24,19 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.context_parallel import ContextParallelAttention
+from megatron_ext.models.mla import MLACoreAttention
+from megatron_ext.models.moe_layers import megatron_moe_layer_freq, moe_layer_pattern
 from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 
@@ -57,33 +62,6 @@ def padded_vocab_size(vocab_size: int, model: ModelConfig, tp: int) -> int:
     """
     multiple = math.lcm(model.make_vocab_size_divisible_by, tp)
     return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def moe_layer_pattern(model: ModelConfig) -> list[int]:
-    """model.moe_layer_freq as one 0 (dense) / 1 (MoE) per layer: an integer N puts MoE in
-    every N-th layer from the first; a string is megatron's Python list expression of 0s and 1s
-    ("([0]+[1]*3)*2"), read without executing anything but list arithmetic."""
-    text = str(model.moe_layer_freq).strip()
-    if text.isdigit():
-        freq = int(text)
-        return [int(i % freq == 0) for i in range(model.num_layers)] if freq else []
-    return _list_expression(ast.parse(text, mode="eval").body)
-
-
-def _list_expression(node: ast.AST):
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.List):
-        return [_list_expression(e) for e in node.elts]
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _list_expression(node.left), _list_expression(node.right)
-        return left + right if isinstance(node.op, ast.Add) else left * right
-    raise ValueError(f"not a list expression of 0s and 1s: {ast.unparse(node)!r}")
-
-
-def _moe_layer_freq(model: ModelConfig) -> Union[int, list[int]]:
-    text = str(model.moe_layer_freq).strip()
-    return int(text) if text.isdigit() else moe_layer_pattern(model)
 
 
 def uses_grouped_gemm(model: ModelConfig, use_te: bool) -> bool:
@@ -134,7 +112,20 @@ def _mla_fields(model: ModelConfig) -> dict:
     }
 
 
-def _moe_fields(model: ModelConfig, use_te: bool) -> dict:
+def _aux_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """megatron's aux-loss coefficient that gives the load-balancing loss model.moe_aux_loss_coeff's
+    weight under every layout.
+
+    With per-token loss (calculate_per_token_loss, below) megatron-core 0.16's router weights
+    each rank's share of the load-balancing loss by that rank's own token count, while the
+    gradients are divided by the whole batch's. Sequence (TP) and context parallelism split a
+    micro-batch's tokens over tp * cp ranks, so the loss would weigh 1 / (tp * cp) of what it
+    weighs on one rank; the coefficient makes up for it. (The logged loss divides the
+    coefficient out again.)"""
+    return model.moe_aux_loss_coeff * parallel.tp * parallel.cp
+
+
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> dict:
     if model.num_experts is None:
         return {"num_moe_experts": None}
     return {
@@ -142,7 +133,7 @@ def _moe_fields(model: ModelConfig, use_te: bool) -> dict:
         "moe_router_topk": model.moe_router_topk,
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
         "moe_token_dispatcher_type": model.moe_token_dispatcher,
-        "moe_aux_loss_coeff": model.moe_aux_loss_coeff,
+        "moe_aux_loss_coeff": _aux_loss_coeff(model, parallel),
         "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
         "moe_router_pre_softmax": model.moe_router_pre_softmax,
         "moe_router_score_function": model.moe_router_score_function,
@@ -151,7 +142,7 @@ def _moe_fields(model: ModelConfig, use_te: bool) -> dict:
         "moe_router_group_topk": model.moe_router_group_topk,
         "moe_router_topk_scaling_factor": model.moe_router_topk_scaling_factor,
         "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
-        "moe_layer_freq": _moe_layer_freq(model),
+        "moe_layer_freq": megatron_moe_layer_freq(model),
         "moe_grouped_gemm": model.moe_grouped_gemm and use_te,
     }
 
@@ -185,7 +176,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         sequence_parallel=parallel.sequence_parallel,
-        **_moe_fields(model, use_transformer_engine(model, on_cpu)),
+        **_moe_fields(model, parallel, use_transformer_engine(model, on_cpu)),
         **_mla_fields(model),
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -241,8 +232,7 @@ def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
         normalization=model.normalization,
     )
     attention = spec.submodules.self_attention.submodules
-    if not model.multi_latent_attention:
-        attention.core_attention = ContextParallelAttention
+    attention.core_attention = MLACoreAttention if model.multi_latent_attention else ContextParallelAttention
     for norm in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if model.qk_layernorm and hasattr(attention, norm):
             setattr(attention, norm, LocalNorm)
@@ -289,13 +279,8 @@ def decoder_spec(
         specs = [spec if moe else dense for moe in pattern[offset : offset + layers]]
     else:
         specs = [spec] * layers
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalNorm if local else _te_norm())
-
-
-def _te_norm() -> type:
-    from megatron.core.extensions.transformer_engine import TENorm  # only with TE installed
-
-    return TENorm
+    # Otherwise the final norm megatron's TransformerBlock gives a bare layer spec.
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalNorm if local else LayerNormImpl)
 
 
 def build_gpt_model(

@@ -334,6 +334,17 @@ def _fix_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _fix_mla_without_te() -> None:
+    """multi_latent_attention sets HAVE_TE when importing megatron's TE extension succeeds, which
+    it always does (without TE the extension builds its classes on a MagicMock), so MLA's
+    constructor calls `isinstance(..., TELinear)` with a mock and raises TypeError: the local
+    MLA spec cannot be built without TE. Take the extension's own HAVE_TE. Not CPU-specific."""
+    extension = importlib.import_module("megatron.core.extensions.transformer_engine")
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if not extension.HAVE_TE:
+        mla.HAVE_TE = False
+
+
 def _fix_torch_adam_checkpointing() -> None:
     """Without TE/Apex the distributed optimizer wraps torch's Adam, whose `step` lives in the
     per-parameter state, and two of its checkpoint paths trip over that. Not CPU-specific.
@@ -415,6 +426,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("optimizer_type_checks", _fix_optimizer_type_checks),
     Fix("te_general_gemm", _fix_te_general_gemm, cpu_only=False),
     Fix("torch_adam_checkpointing", _fix_torch_adam_checkpointing, cpu_only=False),
+    Fix("mla_without_te", _fix_mla_without_te, cpu_only=False),
 )
 
 _applied: list[str] = []

@@ -21,6 +21,7 @@ import torch
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.convert.families import family_of
 from megatron_ext.models.logical import LogicalName
+from megatron_ext.models.moe_layers import moe_layer_pattern
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -70,8 +71,6 @@ def moe_layers(cfg: ModelConfig) -> list[bool]:
     """Which layers have experts (megatron's moe_layer_freq)."""
     if cfg.num_experts is None:
         return [False] * cfg.num_layers
-    from megatron_ext.models.gpt import moe_layer_pattern
-
     return [bool(moe) for moe in moe_layer_pattern(cfg)]
 
 

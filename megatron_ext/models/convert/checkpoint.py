@@ -55,7 +55,10 @@ def common_state(model: ModelConfig, padded_vocab: int, tp: int, pp: int, token_
 
 def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
     """The training config's own rules (heads, query groups, layers vs tp/pp)."""
-    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=1), launcher=LauncherConfig(nproc=tp * pp))
+    # A checkpoint holds no activations: sequence parallelism, which megatron's MoE layer needs
+    # to train under TP, changes nothing in it.
+    parallel = ParallelConfig(tp=tp, pp=pp, dp=1, sequence_parallel=tp > 1 and model.num_experts is not None)
+    cfg = Config(model=model, parallel=parallel, launcher=LauncherConfig(nproc=tp * pp))
     validate(cfg, tp * pp)
 
 

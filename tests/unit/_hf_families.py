@@ -24,6 +24,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", dict(rope_theta=1e6)),
     # YaRN stretching a 64-token context four times (Qwen2.5's long-context recipe, shrunk).
     "qwen2_yarn": ("Qwen2Config", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    # YaRN with its own ramp and DeepSeek's attention scale (mscale over mscale_all_dim).
+    "qwen2_yarn_scaled": (
+        "Qwen2Config",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.6,
+            }
+        ),
+    ),
     "qwen3": ("Qwen3Config", dict(head_dim=128, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=4096)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, **MOE)),

@@ -32,7 +32,8 @@ LOGITS_ATOL = 1e-5
 SEQ = 128
 # The family each one is written back as: Mistral without a window is Llama's network.
 EXPORTED_AS = {
-    "llama3": "llama", "llama_bias": "llama", "mistral": "llama", "qwen2_yarn": "qwen2", "qwen3_moe_softmax": "qwen3_moe",
+    "llama3": "llama", "llama_bias": "llama", "mistral": "llama", "qwen2_yarn": "qwen2", "qwen2_yarn_scaled": "qwen2",
+    "qwen3_moe_softmax": "qwen3_moe",
 }
 
 
@@ -81,7 +82,7 @@ def test_family_logits_match_transformers_and_export_back(one_rank_world, tmp_pa
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["llama3", "qwen2_yarn"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2_yarn", "qwen2_yarn_scaled"])
 def test_rope_scaling_matters_at_this_length(tmp_path, name):
     """The scaled cases check the scaled frequencies: plain RoPE on the same weights gives
     logits far outside the tolerance."""
@@ -137,15 +138,10 @@ REFUSALS = {
     "linear": ("llama3", {"rope_scaling": LINEAR}, r"RoPE type 'linear' is not supported: linear scaling"),
     "dynamic": ("llama3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"'dynamic' is not supported: dynamic NTK"),
     "longrope": ("llama3", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, r"'longrope' is not supported"),
-    "yarn_ramp": (
+    "yarn_attention_factor": (
         "qwen2_yarn",
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16}},
-        r"'yarn' with beta_fast=16 is not supported: megatron's YaRN is built here with beta_fast=32",
-    ),
-    "yarn_attention_scale": (
-        "qwen2_yarn",
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
-        r"'yarn' with mscale=1.0 with mscale_all_dim=1.0 is not supported",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.3}},
+        r"'yarn' with attention_factor=1.3 is not supported",
     ),
     "llama3_bands": (
         "llama3",

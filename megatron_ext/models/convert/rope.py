@@ -79,31 +79,34 @@ def rope_fields(hf_config: Mapping[str, Any], default_theta: float) -> dict[str,
 
 
 def _yarn_fields(rope: Mapping[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """megatron's YarnRotaryEmbedding takes a factor and the original context; its ramp
-    (beta_fast, beta_slow) and attention scale (mscale, mscale_all_dim) are fixed in the model
-    space (`gpt.YARN_DEFAULTS`) to what transformers uses when a config leaves them out."""
-    from megatron_ext.models.gpt import YARN_DEFAULTS
+    """megatron's YaRN settings for transformers' `yarn` RoPE parameters.
 
-    beta_fast, beta_slow = rope.get("beta_fast") or 32.0, rope.get("beta_slow") or 1.0
-    # transformers scales attention by mscale / mscale_all_dim only when both are set.
-    scaled = bool(rope.get("mscale") and rope.get("mscale_all_dim"))
+    transformers scales attention by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    when both are set and by mscale(factor) otherwise; megatron always by the ratio, whose
+    defaults (1, 0) give mscale(factor). An explicit attention_factor has no megatron setting.
+    """
     unsupported = [
-        (beta_fast != YARN_DEFAULTS["beta_fast"], f"beta_fast={beta_fast}"),
-        (beta_slow != YARN_DEFAULTS["beta_slow"], f"beta_slow={beta_slow}"),
         (not rope.get("truncate", True), "truncate=false"),
         (rope.get("attention_factor") is not None, f"attention_factor={rope.get('attention_factor')}"),
-        (scaled, f"mscale={rope.get('mscale')} with mscale_all_dim={rope.get('mscale_all_dim')}"),
     ]
     for bad, what in unsupported:
         if bad:
             raise ValueError(
-                f"config.json: RoPE type 'yarn' with {what} is not supported: megatron's YaRN is built here with "
-                f"beta_fast={YARN_DEFAULTS['beta_fast']:g}, beta_slow={YARN_DEFAULTS['beta_slow']:g}, truncation and "
-                "transformers' default attention factor"
+                f"config.json: RoPE type 'yarn' with {what} is not supported: megatron's YaRN truncates its "
+                "correction range and derives the attention scale from mscale and mscale_all_dim"
             )
     original = int(rope["original_max_position_embeddings"])
     factor = rope.get("factor") or hf_config["max_position_embeddings"] / original
-    return {"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": float(factor), "yarn_original_max_position_embeddings": original}
+    scaled = bool(rope.get("mscale") and rope.get("mscale_all_dim"))
+    return {
+        "position_embedding_type": "yarn",
+        "yarn_rotary_scaling_factor": float(factor),
+        "yarn_original_max_position_embeddings": original,
+        "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "yarn_mscale": float(rope["mscale"]) if scaled else 1.0,
+        "yarn_mscale_all_dim": float(rope["mscale_all_dim"]) if scaled else 0.0,
+    }
 
 
 def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
@@ -115,6 +118,10 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
             "rope_type": "yarn",
             "factor": cfg.yarn_rotary_scaling_factor,
             "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings,
+            "beta_fast": cfg.yarn_beta_fast,
+            "beta_slow": cfg.yarn_beta_slow,
+            "mscale": cfg.yarn_mscale,
+            "mscale_all_dim": cfg.yarn_mscale_all_dim,
         }
     elif cfg.position_embedding_type == "rope" and cfg.rope_scaling == "llama3":
         scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **LLAMA3_FIXED}

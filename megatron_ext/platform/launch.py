@@ -7,17 +7,24 @@ with torch's elastic agent (the machinery behind torchrun) so failures propagate
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
 import re
+import signal
 import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+import psutil
 import torch
 import torch.distributed as dist
+
+from megatron_ext.platform.local_workers import LocalWorkers, register
+from megatron_ext.platform.signals import FORWARDED_BY_FORKSERVER
 
 
 @dataclass(frozen=True)
@@ -156,59 +163,135 @@ def launch_local(
     master_addr: str,
     master_port: int,
     max_restarts: int = 0,
+    preempt_timeout_s: Optional[float] = None,
 ) -> dict[int, Any]:
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
-    `max_restarts` times."""
+    `max_restarts` times; then LaunchFailed names the first worker that failed. A pre-emption
+    signal to this process is forwarded to the workers (platform/local_workers.py); a second
+    one, or no exit within `preempt_timeout_s`, raises LaunchAborted. Every port the job
+    listens on is bound to `master_addr`."""
     import multiprocessing
 
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     limit_cpu_threads(nproc)
     start_method = "spawn" if torch.cuda.is_available() else "forkserver"
+    environ = None
     if start_method == "forkserver":
         # Workers are forked from one server process that imported megatron once (seconds per
         # process, times nproc on a few shared cores), kept for every later launch of this
         # process. Not with CUDA: the server's imports may initialise the driver, which a
         # forked child cannot use.
         multiprocessing.set_forkserver_preload([*_PRELOAD, worker.__module__])
-        worker = _InLauncherEnviron(worker, dict(os.environ))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"megatron_ext_{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{master_addr}:{master_port or free_port()}",
-        max_restarts=max_restarts,
-        monitor_interval=0.5,
-        start_method=start_method,
-    )
-    return elastic_launch(config, worker)(*args)
+        environ = dict(os.environ)
+    with bound_store(master_addr, master_port) as port, LocalWorkers(preempt_timeout_s) as workers:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=f"megatron_ext_{os.getpid()}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"{master_addr}:{port}",
+            max_restarts=max_restarts,
+            monitor_interval=0.5,
+            start_method=start_method,
+            **_agent_signals(LaunchConfig),
+        )
+        # gloo listens on the interface it is given, else on the one of the host's name
+        extra_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(master_addr)}
+        entry = _LocalWorker(worker, environ, extra_env, workers.folder)
+        try:
+            return elastic_launch(config, entry)(*args)
+        except SignalException:
+            if workers.aborted is None:
+                raise
+            raise workers.aborted from None
+        except ChildFailedError as e:
+            raise workers.failure(e) from e
+
+
+def interface_of(address: str) -> str:
+    """The network interface that carries `address` (gloo binds to an interface by name)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    raise ValueError(f"launcher.master_addr: {address} is not an address of this machine")
+
+
+@contextlib.contextmanager
+def bound_store(address: str, port: int) -> Iterator[int]:
+    """A rendezvous store server listening on `address` only (torch's listens on every
+    interface), for the elastic agent's rendezvous to use: torch's c10d rendezvous opens its
+    store as a multi-tenant one, which joins a server this process already runs on the port.
+    Yields the port (a free one when `port` is 0)."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(1024)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            address,
+            port,
+            None,
+            True,
+            timedelta(seconds=60),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=listener.detach(),  # the store's from now on
+        )
+        try:
+            yield port
+        finally:
+            del store
 
 
 # What every worker imports; megatron_ext.training.trainer pulls in megatron-core, and torch's
 # optimizers import TorchDynamo when the first one is built (about 1 s on these CPUs).
-_PRELOAD = ("megatron_ext.platform.launch", "megatron_ext.training.trainer", "torch._dynamo")
+# The forkserver also forwards a pre-emption signal sent to it alone to the launcher.
+_PRELOAD = (
+    "megatron_ext.platform.forkserver_signals",
+    "megatron_ext.platform.launch",
+    "megatron_ext.training.trainer",
+    "torch._dynamo",
+)
+
+
+def _agent_signals(launch_config: type) -> dict:
+    """torch's agent handles these itself (it ends the workers); the pre-emption signals are
+    the launcher's (local_workers.py). torch before 2.9 handles SIGTERM and SIGINT in any case."""
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(launch_config)}:
+        return {"signals_to_handle": "SIGHUP,SIGQUIT"}
+    return {}
 
 # This process's environment when this module was imported: in a forkserver, the server's.
 _ENVIRON_AT_IMPORT = dict(os.environ)
 
 
-class _InLauncherEnviron:
-    """`worker` run in the launcher's environment of the moment of the launch, plus the
-    variables the elastic agent set for the rank, as a spawned worker sees them. A forkserver's
-    children inherit the server's environment instead: the launcher's at the server's start
-    (Python hands them the launcher's working directory and import path itself)."""
+class _LocalWorker:
+    """`worker` as a process of `launch_local` runs it: registered in the launch's folder
+    (local_workers.py), with `extra_env`, and with the default handlers of the signals the
+    forkserver forwards to its parent (its children inherit them). Under a forkserver also in
+    `environ`, the launcher's environment of the moment of the launch, plus the variables the
+    elastic agent set for the rank, as a spawned worker sees them: a forkserver's children
+    inherit the server's environment instead, the launcher's at the server's start (Python hands
+    them the launcher's working directory and import path itself)."""
 
-    def __init__(self, worker: Callable[..., Any], environ: dict) -> None:
+    def __init__(self, worker: Callable[..., Any], environ: Optional[dict], extra_env: dict, folder: str) -> None:
         functools.update_wrapper(self, worker)  # the elastic agent names the job after it
-        self.worker, self.environ = worker, environ
+        self.worker, self.environ, self.extra_env, self.folder = worker, environ, extra_env, folder
 
     def __call__(self, *args: Any) -> Any:
-        from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
-        os.environ.clear()
-        os.environ.update({**self.environ, **from_agent})
+        for signum in FORWARDED_BY_FORKSERVER:
+            signal.signal(signum, signal.SIG_DFL)
+        if self.environ is not None:
+            from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
+            os.environ.clear()
+            os.environ.update({**self.environ, **from_agent})
+        os.environ.update(self.extra_env)
         if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when the server loaded torch
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        register(self.folder)
         return self.worker(*args)

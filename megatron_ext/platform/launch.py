@@ -40,6 +40,13 @@ class LaunchEnv:
     # failed jobs: this is the attempt's number.
     agent_store: bool = False
     restart: int = 0
+    # The one address rank 0's store listens on (a local launch: launcher.master_addr); None:
+    # every interface, as torchrun's (several hosts).
+    listen_on: Optional[str] = None
+
+
+# Set by launch_local for its workers: the address their ports are bound to.
+LISTEN_ON_ENV = "MEGATRON_EXT_LISTEN_ON"
 
 
 def free_port() -> int:
@@ -79,6 +86,7 @@ def detect_launch(environ: Optional[dict] = None) -> Optional[LaunchEnv]:
             source="torchrun",
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            listen_on=env.get(LISTEN_ON_ENV),
         )
     # srun, one task per rank. SLURM_STEP_NUM_TASKS is set inside an srun step only; the batch
     # script itself also sees SLURM_NTASKS and must not mistake itself for one of N ranks.
@@ -116,12 +124,16 @@ def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
     """The key-value store the world meets in. An agent-hosted store outlives a restart of the
     job, so each attempt works under its own prefix: a restarted job must not read the
     addresses its dead predecessors left there."""
+    is_master = launch.rank == 0 and not launch.agent_store
     store = dist.TCPStore(
         launch.master_addr,
         launch.master_port,
         launch.world_size,
-        is_master=launch.rank == 0 and not launch.agent_store,
+        is_master=is_master,
         timeout=timeout,
+        master_listen_fd=listener(launch.listen_on, launch.master_port).detach()
+        if is_master and launch.listen_on
+        else None,
     )
     return dist.PrefixStore(f"megatron_ext/attempt_{launch.restart}", store)
 
@@ -141,7 +153,9 @@ def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.devi
     from megatron_ext.platform import cpu_compat, writer_queue
     from megatron_ext.platform.device import resolve_device
 
-    launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local")
+    launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local", listen_on="127.0.0.1")
+    if launch.listen_on:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(launch.listen_on))
     device = resolve_device(device_request, launch.local_rank)
     if device.type == "cpu":
         limit_cpu_threads(launch.world_size)
@@ -177,6 +191,7 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    interface_of(master_addr)  # refused here, before a worker starts
     limit_cpu_threads(nproc)
     start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     environ = None
@@ -189,6 +204,7 @@ def launch_local(
         environ = dict(os.environ)
     with bound_store(master_addr, master_port) as port, LocalWorkers(preempt_timeout_s) as workers:
         config = LaunchConfig(
+            local_addr=master_addr,  # the workers' MASTER_ADDR (else the host's name)
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=nproc,
@@ -201,10 +217,10 @@ def launch_local(
             **_agent_signals(LaunchConfig),
         )
         # gloo listens on the interface it is given, else on the one of the host's name
-        extra_env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(master_addr)}
-        entry = _LocalWorker(worker, environ, extra_env, workers.folder)
+        entry = _LocalWorker(worker, environ, {LISTEN_ON_ENV: master_addr}, workers.folder)
         try:
-            return elastic_launch(config, entry)(*args)
+            with _worker_hosted_store():
+                return elastic_launch(config, entry)(*args)
         except SignalException:
             if workers.aborted is None:
                 raise
@@ -221,31 +237,52 @@ def interface_of(address: str) -> str:
     raise ValueError(f"launcher.master_addr: {address} is not an address of this machine")
 
 
+def listener(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address` only, at `port` (a free one when 0), for a store
+    server to take over (torch's own listens on every interface)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(1024)
+    return sock
+
+
 @contextlib.contextmanager
 def bound_store(address: str, port: int) -> Iterator[int]:
-    """A rendezvous store server listening on `address` only (torch's listens on every
-    interface), for the elastic agent's rendezvous to use: torch's c10d rendezvous opens its
-    store as a multi-tenant one, which joins a server this process already runs on the port.
-    Yields the port (a free one when `port` is 0)."""
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((address, port))
-        listener.listen(1024)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            address,
-            port,
-            None,
-            True,
-            timedelta(seconds=60),
-            wait_for_workers=False,
-            multi_tenant=True,
-            master_listen_fd=listener.detach(),  # the store's from now on
-        )
-        try:
-            yield port
-        finally:
-            del store
+    """A store server listening on `address` only, for the elastic agent's rendezvous to use:
+    torch's c10d rendezvous opens its store as a multi-tenant one, which joins a server this
+    process already runs on the port. Yields the port (a free one when `port` is 0)."""
+    sock = listener(address, port)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        address,
+        port,
+        None,
+        True,
+        timedelta(seconds=60),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),  # the store's from now on
+    )
+    try:
+        yield port
+    finally:
+        del store
+
+
+@contextlib.contextmanager
+def _worker_hosted_store() -> Iterator[None]:
+    """The workers' store is hosted by their rank 0 (`rendezvous_store`, on the address it is
+    given) rather than by torch's agent, whose own server would listen on every interface."""
+    previous = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+        else:
+            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
 
 
 # What every worker imports; megatron_ext.training.trainer pulls in megatron-core, and torch's
@@ -290,7 +327,7 @@ class _LocalWorker:
             from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
             os.environ.clear()
             os.environ.update({**self.environ, **from_agent})
-        os.environ.update(self.extra_env)
+        os.environ.update(self.extra_env)  # prepare_process binds gloo to LISTEN_ON_ENV too
         if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when the server loaded torch
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         register(self.folder)

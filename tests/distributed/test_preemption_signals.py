@@ -69,17 +69,13 @@ def test_signal_saves_and_exits_0(dirs, layout, target, signum, when):
 
 
 # name: (extra settings, whether a second signal is sent, what the launcher says)
-ABORTS = {
-    "a second signal": ([], True, "aborted (a second SIGTERM)"),
+ABORTS = {"a second signal": ([], True, "aborted (a second SIGTERM)")}
+SLOW_ABORTS = {  # the same path, reached by a timer
     "the deadline": (["launcher.preempt_timeout_s=10"], False, "aborted (no exit 10 s after SIGTERM)"),
 }
-SLOW_ABORTS = {"the deadline"}  # the same path, reached by a timer
 
 
-@pytest.mark.parametrize(
-    "settings, second_signal, said",
-    [pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW_ABORTS else []) for name, case in ABORTS.items()],
-)
+@pytest.mark.parametrize("settings, second_signal, said", _params(ABORTS) + _params(SLOW_ABORTS, pytest.mark.slow))
 def test_abort_during_the_save_keeps_the_previous_checkpoint(dirs, settings, second_signal, said):
     root, paths = dirs
     job = Job([*TINY, *DP4, *paths, "checkpoint.interval=2", *settings])

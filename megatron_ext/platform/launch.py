@@ -121,9 +121,10 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: int = 6
 
 
 def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
-    """The key-value store the world meets in. An agent-hosted store outlives a restart of the
-    job, so each attempt works under its own prefix: a restarted job must not read the
-    addresses its dead predecessors left there."""
+    """The key-value store the world meets in, hosted by rank 0 (listening on
+    `launch.listen_on` only, when given) or by torchrun's agent. An agent-hosted store outlives
+    a restart of the job, so each attempt works under its own prefix: a restarted job must not
+    read the addresses its dead predecessors left there."""
     is_master = launch.rank == 0 and not launch.agent_store
     store = dist.TCPStore(
         launch.master_addr,
@@ -254,7 +255,8 @@ def listener(address: str, port: int) -> socket.socket:
 def bound_store(address: str, port: int) -> Iterator[int]:
     """A store server listening on `address` only, for the elastic agent's rendezvous to use:
     torch's c10d rendezvous opens its store as a multi-tenant one, which joins a server this
-    process already runs on the port. Yields the port (a free one when `port` is 0)."""
+    process already runs on the port (a torch that did not would find the port taken and join
+    as a client). Yields the port (a free one when `port` is 0)."""
     sock = listener(address, port)
     port = sock.getsockname()[1]
     store = dist.TCPStore(
@@ -306,6 +308,7 @@ def _agent_signals(launch_config: type) -> dict:
         return {"signals_to_handle": "SIGHUP,SIGQUIT"}
     return {}
 
+
 # This process's environment when this module was imported: in a forkserver, the server's.
 _ENVIRON_AT_IMPORT = dict(os.environ)
 
@@ -314,12 +317,11 @@ class _LocalWorker:
     """`worker` as a process of `launch_local` runs it: registered in the launch's folder
     (local_workers.py), with `extra_env`, without the handlers it inherits from the forkserver;
     with `preemption`, noting pre-emption signals from its start (with `deadline_s`;
-    platform/signals.py).
-    Under a forkserver also in `environ`, the launcher's environment of the moment of the
-    launch, plus the variables the elastic agent set for the rank, as a spawned worker sees
-    them: a forkserver's children inherit the server's environment instead, the launcher's at
-    the server's start (Python hands them the launcher's working directory and import path
-    itself)."""
+    platform/signals.py). Under a forkserver also in `environ`, the launcher's environment of
+    the moment of the launch, plus the variables the elastic agent set for the rank, as a
+    spawned worker sees them: a forkserver's children inherit the server's environment instead,
+    the launcher's at the server's start (Python hands them the launcher's working directory
+    and import path itself)."""
 
     def __init__(
         self,

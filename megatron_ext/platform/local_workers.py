@@ -202,7 +202,7 @@ class LocalWorkers:
             if ended.attempt == last and code not in (0, None):
                 return LaunchFailed(
                     f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(code)}; "
-                    "the other ranks' errors (connection closed or reset by peer) follow from it"
+                    "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
                 )
         return LaunchFailed(_first_line(error))
 

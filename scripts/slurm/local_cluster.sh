@@ -102,6 +102,8 @@ JobCompLoc=$DIR/jobcomp.log
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/builtin
+# Look at pending jobs every 2 s (default 60 s): a requeued or released job starts at once.
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # Finished jobs stay visible to \`scontrol show job\` this long (seconds).

@@ -34,6 +34,8 @@ TINY = [
     "logging.progress_bar=false",
     "logging.log_interval=1",
 ]
+# Every job submitted by this test session, so that a failed test's job does not hold the node.
+SUBMITTED: list["Job"] = []
 FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
     "BOOT_FAIL", "DEADLINE",
@@ -122,7 +124,15 @@ def submit(
         text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    return Job(done.stdout.strip().split(";")[0], workdir, env)
+    job = Job(done.stdout.strip().split(";")[0], workdir, env)
+    SUBMITTED.append(job)
+    return job
+
+
+def cancel_submitted() -> None:
+    while SUBMITTED:
+        job = SUBMITTED.pop()
+        subprocess.run(["scancel", "--quiet", job.id], env=job.env, capture_output=True, timeout=60)
 
 
 def checkpoint_tensors(root: Path, iteration: int) -> dict[str, torch.Tensor]:

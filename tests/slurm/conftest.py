@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.slurm._jobs import SLURM_DIR
+from tests.slurm._jobs import SLURM_DIR, cancel_submitted
 
 LOCAL_CLUSTER = SLURM_DIR / "local_cluster.sh"
 
@@ -36,3 +36,10 @@ def slurm_conf() -> Iterator[str]:
     finally:
         if started_here:
             _cluster("stop")
+
+
+@pytest.fixture(autouse=True)
+def no_job_left_behind() -> Iterator[None]:
+    """A test that fails while its job runs must not leave the node busy for the next one."""
+    yield
+    cancel_submitted()

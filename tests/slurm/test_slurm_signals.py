@@ -37,11 +37,10 @@ STOPS = {
     "usr1_warning": (time_limit_warning, "COMPLETED"),
     "scancel_signal_term": (scancel("--signal=TERM"), "COMPLETED"),
     "scancel_signal_int": (scancel("--signal=INT"), "COMPLETED"),
-    "scancel_full_term": (scancel("--full", "--signal=TERM"), "COMPLETED"),
     "scancel": (scancel(), "CANCELLED"),
 }
 # The default suite's share (a minute on two cores); the rest run with -m slow.
-QUICK = {("train_srun", "usr1_warning"), ("train_multinode", "scancel_full_term")}
+QUICK = {("train_srun", "usr1_warning"), ("train_multinode", "scancel_signal_term")}
 
 
 def cases():

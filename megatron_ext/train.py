@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
+from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed
 from megatron_ext.plugin import build_plugins
 
 register_configs()
@@ -46,7 +47,13 @@ def run(cfg: Config) -> Optional[dict]:
     if detect_launch() is None and cfg.launcher.nproc > 1:
         launcher = cfg.launcher
         results = launch_local(
-            launcher.nproc, worker, (cfg,), launcher.master_addr, launcher.master_port, launcher.max_restarts
+            launcher.nproc,
+            worker,
+            (cfg,),
+            launcher.master_addr,
+            launcher.master_port,
+            launcher.max_restarts,
+            launcher.preempt_timeout_s,
         )
         return results[0]
     return worker(cfg)
@@ -54,7 +61,16 @@ def run(cfg: Config) -> Optional[dict]:
 
 def worker(cfg: Config) -> dict:
     """One rank: join the world, train, leave. With the reshard plugin the job's processes form
-    a worker pool, so that the number of workers can change while it trains."""
+    a worker pool, so that the number of workers can change while it trains. A pre-emption
+    signal from the rank's start on stops it at a step boundary, with a checkpoint
+    (training/preemption.py)."""
+    from megatron_ext.training.preemption import stop_request
+
+    with stop_request(cfg.launcher.preempt_timeout_s):
+        return _train(cfg)
+
+
+def _train(cfg: Config) -> dict:
     import torch.distributed as dist
 
     from megatron_ext.training.trainer import Trainer
@@ -123,6 +139,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run(cfg)
     except ConfigError as e:
         _fail(str(e))
+    except LaunchAborted as e:  # a second pre-emption signal, or the deadline
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except LaunchFailed as e:  # the workers' own tracebacks are above
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _first_line(e: Exception) -> str:

@@ -12,7 +12,6 @@ The Trainer only wires them together and calls the plugins' hooks.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -55,7 +54,7 @@ from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
-from megatron_ext.training.preemption import StopRequest
+from megatron_ext.training.preemption import stop_request
 from megatron_ext.training.release import release_in_background
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 
@@ -440,7 +439,7 @@ class Trainer:
         metrics: dict = {}
         eval_loss = None
         tokens_per_step = self._global_batch_size() * cfg.model.seq_length
-        with contextlib.closing(StopRequest()) as stop, ManualGC(cfg.train).training() as collector:
+        with stop_request() as stop, ManualGC(cfg.train).training() as collector:
             while self.state.iteration < stop_at:
                 for p in self.plugins:
                     p.on_step_begin(self, self.state.iteration + 1)

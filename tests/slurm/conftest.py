@@ -5,12 +5,13 @@ script's own reason."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from typing import Iterator
 
 import pytest
 
-from tests.slurm._jobs import SLURM_DIR, cancel_submitted
+from tests.slurm._jobs import SLURM_DIR, TASKS, cancel_submitted
 
 LOCAL_CLUSTER = SLURM_DIR / "local_cluster.sh"
 
@@ -24,6 +25,8 @@ def _cluster(command: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def slurm_conf() -> Iterator[str]:
     """SLURM_CONF of a running one-node cluster on localhost."""
+    if len(os.sched_getaffinity(0)) < TASKS:
+        pytest.skip(f"the SLURM tests run {TASKS} tasks of one CPU each; this machine has fewer CPUs")
     started_here = _cluster("status").returncode != 0
     if started_here:
         start = _cluster("start")

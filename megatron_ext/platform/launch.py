@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.platform.local_workers import LocalWorkers, register
-from megatron_ext.platform.signals import FORWARDED_BY_FORKSERVER
+from megatron_ext.platform.signals import FORWARDED_BY_FORKSERVER, preemption_signals
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def launch_local(
             **_agent_signals(LaunchConfig),
         )
         # gloo listens on the interface it is given, else on the one of the host's name
-        entry = _LocalWorker(worker, environ, {LISTEN_ON_ENV: master_addr}, workers.folder)
+        entry = _LocalWorker(worker, environ, {LISTEN_ON_ENV: master_addr}, workers.folder, workers.worker_deadline_s)
         try:
             with _worker_hosted_store():
                 return elastic_launch(config, entry)(*args)
@@ -309,26 +309,36 @@ _ENVIRON_AT_IMPORT = dict(os.environ)
 
 class _LocalWorker:
     """`worker` as a process of `launch_local` runs it: registered in the launch's folder
-    (local_workers.py), with `extra_env`, and with the default handlers of the signals the
-    forkserver forwards to its parent (its children inherit them). Under a forkserver also in
-    `environ`, the launcher's environment of the moment of the launch, plus the variables the
-    elastic agent set for the rank, as a spawned worker sees them: a forkserver's children
-    inherit the server's environment instead, the launcher's at the server's start (Python hands
-    them the launcher's working directory and import path itself)."""
+    (local_workers.py), with `extra_env`, noting pre-emption signals from its start (with
+    `deadline_s`; platform/signals.py) instead of the handlers it inherits from the forkserver.
+    Under a forkserver also in `environ`, the launcher's environment of the moment of the
+    launch, plus the variables the elastic agent set for the rank, as a spawned worker sees
+    them: a forkserver's children inherit the server's environment instead, the launcher's at
+    the server's start (Python hands them the launcher's working directory and import path
+    itself)."""
 
-    def __init__(self, worker: Callable[..., Any], environ: Optional[dict], extra_env: dict, folder: str) -> None:
+    def __init__(
+        self,
+        worker: Callable[..., Any],
+        environ: Optional[dict],
+        extra_env: dict,
+        folder: str,
+        deadline_s: Optional[float],
+    ) -> None:
         functools.update_wrapper(self, worker)  # the elastic agent names the job after it
-        self.worker, self.environ, self.extra_env, self.folder = worker, environ, extra_env, folder
+        self.worker, self.environ, self.extra_env = worker, environ, extra_env
+        self.folder, self.deadline_s = folder, deadline_s
 
     def __call__(self, *args: Any) -> Any:
-        for signum in FORWARDED_BY_FORKSERVER:
+        for signum in FORWARDED_BY_FORKSERVER:  # not to be chained to after a stop
             signal.signal(signum, signal.SIG_DFL)
-        if self.environ is not None:
-            from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
-            os.environ.clear()
-            os.environ.update({**self.environ, **from_agent})
-        os.environ.update(self.extra_env)  # prepare_process binds gloo to LISTEN_ON_ENV too
-        if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when the server loaded torch
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        register(self.folder)
-        return self.worker(*args)
+        with preemption_signals(self.deadline_s):
+            if self.environ is not None:
+                from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
+                os.environ.clear()
+                os.environ.update({**self.environ, **from_agent})
+            os.environ.update(self.extra_env)  # prepare_process binds gloo to LISTEN_ON_ENV too
+            if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when the server loaded torch
+                torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+            register(self.folder)
+            return self.worker(*args)

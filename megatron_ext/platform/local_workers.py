@@ -59,12 +59,18 @@ class _Ended:
     process: Any  # multiprocessing.Process
 
 
+# A worker keeps its own deadline (the one that holds under srun) this much after its
+# launcher's, which ends all workers at once.
+WORKER_DEADLINE_GRACE_S = 10.0
+
+
 class LocalWorkers:
     """Use as a context around torch's elastic launch (in the launcher's main thread)."""
 
     def __init__(self, deadline_s: Optional[float]) -> None:
         self.folder = tempfile.mkdtemp(prefix="megatron_ext_workers_")
         self.deadline_s = deadline_s
+        self.worker_deadline_s = deadline_s + WORKER_DEADLINE_GRACE_S if deadline_s else None
         self.aborted: Optional[LaunchAborted] = None
         self._count = SignalCount()
         self._expired = False
@@ -116,6 +122,14 @@ class LocalWorkers:
                 except ProcessLookupError:
                     pass
 
+    def _tell_late_worker(self, pid: int) -> None:
+        """Forward a request that came before this worker noted signals (it was starting)."""
+        if self._count.first is not None:
+            try:
+                os.kill(pid, self._count.first)
+            except ProcessLookupError:
+                pass
+
     def _expire(self) -> None:
         self._expired = True
         _thread.interrupt_main(self._count.first)  # runs _on_signal in the main thread
@@ -157,6 +171,7 @@ class LocalWorkers:
                     if pid in by_pid:
                         watched[by_pid[pid].sentinel] = _Ended(attempt, rank, by_pid[pid])
                         known.add((attempt, rank))
+                        self._tell_late_worker(pid)
             if not watched:
                 time.sleep(0.05)
                 continue

@@ -1,20 +1,27 @@
 """Pre-emption signals, as SLURM, torchrun and a terminal deliver them.
 
 SIGTERM (`scancel`, a time limit, torchrun), SIGINT (Ctrl-C) and SIGUSR1 (`sbatch
---signal=USR1@90`) ask the job to stop: every rank saves at the same step boundary and exits 0.
-One request often reaches a process more than once: a signal to the process group reaches every
-process, and the launcher forwards what it gets to its workers. So the signals within
-SAME_REQUEST_S of the first count as that one request; a signal after that is a second request,
-which aborts at once (the last complete checkpoint stays: saves are staged, see
-training/checkpoint.py).
+--signal=USR1@90`) ask the job to stop: every rank saves at the same step boundary and exits 0
+(training/preemption.py). One request often reaches a process more than once: a signal to the
+process group reaches every process, and the launcher forwards what it gets to its workers. So
+the signals within SAME_REQUEST_S of the first count as that one request; a signal after that is
+a second request, which aborts at once, as does no exit within the deadline (the last complete
+checkpoint stays: saves are staged, see training/checkpoint.py).
+
+A process notes the requests from the moment it installs `preemption_signals`: a worker started
+by `launch_local` at its start, any other rank when `train.worker` begins. A handler that was
+installed before (submitit's requeue) is called when the process is done with the signals, after
+the checkpoint, so it still does its job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # The ones launch_local's forkserver passes on to the launcher (forkserver_signals.py); it
@@ -41,6 +48,75 @@ class SignalCount:
             self.first, self._first_at = signum, now
             return False
         return now - self._first_at >= SAME_REQUEST_S
+
+
+class PreemptionSignals:
+    """A worker's pre-emption requests: the first is noted (`signum`), a second one or no exit
+    `deadline_s` after the first ends the process."""
+
+    def __init__(self, deadline_s: Optional[float] = None) -> None:
+        self.deadline_s = deadline_s
+        self._count = SignalCount()
+        self._deadline: Optional[threading.Timer] = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPTION_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+
+    @property
+    def signum(self) -> Optional[int]:
+        """The first pre-emption signal this process received, if any."""
+        return self._count.first
+
+    def _note(self, signum: int, frame) -> None:
+        first = self.signum is None
+        if self._count.is_second_request(signum):
+            _abort(f"a second {signal_name(signum)}", signum)
+        if first:
+            say(f"[pid {os.getpid()}] {signal_name(signum)}: saving a checkpoint at the next step boundary, then stopping")
+            if self.deadline_s:
+                why = f"no exit {self.deadline_s:g} s after {signal_name(signum)}"
+                self._deadline = threading.Timer(self.deadline_s, _abort, (why, signum))
+                self._deadline.daemon = True
+                self._deadline.start()
+
+    def close(self) -> None:
+        """Give the signals back to their previous handlers, then let a chained handler see a
+        signal that arrived here (not Python's own SIGINT handler: it would raise
+        KeyboardInterrupt after a clean stop)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        previous = self._previous.get(self.signum)
+        if self.signum is not None and callable(previous) and previous is not signal.default_int_handler:
+            previous(self.signum, None)
+
+
+_CURRENT: Optional[PreemptionSignals] = None
+
+
+@contextlib.contextmanager
+def preemption_signals(deadline_s: Optional[float] = None) -> Iterator[PreemptionSignals]:
+    """This process's PreemptionSignals: the one installed further out (a local worker's, from
+    its start), or new ones for the duration of the block."""
+    global _CURRENT
+    if _CURRENT is not None:
+        yield _CURRENT
+        return
+    _CURRENT = signals = PreemptionSignals(deadline_s)
+    try:
+        yield signals
+    finally:
+        _CURRENT = None
+        signals.close()
+
+
+def _abort(why: str, signum: int) -> None:
+    """End this process now: a save in progress stays unpublished, the last complete checkpoint
+    stays the latest."""
+    say(f"[pid {os.getpid()}] aborting ({why}); the last complete checkpoint stays")
+    os._exit(aborted_exit_code(signum))
 
 
 def signal_name(signum: int) -> str:

@@ -47,7 +47,8 @@ class Job:
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self._tree: list[psutil.Process] = []
+        self._tree: list[psutil.Process] = []  # the job's processes, once it runs
+        self.workers_at_start: list[psutil.Process] = []
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -64,7 +65,23 @@ class Job:
     def wait_for_step(self, step: int) -> None:
         """Until the job has logged `step` (and every process of it exists)."""
         self.wait_until(lambda: self.last_step() >= step, f"step {step}")
+        self._snapshot()
+
+    def wait_for_workers(self, count: int) -> None:
+        """Until `count` workers exist (they are starting: importing, building the model)."""
+
+        def started() -> bool:
+            try:
+                return len(self.workers) >= count
+            except (StopIteration, psutil.NoSuchProcess):  # no forkserver yet
+                return False
+
+        self.wait_until(started, f"{count} workers", poll_s=0.005)
+        self._snapshot()
+
+    def _snapshot(self) -> None:
         self._tree = self.launcher.children(recursive=True)
+        self.workers_at_start = self.workers
 
     def wait_until(self, condition, what: str, poll_s: float = 0.02) -> None:
         end = time.monotonic() + self.timeout_s

@@ -23,18 +23,22 @@ DP4 = ["launcher.nproc=4", "parallel.dp=4"]
 # The default experiment's kind of job: a reshard worker pool at TP2 x PP2.
 POOL = ["launcher.nproc=4", "parallel.tp=2", "parallel.pp=2", "plugins=[reshard]"]
 
+# name: (job, the process signalled, the signal, when: while training, or as soon as the
+# workers exist: while they import and build their model)
 CASES = {
-    "scancel: SIGTERM to the group": (DP4, "group", signal.SIGTERM),
-    "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT),
-    "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM),
-    "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1),
-    "SIGUSR1 to one worker": (DP4, "worker", signal.SIGUSR1),
-    "scancel to a worker pool": (POOL, "group", signal.SIGTERM),
+    "scancel: SIGTERM to the group": (DP4, "group", signal.SIGTERM, "training"),
+    "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
+    "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM, "training"),
+    "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
+    "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
+    "SIGINT to one worker": (DP4, "worker", signal.SIGINT, "training"),
+    "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
 }
 SLOW_CASES = {
-    "SIGTERM to the launcher": (DP4, "launcher", signal.SIGTERM),
-    "SIGTERM to one worker": (DP4, "worker", signal.SIGTERM),
-    "SIGINT to the launcher": (DP4, "launcher", signal.SIGINT),
+    "SIGTERM to the launcher": (DP4, "launcher", signal.SIGTERM, "training"),
+    "SIGINT to the launcher": (DP4, "launcher", signal.SIGINT, "training"),
+    "SIGTERM to one worker in its setup": (DP4, "worker", signal.SIGTERM, "setup"),
+    "SIGUSR1 to a worker pool's launcher": (POOL, "launcher", signal.SIGUSR1, "training"),
 }
 
 
@@ -48,15 +52,18 @@ def dirs(tmp_path) -> tuple[Path, list[str]]:
     return root, [f"checkpoint.save={root}", f"data.cache_dir={tmp_path / 'cache'}"]
 
 
-@pytest.mark.parametrize("layout, target, signum", _params(CASES) + _params(SLOW_CASES, pytest.mark.slow))
-def test_signal_saves_and_exits_0(dirs, layout, target, signum):
+@pytest.mark.parametrize("layout, target, signum, when", _params(CASES) + _params(SLOW_CASES, pytest.mark.slow))
+def test_signal_saves_and_exits_0(dirs, layout, target, signum, when):
     root, paths = dirs
     job = Job([*TINY, *layout, *paths])
-    job.wait_for_step(3)
+    if when == "setup":
+        job.wait_for_workers(4)
+    else:
+        job.wait_for_step(3)
     job.signal(target, signum)
     assert job.wait() == 0, job.output[-4000:]
     stopped_at = ckpt.latest_iteration(root)
-    assert stopped_at is not None and stopped_at >= 3, job.output[-4000:]
+    assert stopped_at is not None and stopped_at >= (1 if when == "setup" else 3), job.output[-4000:]
     assert not job.left_behind()
     _assert_resumes(root, paths, stopped_at)
 
@@ -99,16 +106,16 @@ def test_local_job_listens_on_localhost_only(dirs):
     job = Job([*TINY, *DP4, *paths])
     job.wait_for_step(2)
     listening = {
-        (p.pid, c.laddr.ip, c.laddr.port)
+        (p.pid, c.laddr.ip)
         for p in job.processes()
         for c in p.net_connections(kind="inet")
         if c.status == "LISTEN"
     }
     job.signal("group", signal.SIGTERM)
     assert job.wait() == 0, job.output[-4000:]
-    assert listening and {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
-    # the store on the launcher, and each worker's gloo pairs
-    assert {pid for pid, _, _ in listening} >= {job.process.pid}
+    # the rendezvous store on the launcher; the workers' store and gloo's ports on the workers
+    assert {pid for pid, _ in listening} == {job.process.pid, *(w.pid for w in job.workers_at_start)}
+    assert {ip for _, ip in listening} == {"127.0.0.1"}, listening
 
 
 def _assert_resumes(root: Path, paths: list[str], iteration: int) -> None:

@@ -59,7 +59,7 @@ def job_environment(slurm_conf: str) -> dict[str, str]:
 class Job:
     id: str
     workdir: Path
-    env: dict
+    env: dict[str, str]
 
     @property
     def output_file(self) -> Path:

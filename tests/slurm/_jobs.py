@@ -45,9 +45,12 @@ FINAL_STATES = {
 def job_environment(slurm_conf: str) -> dict[str, str]:
     """What sbatch hands the job (it exports the submitter's environment): this cluster, this
     Python and torchrun first on PATH, this checkout first on the import path."""
-    env = dict(os.environ)
-    for leftover in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(leftover, None)
+    # Not what an earlier test, or a SLURM job running pytest itself, left in this environment.
+    leftovers = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {
+        name: value for name, value in os.environ.items()
+        if name not in leftovers and not name.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_"))
+    }
     env["SLURM_CONF"] = slurm_conf
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -53,10 +53,16 @@ def run(cfg: Config) -> Optional[dict]:
             launcher.master_addr,
             launcher.master_port,
             launcher.max_restarts,
-            launcher.preempt_timeout_s,
+            launcher.preempt_timeout_s if _stops_at_a_step(cfg) else None,
         )
         return results[0]
     return worker(cfg)
+
+
+def _stops_at_a_step(cfg: Config) -> bool:
+    """Whether the run's loop stops at a step boundary on a pre-emption signal: the Trainer's
+    does; a LoRA sweep's own loop does not, and ends on the signal as any process does."""
+    return "lora" not in cfg.plugins
 
 
 def worker(cfg: Config) -> dict:
@@ -66,6 +72,10 @@ def worker(cfg: Config) -> dict:
     (training/preemption.py)."""
     from megatron_ext.training.preemption import stop_request
 
+    if not _stops_at_a_step(cfg):  # many jobs packed on one base: the lora plugin's own loop
+        from megatron_ext.lora.sweep import jobs_of, run_sweep
+
+        return run_sweep(cfg, jobs_of(cfg))
     with stop_request(cfg.launcher.preempt_timeout_s):
         return _train(cfg)
 
@@ -75,10 +85,6 @@ def _train(cfg: Config) -> dict:
 
     from megatron_ext.training.trainer import Trainer
 
-    if "lora" in cfg.plugins:  # many jobs packed on one base: the lora plugin's own loop
-        from megatron_ext.lora.sweep import jobs_of, run_sweep
-
-        return run_sweep(cfg, jobs_of(cfg))
     if "reshard" in cfg.plugins:
         from megatron_ext.reshard.pool import pooled_worker
 
@@ -99,10 +105,21 @@ def run_from_overrides(overrides: Sequence[str]) -> Optional[dict]:
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> Optional[dict]:
+    return _run_or_exit(to_object(cfg))
+
+
+def _run_or_exit(cfg: Config) -> Optional[dict]:
+    """`run`, with a refused config, an aborted or a failed launch as one line and an exit code."""
     try:
-        return run(to_object(cfg))
+        return run(cfg)
     except ConfigError as e:
         _fail(str(e))
+    except LaunchAborted as e:  # a second pre-emption signal, or the deadline
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except LaunchFailed as e:  # the workers' own tracebacks are above
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _fail(message: str) -> None:
@@ -135,16 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg = compose_config(argv)
     except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
         _fail(_first_line(e))
-    try:
-        run(cfg)
-    except ConfigError as e:
-        _fail(str(e))
-    except LaunchAborted as e:  # a second pre-emption signal, or the deadline
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except LaunchFailed as e:  # the workers' own tracebacks are above
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    _run_or_exit(cfg)
 
 
 def _first_line(e: Exception) -> str:

@@ -121,9 +121,10 @@ def init_distributed(launch: LaunchEnv, device: torch.device, timeout_s: int = 6
 
 
 def rendezvous_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
-    """The key-value store the world meets in. An agent-hosted store outlives a restart of the
-    job, so each attempt works under its own prefix: a restarted job must not read the
-    addresses its dead predecessors left there."""
+    """The key-value store the world meets in, hosted by rank 0 (listening on
+    `launch.listen_on` only, when given) or by torchrun's agent. An agent-hosted store outlives
+    a restart of the job, so each attempt works under its own prefix: a restarted job must not
+    read the addresses its dead predecessors left there."""
     is_master = launch.rank == 0 and not launch.agent_store
     store = dist.TCPStore(
         launch.master_addr,
@@ -181,10 +182,12 @@ def launch_local(
 ) -> dict[int, Any]:
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
-    `max_restarts` times; then LaunchFailed names the first worker that failed. A pre-emption
+    `max_restarts` times; then LaunchFailed names the first worker that failed. With
+    `preempt_timeout_s` (workers that stop at a step boundary on a pre-emption signal), a
     signal to this process is forwarded to the workers (platform/local_workers.py); a second
-    one, or no exit within `preempt_timeout_s`, raises LaunchAborted. Every port the job
-    listens on is bound to `master_addr`."""
+    one, or no exit within `preempt_timeout_s` seconds (0: no deadline), raises LaunchAborted.
+    Without, torch's agent ends the workers on SIGTERM or SIGINT. Every port the job listens
+    on is bound to `master_addr`."""
     import multiprocessing
 
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -202,7 +205,8 @@ def launch_local(
         # forked child cannot use.
         multiprocessing.set_forkserver_preload([*_PRELOAD, worker.__module__])
         environ = dict(os.environ)
-    with bound_store(master_addr, master_port) as port, LocalWorkers(preempt_timeout_s) as workers:
+    preemption = preempt_timeout_s is not None
+    with bound_store(master_addr, master_port) as port, LocalWorkers(preemption, preempt_timeout_s) as workers:
         config = LaunchConfig(
             local_addr=master_addr,  # the workers' MASTER_ADDR (else the host's name)
             min_nodes=1,
@@ -214,10 +218,10 @@ def launch_local(
             max_restarts=max_restarts,
             monitor_interval=0.5,
             start_method=start_method,
-            **_agent_signals(LaunchConfig),
+            **(_agent_signals(LaunchConfig) if preemption else {}),
         )
-        # gloo listens on the interface it is given, else on the one of the host's name
-        entry = _LocalWorker(worker, environ, {LISTEN_ON_ENV: master_addr}, workers.folder, workers.worker_deadline_s)
+        listen_on = {LISTEN_ON_ENV: master_addr}
+        entry = _LocalWorker(worker, environ, listen_on, workers.folder, preemption, workers.worker_deadline_s)
         try:
             with _worker_hosted_store():
                 return elastic_launch(config, entry)(*args)
@@ -251,7 +255,8 @@ def listener(address: str, port: int) -> socket.socket:
 def bound_store(address: str, port: int) -> Iterator[int]:
     """A store server listening on `address` only, for the elastic agent's rendezvous to use:
     torch's c10d rendezvous opens its store as a multi-tenant one, which joins a server this
-    process already runs on the port. Yields the port (a free one when `port` is 0)."""
+    process already runs on the port (a torch that did not would find the port taken and join
+    as a client). Yields the port (a free one when `port` is 0)."""
     sock = listener(address, port)
     port = sock.getsockname()[1]
     store = dist.TCPStore(
@@ -303,19 +308,20 @@ def _agent_signals(launch_config: type) -> dict:
         return {"signals_to_handle": "SIGHUP,SIGQUIT"}
     return {}
 
+
 # This process's environment when this module was imported: in a forkserver, the server's.
 _ENVIRON_AT_IMPORT = dict(os.environ)
 
 
 class _LocalWorker:
     """`worker` as a process of `launch_local` runs it: registered in the launch's folder
-    (local_workers.py), with `extra_env`, noting pre-emption signals from its start (with
-    `deadline_s`; platform/signals.py) instead of the handlers it inherits from the forkserver.
-    Under a forkserver also in `environ`, the launcher's environment of the moment of the
-    launch, plus the variables the elastic agent set for the rank, as a spawned worker sees
-    them: a forkserver's children inherit the server's environment instead, the launcher's at
-    the server's start (Python hands them the launcher's working directory and import path
-    itself)."""
+    (local_workers.py), with `extra_env`, without the handlers it inherits from the forkserver;
+    with `preemption`, noting pre-emption signals from its start (with `deadline_s`;
+    platform/signals.py). Under a forkserver also in `environ`, the launcher's environment of
+    the moment of the launch, plus the variables the elastic agent set for the rank, as a
+    spawned worker sees them: a forkserver's children inherit the server's environment instead,
+    the launcher's at the server's start (Python hands them the launcher's working directory
+    and import path itself)."""
 
     def __init__(
         self,
@@ -323,16 +329,20 @@ class _LocalWorker:
         environ: Optional[dict],
         extra_env: dict,
         folder: str,
+        preemption: bool,
         deadline_s: Optional[float],
     ) -> None:
         functools.update_wrapper(self, worker)  # the elastic agent names the job after it
         self.worker, self.environ, self.extra_env = worker, environ, extra_env
-        self.folder, self.deadline_s = folder, deadline_s
+        self.folder, self.preemption, self.deadline_s = folder, preemption, deadline_s
 
     def __call__(self, *args: Any) -> Any:
         for signum in FORWARDED_BY_FORKSERVER:  # not to be chained to after a stop
             signal.signal(signum, signal.SIG_DFL)
-        with preemption_signals(self.deadline_s):
+        signals = contextlib.nullcontext()
+        if self.preemption:
+            signals = preemption_signals(self.deadline_s, from_launcher=True)
+        with signals:
             if self.environ is not None:
                 from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
                 os.environ.clear()

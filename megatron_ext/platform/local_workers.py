@@ -1,7 +1,7 @@
 """The launcher's side of the workers `launch_local` starts: pre-emption signals and failures.
 
 Signals (platform/signals.py): the launcher forwards the first pre-emption request to every
-worker and waits for them, while torch's elastic agent goes on collecting their results (its
+worker (as FORWARDED_REQUEST) and waits for them, while torch's elastic agent goes on collecting their results (its
 own handler would stop collecting, so that workers that had saved and returned waited for it
 until they were killed). A second request, or no exit within `launcher.preempt_timeout_s`,
 aborts: the agent kills the workers (SIGKILL) and the launch raises LaunchAborted.
@@ -31,7 +31,14 @@ from typing import Any, Optional
 
 import psutil
 
-from megatron_ext.platform.signals import PREEMPTION_SIGNALS, SignalCount, aborted_exit_code, say, signal_name
+from megatron_ext.platform.signals import (
+    FORWARDED_REQUEST,
+    PREEMPTION_SIGNALS,
+    SignalCount,
+    aborted_exit_code,
+    say,
+    signal_name,
+)
 
 
 class LaunchAborted(RuntimeError):
@@ -65,11 +72,12 @@ WORKER_DEADLINE_GRACE_S = 10.0
 
 
 class LocalWorkers:
-    """Use as a context around torch's elastic launch (in the launcher's main thread)."""
+    """Use as a context around torch's elastic launch (in the launcher's main thread); with
+    `preemption`, it handles the pre-emption signals, with `deadline_s` (0: none)."""
 
-    def __init__(self, deadline_s: Optional[float]) -> None:
+    def __init__(self, preemption: bool, deadline_s: Optional[float]) -> None:
         self.folder = tempfile.mkdtemp(prefix="megatron_ext_workers_")
-        self.deadline_s = deadline_s
+        self.preemption, self.deadline_s = preemption, deadline_s
         self.worker_deadline_s = deadline_s + WORKER_DEADLINE_GRACE_S if deadline_s else None
         self.aborted: Optional[LaunchAborted] = None
         self._count = SignalCount()
@@ -81,7 +89,7 @@ class LocalWorkers:
         self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
 
     def __enter__(self) -> "LocalWorkers":
-        if threading.current_thread() is threading.main_thread():
+        if self.preemption and threading.current_thread() is threading.main_thread():
             for sig in PREEMPTION_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         self._watcher.start()
@@ -107,28 +115,22 @@ class LocalWorkers:
         if not first:
             return  # the first request again, by another path
         say(f"launcher: {signal_name(signum)}: forwarded to the workers, waiting for their checkpoint")
-        self._forward(signum)
+        self._forward()
         if self.deadline_s:
             self._deadline = threading.Timer(self.deadline_s, self._expire)
             self._deadline.daemon = True
             self._deadline.start()
 
-    def _forward(self, signum: int) -> None:
+    def _forward(self) -> None:
         mine = {p.pid for p in psutil.Process().children(recursive=True)}
         for pid in self._registered().values():
             if pid in mine:
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
+                _request_stop(pid)
 
     def _tell_late_worker(self, pid: int) -> None:
         """Forward a request that came before this worker noted signals (it was starting)."""
         if self._count.first is not None:
-            try:
-                os.kill(pid, self._count.first)
-            except ProcessLookupError:
-                pass
+            _request_stop(pid)
 
     def _expire(self) -> None:
         self._expired = True
@@ -196,6 +198,13 @@ class LocalWorkers:
                     "the other ranks' errors (connection closed or reset by peer) follow from it"
                 )
         return LaunchFailed(_first_line(error))
+
+
+def _request_stop(pid: int) -> None:
+    try:
+        os.kill(pid, FORWARDED_REQUEST)
+    except ProcessLookupError:
+        pass
 
 
 def _exit_status(code: int) -> str:

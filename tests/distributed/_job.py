@@ -87,7 +87,8 @@ class Job:
         end = time.monotonic() + self.timeout_s
         while not condition():
             if self.process.poll() is not None:
-                raise AssertionError(f"the job ended (rc {self.process.returncode}) before {what}:\n{self.output[-4000:]}")
+                rc = self.process.returncode
+                raise AssertionError(f"the job ended (rc {rc}) before {what}:\n{self.output[-4000:]}")
             if time.monotonic() > end:
                 self.kill()
                 raise AssertionError(f"no {what} within {self.timeout_s} s:\n{self.output[-4000:]}")

@@ -27,14 +27,14 @@ POOL = ["launcher.nproc=4", "parallel.tp=2", "parallel.pp=2", "plugins=[reshard]
 # workers exist: while they import and build their model)
 CASES = {
     "scancel: SIGTERM to the group": (DP4, "group", signal.SIGTERM, "training"),
-    "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
     "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM, "training"),
     "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
     "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
-    "SIGINT to one worker": (DP4, "worker", signal.SIGINT, "training"),
     "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
 }
 SLOW_CASES = {
+    "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
+    "SIGINT to one worker": (DP4, "worker", signal.SIGINT, "training"),
     "SIGTERM to the launcher": (DP4, "launcher", signal.SIGTERM, "training"),
     "SIGINT to the launcher": (DP4, "launcher", signal.SIGINT, "training"),
     "SIGTERM to one worker in its setup": (DP4, "worker", signal.SIGTERM, "setup"),
@@ -68,23 +68,31 @@ def test_signal_saves_and_exits_0(dirs, layout, target, signum, when):
     _assert_resumes(root, paths, stopped_at)
 
 
-def test_second_signal_during_the_save_aborts_and_keeps_the_previous_checkpoint(dirs):
+# name: (extra settings, whether a second signal is sent, what the launcher says)
+ABORTS = {"a second signal": ([], True, "aborted (a second SIGTERM)")}
+SLOW_ABORTS = {  # the same path, reached by a timer
+    "the deadline": (["launcher.preempt_timeout_s=10"], False, "aborted (no exit 10 s after SIGTERM)"),
+}
+
+
+@pytest.mark.parametrize("settings, second_signal, said", _params(ABORTS) + _params(SLOW_ABORTS, pytest.mark.slow))
+def test_abort_during_the_save_keeps_the_previous_checkpoint(dirs, settings, second_signal, said):
     root, paths = dirs
-    job = Job([*TINY, *DP4, *paths, "checkpoint.interval=2"])
+    job = Job([*TINY, *DP4, *paths, "checkpoint.interval=2", *settings])
     job.wait_until(lambda: ckpt.latest_iteration(root) == 2 and job.last_step() >= 3, "the checkpoint of step 2")
     job.wait_for_step(3)
     first = time.monotonic()
     job.signal("group", signal.SIGTERM)
     job.wait_until(lambda: any(root.glob(".iter_*.tmp")), "the save after the signal", poll_s=0.002)
-    worker = job.workers[0]
-    worker.suspend()  # holds the save where it is: every rank waits for this one
+    job.workers[0].suspend()  # holds the save where it is: every rank waits for this one
     time.sleep(0.5)
     previous = ckpt.latest_iteration(root)
     assert any(root.glob(".iter_*.tmp")), "the save finished before it could be interrupted"
-    time.sleep(max(0.0, first + SAME_REQUEST_S + 0.2 - time.monotonic()))
-    job.signal("group", signal.SIGTERM)
+    if second_signal:
+        time.sleep(max(0.0, first + SAME_REQUEST_S + 0.2 - time.monotonic()))
+        job.signal("group", signal.SIGTERM)
     assert job.wait() == 128 + signal.SIGTERM, job.output[-4000:]
-    assert "aborted (a second SIGTERM)" in job.output
+    assert said in job.output
     assert ckpt.latest_iteration(root) == previous
     assert not job.left_behind()
     _assert_resumes(root, paths, previous)

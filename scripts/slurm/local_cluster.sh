@@ -11,11 +11,12 @@
 # DIR (default $MEGATRON_EXT_SLURM_DIR, else /tmp/megatron_ext-slurm) holds everything: slurm.conf,
 # the munge key and socket, state, spool, logs and the job-completion log. Nothing under /etc is
 # read or written, so a system SLURM elsewhere on the machine is left alone. Every daemon binds
-# 127.0.0.1 only. The daemons run as the calling user, which must be root (slurmd starts job
-# steps as the submitting user) or have password-less sudo for the package installation.
+# 127.0.0.1 only. The daemons run as the calling user: root (slurmd starts job steps as the
+# submitting user); installing the packages needs root or password-less sudo.
 #
-# The node is `localhost` with the machine's CPUs and as many GRES "gpu" as CPUs, without device
-# files: the sbatch templates ask for --gpus-per-node, which a CPU run needs granted. Containers
+# The node is `localhost` with the machine's CPUs and as many GRES "gpu" as CPUs, their device
+# files links to /dev/null: the sbatch templates ask for --gpus-per-node, which a CPU run needs
+# granted (SLURM sets CUDA_VISIBLE_DEVICES, which a CPU-only torch ignores). Containers
 # often lack systemd and a writable cgroup tree, so the daemons are started directly and the
 # plugins are the simplest ones: proctrack/linuxproc (a step's processes are the descendants of
 # its slurmstepd; signals reach all of them, as with proctrack/cgroup), task/none, no cgroups.

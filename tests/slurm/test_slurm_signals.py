@@ -1,7 +1,8 @@
 """Pre-emption as SLURM delivers it, to the rendered templates on the local cluster: the
-`--signal=USR1@90` warning before the time limit, and scancel's signals to the job's steps or to
-every process of the job (batch shell included). Each ends with a complete checkpoint, and a
-job whose processes all exit 0 ends COMPLETED.
+`--signal=USR1@90` warning before the time limit, `scancel --signal` (TERM, INT) to the job's
+steps, and a plain `scancel` (SIGTERM to every process of the job, batch shell and srun
+included). Each ends with a complete checkpoint, and a job whose processes all exit 0 ends
+COMPLETED.
 
 A plain `scancel` (no --signal) is a cancellation: SLURM records CANCELLED whatever the job's
 exit code, so there the check is the checkpoint saved between its SIGTERM and the SIGKILL

@@ -218,7 +218,7 @@ def launch_local(
             max_restarts=max_restarts,
             monitor_interval=0.5,
             start_method=start_method,
-            **(_agent_signals(LaunchConfig) if preemption else {}),
+            **_agent_signals(LaunchConfig, preemption),
         )
         listen_on = {LISTEN_ON_ENV: master_addr}
         entry = _LocalWorker(worker, environ, listen_on, workers.folder, preemption, workers.worker_deadline_s)
@@ -301,12 +301,14 @@ _PRELOAD = (
 )
 
 
-def _agent_signals(launch_config: type) -> dict:
-    """torch's agent handles these itself (it ends the workers); the pre-emption signals are
-    the launcher's (local_workers.py). torch before 2.9 handles SIGTERM and SIGINT in any case."""
-    if "signals_to_handle" in {f.name for f in dataclasses.fields(launch_config)}:
-        return {"signals_to_handle": "SIGHUP,SIGQUIT"}
-    return {}
+def _agent_signals(launch_config: type, preemption: bool) -> dict:
+    """The signals torch's agent handles itself (it ends the workers): with `preemption`, not
+    the pre-emption signals, which are the launcher's (local_workers.py); else these too, so
+    that SIGUSR1 leaves no worker behind. torch before 2.9 handles SIGTERM, SIGINT, SIGHUP and
+    SIGQUIT whatever it is told."""
+    if "signals_to_handle" not in {f.name for f in dataclasses.fields(launch_config)}:
+        return {}
+    return {"signals_to_handle": "SIGHUP,SIGQUIT" if preemption else "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
 
 
 # This process's environment when this module was imported: in a forkserver, the server's.

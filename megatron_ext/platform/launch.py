@@ -278,16 +278,20 @@ def bound_store(address: str, port: int) -> Iterator[int]:
 @contextlib.contextmanager
 def _worker_hosted_store() -> Iterator[None]:
     """The workers' store is hosted by their rank 0 (`rendezvous_store`, on the address it is
-    given) rather than by torch's agent, whose own server would listen on every interface."""
-    previous = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    given) rather than by torch's agent, whose own server would listen on every interface.
+    This process's environment is given back as it was (torch's launch also sets the signals
+    its agent handles there)."""
+    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+    previous = {name: os.environ.get(name) for name in names}
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         yield
     finally:
-        if previous is None:
-            del os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
-        else:
-            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # What every worker imports; megatron_ext.training.trainer pulls in megatron-core, and torch's

@@ -66,6 +66,9 @@ class _Ended:
     process: Any  # multiprocessing.Process
 
 
+# The pre-emption signals, and those torch's agent may handle.
+_HANDLED_BY_SOMEONE = (*PREEMPTION_SIGNALS, signal.SIGHUP, signal.SIGQUIT)
+
 # A worker keeps its own deadline (the one that holds under srun) this much after its
 # launcher's, which ends all workers at once.
 WORKER_DEADLINE_GRACE_S = 10.0
@@ -89,9 +92,13 @@ class LocalWorkers:
         self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
 
     def __enter__(self) -> "LocalWorkers":
-        if self.preemption and threading.current_thread() is threading.main_thread():
-            for sig in PREEMPTION_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+        if threading.current_thread() is threading.main_thread():
+            # torch's agent installs handlers of its own and leaves them: this process (a test,
+            # a notebook) gets its own back at the end
+            self._previous = {sig: signal.getsignal(sig) for sig in _HANDLED_BY_SOMEONE}
+            if self.preemption:
+                for sig in PREEMPTION_SIGNALS:
+                    signal.signal(sig, self._on_signal)
         self._watcher.start()
         return self
 
@@ -195,7 +202,7 @@ class LocalWorkers:
             if ended.attempt == last and code not in (0, None):
                 return LaunchFailed(
                     f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(code)}; "
-                    "the other ranks' errors (connection closed or reset by peer) follow from it"
+                    "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
                 )
         return LaunchFailed(_first_line(error))
 

@@ -1,9 +1,9 @@
 """The launcher's side of the workers `launch_local` starts: pre-emption signals and failures.
 
 Signals (platform/signals.py): the launcher forwards the first pre-emption request to every
-worker (as FORWARDED_REQUEST) and waits for them, while torch's elastic agent goes on collecting their results (its
-own handler would stop collecting, so that workers that had saved and returned waited for it
-until they were killed). A second request, or no exit within `launcher.preempt_timeout_s`,
+worker (as FORWARDED_REQUEST) and waits for them, while torch's elastic agent goes on
+collecting their results (its own handler would stop collecting, so that workers that had saved
+and returned waited for it until they were killed). A second request, or no exit within `launcher.preempt_timeout_s`,
 aborts: the agent kills the workers (SIGKILL) and the launch raises LaunchAborted.
 
 Failures: when a worker dies, the others fail on the connections to it soon after, and torch's
@@ -177,9 +177,9 @@ class LocalWorkers:
                 # active_children() itself, under the agent's feet.
                 by_pid = {p.pid: p for p in multiprocessing.active_children()}
                 for (attempt, rank), pid in new.items():
+                    known.add((attempt, rank))  # looked for once: one that ended at once is lost
                     if pid in by_pid:
                         watched[by_pid[pid].sentinel] = _Ended(attempt, rank, by_pid[pid])
-                        known.add((attempt, rank))
                         self._tell_late_worker(pid)
             if not watched:
                 time.sleep(0.05)

@@ -1000,9 +1000,7 @@ FLAGS: tuple[Flag, ...] = (
             'non-persistent (local / in-memory) checkpoints are not part of this trainer',
             choices=('fully_parallel', 'atomic'),
         ),
-        refused(
-            '--finetune', 'on', 'loading weights without the training state: use model.pretrained',
-        ),
+        mapped('--finetune', 'on', 'checkpoint.finetune'),
         refused('--pretrained-checkpoint', 'str', 'use model.pretrained=<checkpoint folder>'),
         mapped('--ckpt-step', 'int', 'checkpoint.step'),
         refused(
@@ -1092,20 +1090,14 @@ FLAGS: tuple[Flag, ...] = (
         refused('--verify-integrity', 'on', NO_KEY),
         refused(
             '--no-save-optim', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
+            'a checkpoint here always holds the optimizer and RNG state (--no-load-optim skips them)',
         ),
         refused(
             '--no-save-rng', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
+            'a checkpoint here always holds the optimizer and RNG state (--no-load-rng skips them)',
         ),
-        refused(
-            '--no-load-optim', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
-        ),
-        refused(
-            '--no-load-rng', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
-        ),
+        mapped('--no-load-optim', 'on', 'checkpoint.load_optim', const=False),
+        mapped('--no-load-rng', 'on', 'checkpoint.load_rng', const=False),
         refused('--override-ckpt-iteration', 'int', NO_KEY),
         notice(
             '--use-dist-ckpt', 'on', 'checkpoints here are always torch_dist (dist_checkpointing)',

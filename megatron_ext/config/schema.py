@@ -235,6 +235,14 @@ class CheckpointConfig:
     load_optional: bool = False
     # Write checkpoints in the background (dist_checkpointing's async save); training goes on.
     async_save: bool = False
+    # What a resume restores besides the weights (Megatron-LM's --no-load-optim / --no-load-rng):
+    # without the optimizer, its moments and the lr schedule start fresh, with fp32 main
+    # params copied from the loaded weights; without the RNG, the streams keep this run's seed.
+    load_optim: bool = True
+    load_rng: bool = True
+    # Megatron-LM's --finetune: only the weights are loaded; the iteration, the data position,
+    # the lr schedule, the optimizer and the RNG start fresh.
+    finetune: bool = False
 
 
 @dataclass

@@ -614,14 +614,29 @@ class Trainer:
         # RNG policy: restored when the TP x PP layout is the one that saved it (bitwise
         # continuation); in another layout the per-rank streams do not correspond, so they keep
         # the fresh seeding of this run.
+        # checkpoint.load_optim / load_rng / finetune choose what else comes back, as Megatron-LM's
+        # load_checkpoint does for --no-load-optim / --no-load-rng / --finetune.
+        c = self.cfg.checkpoint
         same_layout = common["layout"] == self._layout_key()
-        ckpt.load_checkpoint(root, iteration, self.model, self.optimizer, load_rng=same_layout)
-        self._restore_common(common)
+        load_optim = c.load_optim and not c.finetune
+        ckpt.load_checkpoint(
+            root,
+            iteration,
+            self.model,
+            self.optimizer if load_optim else None,
+            load_rng=same_layout and c.load_rng and not c.finetune,
+        )
+        if not load_optim:
+            # fp16/bf16: the fp32 main params were copied from the weights before they were loaded.
+            self.optimizer.reload_model_params()
+        if not c.finetune:
+            self._restore_common(common, load_scheduler=load_optim)
 
-    def _restore_common(self, common: dict) -> None:
-        """Counters, scheduler and plugin states from `common_state()`."""
+    def _restore_common(self, common: dict, load_scheduler: bool = True) -> None:
+        """Counters, scheduler (unless not `load_scheduler`) and plugin states from `common_state()`."""
         self.state = TrainState(common["iteration"], common["consumed_samples"])
-        self.scheduler.load_state_dict(common["scheduler"])
+        if load_scheduler:
+            self.scheduler.load_state_dict(common["scheduler"])
         for plugin in self.plugins:
             plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
 

@@ -424,7 +424,7 @@ def test_bad_command_lines(command, phrase):
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
         "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --enable-gpt-oss "
-        "--step-batch-size-schedule 0:16 --rope-type yarn --no-load-optim"
+        "--step-batch-size-schedule 0:16 --rope-type yarn --no-save-optim"
     )
     with pytest.raises(SystemExit) as info:
         main(shlex.split(command))
@@ -434,8 +434,8 @@ def test_one_message_lists_every_refused_flag(capsys):
         "error: --step-batch-size-schedule 0:16: batch-size schedules are not supported: the "
         "global batch is fixed",
         "error: --rope-type yarn: YaRN for multi-latent attention has no config keys here",
-        "error: --no-load-optim: a checkpoint here always holds and restores the optimizer and "
-        "RNG state",
+        "error: --no-save-optim: a checkpoint here always holds the optimizer and RNG state "
+        "(--no-load-optim skips them)",
         "error: --vocab-file v.json: data.tokenizer is one tokenizer.json: use --tokenizer-model "
         "<tokenizer.json>",
         "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "

@@ -916,10 +916,7 @@ FLAGS: tuple[Flag, ...] = (
             note="absent: 0, Megatron-LM's default (optim.lr_warmup_samples = 0 with --train-samples)",
         ),
         mapped('--lr-warmup-samples', 'int', 'optim.lr_warmup_samples'),
-        notice(
-            '--lr-warmup-init', 'float', "warmup starts at lr 0 (megatron's default)", only=(0.0,),
-            refuse=NO_KEY + ' (warmup starts at 0)',
-        ),
+        mapped('--lr-warmup-init', 'float', 'optim.lr_warmup_init'),
         refused(
             '--override-opt_param-scheduler --override-opt-param-scheduler', 'on',
             "a resume restores the lr schedule's state from the checkpoint",
@@ -938,14 +935,8 @@ FLAGS: tuple[Flag, ...] = (
         mapped('--lr', 'float', 'optim.lr'),
         refused('--warmup', 'int', 'deprecated in Megatron-LM: use --lr-warmup-iters'),
         mapped('--min-lr', 'float', 'optim.min_lr', default=0.0),
-        refused(
-            '--decoupled-lr', 'float',
-            'a separate lr for the embedding and output layer has no config key',
-        ),
-        refused(
-            '--decoupled-min-lr', 'float',
-            'a separate lr for the embedding and output layer has no config key',
-        ),
+        mapped('--decoupled-lr', 'float', 'optim.decoupled_lr'),
+        mapped('--decoupled-min-lr', 'float', 'optim.decoupled_min_lr'),
         refused(
             '--freeze-all-layers', 'on', 'freezing layers is not supported (see the lora plugin)',
         ),

@@ -190,6 +190,12 @@ class OptimConfig:
     # iterations (exclusive with lr_warmup_iters / lr_decay_iters).
     lr_warmup_samples: Optional[int] = None
     lr_decay_samples: Optional[int] = None
+    # The lr warmup starts from (Megatron-LM's --lr-warmup-init).
+    lr_warmup_init: float = 0.0
+    # Megatron-LM's --decoupled-lr / --decoupled-min-lr: the embedding and output layer's own
+    # peak and final lr (megatron-core gives them their own parameter group); None: lr / min_lr.
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
 
 
 @dataclass

@@ -401,6 +401,13 @@ def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+def warmup_init_within_lr(cfg: Config, world: int, device: str) -> Optional[str]:
+    o = cfg.optim
+    if not 0.0 <= o.lr_warmup_init <= o.lr:
+        return f"optim.lr_warmup_init ({o.lr_warmup_init}) must be >= 0 and <= optim.lr ({o.lr})"
+    return None
+
+
 def sample_warmup_before_decay_end(cfg: Config, world: int, device: str) -> Optional[str]:
     # megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps.
     warmup, samples = cfg.optim.lr_warmup_samples, cfg.train.train_samples
@@ -725,6 +732,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("train.train_samples", schedule_in_one_unit),
     ("train.train_samples", samples_fill_a_batch),
     ("optim.lr_warmup_samples", sample_warmup_before_decay_end),
+    ("optim.lr_warmup_init", warmup_init_within_lr),
     ("checkpoint.async_save", async_save_needs_save_dir),
     ("data.mock", one_data_source),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),

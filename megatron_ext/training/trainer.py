@@ -324,6 +324,10 @@ class Trainer:
             adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
+            # megatron-core's standard param-group overrides give the embedding and output
+            # layer these as their group's max_lr / min_lr, which the scheduler then follows.
+            decoupled_lr=o.decoupled_lr,
+            decoupled_min_lr=o.decoupled_min_lr,
             bf16=cfg.model.precision == "bf16",
             fp16=cfg.model.precision == "fp16",
             params_dtype=model_config.params_dtype,

@@ -106,6 +106,8 @@ BAD = [
      "model.seq_length", "divisible by parallel.tp * parallel.cp (2 * 1)"),
     ("warmup_vs_decay", {"optim.lr_warmup_iters": 300}, 1, "cpu",
      "optim.lr_warmup_iters", "< the lr decay iters (200)"),
+    ("warmup_init_above_lr", {"optim.lr_warmup_init": 1.0}, 1, "cpu",
+     "optim.lr_warmup_init", "must be >= 0 and <= optim.lr (0.003)"),
     ("precision", {"model.precision": "fp8"}, 1, "cpu",
      "model.precision", "one of fp32, bf16, fp16"),
     ("spec", {"model.spec": "mcore"}, 1, "cpu",

@@ -1357,13 +1357,13 @@ FLAGS: tuple[Flag, ...] = (
             '--no-pad-vocab-size --disable-pad-vocab-size', 'off',
             'the vocabulary is always padded (use --make-vocab-size-divisible-by 1)',
         ),
-        refused(
-            '--vocab-file', 'str',
-            'data.tokenizer is one tokenizer.json: use --tokenizer-model <tokenizer.json>',
+        mapped(
+            '--vocab-file', 'str', 'data.tokenizer', derived=True,
+            note="GPT2BPETokenizer's vocab.json (with --merge-file)",
         ),
-        refused(
-            '--merge-file', 'str',
-            'data.tokenizer is one tokenizer.json: use --tokenizer-model <tokenizer.json>',
+        mapped(
+            '--merge-file', 'str', 'data.tokenizer', derived=True,
+            note="GPT2BPETokenizer's merges.txt (with --vocab-file)",
         ),
         notice(
             '--vocab-extra-ids', 'int', 'no extra ids', only=(0,),
@@ -1373,7 +1373,7 @@ FLAGS: tuple[Flag, ...] = (
             '--tokenizer-type', 'str', 'data.tokenizer',
             choices=('BertWordPieceLowerCase', 'BertWordPieceCase', 'GPT2BPETokenizer', 'SentencePieceTokenizer', 'GPTSentencePieceTokenizer', 'HuggingFaceTokenizer', 'Llama2Tokenizer', 'TikTokenizer', 'MultimodalTokenizer', 'NullTokenizer', 'NullMultimodalTokenizer', 'SFTTokenizer'),
             derived=True,
-            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); NullTokenizer is the byte tokenizer with --vocab-size; other types are refused',
+            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); GPT2BPETokenizer also reads --vocab-file and --merge-file (GPT-2 BPE files); NullTokenizer is the byte tokenizer with --vocab-size; other types are refused',
         ),
         mapped(
             '--tokenizer-model', 'str', 'data.tokenizer', derived=True,

@@ -383,7 +383,9 @@ BAD = [
      "one value only"),
     ("flex", "--moe-token-dispatcher-type flex", "needs DeepEP/HybridEP"),
     ("wsd", "--lr-decay-style WSD", "WSD needs"),
-    ("vocab_file", "--vocab-file v.json", "use --tokenizer-model"),
+    ("vocab_file_without_gpt2", "--vocab-file v.json", "is read with --tokenizer-type GPT2BPETokenizer only"),
+    ("gpt2_without_merges", "--tokenizer-type GPT2BPETokenizer --vocab-file v.json",
+     "--merge-file: GPT2BPETokenizer needs both --vocab-file and --merge-file"),
     ("bf16_and_fp16", "--bf16 --fp16", "exclusive"),
     ("swiglu_and_squared_relu", "--swiglu --squared-relu", "exclusive"),
     ("two_vpp_flags", "--num-layers 8 --pipeline-model-parallel-size 2 "
@@ -436,10 +438,9 @@ def test_one_message_lists_every_refused_flag(capsys):
         "error: --rope-type yarn: YaRN for multi-latent attention has no config keys here",
         "error: --no-save-optim: a checkpoint here always holds the optimizer and RNG state "
         "(--no-load-optim skips them)",
-        "error: --vocab-file v.json: data.tokenizer is one tokenizer.json: use --tokenizer-model "
-        "<tokenizer.json>",
         "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "
         "activations are not in megatron_ext's model space",
+        "error: --vocab-file v.json: is read with --tokenizer-type GPT2BPETokenizer only",
     ]
 
 

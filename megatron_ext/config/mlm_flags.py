@@ -411,27 +411,25 @@ FLAGS: tuple[Flag, ...] = (
         refused(
             '--moe-router-quantile-balancing-ema', 'float', "not in megatron_ext's MoE model space",
         ),
-        refused(
-            '--moe-router-force-load-balancing', 'on', "not in megatron_ext's MoE model space",
-        ),
+        mapped('--moe-router-force-load-balancing', 'on', 'model.moe_router_force_load_balancing'),
         refused('--moe-router-force-biased', 'float', "not in megatron_ext's MoE model space"),
         notice('--use-grouped-gemm-for-dense-mlp', 'on', TUNE),
         mapped('--moe-grouped-gemm', 'on', 'model.moe_grouped_gemm', default=False),
         notice('--moe-use-grouped-tensor', 'on', TUNE),
         refused('--moe-single-grouped-weight', 'on', "not in megatron_ext's MoE model space"),
         refused('--moe-single-grouped-bias', 'on', "not in megatron_ext's MoE model space"),
-        refused('--moe-z-loss-coeff', 'float', "not in megatron_ext's MoE model space"),
+        mapped('--moe-z-loss-coeff', 'float', 'model.moe_z_loss_coeff'),
         refused('--moe-input-jitter-eps', 'float', "not in megatron_ext's MoE model space"),
         mapped(
             '--moe-token-dispatcher-type', 'str', 'model.moe_token_dispatcher',
             choices=('allgather', 'alltoall', 'flex'), default='allgather',
-            only=('allgather', 'alltoall'),
-            refuse='the flex dispatcher needs DeepEP/HybridEP CUDA kernels',
+            note='flex without DeepEP/HybridEP on CUDA runs the alltoall dispatcher, with a notice',
         ),
         refused('--moe-enable-deepep', 'on', "not in megatron_ext's MoE model space"),
-        refused(
-            '--moe-flex-dispatcher-backend', 'str', "not in megatron_ext's MoE model space",
-            choices=('deepep', 'hybridep', 'ncclep'),
+        mapped(
+            '--moe-flex-dispatcher-backend', 'str', 'model.moe_flex_dispatcher_backend',
+            choices=('deepep', 'hybridep', 'ncclep'), only=('deepep', 'hybridep'),
+            refuse="megatron-core 0.16's flex dispatcher has no ncclep backend",
         ),
         refused(
             '--moe-permute-fusion-into-hybridep', 'on', "not in megatron_ext's MoE model space",

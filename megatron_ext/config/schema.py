@@ -103,8 +103,15 @@ class ModelConfig:
     # MoE in every N-th layer (1: every layer), or megatron's pattern string "([0]+[1]*3)*8".
     moe_layer_freq: str = "1"
     moe_grouped_gemm: bool = False
-    # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA.
+    # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA; flex
+    # (DeepEP / HybridEP kernels, `moe_flex_dispatcher_backend`) where they are installed on
+    # CUDA, else alltoall: the same routing and math.
     moe_token_dispatcher: str = "allgather"
+    moe_flex_dispatcher_backend: str = "deepep"
+    # ST-MoE's router z-loss, coeff * mean(logsumexp(router logits)^2); None: off.
+    moe_z_loss_coeff: Optional[float] = None
+    # megatron's benchmark mode: random router logits, so tokens spread evenly over the experts.
+    moe_router_force_load_balancing: bool = False
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
     # megatron_ext checkpoint folder, or `pkg:<module>/<file>` inside an installed package. The
     # fields above must describe the same architecture (checked when the weights are read).

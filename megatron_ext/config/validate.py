@@ -742,7 +742,11 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("launcher.max_restarts", not_negative("launcher.max_restarts")),
     ("train.manual_gc_interval", not_negative("train.manual_gc_interval")),
     ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
-    ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
+    ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall", "flex"))),
+    (
+        "model.moe_flex_dispatcher_backend",
+        one_of("model.moe_flex_dispatcher_backend", ("deepep", "hybridep")),
+    ),
     ("plugins", plugins_registered),
     ("plugins", one_step_plugin),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),

@@ -381,7 +381,7 @@ BAD = [
      "--moe-router-load-balancing-type global_aux_loss: megatron_ext's router takes"),
     ("two_router_values", "--moe-router-load-balancing-type aux_loss aux_loss",
      "one value only"),
-    ("flex", "--moe-token-dispatcher-type flex", "needs DeepEP/HybridEP"),
+    ("flex_ncclep", "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep", "no ncclep backend"),
     ("wsd", "--lr-decay-style WSD", "WSD needs"),
     ("vocab_file_without_gpt2", "--vocab-file v.json", "is read with --tokenizer-type GPT2BPETokenizer only"),
     ("gpt2_without_merges", "--tokenizer-type GPT2BPETokenizer --vocab-file v.json",

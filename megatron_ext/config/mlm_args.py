@@ -338,10 +338,11 @@ def _tokenizer(b: _Builder) -> None:
 
 
 def _gpt2_files(b: _Builder, kind: Optional[str], vocab: Optional[str], merges: Optional[str]) -> None:
-    """Megatron-LM's GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt."""
+    """Megatron-LM's GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt; it is the
+    tokenizer type pretrain_gpt.py defaults to."""
     from megatron_ext.data.tokenizers import gpt2_files_spec  # the spec's form is the data layer's
 
-    if kind != "GPT2BPETokenizer":
+    if kind not in (None, "GPT2BPETokenizer"):
         b.problem("--vocab-file", "is read with --tokenizer-type GPT2BPETokenizer only")
     elif vocab is None or merges is None:
         b.problem("--vocab-file" if vocab is None else "--merge-file",

@@ -383,8 +383,9 @@ BAD = [
      "one value only"),
     ("flex_ncclep", "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep", "no ncclep backend"),
     ("wsd", "--lr-decay-style WSD", "WSD needs"),
-    ("vocab_file_without_gpt2", "--vocab-file v.json", "is read with --tokenizer-type GPT2BPETokenizer only"),
-    ("gpt2_without_merges", "--tokenizer-type GPT2BPETokenizer --vocab-file v.json",
+    ("vocab_file_not_gpt2", "--tokenizer-type HuggingFaceTokenizer --vocab-file v.json",
+     "is read with --tokenizer-type GPT2BPETokenizer only"),
+    ("gpt2_without_merges", "--vocab-file v.json",  # GPT2BPETokenizer: pretrain_gpt.py's default
      "--merge-file: GPT2BPETokenizer needs both --vocab-file and --merge-file"),
     ("bf16_and_fp16", "--bf16 --fp16", "exclusive"),
     ("swiglu_and_squared_relu", "--swiglu --squared-relu", "exclusive"),
@@ -440,7 +441,7 @@ def test_one_message_lists_every_refused_flag(capsys):
         "(--no-load-optim skips them)",
         "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "
         "activations are not in megatron_ext's model space",
-        "error: --vocab-file v.json: is read with --tokenizer-type GPT2BPETokenizer only",
+        "error: --merge-file: GPT2BPETokenizer needs both --vocab-file and --merge-file",
     ]
 
 

@@ -73,16 +73,26 @@ class HFTokenizer(MegatronTokenizerBase):
     """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file."""
 
     def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
-        from tokenizers import Tokenizer
-
         super().__init__(path=path, config={})
-        self._tokenizer = Tokenizer.from_file(path)
-        with open(path, "rb") as f:
-            # The content, not the path, identifies the tokenizer: a retrained tokenizer.json at
-            # the same path must not reuse token ids cached for the old one.
-            self._sha256 = hashlib.sha256(f.read()).hexdigest()
+        self._tokenizer = self._read()
+        # The content, not the path, identifies the tokenizer: a retrained tokenizer.json at
+        # the same path must not reuse token ids cached for the old one.
+        digest = hashlib.sha256()
+        for file in self._files():
+            with open(file, "rb") as f:
+                digest.update(f.read())
+        self._sha256 = digest.hexdigest()
         self._eod_token = eod_token or self._first_present(_HF_EOD_CANDIDATES, "eod")
         self._eod = self._token_id(self._eod_token)
+
+    def _read(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(self.path)
+
+    def _files(self) -> tuple[str, ...]:
+        """The files that define the tokenizer."""
+        return (self.path,)
 
     def _first_present(self, candidates: tuple[str, ...], role: str) -> str:
         for token in candidates:
@@ -152,19 +162,19 @@ class GPT2BPETokenizer(HFTokenizer):
     `<|endoftext|>`. As in Megatron-LM, special-token text inside a document is plain text."""
 
     def __init__(self, vocab_file: str, merges_file: str, eod_token: Optional[str] = None) -> None:
+        self._merges_file = merges_file
+        super().__init__(vocab_file, eod_token or "<|endoftext|>")
+
+    def _read(self):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        MegatronTokenizerBase.__init__(self, path=vocab_file, config={})
-        self._tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merges_file))
-        self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        self._tokenizer.decoder = decoders.ByteLevel()
-        digest = hashlib.sha256()
-        for path in (vocab_file, merges_file):
-            with open(path, "rb") as f:
-                digest.update(f.read())
-        self._sha256 = digest.hexdigest()
-        self._eod_token = eod_token or "<|endoftext|>"
-        self._eod = self._token_id(self._eod_token)
+        tokenizer = Tokenizer(models.BPE.from_file(self.path, self._merges_file))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+    def _files(self) -> tuple[str, ...]:
+        return (self.path, self._merges_file)
 
     @property
     def unique_identifiers(self) -> OrderedDict:

@@ -27,7 +27,7 @@ import argparse
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
 
@@ -320,6 +320,10 @@ def _tokenizer(b: _Builder) -> None:
         b.problem("--tokenizer-type", "use HuggingFaceTokenizer with --tokenizer-model "
                   "<tokenizer.json or folder>, or NullTokenizer")
         return
+    files = b.get("--vocab-file"), b.get("--merge-file")
+    if any(f is not None for f in files):
+        _gpt2_files(b, kind, *files)
+        return
     if model is None:
         if kind is not None:
             b.problem("--tokenizer-type", "needs --tokenizer-model <tokenizer.json or folder>")
@@ -331,6 +335,20 @@ def _tokenizer(b: _Builder) -> None:
     if kind == "SFTTokenizer":
         b.notice("--tokenizer-type", "the chat prompt format is not applied: pretraining text")
     b.set("data.tokenizer", model, "--tokenizer-model")
+
+
+def _gpt2_files(b: _Builder, kind: Optional[str], vocab: Optional[str], merges: Optional[str]) -> None:
+    """Megatron-LM's GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt; it is the
+    tokenizer type pretrain_gpt.py defaults to."""
+    from megatron_ext.data.tokenizers import gpt2_files_spec  # the spec's form is the data layer's
+
+    if kind not in (None, "GPT2BPETokenizer"):
+        b.problem("--vocab-file", "is read with --tokenizer-type GPT2BPETokenizer only")
+    elif vocab is None or merges is None:
+        b.problem("--vocab-file" if vocab is None else "--merge-file",
+                  "GPT2BPETokenizer needs both --vocab-file and --merge-file")
+    else:
+        b.set("data.tokenizer", gpt2_files_spec(vocab, merges), "--vocab-file")
 
 
 def _implementation(b: _Builder) -> None:

@@ -411,27 +411,25 @@ FLAGS: tuple[Flag, ...] = (
         refused(
             '--moe-router-quantile-balancing-ema', 'float', "not in megatron_ext's MoE model space",
         ),
-        refused(
-            '--moe-router-force-load-balancing', 'on', "not in megatron_ext's MoE model space",
-        ),
+        mapped('--moe-router-force-load-balancing', 'on', 'model.moe_router_force_load_balancing'),
         refused('--moe-router-force-biased', 'float', "not in megatron_ext's MoE model space"),
         notice('--use-grouped-gemm-for-dense-mlp', 'on', TUNE),
         mapped('--moe-grouped-gemm', 'on', 'model.moe_grouped_gemm', default=False),
         notice('--moe-use-grouped-tensor', 'on', TUNE),
         refused('--moe-single-grouped-weight', 'on', "not in megatron_ext's MoE model space"),
         refused('--moe-single-grouped-bias', 'on', "not in megatron_ext's MoE model space"),
-        refused('--moe-z-loss-coeff', 'float', "not in megatron_ext's MoE model space"),
+        mapped('--moe-z-loss-coeff', 'float', 'model.moe_z_loss_coeff'),
         refused('--moe-input-jitter-eps', 'float', "not in megatron_ext's MoE model space"),
         mapped(
             '--moe-token-dispatcher-type', 'str', 'model.moe_token_dispatcher',
             choices=('allgather', 'alltoall', 'flex'), default='allgather',
-            only=('allgather', 'alltoall'),
-            refuse='the flex dispatcher needs DeepEP/HybridEP CUDA kernels',
+            note='flex without DeepEP/HybridEP on CUDA runs the alltoall dispatcher, with a notice',
         ),
         refused('--moe-enable-deepep', 'on', "not in megatron_ext's MoE model space"),
-        refused(
-            '--moe-flex-dispatcher-backend', 'str', "not in megatron_ext's MoE model space",
-            choices=('deepep', 'hybridep', 'ncclep'),
+        mapped(
+            '--moe-flex-dispatcher-backend', 'str', 'model.moe_flex_dispatcher_backend',
+            choices=('deepep', 'hybridep', 'ncclep'), only=('deepep', 'hybridep'),
+            refuse="megatron-core 0.16's flex dispatcher has no ncclep backend",
         ),
         refused(
             '--moe-permute-fusion-into-hybridep', 'on', "not in megatron_ext's MoE model space",
@@ -916,10 +914,7 @@ FLAGS: tuple[Flag, ...] = (
             note="absent: 0, Megatron-LM's default (optim.lr_warmup_samples = 0 with --train-samples)",
         ),
         mapped('--lr-warmup-samples', 'int', 'optim.lr_warmup_samples'),
-        notice(
-            '--lr-warmup-init', 'float', "warmup starts at lr 0 (megatron's default)", only=(0.0,),
-            refuse=NO_KEY + ' (warmup starts at 0)',
-        ),
+        mapped('--lr-warmup-init', 'float', 'optim.lr_warmup_init'),
         refused(
             '--override-opt_param-scheduler --override-opt-param-scheduler', 'on',
             "a resume restores the lr schedule's state from the checkpoint",
@@ -938,14 +933,8 @@ FLAGS: tuple[Flag, ...] = (
         mapped('--lr', 'float', 'optim.lr'),
         refused('--warmup', 'int', 'deprecated in Megatron-LM: use --lr-warmup-iters'),
         mapped('--min-lr', 'float', 'optim.min_lr', default=0.0),
-        refused(
-            '--decoupled-lr', 'float',
-            'a separate lr for the embedding and output layer has no config key',
-        ),
-        refused(
-            '--decoupled-min-lr', 'float',
-            'a separate lr for the embedding and output layer has no config key',
-        ),
+        mapped('--decoupled-lr', 'float', 'optim.decoupled_lr'),
+        mapped('--decoupled-min-lr', 'float', 'optim.decoupled_min_lr'),
         refused(
             '--freeze-all-layers', 'on', 'freezing layers is not supported (see the lora plugin)',
         ),
@@ -1000,9 +989,7 @@ FLAGS: tuple[Flag, ...] = (
             'non-persistent (local / in-memory) checkpoints are not part of this trainer',
             choices=('fully_parallel', 'atomic'),
         ),
-        refused(
-            '--finetune', 'on', 'loading weights without the training state: use model.pretrained',
-        ),
+        mapped('--finetune', 'on', 'checkpoint.finetune'),
         refused('--pretrained-checkpoint', 'str', 'use model.pretrained=<checkpoint folder>'),
         mapped('--ckpt-step', 'int', 'checkpoint.step'),
         refused(
@@ -1092,20 +1079,14 @@ FLAGS: tuple[Flag, ...] = (
         refused('--verify-integrity', 'on', NO_KEY),
         refused(
             '--no-save-optim', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
+            'a checkpoint here always holds the optimizer and RNG state (--no-load-optim skips them)',
         ),
         refused(
             '--no-save-rng', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
+            'a checkpoint here always holds the optimizer and RNG state (--no-load-rng skips them)',
         ),
-        refused(
-            '--no-load-optim', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
-        ),
-        refused(
-            '--no-load-rng', 'on',
-            'a checkpoint here always holds and restores the optimizer and RNG state',
-        ),
+        mapped('--no-load-optim', 'on', 'checkpoint.load_optim', const=False),
+        mapped('--no-load-rng', 'on', 'checkpoint.load_rng', const=False),
         refused('--override-ckpt-iteration', 'int', NO_KEY),
         notice(
             '--use-dist-ckpt', 'on', 'checkpoints here are always torch_dist (dist_checkpointing)',
@@ -1374,13 +1355,13 @@ FLAGS: tuple[Flag, ...] = (
             '--no-pad-vocab-size --disable-pad-vocab-size', 'off',
             'the vocabulary is always padded (use --make-vocab-size-divisible-by 1)',
         ),
-        refused(
-            '--vocab-file', 'str',
-            'data.tokenizer is one tokenizer.json: use --tokenizer-model <tokenizer.json>',
+        mapped(
+            '--vocab-file', 'str', 'data.tokenizer', derived=True,
+            note="GPT2BPETokenizer's vocab.json (with --merge-file)",
         ),
-        refused(
-            '--merge-file', 'str',
-            'data.tokenizer is one tokenizer.json: use --tokenizer-model <tokenizer.json>',
+        mapped(
+            '--merge-file', 'str', 'data.tokenizer', derived=True,
+            note="GPT2BPETokenizer's merges.txt (with --vocab-file)",
         ),
         notice(
             '--vocab-extra-ids', 'int', 'no extra ids', only=(0,),
@@ -1390,7 +1371,7 @@ FLAGS: tuple[Flag, ...] = (
             '--tokenizer-type', 'str', 'data.tokenizer',
             choices=('BertWordPieceLowerCase', 'BertWordPieceCase', 'GPT2BPETokenizer', 'SentencePieceTokenizer', 'GPTSentencePieceTokenizer', 'HuggingFaceTokenizer', 'Llama2Tokenizer', 'TikTokenizer', 'MultimodalTokenizer', 'NullTokenizer', 'NullMultimodalTokenizer', 'SFTTokenizer'),
             derived=True,
-            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); NullTokenizer is the byte tokenizer with --vocab-size; other types are refused',
+            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); GPT2BPETokenizer also reads --vocab-file and --merge-file (GPT-2 BPE files); NullTokenizer is the byte tokenizer with --vocab-size; other types are refused',
         ),
         mapped(
             '--tokenizer-model', 'str', 'data.tokenizer', derived=True,

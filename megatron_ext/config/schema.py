@@ -103,8 +103,15 @@ class ModelConfig:
     # MoE in every N-th layer (1: every layer), or megatron's pattern string "([0]+[1]*3)*8".
     moe_layer_freq: str = "1"
     moe_grouped_gemm: bool = False
-    # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA.
+    # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA; flex
+    # (DeepEP / HybridEP kernels, `moe_flex_dispatcher_backend`) where they are installed on
+    # CUDA, else alltoall: the same routing and math.
     moe_token_dispatcher: str = "allgather"
+    moe_flex_dispatcher_backend: str = "deepep"
+    # ST-MoE's router z-loss, coeff * mean(logsumexp(router logits)^2); None: off.
+    moe_z_loss_coeff: Optional[float] = None
+    # megatron's benchmark mode: random router logits, so tokens spread evenly over the experts.
+    moe_router_force_load_balancing: bool = False
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
     # megatron_ext checkpoint folder, or `pkg:<module>/<file>` inside an installed package. The
     # fields above must describe the same architecture (checked when the weights are read).
@@ -190,6 +197,12 @@ class OptimConfig:
     # iterations (exclusive with lr_warmup_iters / lr_decay_iters).
     lr_warmup_samples: Optional[int] = None
     lr_decay_samples: Optional[int] = None
+    # The lr warmup starts from (Megatron-LM's --lr-warmup-init).
+    lr_warmup_init: float = 0.0
+    # Megatron-LM's --decoupled-lr / --decoupled-min-lr: the embedding and output layer's own
+    # peak and final lr (megatron-core gives them their own parameter group); None: lr / min_lr.
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
 
 
 @dataclass
@@ -235,6 +248,14 @@ class CheckpointConfig:
     load_optional: bool = False
     # Write checkpoints in the background (dist_checkpointing's async save); training goes on.
     async_save: bool = False
+    # What a resume restores besides the weights (Megatron-LM's --no-load-optim / --no-load-rng):
+    # without the optimizer, its moments and the lr schedule start fresh, with fp32 main
+    # params copied from the loaded weights; without the RNG, the streams keep this run's seed.
+    load_optim: bool = True
+    load_rng: bool = True
+    # Megatron-LM's --finetune: only the weights are loaded; the iteration, the data position,
+    # the lr schedule, the optimizer and the RNG start fresh.
+    finetune: bool = False
 
 
 @dataclass

@@ -401,6 +401,13 @@ def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+def warmup_init_within_lr(cfg: Config, world: int, device: str) -> Optional[str]:
+    o = cfg.optim
+    if not 0.0 <= o.lr_warmup_init <= o.lr:
+        return f"optim.lr_warmup_init ({o.lr_warmup_init}) must be >= 0 and <= optim.lr ({o.lr})"
+    return None
+
+
 def sample_warmup_before_decay_end(cfg: Config, world: int, device: str) -> Optional[str]:
     # megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps.
     warmup, samples = cfg.optim.lr_warmup_samples, cfg.train.train_samples
@@ -711,6 +718,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("train.train_samples", schedule_in_one_unit),
     ("train.train_samples", samples_fill_a_batch),
     ("optim.lr_warmup_samples", sample_warmup_before_decay_end),
+    ("optim.lr_warmup_init", warmup_init_within_lr),
     ("checkpoint.async_save", async_save_needs_save_dir),
     ("data.mock", one_data_source),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
@@ -720,7 +728,11 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("launcher.max_restarts", not_negative("launcher.max_restarts")),
     ("train.manual_gc_interval", not_negative("train.manual_gc_interval")),
     ("optim.lr_decay_style", one_of("optim.lr_decay_style", LR_DECAY_STYLES)),
-    ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall"))),
+    ("model.moe_token_dispatcher", one_of("model.moe_token_dispatcher", ("allgather", "alltoall", "flex"))),
+    (
+        "model.moe_flex_dispatcher_backend",
+        one_of("model.moe_flex_dispatcher_backend", ("deepep", "hybridep")),
+    ),
     ("plugins", plugins_registered),
     ("plugins", one_step_plugin),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),

@@ -76,17 +76,27 @@ class HFTokenizer(MegatronTokenizerBase):
     template its folder keeps (chat_template.py)."""
 
     def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
-        from tokenizers import Tokenizer
-
         super().__init__(path=path, config={})
-        self._tokenizer = Tokenizer.from_file(path)
-        with open(path, "rb") as f:
-            # The content, not the path, identifies the tokenizer: a retrained tokenizer.json at
-            # the same path must not reuse token ids cached for the old one.
-            self._sha256 = hashlib.sha256(f.read()).hexdigest()
+        self._tokenizer = self._read()
+        # The content, not the path, identifies the tokenizer: a retrained tokenizer.json at
+        # the same path must not reuse token ids cached for the old one.
+        digest = hashlib.sha256()
+        for file in self._files():
+            with open(file, "rb") as f:
+                digest.update(f.read())
+        self._sha256 = digest.hexdigest()
         self._eod_token = eod_token or self._first_present(_HF_EOD_CANDIDATES, "eod")
         self._eod = self._token_id(self._eod_token)
         self._chat: Optional[ChatTemplate] = read_chat_template(os.path.dirname(os.path.abspath(path)))
+
+    def _read(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(self.path)
+
+    def _files(self) -> tuple[str, ...]:
+        """The files that define the tokenizer."""
+        return (self.path,)
 
     def _first_present(self, candidates: tuple[str, ...], role: str) -> str:
         for token in candidates:
@@ -159,18 +169,57 @@ class HFTokenizer(MegatronTokenizerBase):
         return self._chat.render(messages, add_generation_prompt, **kwargs)
 
 
+class GPT2BPETokenizer(HFTokenizer):
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from its vocab.json and merges.txt
+    (Megatron-LM's --vocab-file / --merge-file), built with `tokenizers`; eod is
+    `<|endoftext|>`. As in Megatron-LM, special-token text inside a document is plain text."""
+
+    def __init__(self, vocab_file: str, merges_file: str, eod_token: Optional[str] = None) -> None:
+        self._merges_file = merges_file
+        super().__init__(vocab_file, eod_token or "<|endoftext|>")
+
+    def _read(self):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        tokenizer = Tokenizer(models.BPE.from_file(self.path, self._merges_file))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+    def _files(self) -> tuple[str, ...]:
+        return (self.path, self._merges_file)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([*super().unique_identifiers.items(), ("class", f"{__name__}.GPT2BPETokenizer")])
+
+
+# data.tokenizer's form for GPT-2 files: gpt2:<vocab.json>:<merges.txt>
+GPT2_FILES_PREFIX = "gpt2:"
+
+
+def gpt2_files_spec(vocab_file: str, merges_file: str) -> str:
+    return f"{GPT2_FILES_PREFIX}{vocab_file}:{merges_file}"
+
+
 Tokenizer = Union[ByteTokenizer, HFTokenizer]
 
 
 def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
     """Build the tokenizer named by the `data.tokenizer` setting.
 
-    spec: "byte", a path to a Hugging Face tokenizer.json (or a folder holding one), or a GGUF
-    file whose vocabulary defines the tokenizer.
+    spec: "byte", a path to a Hugging Face tokenizer.json (or a folder holding one), a GGUF
+    file whose vocabulary defines the tokenizer, or GPT-2's files as
+    gpt2:<vocab.json>:<merges.txt>.
     eod_token: for tokenizer.json only; defaults to `<|endoftext|>` or `</s>`.
     """
     if spec == "byte":
         return ByteTokenizer()
+    if spec.startswith(GPT2_FILES_PREFIX):
+        vocab_file, sep, merges_file = spec[len(GPT2_FILES_PREFIX):].rpartition(":")
+        if not sep:
+            raise ValueError(f"data.tokenizer={spec!r}: use gpt2:<vocab.json>:<merges.txt>")
+        return GPT2BPETokenizer(os.path.expanduser(vocab_file), os.path.expanduser(merges_file), eod_token)
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
         from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
@@ -182,5 +231,5 @@ def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
         return HFTokenizer(path, eod_token=eod_token)
     raise ValueError(
         f"data.tokenizer={spec!r} is not a tokenizer: use 'byte', the path to a Hugging Face "
-        "tokenizer.json (or a folder holding one), or a .gguf file"
+        "tokenizer.json (or a folder holding one), a .gguf file, or gpt2:<vocab.json>:<merges.txt>"
     )

@@ -131,14 +131,33 @@ def _aux_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> float:
     return model.moe_aux_loss_coeff * parallel.tp * parallel.cp
 
 
-def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> dict:
+def _dispatcher_fields(model: ModelConfig, on_cuda: bool) -> dict:
+    """The token dispatcher. flex needs DeepEP's or HybridEP's CUDA kernels; without them the
+    all-to-all dispatcher moves the same tokens to the same experts."""
+    if model.moe_token_dispatcher != "flex":
+        return {"moe_token_dispatcher_type": model.moe_token_dispatcher}
+    from megatron.core.transformer.moe import fused_a2a
+
+    backend = model.moe_flex_dispatcher_backend
+    if on_cuda and {"deepep": fused_a2a.HAVE_DEEP_EP, "hybridep": fused_a2a.HAVE_HYBRIDEP}[backend]:
+        return {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": backend}
+    _notice(
+        f"model.moe_token_dispatcher: flex needs {backend}'s CUDA kernels, not on this machine; "
+        "tokens go through the alltoall dispatcher (same routing and math)"
+    )
+    return {"moe_token_dispatcher_type": "alltoall"}
+
+
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool, on_cpu: bool) -> dict:
     if model.num_experts is None:
         return {"num_moe_experts": None}
     return {
         "num_moe_experts": model.num_experts,
         "moe_router_topk": model.moe_router_topk,
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
-        "moe_token_dispatcher_type": model.moe_token_dispatcher,
+        **_dispatcher_fields(model, on_cuda=not on_cpu),
+        "moe_z_loss_coeff": model.moe_z_loss_coeff,
+        "moe_router_force_load_balancing": model.moe_router_force_load_balancing,
         "moe_aux_loss_coeff": _aux_loss_coeff(model, parallel),
         "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
         "moe_router_pre_softmax": model.moe_router_pre_softmax,
@@ -182,7 +201,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         sequence_parallel=parallel.sequence_parallel,
-        **_moe_fields(model, parallel, use_transformer_engine(model, on_cpu)),
+        **_moe_fields(model, parallel, use_transformer_engine(model, on_cpu), on_cpu),
         **_mla_fields(model),
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -49,7 +49,7 @@ def build_scheduler(
         decay, wd_steps = optim.lr_decay_samples or train.train_samples, train.train_samples
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=optim.lr_warmup_init,
         max_lr=optim.lr,
         min_lr=optim.min_lr,
         lr_warmup_steps=warmup,

@@ -323,6 +323,10 @@ class Trainer:
             adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
+            # megatron-core's standard param-group overrides give the embedding and output
+            # layer these as their group's max_lr / min_lr, which the scheduler then follows.
+            decoupled_lr=o.decoupled_lr,
+            decoupled_min_lr=o.decoupled_min_lr,
             bf16=cfg.model.precision == "bf16",
             fp16=cfg.model.precision == "fp16",
             params_dtype=model_config.params_dtype,
@@ -613,14 +617,29 @@ class Trainer:
         # RNG policy: restored when the TP x PP layout is the one that saved it (bitwise
         # continuation); in another layout the per-rank streams do not correspond, so they keep
         # the fresh seeding of this run.
+        # checkpoint.load_optim / load_rng / finetune choose what else comes back, as Megatron-LM's
+        # load_checkpoint does for --no-load-optim / --no-load-rng / --finetune.
+        c = self.cfg.checkpoint
         same_layout = common["layout"] == self._layout_key()
-        ckpt.load_checkpoint(root, iteration, self.model, self.optimizer, load_rng=same_layout)
-        self._restore_common(common)
+        load_optim = c.load_optim and not c.finetune
+        ckpt.load_checkpoint(
+            root,
+            iteration,
+            self.model,
+            self.optimizer if load_optim else None,
+            load_rng=same_layout and c.load_rng and not c.finetune,
+        )
+        if not load_optim:
+            # fp16/bf16: the fp32 main params were copied from the weights before they were loaded.
+            self.optimizer.reload_model_params()
+        if not c.finetune:
+            self._restore_common(common, load_scheduler=load_optim)
 
-    def _restore_common(self, common: dict) -> None:
-        """Counters, scheduler and plugin states from `common_state()`."""
+    def _restore_common(self, common: dict, load_scheduler: bool = True) -> None:
+        """Counters, scheduler (unless not `load_scheduler`) and plugin states from `common_state()`."""
         self.state = TrainState(common["iteration"], common["consumed_samples"])
-        self.scheduler.load_state_dict(common["scheduler"])
+        if load_scheduler:
+            self.scheduler.load_state_dict(common["scheduler"])
         for plugin in self.plugins:
             plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
 

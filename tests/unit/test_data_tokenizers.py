@@ -1,6 +1,7 @@
 """Tokenizers: byte ids are the UTF-8 bytes; tokenizer.json tokenizers round-trip and find eod."""
 
 import json
+import os
 
 import pytest
 from megatron.core.tokenizers import MegatronTokenizerBase
@@ -100,3 +101,48 @@ def test_build_tokenizer_errors(tmp_path):
         build_tokenizer(str(tmp_path / "model.gguf"))
     with pytest.raises(ValueError, match="data.tokenizer.*'byte'.*tokenizer.json"):
         build_tokenizer("gpt2")
+
+
+# --- GPT-2's vocab.json + merges.txt (Megatron-LM's GPT2BPETokenizer) ------------------------------
+
+GPT2_TEXTS = {
+    "words": "the quick brown fox jumps over the lazy dog",
+    "contractions": "it's we're they'll I'd you've",
+    "unicode": TEXT,
+    "whitespace": "  leading spaces,\n\n newlines\tand   runs   ",
+    "digits_punct": "x=1234.5678; y=(a+b)*c!? [ok] {yes} <no>",
+    "unseen": "zzyzx qwfp Xylophone ÆØÅ",
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    """A byte-level BPE trained here and saved as GPT-2's files (vocab.json, merges.txt)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(LINES, vocab_size=400, special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(folder))
+    return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+@pytest.mark.parametrize("text", GPT2_TEXTS.values(), ids=GPT2_TEXTS.keys())
+def test_gpt2_files_tokenize_as_transformers_gpt2_tokenizer(gpt2_files, text):
+    from transformers import GPT2TokenizerFast
+
+    reference = GPT2TokenizerFast.from_pretrained(os.path.dirname(gpt2_files[0]))  # reads the two files
+    tok = build_tokenizer("gpt2:{}:{}".format(*gpt2_files))
+    ids = tok.tokenize(text)
+    assert ids == reference(text)["input_ids"]
+    assert tok.detokenize(ids) == text
+    assert tok.eod == reference.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.vocab_size == len(reference)
+
+
+def test_gpt2_files_from_megatron_flags(gpt2_files):
+    from megatron_ext.config.mlm_args import mlm_args_to_overrides
+
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files[0], "--merge-file", gpt2_files[1]]
+    overrides = dict(o.split("=", 1) for o in mlm_args_to_overrides(flags))
+    assert overrides["data.tokenizer"].strip("'") == "gpt2:{}:{}".format(*gpt2_files)

@@ -381,9 +381,12 @@ BAD = [
      "--moe-router-load-balancing-type global_aux_loss: megatron_ext's router takes"),
     ("two_router_values", "--moe-router-load-balancing-type aux_loss aux_loss",
      "one value only"),
-    ("flex", "--moe-token-dispatcher-type flex", "needs DeepEP/HybridEP"),
+    ("flex_ncclep", "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep", "no ncclep backend"),
     ("wsd", "--lr-decay-style WSD", "WSD needs"),
-    ("vocab_file", "--vocab-file v.json", "use --tokenizer-model"),
+    ("vocab_file_not_gpt2", "--tokenizer-type HuggingFaceTokenizer --vocab-file v.json",
+     "is read with --tokenizer-type GPT2BPETokenizer only"),
+    ("gpt2_without_merges", "--vocab-file v.json",  # GPT2BPETokenizer: pretrain_gpt.py's default
+     "--merge-file: GPT2BPETokenizer needs both --vocab-file and --merge-file"),
     ("bf16_and_fp16", "--bf16 --fp16", "exclusive"),
     ("swiglu_and_squared_relu", "--swiglu --squared-relu", "exclusive"),
     ("two_vpp_flags", "--num-layers 8 --pipeline-model-parallel-size 2 "
@@ -424,7 +427,7 @@ def test_bad_command_lines(command, phrase):
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
         "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --enable-gpt-oss "
-        "--step-batch-size-schedule 0:16 --rope-type yarn --no-load-optim"
+        "--step-batch-size-schedule 0:16 --rope-type yarn --no-save-optim"
     )
     with pytest.raises(SystemExit) as info:
         main(shlex.split(command))
@@ -434,12 +437,11 @@ def test_one_message_lists_every_refused_flag(capsys):
         "error: --step-batch-size-schedule 0:16: batch-size schedules are not supported: the "
         "global batch is fixed",
         "error: --rope-type yarn: YaRN for multi-latent attention has no config keys here",
-        "error: --no-load-optim: a checkpoint here always holds and restores the optimizer and "
-        "RNG state",
-        "error: --vocab-file v.json: data.tokenizer is one tokenizer.json: use --tokenizer-model "
-        "<tokenizer.json>",
+        "error: --no-save-optim: a checkpoint here always holds the optimizer and RNG state "
+        "(--no-load-optim skips them)",
         "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "
         "activations are not in megatron_ext's model space",
+        "error: --merge-file: GPT2BPETokenizer needs both --vocab-file and --merge-file",
     ]
 
 

@@ -322,7 +322,7 @@ def build_gpt_model(
     position = "rope" if model.multi_latent_attention else model.position_embedding_type
     if position == "yarn":
         _set_yarn_attributes(config, model)
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, spec, vp_stage, pg_collection, model),
         vocab_size=vocab_size,
@@ -338,6 +338,12 @@ def build_gpt_model(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    if pre_process and position == "learned_absolute":
+        # megatron builds the position table as a plain torch Embedding in the default dtype;
+        # Megatron-LM's Float16Module casts it with the rest of the model. Left in fp32, it
+        # would turn a bf16/fp16 model's hidden states into fp32 at the first layer.
+        gpt.embedding.position_embeddings.to(config.params_dtype)
+    return gpt
 
 
 def _set_yarn_attributes(config: TransformerConfig, model: ModelConfig) -> None:

@@ -21,7 +21,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.config.validate import violations
-from megatron_ext.models.gpt import build_gpt_model, layer_spec, transformer_config
+from megatron_ext.models.gpt import DTYPES, build_gpt_model, layer_spec, transformer_config
 from megatron_ext.models.moe_layers import moe_layer_pattern
 
 VOCAB = 256
@@ -96,6 +96,19 @@ def test_gpt3_preset_module_tree(one_rank_world):
     assert model.embedding.embedding_dropout.p == 0.1
     assert not hasattr(model, "rotary_pos_emb")
     assert model.share_embeddings_and_output_weights and model.output_layer.weight is None
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_gpt3_half_precision_forward_keeps_its_dtype(one_rank_world, precision):
+    """The learned position table is a plain torch Embedding that megatron builds in fp32: it
+    is cast with the model, so the first layer's input is bf16/fp16 as its weights are."""
+    gpt3 = dataclasses.replace(MODEL_PRESETS["gpt3_tiny"], precision=precision)
+    model = build(gpt3)
+    dtype = DTYPES[precision]
+    assert model.embedding.position_embeddings.weight.dtype == dtype
+    tokens = torch.randint(0, VOCAB, (1, gpt3.seq_length))
+    logits = model(tokens, torch.arange(gpt3.seq_length)[None], None)
+    assert logits.dtype == dtype
 
 
 def test_llama_default_is_unchanged(one_rank_world):

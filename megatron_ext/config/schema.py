@@ -51,6 +51,18 @@ class ModelConfig:
     # RoPE frequency scaling: None, or llama3 (Llama 3.1's bands, `rope_scaling_factor`).
     rope_scaling: Optional[str] = None
     rope_scaling_factor: float = 8.0
+    # YaRN (position_embedding_type=yarn, also MLA's): how far RoPE is stretched, the context
+    # length trained before the stretch, the band of frequencies blended between interpolation
+    # and extrapolation (beta_fast / beta_slow rotations), and the attention scale
+    # mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim). Megatron-LM's
+    # --rotary-scaling-factor, --yarn-original-max-position-embeddings, --yarn-beta-fast,
+    # --yarn-beta-slow, --mscale and --mscale-all-dim, with their defaults.
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     # Rows of the learned position table (learned_absolute) and the context length a
     # Hugging Face export declares; None: seq_length.
     max_position_embeddings: Optional[int] = None

@@ -32,6 +32,20 @@ MODEL_PRESETS = {
     "llama_tiny_gqa": ModelConfig(
         name="llama_tiny_gqa", num_attention_heads=8, num_query_groups=2, tie_embeddings=False
     ),
+    # llama_tiny's sizes as Megatron-LM builds a GPT-3 (its defaults without --swiglu,
+    # --normalization or --position-embedding-type): LayerNorm, GeLU with a 4h MLP, learned
+    # absolute positions, biases, dropout 0.1, tied embeddings.
+    "gpt3_tiny": ModelConfig(
+        name="gpt3_tiny",
+        ffn_hidden_size=512,
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        tie_embeddings=True,
+    ),
     "llama_small": ModelConfig(
         name="llama_small",
         num_layers=8,

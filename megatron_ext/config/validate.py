@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Union
 
 from megatron_ext.config.schema import Config
+from megatron_ext.models.moe_layers import moe_layer_pattern
 from megatron_ext.platform import optional
 from megatron_ext.plugin import registered_plugins
 
@@ -56,6 +57,11 @@ SIZES = (
     "model.num_attention_heads",
     "model.seq_length",
     "model.moe_router_topk",
+    "model.kv_lora_rank",
+    "model.qk_head_dim",
+    "model.qk_pos_emb_head_dim",
+    "model.v_head_dim",
+    "model.yarn_original_max_position_embeddings",
     "model.mamba_head_dim",
     "model.mamba_num_groups",
     "model.mamba_state_dim",
@@ -71,6 +77,12 @@ OPTIONAL_SIZES = (
     "model.num_query_groups",
     "model.num_experts",
     "model.moe_ffn_hidden_size",
+    "model.head_dim",
+    "model.max_position_embeddings",
+    "model.q_lora_rank",
+    "model.moe_router_num_groups",
+    "model.moe_router_group_topk",
+    "model.moe_shared_expert_intermediate_size",
     "model.mamba_num_heads",
     "optim.lr_decay_iters",
     "train.train_samples",
@@ -449,6 +461,174 @@ def one_step_plugin(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+# --- megatron's GPT model space ------------------------------------------------------------------
+
+
+def _local_layers(cfg: Config, device: str) -> bool:
+    """megatron's local (non-Transformer-Engine) layers: what every CPU run builds."""
+    m = cfg.model
+    return device == "cpu" or m.spec == "local" or (m.spec == "auto" and not optional.HAVE_TE)
+
+
+def in_range(path: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> Rule:
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        value = _get(cfg, path)
+        below = value <= low if low_open else value < low
+        above = value >= high if high_open else value > high
+        if below or above:
+            return f"{path} must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, got {value}"
+        return None
+
+    return rule
+
+
+def positive(path: str) -> Rule:
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        value = _get(cfg, path)
+        return f"{path} must be > 0, got {value}" if value is not None and value <= 0 else None
+
+    return rule
+
+
+def rotary_dims_even(cfg: Config, world: int, device: str) -> Optional[str]:
+    """RoPE turns channel pairs: the rotated part of each head must have an even size."""
+    m = cfg.model
+    if m.position_embedding_type not in ("rope", "yarn"):
+        return None
+    if m.multi_latent_attention:
+        if m.qk_pos_emb_head_dim % 2:
+            return f"model.qk_pos_emb_head_dim ({m.qk_pos_emb_head_dim}) must be even (RoPE rotates channel pairs)"
+        return None
+    head = m.head_dim or m.hidden_size // m.num_attention_heads
+    rotated = int(head * m.rotary_percent)
+    if rotated % 2 or rotated == 0:
+        return (
+            f"model.rotary_percent ({m.rotary_percent}) of the head size ({head}) rotates {rotated} "
+            "channels; RoPE needs an even, non-zero number"
+        )
+    return None
+
+
+def rope_scaling_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    m = cfg.model
+    if m.rope_scaling is None:
+        return None
+    if m.rope_scaling != "llama3":
+        return f"model.rope_scaling must be null or llama3; got {m.rope_scaling!r}"
+    if m.position_embedding_type != "rope" or m.multi_latent_attention:
+        return "model.rope_scaling=llama3 scales RoPE: it needs model.position_embedding_type=rope without MLA"
+    return None
+
+
+def positions_fit_sequence(cfg: Config, world: int, device: str) -> Optional[str]:
+    m = cfg.model
+    rows = m.max_position_embeddings
+    if m.position_embedding_type == "learned_absolute" and rows is not None and rows < m.seq_length:
+        return (
+            f"model.max_position_embeddings ({rows}) must be >= model.seq_length ({m.seq_length}): "
+            "the learned position table has one row per position"
+        )
+    return None
+
+
+def mla_fits(cfg: Config, world: int, device: str) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    if not m.multi_latent_attention:
+        return []
+    found = []
+    if m.position_embedding_type not in ("rope", "yarn"):
+        found.append(
+            f"model.multi_latent_attention applies its own rotary embedding: model.position_embedding_type "
+            f"must be rope or yarn, got {m.position_embedding_type!r}"
+        )
+    if m.num_query_groups not in (None, m.num_attention_heads):
+        found.append("model.multi_latent_attention has no grouped-query attention: set model.num_query_groups to null")
+    if _local_layers(cfg, device) and p.tp > 1:
+        found.append(
+            "model.multi_latent_attention on local layers needs parallel.tp = 1: megatron-core 0.16's local "
+            "MLA takes the shared rotary key's gradient from each rank's own heads only (Transformer Engine "
+            "builds it otherwise)"
+        )
+    if _local_layers(cfg, device) and p.cp > 1:
+        found.append("model.multi_latent_attention on local layers has no context parallelism (parallel.cp must be 1)")
+    return found
+
+
+def moe_router_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """What megatron-core 0.16's TransformerConfig and TopKRouter refuse about the router."""
+    m = cfg.model
+    if m.num_experts is None:
+        return []
+    found = []
+    balancing, score = m.moe_router_load_balancing_type, m.moe_router_score_function
+    if m.moe_router_enable_expert_bias and score != "sigmoid":
+        found.append("model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid")
+    if m.moe_router_topk == 1 and score == "softmax" and not m.moe_router_pre_softmax and balancing != "sinkhorn":
+        found.append(
+            "model.moe_router_topk=1 with the softmax score function needs model.moe_router_pre_softmax "
+            "(a softmax over one chosen expert has zero gradient)"
+        )
+    if balancing == "sinkhorn" and m.moe_aux_loss_coeff > 0:
+        found.append(
+            "model.moe_router_load_balancing_type=sinkhorn takes no aux loss: set model.moe_aux_loss_coeff to 0"
+        )
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        found.append("model.moe_router_num_groups and model.moe_router_group_topk go together (group-limited routing)")
+    elif groups is not None:
+        if m.num_experts % groups:
+            found.append(f"model.moe_router_num_groups ({groups}) must divide model.num_experts ({m.num_experts})")
+        elif group_topk > groups:
+            found.append(
+                f"model.moe_router_group_topk ({group_topk}) must be <= model.moe_router_num_groups ({groups})"
+            )
+        elif m.moe_router_topk % group_topk or m.moe_router_topk // group_topk > m.num_experts // groups:
+            found.append(
+                f"model.moe_router_topk ({m.moe_router_topk}) must split evenly over model.moe_router_group_topk "
+                f"({group_topk}) groups of {m.num_experts // groups} experts"
+            )
+    return found
+
+
+def moe_layer_freq_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    m = cfg.model
+    if m.num_experts is None or m.arch != "gpt":
+        return None
+    try:
+        pattern = moe_layer_pattern(m)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not pattern or len(pattern) != m.num_layers or set(pattern) - {0, 1} or 1 not in pattern:
+        return (
+            f"model.moe_layer_freq ({m.moe_layer_freq!r}) must be a positive integer (MoE every N-th layer) or "
+            f"a list expression of {m.num_layers} 0s and 1s with at least one 1, e.g. \"([0]+[1]*3)*2\""
+        )
+    return None
+
+
+def moe_needs_sequence_parallel(cfg: Config, world: int, device: str) -> Optional[str]:
+    # megatron-core 0.16's MoELayer raises in training when TP splits it without SP.
+    if cfg.model.num_experts is not None and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
+        return "model.num_experts with parallel.tp > 1 needs parallel.sequence_parallel=true (megatron's MoE layer)"
+    return None
+
+
+def moe_bias_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    if cfg.model.num_experts is None or not cfg.model.add_bias_linear:
+        return None
+    if _local_layers(cfg, device):
+        return (
+            "model.add_bias_linear with model.num_experts needs Transformer Engine: megatron-core 0.16's "
+            "local experts (SequentialMLP) add the bias in place on a tensor autograd must keep"
+        )
+    if cfg.parallel.tp > 1:  # experts are split like the rest of the layer: expert TP = TP
+        return (
+            "model.add_bias_linear with model.num_experts needs parallel.tp = 1 "
+            "(megatron: biases in MoE need expert TP 1)"
+        )
+    return None
+
+
 # megatron's hybrid layer symbols: Mamba2, attention, MLP, MoE.
 HYBRID_SYMBOLS = "M*-E"
 
@@ -511,6 +691,7 @@ def hybrid_features(cfg: Config, world: int, device: str) -> list[str]:
         (p.cp > 1, "parallel.cp > 1 (the hybrid's local attention and mixer have no context parallelism)"),
         (m.spec == "te", "model.spec=te (the hybrid is built from local layers; use auto or local)"),
         (m.pretrained is not None, "model.pretrained (importers read LLaMA-style models only)"),
+        (m.multi_latent_attention, "model.multi_latent_attention (its attention layers are megatron's SelfAttention)"),
     ]
     return [f"model.arch=hybrid does not support {what}" for bad, what in unsupported if bad]
 
@@ -560,6 +741,35 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.hybrid_pattern", hybrid_pattern_fits),
     ("model.mamba_num_groups", mamba_heads_fit),
     ("model.arch", hybrid_features),
+    ("model.normalization", one_of("model.normalization", ("RMSNorm", "LayerNorm"))),
+    ("model.activation", one_of("model.activation", ("swiglu", "gelu", "squared_relu"))),
+    (
+        "model.position_embedding_type",
+        one_of("model.position_embedding_type", ("rope", "yarn", "learned_absolute", "none")),
+    ),
+    ("model.rotary_percent", in_range("model.rotary_percent", 0.0, 1.0, low_open=True)),
+    ("model.rotary_percent", rotary_dims_even),
+    ("model.rotary_base", positive("model.rotary_base")),
+    ("model.rope_scaling", rope_scaling_fits),
+    ("model.rope_scaling_factor", positive("model.rope_scaling_factor")),
+    ("model.yarn_rotary_scaling_factor", positive("model.yarn_rotary_scaling_factor")),
+    ("model.yarn_beta_fast", positive("model.yarn_beta_fast")),
+    ("model.yarn_beta_slow", positive("model.yarn_beta_slow")),
+    ("model.max_position_embeddings", positions_fit_sequence),
+    ("model.hidden_dropout", in_range("model.hidden_dropout", 0.0, 1.0, high_open=True)),
+    ("model.attention_dropout", in_range("model.attention_dropout", 0.0, 1.0, high_open=True)),
+    ("model.multi_latent_attention", mla_fits),
+    (
+        "model.moe_router_load_balancing_type",
+        one_of("model.moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "sinkhorn", "none")),
+    ),
+    ("model.moe_router_score_function", one_of("model.moe_router_score_function", ("softmax", "sigmoid"))),
+    ("model.moe_aux_loss_coeff", not_negative("model.moe_aux_loss_coeff")),
+    ("model.moe_router_topk_scaling_factor", positive("model.moe_router_topk_scaling_factor")),
+    ("model.num_experts", moe_router_fits),
+    ("model.moe_layer_freq", moe_layer_freq_fits),
+    ("parallel.sequence_parallel", moe_needs_sequence_parallel),
+    ("model.add_bias_linear", moe_bias_fits),
 )
 
 

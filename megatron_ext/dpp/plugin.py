@@ -190,10 +190,31 @@ def refuse_layout(cfg) -> None:
         # Chunks are padded to multiples of tp, and megatron routes padding like any token.
         raise ConfigError("model.moe_aux_loss_coeff", "dpp with sequence parallelism does not support an MoE "
                           "auxiliary loss: the padding of chunks would enter the load-balancing loss")
+    if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_router_enable_expert_bias:
+        raise ConfigError("model.moe_router_enable_expert_bias", "dpp with sequence parallelism does not support "
+                          "the expert bias: the padding of chunks would enter its expert counts")
+    refuse_model_space(model)
     if p.ep > 1:
         # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
         # their MoE layers' token exchanges would not pair up chunk by chunk.
         raise ConfigError("parallel.ep", "dpp does not support expert parallelism; MoE models run with parallel.ep=1")
+
+
+def refuse_model_space(model) -> None:
+    """What dpp's chunk attention and chunk positions (attention.py) are not written for."""
+    from megatron_ext.config.validate import ConfigError
+
+    if model.multi_latent_attention:
+        raise ConfigError("model.multi_latent_attention", "dpp's chunk attention takes one head size for queries, "
+                          "keys and values: multi-latent attention is not supported")
+    if model.position_embedding_type != "rope":
+        raise ConfigError("model.position_embedding_type", "dpp places the tokens of packed and split sequences "
+                          f"through RoPE: position_embedding_type={model.position_embedding_type} is not supported")
+    if model.attention_dropout > 0:
+        raise ConfigError("model.attention_dropout", "dpp's chunk attention has no attention dropout; set it to 0")
+    if model.num_experts and model.moe_router_load_balancing_type == "seq_aux_loss":
+        raise ConfigError("model.moe_router_load_balancing_type", "dpp packs several sequences into one chunk: "
+                          "the sequence-level aux loss (seq_aux_loss) would see chunks, not sequences")
 
 
 def refuse_cost_model(path: Optional[str], cfg) -> None:

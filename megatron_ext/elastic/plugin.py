@@ -123,6 +123,26 @@ WITH_RESHARD = ("elastic with reshard is not supported: a live move would not ca
                 "parent) to the new layout")
 
 
+def model_space_refusals(model) -> list[tuple[str, str]]:
+    """(field, what) for the model-space options elastic's axes do not slice: they cut the
+    weights of LLaMA-style layers (RMSNorm, gated MLPs, no biases, RoPE) and of routed experts."""
+    found = [
+        (model.normalization != "RMSNorm", "model.normalization",
+         "LayerNorm (its bias is not sliced with the hidden axis)"),
+        (model.activation != "swiglu", "model.activation", f"{model.activation} (the FFN axes slice gated MLPs)"),
+        (model.add_bias_linear or model.add_qkv_bias, "model.add_bias_linear",
+         "linear biases (not sliced with the axes)"),
+        (model.position_embedding_type == "learned_absolute", "model.position_embedding_type",
+         "learned_absolute (the position table is not sliced with the hidden axis)"),
+        (model.multi_latent_attention, "model.multi_latent_attention", "multi-latent attention (no axes for it)"),
+        (model.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_intermediate_size",
+         "shared experts (not sliced with the hidden axis)"),
+        (model.moe_router_num_groups is not None, "model.moe_router_num_groups",
+         "group-limited routing (dropping experts breaks the groups)"),
+    ]
+    return [(field, what) for bad, field, what in found if bad]
+
+
 @register_plugin
 class ElasticPlugin(Plugin):
     name = "elastic"
@@ -134,6 +154,9 @@ class ElasticPlugin(Plugin):
 
         if "reshard" in cfg.plugins:
             raise ConfigError("plugins", WITH_RESHARD)
+        refusals = [(field, f"elastic does not support {what}") for field, what in model_space_refusals(cfg.model)]
+        if refusals:
+            raise ConfigError(*refusals[0], refusals[1:])
 
     def setup(self, trainer) -> None:
         if "reshard" in trainer.cfg.plugins:  # a Trainer built without train.run(): check here too

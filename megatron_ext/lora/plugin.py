@@ -80,6 +80,11 @@ class LoraPlugin(Plugin):
     def check(self, cfg, world_size: int) -> None:
         from megatron_ext.config.validate import ConfigError
 
+        # The adapters wrap linear_qkv / linear_proj and a dense MLP's linear_fc1 / linear_fc2.
+        if cfg.model.multi_latent_attention:
+            raise ConfigError("model.multi_latent_attention", "lora adapts linear_qkv, which multi-latent attention has not")
+        if cfg.model.num_experts is not None:
+            raise ConfigError("model.num_experts", "lora adapts dense MLPs (linear_fc1/linear_fc2), not MoE experts")
         others = [name for name in cfg.plugins if name != self.name]
         if others:  # they hook into the Trainer, which a sweep does not run
             raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "

@@ -1,16 +1,22 @@
-"""LLaMA-style GPT (RMSNorm, SwiGLU, RoPE, GQA, optional MoE) on megatron-core's GPTModel.
+"""GPT decoders in megatron-core's GPTModel space (LLaMA, GPT-3, Qwen, DeepSeek, Mixtral, ...).
 
-The architecture is fixed here; sizes come from `ModelConfig`, the layout from `ParallelConfig`.
-Plugins change layers through the ModuleSpec (`layer_spec` hook), never by editing this file.
+`ModelConfig` says what to build; this module passes every field to megatron's TransformerConfig,
+layer spec and GPTModel. The layout comes from `ParallelConfig`. Plugins change layers through
+the ModuleSpec (`layer_spec` hook), never by editing this file.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import logging
 import math
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -18,15 +24,28 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.context_parallel import ContextParallelAttention
+from megatron_ext.models.mla import MLACoreAttention
+from megatron_ext.models.moe_layers import megatron_moe_layer_freq, moe_layer_pattern
 from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# model.activation -> (megatron's activation_func, gated_linear_unit)
+ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False), "squared_relu": (squared_relu, False)}
+
+_log = logging.getLogger(__name__)
 
 
 def padded_vocab_size(vocab_size: int, model: ModelConfig, tp: int) -> int:
@@ -41,22 +60,119 @@ def padded_vocab_size(vocab_size: int, model: ModelConfig, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def uses_grouped_gemm(model: ModelConfig, use_te: bool) -> bool:
+    """Grouped GEMM experts (Transformer Engine's TEGroupedMLP) where they can run. Without TE,
+    megatron's SequentialMLP computes the same experts one GEMM at a time (the legacy
+    GroupedMLP needs the CUDA-only grouped_gemm package)."""
+    if model.num_experts is None or not model.moe_grouped_gemm:
+        return False
+    if not use_te:
+        _notice(
+            "model.moe_grouped_gemm: no Transformer Engine on this device; the experts run as "
+            "megatron's SequentialMLP (same math, one GEMM per expert)"
+        )
+    return use_te
+
+
+@functools.cache
+def _notice(text: str) -> None:
+    """A one-line notice, once per process, on the first rank only."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        _log.warning(text)
+
+
+def _yarn_settings(model: ModelConfig) -> dict:
+    """YaRN's settings under the names MLATransformerConfig (and, prefixed, GPTModel) use."""
+    return {
+        "rotary_scaling_factor": model.yarn_rotary_scaling_factor,
+        "original_max_position_embeddings": model.yarn_original_max_position_embeddings,
+        "beta_fast": model.yarn_beta_fast,
+        "beta_slow": model.yarn_beta_slow,
+        "mscale": model.yarn_mscale,
+        "mscale_all_dim": model.yarn_mscale_all_dim,
+    }
+
+
+def _position_fields(model: ModelConfig) -> dict:
+    """TransformerConfig fields of the position embedding; MLA takes its RoPE from its config."""
+    if not model.multi_latent_attention:
+        return {}
+    return {
+        "rope_type": model.position_embedding_type,
+        "rotary_base": model.rotary_base,
+        "rotary_percent": model.rotary_percent,
+        **_yarn_settings(model),
+    }
+
+
+def _mla_fields(model: ModelConfig) -> dict:
+    if not model.multi_latent_attention:
+        return {}
+    return {
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_head_dim": model.qk_head_dim,
+        "qk_pos_emb_head_dim": model.qk_pos_emb_head_dim,
+        "v_head_dim": model.v_head_dim,
+        **_position_fields(model),
+    }
+
+
+def _aux_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """megatron's aux-loss coefficient that gives the load-balancing loss model.moe_aux_loss_coeff's
+    weight under every layout.
+
+    With per-token loss (calculate_per_token_loss, below) megatron-core 0.16's router weights
+    each rank's share of the load-balancing loss by that rank's own token count, while the
+    gradients are divided by the whole batch's. Sequence (TP) and context parallelism split a
+    micro-batch's tokens over tp * cp ranks, so the loss would weigh 1 / (tp * cp) of what it
+    weighs on one rank; the coefficient makes up for it. (The logged loss divides the
+    coefficient out again.)"""
+    return model.moe_aux_loss_coeff * parallel.tp * parallel.cp
+
+
+def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> dict:
+    if model.num_experts is None:
+        return {"num_moe_experts": None}
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
+        "moe_token_dispatcher_type": model.moe_token_dispatcher,
+        "moe_aux_loss_coeff": _aux_loss_coeff(model, parallel),
+        "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
+        "moe_router_pre_softmax": model.moe_router_pre_softmax,
+        "moe_router_score_function": model.moe_router_score_function,
+        "moe_router_enable_expert_bias": model.moe_router_enable_expert_bias,
+        "moe_router_num_groups": model.moe_router_num_groups,
+        "moe_router_group_topk": model.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": model.moe_router_topk_scaling_factor,
+        "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
+        "moe_layer_freq": megatron_moe_layer_freq(model),
+        "moe_grouped_gemm": model.moe_grouped_gemm and use_te,
+    }
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: bool) -> TransformerConfig:
     dtype = DTYPES[model.precision]
-    return TransformerConfig(
+    activation, gated = ACTIVATIONS[model.activation]
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         kv_channels=model.head_dim or model.hidden_size // model.num_attention_heads,
-        normalization="RMSNorm",
+        normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        gated_linear_unit=gated,
+        activation_func=activation,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -66,12 +182,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         sequence_parallel=parallel.sequence_parallel,
-        num_moe_experts=model.num_experts,
-        moe_router_topk=model.moe_router_topk,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size if model.num_experts else None,
-        moe_token_dispatcher_type=model.moe_token_dispatcher,
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        **_moe_fields(model, parallel, use_transformer_engine(model, on_cpu)),
+        **_mla_fields(model),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=model.precision == "bf16",
@@ -109,32 +221,72 @@ def use_transformer_engine(model: ModelConfig, on_cpu: bool) -> bool:
 
 
 def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
+    """The layer spec of an MoE layer when the model has experts (dense layers of a mixed
+    `moe_layer_freq` are derived from it in `decoder_spec`), else of a dense layer."""
+    grouped = uses_grouped_gemm(model, use_te)
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts)
-    spec = get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts,
+            moe_grouped_gemm=grouped,
+            qk_layernorm=model.qk_layernorm,
+            multi_latent_attention=model.multi_latent_attention,
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=model.num_experts,
+        qk_layernorm=model.qk_layernorm,
+        multi_latent_attention=model.multi_latent_attention,
+        normalization=model.normalization,
+    )
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = MLACoreAttention if model.multi_latent_attention else ContextParallelAttention
+    for norm in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if model.qk_layernorm and hasattr(attention, norm):
+            setattr(attention, norm, LocalNorm)
     spec.submodules.input_layernorm = LocalNorm
     spec.submodules.pre_mlp_layernorm = LocalNorm
     return spec
 
 
+def _dense_like(spec: ModuleSpec, model: ModelConfig, use_te: bool) -> ModuleSpec:
+    """`spec` (an MoE layer, as plugins left it) with megatron's dense MLP in place of the MoE."""
+    dense = copy.copy(spec)
+    dense.submodules = copy.copy(spec.submodules)
+    dense.submodules.mlp = layer_spec(dataclasses.replace(model, num_experts=None), use_te).submodules.mlp
+    return dense
+
+
 def decoder_spec(
-    config: TransformerConfig, spec: ModuleSpec, vp_stage: Optional[int] = None, pg_collection=None
+    config: TransformerConfig,
+    spec: ModuleSpec,
+    vp_stage: Optional[int] = None,
+    pg_collection=None,
+    model: Optional[ModelConfig] = None,
 ) -> Union[ModuleSpec, TransformerBlockSubmodules]:
     """The decoder's spec: a layer spec whose norms are LocalNorm becomes megatron's block
-    submodules with a LocalNorm final norm too; any other spec is passed on as it is.
+    submodules with a LocalNorm final norm too, and a model whose `moe_layer_freq` mixes dense
+    and MoE layers gets one spec per layer; any other spec is passed on as it is.
 
     Given a bare layer spec, megatron's TransformerBlock takes its final norm from the module-level
     `LayerNormImpl` (WrappedTorchNorm without TE or Apex, which refuses sequence parallelism).
     Plugins still rewrite the layer spec alone; the block is assembled here, once they are done.
     """
-    if getattr(spec.submodules, "input_layernorm", None) is not LocalNorm:
+    local = getattr(spec.submodules, "input_layernorm", None) is LocalNorm
+    pattern = moe_layer_pattern(model) if model is not None and model.num_experts is not None else []
+    mixed = 0 in pattern
+    if not local and not mixed:
         return spec
     # The same stage as TransformerBlock computes; None falls back to megatron's global state,
     # as TransformerBlock does when it is given no process groups.
     pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
     layers = get_num_layers_to_build(config, vp_stage, pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=LocalNorm)
+    if mixed:
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        dense = _dense_like(spec, model, use_te=not local)
+        specs = [spec if moe else dense for moe in pattern[offset : offset + layers]]
+    else:
+        specs = [spec] * layers
+    # Otherwise the final norm megatron's TransformerBlock gives a bare layer spec.
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LocalNorm if local else LayerNormImpl)
 
 
 def build_gpt_model(
@@ -147,19 +299,35 @@ def build_gpt_model(
     vp_stage: Optional[int] = None,
     pg_collection=None,
 ) -> GPTModel:
+    # MLA applies its own RoPE / YaRN (from its config); GPTModel must build none.
+    position = "rope" if model.multi_latent_attention else model.position_embedding_type
+    if position == "yarn":
+        _set_yarn_attributes(config, model)
     return GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, spec, vp_stage, pg_collection),
+        transformer_layer_spec=decoder_spec(config, spec, vp_stage, pg_collection, model),
         vocab_size=vocab_size,
-        max_sequence_length=model.seq_length,
+        max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=position,
+        rotary_percent=model.rotary_percent,
         rotary_base=int(model.rotary_base),
+        rope_scaling=model.rope_scaling == "llama3",
+        rope_scaling_factor=model.rope_scaling_factor,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+
+
+def _set_yarn_attributes(config: TransformerConfig, model: ModelConfig) -> None:
+    """megatron-core 0.16's GPTModel reads YaRN's settings from `config.yarn_*` attributes
+    that TransformerConfig does not declare (Megatron-LM sets them after building its config)."""
+    # Rounding the correction range as Megatron-LM (and transformers' default) does.
+    settings = {**_yarn_settings(model), "correction_range_round_to_int": True}
+    for name, value in settings.items():
+        setattr(config, f"yarn_{name}", value)
 
 
 ModelProvider = Callable[[bool, bool, Optional[int]], GPTModel]

@@ -171,6 +171,7 @@ def _fix_device_literals() -> None:
         "megatron.core.tensor_parallel.utils",
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
         "megatron.core.models.common.embeddings.rope_utils",
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
         "megatron.core.models.gpt.gpt_model",
         "megatron.core.transformer.dot_product_attention",
         "megatron.core.transformer.attention",
@@ -336,6 +337,17 @@ def _fix_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _fix_mla_without_te() -> None:
+    """multi_latent_attention sets HAVE_TE when importing megatron's TE extension succeeds, which
+    it always does (without TE the extension builds its classes on a MagicMock), so MLA's
+    constructor calls `isinstance(..., TELinear)` with a mock and raises TypeError: the local
+    MLA spec cannot be built without TE. Take the extension's own HAVE_TE. Not CPU-specific."""
+    extension = importlib.import_module("megatron.core.extensions.transformer_engine")
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    if not extension.HAVE_TE:
+        mla.HAVE_TE = False
+
+
 def _fix_torch_adam_checkpointing() -> None:
     """Without TE/Apex the distributed optimizer wraps torch's Adam, whose `step` lives in the
     per-parameter state, and two of its checkpoint paths trip over that. Not CPU-specific.
@@ -476,6 +488,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("float16_optimizer_checkpoint", fix_float16_optimizer_checkpoint, cpu_only=False),
     Fix("alltoall_split_sizes", _fix_alltoall_split_sizes),
     Fix("uneven_tp_collectives", _fix_uneven_tp_collectives),
+    Fix("mla_without_te", _fix_mla_without_te, cpu_only=False),
 )
 
 _applied: list[str] = []

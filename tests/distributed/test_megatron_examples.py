@@ -307,10 +307,6 @@ LLAMA32_1B = Example(
     --rotary-base 500000 --use-rope-scaling
     """ + _MODELOPT_LAUNCH,
     global_batch=2,
-    needs=(
-        'bf16 saves without the distributed optimizer (precision); Llama-3 RoPE scaling '
-        '(model-space)'
-    ),
 )
 
 QWEN3_06B = Example(
@@ -325,10 +321,6 @@ QWEN3_06B = Example(
     --use-mcore-models --rotary-percent 1.0 --rotary-base 1000000 --no-bias-swiglu-fusion
     """ + _MODELOPT_LAUNCH,
     global_batch=2,
-    needs=(
-        'bf16 saves without the distributed optimizer (precision); QK-norm and a head size '
-        'apart from hidden/heads (model-space)'
-    ),
 )
 
 EXAMPLES = [GPT3_175B, LLAMA3_8B_FP8, LLAMA3_8B_FSDP_FP8, MIXTRAL_8X7B, DEEPSEEK_V3, GPT_OSS,

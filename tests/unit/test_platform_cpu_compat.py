@@ -194,6 +194,24 @@ def scenario_te_general_gemm():
     assert torch.allclose(w.grad, torch.ones(4, 5) @ x)
 
 
+def scenario_mla_without_te():
+    """A GPT with megatron's local multi-latent-attention spec (core attention: megatron_ext's
+    local one, which takes MLA's head sizes) builds without Transformer Engine and runs."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    from megatron_ext.models.mla import MLACoreAttention
+
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, rope_type="rope",
+    )
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    assert torch.isfinite(lm_loss(model, batch(0)))
+
+
 def adam_checkpoint(ddp, optimizer, is_loading: bool = False) -> dict:
     """Model and distributed-optimizer state as megatron_ext checkpoints them."""
     model = ddp.module.sharded_state_dict()
@@ -330,6 +348,13 @@ CASES = {
     ),
     # Needs two ranks (one rank bypasses the collectives): tests/distributed/test_platform_multirank.py.
     "uneven_tp_collectives": Case(None, "megatron/core/tensor_parallel/mappings.py", "all_gather"),
+    # On unpatched megatron-core the rotary embedding's device literal is reached first.
+    "mla_without_te": Case(
+        scenario_mla_without_te,
+        "megatron/core/transformer/multi_latent_attention.py",
+        "and isinstance(self.linear_proj, TELinear)",
+        after_other_fixes=True,
+    ),
 }
 
 
@@ -499,7 +524,7 @@ def test_with_cuda_only_the_plain_bug_fixes_apply(monkeypatch):
     monkeypatch.setattr(cpu_compat, "_applied", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.apply() == ran == [
-        "te_general_gemm", "torch_adam_checkpointing", "float16_optimizer_checkpoint"
+        "te_general_gemm", "torch_adam_checkpointing", "float16_optimizer_checkpoint", "mla_without_te"
     ]
     assert cpu_compat.apply(on_cpu=False) == ran  # idempotent here too
 

@@ -554,6 +554,60 @@ def mla_fits(cfg: Config, world: int, device: str) -> list[str]:
     return found
 
 
+def glu_extras_fit(cfg: Config, world: int, device: str) -> list[str]:
+    """The GLU offset and clamp act on the two halves of a gated activation."""
+    m = cfg.model
+    found = []
+    gated = m.activation in ("swiglu", "quick_geglu")
+    for name, value, off in (
+        ("glu_linear_offset", m.glu_linear_offset, 0.0),
+        ("activation_func_clamp_value", m.activation_func_clamp_value, None),
+    ):
+        if value != off and not gated:
+            found.append(f"model.{name} needs a gated activation (model.activation swiglu or quick_geglu), got {m.activation!r}")
+    if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
+        found.append(f"model.activation_func_clamp_value must be > 0, got {m.activation_func_clamp_value}")
+    return found
+
+
+def window_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """megatron's sliding window: (keys before, keys after) a query; the local attention builds
+    its own window mask over the whole sequence, which a context-parallel rank does not hold."""
+    m = cfg.model
+    if m.window_size is None:
+        if m.window_attn_skip_freq is not None:
+            return ["model.window_attn_skip_freq needs model.window_size (the window of the other layers)"]
+        return []
+    found = []
+    if len(m.window_size) != 2 or any(side < 0 for side in m.window_size):
+        found.append(f"model.window_size must be two numbers >= 0 (keys before, keys after), got {list(m.window_size)}")
+    if m.window_attn_skip_freq is not None and m.window_attn_skip_freq < 1:
+        found.append(f"model.window_attn_skip_freq must be >= 1, got {m.window_attn_skip_freq}")
+    if m.multi_latent_attention:
+        found.append("model.window_size: megatron-core 0.16's MLA has no sliding window")
+    if _local_layers(cfg, device) and cfg.parallel.cp > 1:
+        found.append(
+            "model.window_size on local layers needs parallel.cp = 1: megatron's local attention masks the "
+            "window over the whole sequence (Transformer Engine's attention windows under CP)"
+        )
+    return found
+
+
+def mtp_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """megatron-core 0.16's multi-token prediction: GPTModel's, on the last pipeline stage."""
+    m = cfg.model
+    if m.mtp_num_layers is None:
+        return []
+    found = []
+    if m.mtp_num_layers < 1:
+        found.append(f"model.mtp_num_layers must be null or >= 1, got {m.mtp_num_layers}")
+    if m.mtp_loss_scaling_factor < 0:
+        found.append(f"model.mtp_loss_scaling_factor must be >= 0, got {m.mtp_loss_scaling_factor}")
+    if m.arch != "gpt":
+        found.append("model.mtp_num_layers needs model.arch=gpt (megatron-core 0.16's MTP is GPTModel's)")
+    return found
+
+
 def moe_router_fits(cfg: Config, world: int, device: str) -> list[str]:
     """What megatron-core 0.16's TransformerConfig and TopKRouter refuse about the router."""
     m = cfg.model
@@ -742,7 +796,11 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.mamba_num_groups", mamba_heads_fit),
     ("model.arch", hybrid_features),
     ("model.normalization", one_of("model.normalization", ("RMSNorm", "LayerNorm"))),
-    ("model.activation", one_of("model.activation", ("swiglu", "gelu", "squared_relu"))),
+    ("model.activation", one_of("model.activation", ("swiglu", "gelu", "squared_relu", "quick_geglu"))),
+    ("model.activation", glu_extras_fit),
+    ("model.softmax_type", one_of("model.softmax_type", ("vanilla", "off-by-one", "learnable"))),
+    ("model.window_size", window_fits),
+    ("model.mtp_num_layers", mtp_fits),
     (
         "model.position_embedding_type",
         one_of("model.position_embedding_type", ("rope", "yarn", "learned_absolute", "none")),

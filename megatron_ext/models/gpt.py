@@ -17,10 +17,13 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -43,7 +46,12 @@ from megatron_ext.platform import optional
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # model.activation -> (megatron's activation_func, gated_linear_unit)
-ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False), "squared_relu": (squared_relu, False)}
+ACTIVATIONS = {
+    "swiglu": (F.silu, True),
+    "gelu": (F.gelu, False),
+    "squared_relu": (squared_relu, False),
+    "quick_geglu": (quick_gelu, True),
+}
 
 _log = logging.getLogger(__name__)
 
@@ -153,6 +161,16 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> d
     }
 
 
+def _attention_fields(model: ModelConfig) -> dict:
+    """Sliding windows and the softmax's extra denominator term (gpt-oss), as megatron's
+    DotProductAttention reads them."""
+    return {
+        "window_size": tuple(model.window_size) if model.window_size is not None else None,
+        "window_attn_skip_freq": model.window_attn_skip_freq,
+        "softmax_type": model.softmax_type,
+    }
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: bool) -> TransformerConfig:
     dtype = DTYPES[model.precision]
     activation, gated = ACTIVATIONS[model.activation]
@@ -168,6 +186,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=gated,
         activation_func=activation,
+        glu_linear_offset=model.glu_linear_offset,
+        activation_func_clamp_value=model.activation_func_clamp_value,
+        **_attention_fields(model),
+        mtp_num_layers=model.mtp_num_layers,
+        mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -303,9 +326,11 @@ def build_gpt_model(
     position = "rope" if model.multi_latent_attention else model.position_embedding_type
     if position == "yarn":
         _set_yarn_attributes(config, model)
-    return GPTModel(
+    decoder = decoder_spec(config, spec, vp_stage, pg_collection, model)
+    gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, spec, vp_stage, pg_collection, model),
+        transformer_layer_spec=decoder,
+        mtp_block_spec=mtp_spec(config, spec, vp_stage, pg_collection),
         vocab_size=vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=pre_process,
@@ -319,6 +344,32 @@ def build_gpt_model(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    _mark_softmax_offsets_tensor_parallel(gpt)
+    return gpt
+
+
+def mtp_spec(config: TransformerConfig, spec: ModuleSpec, vp_stage: Optional[int], pg_collection):
+    """megatron's multi-token-prediction block on the stage that builds it (the last one), its
+    layers made like the decoder's; None elsewhere and without MTP."""
+    if not config.mtp_num_layers:
+        return None
+    local = getattr(spec.submodules, "input_layernorm", None) is LocalNorm
+    pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=not local, vp_stage=vp_stage, pp_rank=pp_rank)
+    if block is not None and local:
+        # The local backend's norm is WrappedTorchNorm, which refuses sequence parallelism.
+        for layer in block.layer_specs:
+            for norm in ("enorm", "hnorm", "layer_norm"):
+                setattr(layer.submodules, norm, LocalNorm)
+    return block
+
+
+def _mark_softmax_offsets_tensor_parallel(gpt: GPTModel) -> None:
+    """megatron-core 0.16 splits the learnable softmax offsets (one per head) over TP ranks but
+    does not mark them so; unmarked, the gradient norm counts TP rank 0's heads only."""
+    for name, param in gpt.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 def _set_yarn_attributes(config: TransformerConfig, model: ModelConfig) -> None:

@@ -605,6 +605,11 @@ def mtp_fits(cfg: Config, world: int, device: str) -> list[str]:
         found.append(f"model.mtp_loss_scaling_factor must be >= 0, got {m.mtp_loss_scaling_factor}")
     if m.arch != "gpt":
         found.append("model.mtp_num_layers needs model.arch=gpt (megatron-core 0.16's MTP is GPTModel's)")
+    if cfg.parallel.pp > 1 and m.tie_embeddings:
+        found.append(
+            "model.mtp_num_layers with parallel.pp > 1 needs model.tie_embeddings=false: megatron-core 0.16's "
+            "GPTModel gives the last stage an output weight of its own that its checkpoint refuses"
+        )
     return found
 
 

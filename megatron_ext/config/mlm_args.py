@@ -201,7 +201,7 @@ def _model_shape(b: _Builder) -> None:
     """Activation, FFN size and attention heads, following Megatron-LM's arguments.py."""
     if b.has("--bf16") and b.has("--fp16"):
         b.problem("--fp16", "--bf16 and --fp16 are exclusive")
-    gated = [n for n in ("--swiglu", "--squared-relu") if b.has(n)]
+    gated = [n for n in ("--swiglu", "--squared-relu", "--quick-geglu") if b.has(n)]
     if len(gated) > 1:
         b.problem(gated[1], f"{gated[0]} and {gated[1]} are exclusive")
     activation = _BY_NAME[gated[0]].const if gated else "gelu"
@@ -356,9 +356,31 @@ def _checkpoint_format(b: _Builder) -> None:
                  "dist_checkpointing), which Megatron-LM reads")
 
 
+def _attention_window(b: _Builder) -> None:
+    """--window-size "L,R" (Megatron-LM's tuple syntax, parentheses optional) and an integer
+    --window-attn-skip-freq; Megatron-LM's per-layer list pattern for the latter is refused."""
+    if b.has("--window-size"):
+        text = b.get("--window-size").strip().strip("()")
+        try:
+            window = [int(side) for side in text.split(",")]
+        except ValueError:
+            window = []
+        if len(window) == 2:
+            b.set("model.window_size", window, "--window-size")
+        else:
+            b.problem("--window-size", "two integers L,R (keys before and after a query)")
+    if b.has("--window-attn-skip-freq"):
+        freq = b.get("--window-attn-skip-freq")
+        if freq.strip().isdigit():
+            b.set("model.window_attn_skip_freq", int(freq), "--window-attn-skip-freq")
+        else:
+            b.problem("--window-attn-skip-freq", "an integer N (full attention in every N-th layer); per-layer patterns are not supported")
+
+
 def _derived(b: _Builder) -> None:
     """Overrides that depend on several flags, following Megatron-LM's arguments.py."""
     _model_shape(b)
+    _attention_window(b)
     _positions(b)
     _parallel(b)
     _schedule(b)

@@ -175,14 +175,8 @@ FLAGS: tuple[Flag, ...] = (
         notice('--cpu-offloading-num-layers', 'int', TUNE),
         notice('--cpu-offloading-retain-pinned-cpu-buffers', 'on', TUNE),
         mapped('--num-layers', 'int', 'model.num_layers'),
-        refused(
-            '--mtp-num-layers', 'int',
-            "multi-token prediction is not in megatron_ext's model space",
-        ),
-        refused(
-            '--mtp-loss-scaling-factor', 'float',
-            "multi-token prediction is not in megatron_ext's model space",
-        ),
+        mapped('--mtp-num-layers', 'int', 'model.mtp_num_layers'),
+        mapped('--mtp-loss-scaling-factor', 'float', 'model.mtp_loss_scaling_factor', default=0.1),
         refused(
             '--mtp-use-repeated-layer', 'on',
             "multi-token prediction is not in megatron_ext's model space",
@@ -218,10 +212,9 @@ FLAGS: tuple[Flag, ...] = (
             '--flash-attention-version', 'int', 'attention kernel choice: no effect here',
             choices=(2, 3, 4),
         ),
-        notice(
-            '--softmax-type', 'str', 'vanilla softmax is what megatron_ext computes',
-            choices=('vanilla', 'off-by-one', 'learnable'), only=('vanilla',),
-            refuse="attention sinks (off-by-one, learnable softmax) are not in megatron_ext's model space",
+        mapped(
+            '--softmax-type', 'str', 'model.softmax_type', choices=('vanilla', 'off-by-one', 'learnable'),
+            default='vanilla',
         ),
         mapped(
             '--num-query-groups', 'int', 'model.num_query_groups', derived=True,
@@ -240,14 +233,8 @@ FLAGS: tuple[Flag, ...] = (
         ),
         mapped('--disable-bias-linear', 'off', 'model.add_bias_linear', default=True),
         mapped('--add-qkv-bias', 'on', 'model.add_qkv_bias', default=False),
-        refused(
-            '--glu-linear-offset', 'float',
-            "an offset GLU (GPT-OSS) is not in megatron_ext's model space",
-        ),
-        refused(
-            '--activation-func-clamp-value', 'float',
-            "clamped activations (GPT-OSS) are not in megatron_ext's model space",
-        ),
+        mapped('--glu-linear-offset', 'float', 'model.glu_linear_offset', default=0.0),
+        mapped('--activation-func-clamp-value', 'float', 'model.activation_func_clamp_value'),
         refused('--rotary-interleaved', 'on', NOT_MODELLED),
         mapped(
             '--normalization', 'str', 'model.normalization', choices=('LayerNorm', 'RMSNorm'),
@@ -585,12 +572,13 @@ FLAGS: tuple[Flag, ...] = (
             '--group-query-attention', 'on', 'model.num_query_groups', derived=True,
             note='the groups are --num-query-groups, default 1; without it one group per head',
         ),
-        refused(
-            '--window-size', 'str', "sliding-window attention is not in megatron_ext's model space",
+        mapped(
+            '--window-size', 'str', 'model.window_size', derived=True,
+            note='"L,R": a query sees the L keys before it and R after',
         ),
-        refused(
-            '--window-attn-skip-freq', 'str',
-            "sliding-window attention is not in megatron_ext's model space",
+        mapped(
+            '--window-attn-skip-freq', 'str', 'model.window_attn_skip_freq', derived=True,
+            note="an integer N: every N-th layer keeps full attention (Megatron-LM's list pattern is refused)",
         ),
         mapped('--max-position-embeddings', 'int', 'model.max_position_embeddings'),
         mapped(
@@ -656,8 +644,9 @@ FLAGS: tuple[Flag, ...] = (
             '--swiglu', 'on', 'model.activation', derived=True, const='swiglu',
             note="without --swiglu or --squared-relu: Megatron-LM's gelu",
         ),
-        refused(
-            '--quick-geglu', 'on', "quick-GeGLU (GPT-OSS) is not in megatron_ext's model space",
+        mapped(
+            '--quick-geglu', 'on', 'model.activation', derived=True, const='quick_geglu',
+            note="without --swiglu, --squared-relu or --quick-geglu: Megatron-LM's gelu",
         ),
         notice('--onnx-safe', 'str', 'ONNX export: no effect on training'),
         notice('--bert-no-binary-head', 'off', 'BERT only: no effect in pretrain_gpt'),
@@ -1879,9 +1868,10 @@ FLAGS: tuple[Flag, ...] = (
         refused('--export-moe-apply-probs-on-input', 'on', G_MODELOPT_GENERIC),
         refused('--export-offline-model', 'on', G_MODELOPT_GENERIC),
         refused('--modelopt-enabled', 'on', G_MODELOPT_GENERIC),
-        refused(
+        notice(
             '--enable-gpt-oss', 'on',
-            "GPT-OSS's attention sinks, sliding windows and clamped activations are not in megatron_ext's model space",
+            "read by ModelOpt's model builder only (--modelopt-enabled, or a ModelOpt checkpoint), where it sets "
+            "gpt-oss's YaRN; without ModelOpt Megatron-LM builds the model from the other flags, as here",
         ),
     ),
 )

@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import get_pg_rank
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
@@ -327,7 +328,7 @@ def build_gpt_model(
     if position == "yarn":
         _set_yarn_attributes(config, model)
     decoder = decoder_spec(config, spec, vp_stage, pg_collection, model)
-    gpt = GPTModel(
+    gpt = (MTPGPTModel if model.mtp_num_layers else GPTModel)(
         config=config,
         transformer_layer_spec=decoder,
         mtp_block_spec=mtp_spec(config, spec, vp_stage, pg_collection),
@@ -346,6 +347,17 @@ def build_gpt_model(
     )
     _mark_softmax_offsets_tensor_parallel(gpt)
     return gpt
+
+
+class MTPGPTModel(GPTModel):
+    """GPTModel with multi-token prediction, whose checkpoint state works without metadata.
+
+    On a pipeline stage with MTP and no embedding of its own, megatron-core 0.16's GPTModel reads
+    `metadata["dp_cp_group"]` for the embedding copy without first filling in a None metadata,
+    as its parent class does."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
 
 def mtp_spec(config: TransformerConfig, spec: ModuleSpec, vp_stage: Optional[int], pg_collection):

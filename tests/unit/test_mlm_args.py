@@ -423,7 +423,7 @@ def test_bad_command_lines(command, phrase):
 
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
-        "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --enable-gpt-oss "
+        "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --freeze-base-for-mtp "
         "--step-batch-size-schedule 0:16 --rope-type yarn --no-load-optim"
     )
     with pytest.raises(SystemExit) as info:
@@ -438,8 +438,8 @@ def test_one_message_lists_every_refused_flag(capsys):
         "RNG state",
         "error: --vocab-file v.json: data.tokenizer is one tokenizer.json: use --tokenizer-model "
         "<tokenizer.json>",
-        "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "
-        "activations are not in megatron_ext's model space",
+        "error: --freeze-base-for-mtp: ModelOpt (quantization/distillation/export) is not part of "
+        "this trainer",
     ]
 
 

@@ -1,0 +1,76 @@
+"""gpt-oss's attention and activation and DeepSeek-V3's multi-token prediction train the same at
+TP=2 and at PP=2 as on one rank.
+
+The cases run in the model-space harness (test_model_space_layouts.py: a few fp32 SGD steps on
+one rank, then at TP=2 and PP=2 from the same initial weights; every loss and every trained
+weight, put together from the ranks' shards, must equal the one-rank run's). A learnable softmax
+offset split over TP ranks but counted by one rank alone in the gradient norm, a window placed by
+a stage's local layer number instead of the global one, or an MTP layer whose embedding copy on
+the last stage drifts from the first stage's shows as a different loss or weight.
+
+MTP with a zero scaling factor must train exactly as the model without MTP (the term is scaled,
+and nothing else of the objective changed); with the default factor it must not.
+tests/unit/test_gpt_oss_mtp.py checks each feature against a direct computation.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import test_model_space_layouts as harness
+
+UNTIED = dict(tie_embeddings=False)
+GPT_OSS = dict(
+    window_size=[7, 0],
+    window_attn_skip_freq=2,
+    softmax_type="learnable",
+    activation="quick_geglu",
+    glu_linear_offset=1.0,
+    # Small enough to bind on the tiny model's pre-activations (~0.2).
+    activation_func_clamp_value=0.1,
+)
+CASES = {
+    "gpt_oss": GPT_OSS,
+    "gpt_oss_moe": dict(GPT_OSS, **harness.MOE),
+    "sliding_window_every_layer": dict(window_size=[5, 0]),
+    "softmax_off_by_one": dict(softmax_type="off-by-one"),
+    # megatron-core 0.16 builds MTP under PP with untied embeddings only (config/validate.py).
+    "mtp": dict(UNTIED, mtp_num_layers=2),
+    "mtp_scale_0": dict(UNTIED, mtp_num_layers=1, mtp_loss_scaling_factor=0.0),
+}
+BASELINES = {"untied_baseline": UNTIED}
+SAME_AS_BASELINE = {"mtp_scale_0"}
+harness.ALL_CASES.update({**CASES, **BASELINES})
+
+
+def baseline(case: str) -> str:
+    return "untied_baseline" if case.startswith("mtp") else harness.baseline(case)
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    from _torchrun import torchrun
+
+    out = tmp_path_factory.mktemp("gpt_oss_mtp")
+    torchrun(__file__, 1, str(out), *CASES, *harness.BASELINES, *BASELINES)
+    torchrun(__file__, 2, str(out), *CASES)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_option_equals_one_rank_at_tp2_and_pp2(launched, case):
+    harness.check(launched, case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_option_changes_the_model(launched, case):
+    same = harness.reference_losses(launched, case) == harness.reference_losses(launched, baseline(case))
+    assert same == (case in SAME_AS_BASELINE)
+
+
+if __name__ == "__main__":
+    harness.worker(sys.argv[1], *sys.argv[2:])

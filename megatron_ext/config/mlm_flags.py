@@ -407,7 +407,7 @@ FLAGS: tuple[Flag, ...] = (
         notice('--moe-use-grouped-tensor', 'on', TUNE),
         refused('--moe-single-grouped-weight', 'on', "not in megatron_ext's MoE model space"),
         refused('--moe-single-grouped-bias', 'on', "not in megatron_ext's MoE model space"),
-        refused('--moe-z-loss-coeff', 'float', "not in megatron_ext's MoE model space"),
+        mapped('--moe-z-loss-coeff', 'float', 'model.moe_z_loss_coeff'),
         refused('--moe-input-jitter-eps', 'float', "not in megatron_ext's MoE model space"),
         mapped(
             '--moe-token-dispatcher-type', 'str', 'model.moe_token_dispatcher',

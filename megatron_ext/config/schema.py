@@ -106,6 +106,9 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     moe_aux_loss_coeff: float = 0.0
+    # ST-MoE's router z-loss (gpt-oss, Megatron-LM's --moe-z-loss-coeff): the squared
+    # log-sum-exp of each token's router logits, times this; None: none.
+    moe_z_loss_coeff: Optional[float] = None
     # aux_loss | seq_aux_loss | sinkhorn | none (megatron's moe_router_load_balancing_type)
     moe_router_load_balancing_type: str = "aux_loss"
     moe_router_pre_softmax: bool = False

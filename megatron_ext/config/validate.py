@@ -912,6 +912,7 @@ RANGES: tuple[tuple[str, str], ...] = (
     ("model.qk_pos_emb_head_dim", "(0, inf)"),
     ("model.v_head_dim", "(0, inf)"),
     ("model.moe_aux_loss_coeff", "[0, inf)"),
+    ("model.moe_z_loss_coeff", "[0, inf)"),
     ("model.moe_router_num_groups", "(0, inf)"),
     ("model.moe_router_group_topk", "(0, inf)"),
     ("model.moe_router_topk_scaling_factor", "(0, inf)"),

@@ -140,6 +140,15 @@ def _aux_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> float:
     return model.moe_aux_loss_coeff * parallel.tp * parallel.cp
 
 
+def _z_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> Optional[float]:
+    """megatron's z-loss coefficient that gives the router z-loss model.moe_z_loss_coeff's weight
+    under every layout: megatron-core 0.16 divides it by tp * cp while each of those ranks sums
+    the z-loss over its own share of the tokens only (the aux loss's case, above)."""
+    if model.moe_z_loss_coeff is None:
+        return None
+    return model.moe_z_loss_coeff * parallel.tp * parallel.cp
+
+
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> dict:
     if model.num_experts is None:
         return {"num_moe_experts": None}
@@ -149,6 +158,7 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool) -> d
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
         "moe_token_dispatcher_type": model.moe_token_dispatcher,
         "moe_aux_loss_coeff": _aux_loss_coeff(model, parallel),
+        "moe_z_loss_coeff": _z_loss_coeff(model, parallel),
         "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
         "moe_router_pre_softmax": model.moe_router_pre_softmax,
         "moe_router_score_function": model.moe_router_score_function,

@@ -36,6 +36,7 @@ CASES = {
     "gpt_oss_moe": dict(GPT_OSS, **harness.MOE),
     "sliding_window_every_layer": dict(window_size=[5, 0]),
     "softmax_off_by_one": dict(softmax_type="off-by-one"),
+    "moe_z_loss": dict(harness.MOE, moe_z_loss_coeff=0.1),
     # megatron-core 0.16 builds MTP under PP with untied embeddings only (config/validate.py).
     "mtp": dict(UNTIED, mtp_num_layers=2),
     "mtp_scale_0": dict(UNTIED, mtp_num_layers=1, mtp_loss_scaling_factor=0.0),

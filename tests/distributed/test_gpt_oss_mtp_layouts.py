@@ -40,6 +40,8 @@ CASES = {
     # megatron-core 0.16 builds MTP under PP with untied embeddings only (config/validate.py).
     "mtp": dict(UNTIED, mtp_num_layers=2),
     "mtp_scale_0": dict(UNTIED, mtp_num_layers=1, mtp_loss_scaling_factor=0.0),
+    # DeepSeek-V3's combination (MLA runs at PP=2 only on local layers).
+    "mtp_mla_moe": dict(UNTIED, **harness.MLA, **harness.MOE, moe_layer_freq="[0,1]", mtp_num_layers=1),
 }
 BASELINES = {"untied_baseline": UNTIED}
 SAME_AS_BASELINE = {"mtp_scale_0"}

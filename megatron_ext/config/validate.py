@@ -610,6 +610,12 @@ def mtp_fits(cfg: Config, world: int, device: str) -> list[str]:
             "model.mtp_num_layers with parallel.pp > 1 needs model.tie_embeddings=false: megatron-core 0.16's "
             "GPTModel gives the last stage an output weight of its own that its checkpoint refuses"
         )
+    if cfg.parallel.pp > 1 and m.position_embedding_type == "learned_absolute":
+        found.append(
+            "model.mtp_num_layers with parallel.pp > 1 needs a position_embedding_type other than "
+            "learned_absolute: megatron-core 0.16 gives the MTP stage its own position table, never tied to "
+            "the first stage's"
+        )
     return found
 
 

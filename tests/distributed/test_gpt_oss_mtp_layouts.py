@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 import test_model_space_layouts as harness
 
@@ -75,5 +76,41 @@ def test_option_changes_the_model(launched, case):
     assert same == (case in SAME_AS_BASELINE)
 
 
+def run_recording_mtp_losses(case: str, parallel: dict, cache: str) -> dict:
+    """The harness's run, plus the `mtp_k loss` metrics of each step."""
+    from megatron_ext.training.trainer import Trainer
+
+    recorded, train_step = [], Trainer.train_step
+
+    def recording(self):
+        metrics = train_step(self)
+        recorded.append({k: v for k, v in metrics.items() if k.startswith("mtp_")})
+        return metrics
+
+    Trainer.train_step = recording
+    try:
+        return {**HARNESS_RUN(case, parallel, cache), "mtp_losses": recorded}
+    finally:
+        Trainer.train_step = train_step
+
+
+def mtp_losses(out, case: str, world: int, layout: str) -> list:
+    return torch.load(out / f"{case}_world{world}_rank0.pt")[layout]["mtp_losses"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("mtp")])
+def test_mtp_losses_are_reported_as_on_one_rank(launched, case):
+    reference = mtp_losses(launched, case, 1, "reference")
+    layers = CASES[case]["mtp_num_layers"]
+    assert [sorted(step) for step in reference] == [[f"mtp_{k + 1} loss" for k in range(layers)]] * harness.STEPS
+    # Near ln(vocab) at the start, as the next-token loss: predicting from random weights.
+    assert all(3.0 < value < 8.0 for value in reference[0].values()), reference[0]
+    for layout in harness.layouts(case):
+        got = mtp_losses(launched, case, 2, layout)
+        for step, expected in zip(got, reference):
+            assert step == pytest.approx(expected, rel=harness.LOSS_RTOL), f"{case} {layout}"
+
+
 if __name__ == "__main__":
+    HARNESS_RUN, harness.run = harness.run, run_recording_mtp_losses
     harness.worker(sys.argv[1], *sys.argv[2:])

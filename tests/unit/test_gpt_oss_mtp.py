@@ -142,6 +142,11 @@ REFUSALS = {
     "mtp_zero_layers": (dict(mtp_num_layers=0), {}, "model.mtp_num_layers"),
     "mtp_hybrid": (dict(mtp_num_layers=1, arch="hybrid", hybrid_pattern="M*"), {}, "model.arch=gpt"),
     "mtp_tied_under_pp": (dict(mtp_num_layers=1), dict(pp=2), "model.tie_embeddings=false"),
+    "mtp_learned_positions_under_pp": (
+        dict(mtp_num_layers=1, tie_embeddings=False, position_embedding_type="learned_absolute"),
+        dict(pp=2),
+        "other than learned_absolute",
+    ),
 }
 
 

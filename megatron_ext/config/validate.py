@@ -583,8 +583,6 @@ def window_fits(cfg: Config, world: int, device: str) -> list[str]:
         found.append(f"model.window_size must be two numbers >= 0 (keys before, keys after), got {list(m.window_size)}")
     if m.window_attn_skip_freq is not None and m.window_attn_skip_freq < 1:
         found.append(f"model.window_attn_skip_freq must be >= 1, got {m.window_attn_skip_freq}")
-    if m.multi_latent_attention:
-        found.append("model.window_size: megatron-core 0.16's MLA has no sliding window")
     if _local_layers(cfg, device) and cfg.parallel.cp > 1:
         found.append(
             "model.window_size on local layers needs parallel.cp = 1: megatron's local attention masks the "

@@ -4,7 +4,10 @@ The MTP layers add their loss to the gradients inside megatron's GPTModel (scale
 `mtp_loss_scaling_factor`); the step's reported `loss` stays the next-token loss. Each MTP layer's
 per-token loss is kept in megatron's `MTPLossLoggingHelper` tracker, summed over micro-batches
 on the last pipeline stage: here it is averaged over micro-batches and data-parallel replicas,
-as Megatron-LM's training log does, and handed to every rank.
+as Megatron-LM's training log does, and handed to every rank. Under context parallelism that
+average is of each rank's own per-token mean, as in Megatron-LM (the rolled loss mask leaves the
+ranks unequal token counts), so the logged value may differ slightly from one rank's; the
+gradients do not.
 """
 
 from __future__ import annotations

@@ -755,6 +755,12 @@ def hybrid_features(cfg: Config, world: int, device: str) -> list[str]:
         (m.spec == "te", "model.spec=te (the hybrid is built from local layers; use auto or local)"),
         (m.pretrained is not None, "model.pretrained (importers read LLaMA-style models only)"),
         (m.multi_latent_attention, "model.multi_latent_attention (its attention layers are megatron's SelfAttention)"),
+        (m.qk_layernorm, "model.qk_layernorm (its attention layers have no QK-norm)"),
+        (
+            m.position_embedding_type in ("learned_absolute", "yarn"),
+            f"model.position_embedding_type={m.position_embedding_type} (it has no position embedding: "
+            "the Mamba layers carry position)",
+        ),
     ]
     return [f"model.arch=hybrid does not support {what}" for bad, what in unsupported if bad]
 

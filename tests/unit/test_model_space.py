@@ -332,6 +332,18 @@ BAD = {
         "model.add_bias_linear",
         "needs Transformer Engine",
     ),
+    "hybrid_qk_layernorm": (
+        {"model.arch": "hybrid", "model.hybrid_pattern": "M*M*", "model.qk_layernorm": True},
+        1,
+        "model.arch",
+        "does not support model.qk_layernorm",
+    ),
+    "hybrid_learned_positions": (
+        {"model.arch": "hybrid", "model.hybrid_pattern": "M*M*", "model.position_embedding_type": "learned_absolute"},
+        1,
+        "model.arch",
+        "it has no position embedding",
+    ),
     "topk_scaling_negative": (
         {**MOE, "model.moe_router_topk_scaling_factor": -1.0},
         1,

@@ -591,6 +591,17 @@ def window_fits(cfg: Config, world: int, device: str) -> list[str]:
     return found
 
 
+def attention_variants_need_gpt(cfg: Config, world: int, device: str) -> list[str]:
+    """Sliding windows and softmax offsets are checked on the GPT decoder's layers; the hybrid's
+    attention layers count Mamba layers in their numbering and are not checked with them."""
+    m = cfg.model
+    if m.arch == "gpt":
+        return []
+    used = [(m.window_size is not None, "model.window_size"), (m.softmax_type != "vanilla", "model.softmax_type")]
+    return [f"{name} needs model.arch=gpt (the hybrid's attention is checked with plain softmax attention only)"
+            for bad, name in used if bad]
+
+
 def mtp_fits(cfg: Config, world: int, device: str) -> list[str]:
     """megatron-core 0.16's multi-token prediction: GPTModel's, on the last pipeline stage."""
     m = cfg.model
@@ -815,6 +826,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.activation", glu_extras_fit),
     ("model.softmax_type", one_of("model.softmax_type", ("vanilla", "off-by-one", "learnable"))),
     ("model.window_size", window_fits),
+    ("model.arch", attention_variants_need_gpt),
     ("model.mtp_num_layers", mtp_fits),
     (
         "model.position_embedding_type",

@@ -139,6 +139,7 @@ REFUSALS = {
     "skip_without_window": (dict(window_attn_skip_freq=2), {}, "needs model.window_size"),
     "clamp_without_glu": (dict(activation="gelu", activation_func_clamp_value=7.0), {}, "gated activation"),
     "softmax_type": (dict(softmax_type="sinks"), {}, "model.softmax_type"),
+    "window_on_hybrid": (dict(window_size=[7, 0], arch="hybrid", hybrid_pattern="M*"), {}, "needs model.arch=gpt"),
     "mtp_zero_layers": (dict(mtp_num_layers=0), {}, "model.mtp_num_layers"),
     "mtp_hybrid": (dict(mtp_num_layers=1, arch="hybrid", hybrid_pattern="M*"), {}, "model.arch=gpt"),
     "mtp_tied_under_pp": (dict(mtp_num_layers=1), dict(pp=2), "model.tie_embeddings=false"),

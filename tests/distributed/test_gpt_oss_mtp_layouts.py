@@ -89,26 +89,41 @@ def test_option_changes_the_model(launched, case):
     assert same == (case in SAME_AS_BASELINE)
 
 
-def run_recording_mtp_losses(case: str, parallel: dict, cache: str) -> dict:
-    """The harness's run, plus the `mtp_k loss` metrics of each step."""
+def run_recording_step_metrics(case: str, parallel: dict, cache: str) -> dict:
+    """The harness's run, plus the `mtp_k loss` metrics and the gradient norm of each step."""
     from megatron_ext.training.trainer import Trainer
 
     recorded, train_step = [], Trainer.train_step
 
     def recording(self):
         metrics = train_step(self)
-        recorded.append({k: v for k, v in metrics.items() if k.startswith("mtp_")})
+        recorded.append({k: v for k, v in metrics.items() if k.startswith("mtp_") or k == "grad_norm"})
         return metrics
 
     Trainer.train_step = recording
     try:
-        return {**HARNESS_RUN(case, parallel, cache), "mtp_losses": recorded}
+        return {**HARNESS_RUN(case, parallel, cache), "step_metrics": recorded}
     finally:
         Trainer.train_step = train_step
 
 
+def step_metrics(out, case: str, world: int, layout: str, name_start: str) -> list:
+    steps = torch.load(out / f"{case}_world{world}_rank0.pt")[layout]["step_metrics"]
+    return [{k: v for k, v in step.items() if k.startswith(name_start)} for step in steps]
+
+
 def mtp_losses(out, case: str, world: int, layout: str) -> list:
-    return torch.load(out / f"{case}_world{world}_rank0.pt")[layout]["mtp_losses"]
+    return step_metrics(out, case, world, layout, "mtp_")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradient_norm_equals_one_rank(launched, case):
+    """Clipping sees the whole model's gradient under every layout."""
+    reference = step_metrics(launched, case, 1, "reference", "grad_norm")
+    for layout in layouts(case):
+        got = step_metrics(launched, case, 2, layout, "grad_norm")
+        expected = pytest.approx([s["grad_norm"] for s in reference], rel=harness.LOSS_RTOL)
+        assert [s["grad_norm"] for s in got] == expected, f"{case} {layout}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("mtp")])
@@ -127,5 +142,5 @@ def test_mtp_losses_are_reported_as_on_one_rank(launched, case):
 
 
 if __name__ == "__main__":
-    HARNESS_RUN, harness.run = harness.run, run_recording_mtp_losses
+    HARNESS_RUN, harness.run = harness.run, run_recording_step_metrics
     harness.worker(sys.argv[1], *sys.argv[2:])

@@ -3,10 +3,11 @@ TP=2 and at PP=2 as on one rank.
 
 The cases run in the model-space harness (test_model_space_layouts.py: a few fp32 SGD steps on
 one rank, then at TP=2 and PP=2 from the same initial weights; every loss and every trained
-weight, put together from the ranks' shards, must equal the one-rank run's). A learnable softmax
-offset split over TP ranks but counted by one rank alone in the gradient norm, a window placed by
-a stage's local layer number instead of the global one, or an MTP layer whose embedding copy on
-the last stage drifts from the first stage's shows as a different loss or weight.
+weight, put together from the ranks' shards, must equal the one-rank run's; so must each step's
+gradient norm and MTP losses). Learnable softmax offsets drawn per TP rank instead of from the
+layout-independent initialisation, a window placed by a stage's local layer number instead of
+the global one, a z-loss weighed by a rank's share of the tokens, or an MTP layer whose embedding
+copy on the last stage drifts from the first stage's shows as a different loss or weight.
 
 MTP with a zero scaling factor must train exactly as the model without MTP (the term is scaled,
 and nothing else of the objective changed); with the default factor it must not.

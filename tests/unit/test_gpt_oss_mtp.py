@@ -157,3 +157,46 @@ def test_rules_refuse_what_megatron_cannot_build(case):
     cfg = Config(model=dataclasses.replace(BASE, **model), parallel=ParallelConfig(**parallel))
     found = [text for _, text in violations(cfg, 4, "cpu")]
     assert any(words in text for text in found), found
+
+
+GPT_OSS_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --quick-geglu --glu-linear-offset 1.0 "
+    "--activation-func-clamp-value 7.0 --softmax-type learnable --window-size 127,0 --window-attn-skip-freq 2 "
+    "--moe-z-loss-coeff 1e-3 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.2 --enable-gpt-oss"
+)
+
+
+def test_megatron_lm_flags_reach_the_model_space():
+    from megatron_ext.config.mlm_args import mlm_args_to_overrides
+
+    overrides = mlm_args_to_overrides(GPT_OSS_FLAGS.split())
+    for expected in (
+        "model.activation=quick_geglu",
+        # Megatron-LM's 4h: the 8h/3 rule is --swiglu's only.
+        "model.ffn_hidden_size=256",
+        "model.glu_linear_offset=1.0",
+        "model.activation_func_clamp_value=7.0",
+        "model.softmax_type=learnable",
+        "model.window_size=[127,0]",
+        "model.window_attn_skip_freq=2",
+        "model.moe_z_loss_coeff=0.001",
+        "model.mtp_num_layers=1",
+        "model.mtp_loss_scaling_factor=0.2",
+    ):
+        assert expected in overrides, expected
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        ("--window-size 127", "--window-size 127: two integers"),
+        ("--window-size 127,0 --window-attn-skip-freq [1,0]*2", "per-layer patterns are not supported"),
+        ("--swiglu --quick-geglu", "--swiglu and --quick-geglu are exclusive"),
+    ],
+)
+def test_megatron_lm_flags_refused_with_the_flag(flags, words):
+    from megatron_ext.config.mlm_args import MlmArgsError, mlm_args_to_overrides
+
+    with pytest.raises(MlmArgsError) as info:
+        mlm_args_to_overrides(f"--num-layers 2 {flags}".split())
+    assert words in str(info.value)

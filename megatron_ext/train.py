@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
+from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed
 from megatron_ext.plugin import build_plugins
 from megatron_ext.training.preflight import check_inputs
 
@@ -50,23 +51,44 @@ def run(cfg: Config) -> Optional[dict]:
     if detect_launch() is None and cfg.launcher.nproc > 1:
         launcher = cfg.launcher
         results = launch_local(
-            launcher.nproc, worker, (cfg,), launcher.master_addr, launcher.master_port, launcher.max_restarts
+            launcher.nproc,
+            worker,
+            (cfg,),
+            launcher.master_addr,
+            launcher.master_port,
+            launcher.max_restarts,
+            launcher.preempt_timeout_s if _stops_at_a_step(cfg) else None,
         )
         return results[0]
     return worker(cfg)
 
 
+def _stops_at_a_step(cfg: Config) -> bool:
+    """Whether the run's loop stops at a step boundary on a pre-emption signal: the Trainer's
+    does; a LoRA sweep's own loop does not, and ends on the signal as any process does."""
+    return "lora" not in cfg.plugins
+
+
 def worker(cfg: Config) -> dict:
     """One rank: join the world, train, leave. With the reshard plugin the job's processes form
-    a worker pool, so that the number of workers can change while it trains."""
+    a worker pool, so that the number of workers can change while it trains. A pre-emption
+    signal from the rank's start on stops it at a step boundary, with a checkpoint
+    (training/preemption.py)."""
+    from megatron_ext.training.preemption import stop_request
+
+    if not _stops_at_a_step(cfg):  # many jobs packed on one base: the lora plugin's own loop
+        from megatron_ext.lora.sweep import jobs_of, run_sweep
+
+        return run_sweep(cfg, jobs_of(cfg))
+    with stop_request(cfg.launcher.preempt_timeout_s):
+        return _train(cfg)
+
+
+def _train(cfg: Config) -> dict:
     import torch.distributed as dist
 
     from megatron_ext.training.trainer import Trainer
 
-    if "lora" in cfg.plugins:  # many jobs packed on one base: the lora plugin's own loop
-        from megatron_ext.lora.sweep import jobs_of, run_sweep
-
-        return run_sweep(cfg, jobs_of(cfg))
     if "reshard" in cfg.plugins:
         from megatron_ext.reshard.pool import pooled_worker
 
@@ -87,13 +109,23 @@ def run_from_overrides(overrides: Sequence[str]) -> Optional[dict]:
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> Optional[dict]:
+    return _run_or_exit(to_object(cfg))
+
+
+def _run_or_exit(cfg: Config) -> Optional[dict]:
+    """`run`, with a refused config, an aborted or a failed launch as one line and an exit code."""
     try:
-        return run(to_object(cfg))
+        return run(cfg)
     except ConfigError as e:
         _fail(str(e))
-    except ChildFailedError as e:
-        _fail_if_refused(e)
-        raise
+    except LaunchAborted as e:  # a second pre-emption signal, or the deadline
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except LaunchFailed as e:  # the workers' own tracebacks are above
+        if isinstance(e.__cause__, ChildFailedError):
+            _fail_if_refused(e.__cause__)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _fail(message: str) -> None:
@@ -127,13 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg = compose_config(argv)
     except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
         _fail(_first_line(e))
-    try:
-        run(cfg)
-    except ConfigError as e:
-        _fail(str(e))
-    except ChildFailedError as e:
-        _fail_if_refused(e)
-        raise
+    _run_or_exit(cfg)
 
 
 def _fail_if_refused(error: ChildFailedError) -> None:

@@ -1,4 +1,4 @@
-"""Convert LLaMA checkpoints between Hugging Face / GGUF and megatron dist checkpoints.
+"""Convert checkpoints between Hugging Face / GGUF and megatron dist checkpoints.
 
     python scripts/convert_checkpoint.py hf-to-megatron --hf-dir HF_FOLDER --out CKPT --tp 2 --pp 2
     python scripts/convert_checkpoint.py gguf-to-megatron --gguf MODEL.gguf --out CKPT --tp 3
@@ -6,7 +6,10 @@
 
 The megatron checkpoint is model-only, at iteration 0 (CKPT/iter_0000000 + tracker); train from
 it with `model.pretrained=CKPT` (weights only). The Hugging Face folder holds model.safetensors
-(fp32), a LlamaForCausalLM config.json and the tokenizer files when the checkpoint has them.
+(fp32), a config.json of the model's transformers family (Llama, Qwen2, Qwen3, Mixtral or
+Qwen3-MoE, whichever megatron's model is) and the tokenizer files when the checkpoint has them.
+Hugging Face imports read Llama (3.x RoPE scaling included), Mistral, Qwen2/2.5, Qwen3, Mixtral and
+Qwen3-MoE folders; what megatron's model space cannot build is refused with one line.
 Destinations must not exist (or be empty); they appear complete or not at all.
 """
 
@@ -21,7 +24,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, flag, help_text in (
-        ("hf-to-megatron", "--hf-dir", "a Hugging Face LlamaForCausalLM folder (config.json + *.safetensors)"),
+        ("hf-to-megatron", "--hf-dir", "a Hugging Face folder (config.json + *.safetensors) of Llama, Mistral, Qwen2/3, Mixtral or Qwen3-MoE"),
         ("gguf-to-megatron", "--gguf", "a llama GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors)"),
     ):
         command = commands.add_parser(name)

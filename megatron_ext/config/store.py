@@ -93,6 +93,7 @@ MODEL_PRESETS = {
         num_attention_heads=9,
         num_query_groups=3,
         seq_length=2048,
+        max_position_embeddings=8192,
         vocab_size=49152,
         tie_embeddings=True,
         rotary_base=100000.0,

@@ -470,26 +470,6 @@ def _local_layers(cfg: Config, device: str) -> bool:
     return device == "cpu" or m.spec == "local" or (m.spec == "auto" and not optional.HAVE_TE)
 
 
-def in_range(path: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> Rule:
-    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
-        value = _get(cfg, path)
-        below = value <= low if low_open else value < low
-        above = value >= high if high_open else value > high
-        if below or above:
-            return f"{path} must be in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}, got {value}"
-        return None
-
-    return rule
-
-
-def positive(path: str) -> Rule:
-    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
-        value = _get(cfg, path)
-        return f"{path} must be > 0, got {value}" if value is not None and value <= 0 else None
-
-    return rule
-
-
 def rotary_dims_even(cfg: Config, world: int, device: str) -> Optional[str]:
     """RoPE turns channel pairs: the rotated part of each head must have an even size."""
     m = cfg.model
@@ -832,25 +812,15 @@ RULES: tuple[tuple[str, Rule], ...] = (
         "model.position_embedding_type",
         one_of("model.position_embedding_type", ("rope", "yarn", "learned_absolute", "none")),
     ),
-    ("model.rotary_percent", in_range("model.rotary_percent", 0.0, 1.0, low_open=True)),
     ("model.rotary_percent", rotary_dims_even),
-    ("model.rotary_base", positive("model.rotary_base")),
     ("model.rope_scaling", rope_scaling_fits),
-    ("model.rope_scaling_factor", positive("model.rope_scaling_factor")),
-    ("model.yarn_rotary_scaling_factor", positive("model.yarn_rotary_scaling_factor")),
-    ("model.yarn_beta_fast", positive("model.yarn_beta_fast")),
-    ("model.yarn_beta_slow", positive("model.yarn_beta_slow")),
     ("model.max_position_embeddings", positions_fit_sequence),
-    ("model.hidden_dropout", in_range("model.hidden_dropout", 0.0, 1.0, high_open=True)),
-    ("model.attention_dropout", in_range("model.attention_dropout", 0.0, 1.0, high_open=True)),
     ("model.multi_latent_attention", mla_fits),
     (
         "model.moe_router_load_balancing_type",
         one_of("model.moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "sinkhorn", "none")),
     ),
     ("model.moe_router_score_function", one_of("model.moe_router_score_function", ("softmax", "sigmoid"))),
-    ("model.moe_aux_loss_coeff", not_negative("model.moe_aux_loss_coeff")),
-    ("model.moe_router_topk_scaling_factor", positive("model.moe_router_topk_scaling_factor")),
     ("model.num_experts", moe_router_fits),
     ("model.moe_layer_freq", moe_layer_freq_fits),
     ("parallel.sequence_parallel", moe_needs_sequence_parallel),
@@ -924,6 +894,10 @@ RANGES: tuple[tuple[str, str], ...] = (
     ("model.rotary_base", "(0, inf)"),
     ("model.rotary_percent", "(0, 1]"),
     ("model.rope_scaling_factor", "(0, inf)"),
+    ("model.yarn_rotary_scaling_factor", "(0, inf)"),
+    ("model.yarn_original_max_position_embeddings", "(0, inf)"),
+    ("model.yarn_beta_fast", "(0, inf)"),
+    ("model.yarn_beta_slow", "(0, inf)"),
     ("model.norm_epsilon", "(0, inf)"),
     ("model.init_method_std", "[0, inf)"),
     ("model.hidden_dropout", "[0, 1)"),

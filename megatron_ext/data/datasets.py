@@ -1,6 +1,7 @@
 """GPT datasets from Megatron indexed datasets, and the resumable per-rank batch iterator."""
 
 import contextlib
+import os
 from typing import Callable, Iterator, Optional, Sequence
 from unittest import mock
 
@@ -14,7 +15,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron_ext.data.cache_files import drop_truncated_indices, full_disk_named
 from megatron_ext.data.tokenizers import Tokenizer
+from megatron_ext.platform.atomic_index_writes import make_index_writes_atomic
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -87,7 +90,8 @@ def build_gpt_datasets(
     data_path follows megatron's --data-path: prefixes, optionally as weight/prefix pairs
     ("0.7", "a", "0.3", "b"). A split with 0 requested samples is not built and comes back None,
     as does every split on ranks where is_built_on_rank() is False (megatron's convention; it
-    must be True on global rank 0). Index caches go to cache_dir; with torch.distributed
+    must be True on global rank 0). Index caches go to cache_dir, each written whole or not at
+    all; a truncated one (left by an older version) is built again. With torch.distributed
     initialized, all ranks must call this: rank 0 builds the caches, then the others read them.
     """
     if not data_path:
@@ -111,8 +115,11 @@ def build_gpt_datasets(
     for split_kind in Split:
         if num_samples[split_kind.value] == 0:
             config.split_matrix[split_kind.value] = None
+    make_index_writes_atomic()
+    if os.path.isdir(cache_dir) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        drop_truncated_indices(cache_dir)  # the others read the caches after rank 0 has built them
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config)
-    with _single_process_is_rank_zero():
+    with _single_process_is_rank_zero(), full_disk_named(cache_dir):
         train, valid, test = builder.build()
     return train, valid, test
 

@@ -15,12 +15,13 @@ import os
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from gguf import GGUFReader
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from megatron_ext.data.chat_template import ChatTemplate
 from megatron_ext.data.tokenizers import _HF_EOD_CANDIDATES, HFTokenizer
 
 # llama.cpp's token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are
@@ -100,7 +101,7 @@ def build_bpe(vocab: GGUFVocab) -> Tokenizer:
 
 
 class GGUFTokenizer(HFTokenizer):
-    """`HFTokenizer`'s interface over a GGUF file's tokenizer, plus its chat template.
+    """`HFTokenizer`'s interface over a GGUF file's tokenizer, its chat template included.
 
     eod (the document separator of pretraining data): `eod_token`, else `<|endoftext|>` or
     `</s>` when the vocabulary has one (as for tokenizer.json), else the file's eos token.
@@ -115,6 +116,9 @@ class GGUFTokenizer(HFTokenizer):
         self._sha256 = hashlib.sha256(self._tokenizer.to_str().encode()).hexdigest()
         self._eod_token = eod_token or self._default_eod()
         self._eod = self._token_id(self._eod_token)
+        specials = {"bos_token": self._token(self.bos), "eos_token": self._token(self.eos)}
+        template = self.gguf_vocab.chat_template
+        self._chat = ChatTemplate(path, template, {k: v for k, v in specials.items() if v is not None}) if template else None
 
     def _default_eod(self) -> str:
         try:
@@ -140,35 +144,9 @@ class GGUFTokenizer(HFTokenizer):
         return self.gguf_vocab.pad_id if self.gguf_vocab.pad_id is not None else super().pad
 
     @property
-    def chat_template(self) -> Optional[str]:
-        return self.gguf_vocab.chat_template
-
-    @property
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict(
             [("class", f"{__name__}.GGUFTokenizer"), ("sha256", self._sha256), ("eod_token", self._eod_token)]
-        )
-
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text of a conversation, rendered with the file's jinja chat template as
-        Hugging Face renders it (trimmed blocks, `raise_exception`, bos/eos token strings)."""
-        if not self.chat_template:
-            raise ValueError(f"{self.path} has no tokenizer.chat_template")
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token(self.bos) or "",
-            eos_token=self._token(self.eos) or "",
-            **kwargs,
         )
 
     def save_pretrained(self, folder: str) -> None:

@@ -18,6 +18,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
+from megatron_ext.data.cache_files import full_disk_named, indexed_dataset_is_whole
 from megatron_ext.data.corpus import DEFAULT_MAX_BYTES, corpus_fingerprint, iter_documents
 from megatron_ext.data.tokenizers import Tokenizer, build_tokenizer
 
@@ -101,8 +102,9 @@ def _file_lock(path: str) -> Iterator[None]:
 def _build_once(prefix: str, corpus: str, tokenizer: Tokenizer, max_bytes: int) -> None:
     # The lock serialises independent processes (separate jobs, test workers) sharing a cache.
     with _file_lock(prefix + ".lock"):
-        if not IndexedDataset.exists(prefix):
-            build_indexed_dataset(iter_documents(corpus, max_bytes), tokenizer, prefix)
+        if not indexed_dataset_is_whole(prefix):  # none yet, or cut by a full disk or a kill
+            with full_disk_named(os.path.dirname(prefix)):
+                build_indexed_dataset(iter_documents(corpus, max_bytes), tokenizer, prefix)
 
 
 def default_corpus_prefix(

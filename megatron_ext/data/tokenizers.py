@@ -8,9 +8,11 @@ dataset index caches), so both tokenizers subclass that base and provide those m
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
+
+from megatron_ext.data.chat_template import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate, read_chat_template
 
 _HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>")
 _HF_PAD_CANDIDATES = ("<pad>", "<|padding|>", "[PAD]")
@@ -70,7 +72,8 @@ class ByteTokenizer(MegatronTokenizerBase):
 
 
 class HFTokenizer(MegatronTokenizerBase):
-    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file."""
+    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file, with the chat
+    template its folder keeps (chat_template.py)."""
 
     def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
         from tokenizers import Tokenizer
@@ -83,6 +86,7 @@ class HFTokenizer(MegatronTokenizerBase):
             self._sha256 = hashlib.sha256(f.read()).hexdigest()
         self._eod_token = eod_token or self._first_present(_HF_EOD_CANDIDATES, "eod")
         self._eod = self._token_id(self._eod_token)
+        self._chat: Optional[ChatTemplate] = read_chat_template(os.path.dirname(os.path.abspath(path)))
 
     def _first_present(self, candidates: tuple[str, ...], role: str) -> str:
         for token in candidates:
@@ -142,8 +146,17 @@ class HFTokenizer(MegatronTokenizerBase):
             ]
         )
 
-    def apply_chat_template(self, *args, **kwargs) -> None:
-        raise NotImplementedError("HFTokenizer has no chat template")
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self._chat.template if self._chat else None
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text of a conversation, rendered with the tokenizer's chat template as
+        Hugging Face renders it."""
+        if self._chat is None:
+            folder = os.path.dirname(os.path.abspath(self.path))
+            raise ValueError(f"{folder} has no chat template (no {TEMPLATE_FILE}, no chat_template in {CONFIG_FILE})")
+        return self._chat.render(messages, add_generation_prompt, **kwargs)
 
 
 Tokenizer = Union[ByteTokenizer, HFTokenizer]

@@ -154,7 +154,8 @@ def load_megatron(path: str | os.PathLike) -> tuple[nn.Module, ModelConfig]:
 def save_hf(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, vocab_size: int) -> Path:
     """A Hugging Face LlamaForCausalLM folder of a dense submodel."""
     from megatron_ext.models.convert.hf import write_hf
-    from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+    from megatron_ext.models.convert.hf_config import hf_config_from_model
+    from megatron_ext.models.convert.llama import logical_to_hf
     from megatron_ext.models.convert.load import gather_logical
 
     tensors = logical_to_hf(gather_logical([sub]), cfg, vocab_size)

@@ -24,7 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_ext.config.schema import Config
 from megatron_ext.lora import pass_size, resume
 from megatron_ext.lora.base import build_base
-from megatron_ext.lora.export import save_megatron, save_peft
+from megatron_ext.lora.export import peft_base_model, save_megatron, save_peft
 from megatron_ext.lora.groups import PackGroups, as_world, pack_groups
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import Routing, logical_weights
@@ -123,7 +123,8 @@ def _finisher(cfg: Config, out: Path, writer: bool, group: dist.ProcessGroup) ->
     def finish(trainer: PackedTrainer, active) -> None:
         weights = logical_weights(trainer.wrappers, active.slot)  # over the pack's TP group
         if writer:
-            save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, cfg.model.pretrained)
+            base = peft_base_model(cfg.model.pretrained, cfg.lora.peft_base_model)
+            save_peft(out / active.job.name / "adapter", active.job, weights, cfg.model, base)
         with as_world(group):
             save_megatron(out / active.job.name / "checkpoint", active.job, weights)
 

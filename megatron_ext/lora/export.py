@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -99,6 +100,28 @@ def from_peft(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> Weights:
     if not weights:
         raise ValueError("lora: the adapter has no LoRA tensors for the projections megatron adapts")
     return weights
+
+
+def peft_base_model(pretrained: Optional[str], given: Optional[str] = None) -> Optional[str]:
+    """The base model an adapter_config.json names, which `AutoPeftModelForCausalLM` hands to
+    transformers' `from_pretrained`: the path or hub id the user gave (`lora.peft_base_model`),
+    else `model.pretrained` when it is a Hugging Face folder (made absolute). A GGUF file, a
+    `pkg:` spec or a megatron checkpoint is nothing transformers opens: then no name (None) and
+    a warning saying which option to set."""
+    if given:
+        return given
+    if pretrained is None:
+        return None
+    from megatron_ext.models.pretrained import resolve
+
+    path = Path(resolve(pretrained))
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    warnings.warn(
+        f"lora: model.pretrained={pretrained!r} is not a Hugging Face folder, so the PEFT adapter names no base "
+        "model; set lora.peft_base_model to the path or hub id of its Hugging Face export"
+    )
+    return None
 
 
 def peft_config(job: LoraJob, weights: Weights, base_model: Optional[str]) -> dict:

@@ -58,6 +58,10 @@ class LoraConfig:
     kernel: str = "auto"
     # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.
     output_dir: str = "runs/lora_sweep"
+    # The base model each PEFT adapter names (adapter_config.json's base_model_name_or_path):
+    # a path or hub id transformers opens. None: model.pretrained when it is a Hugging Face
+    # folder, else no name.
+    peft_base_model: Optional[str] = None
     # Checkpoint each pack every N packed steps under <output_dir>/checkpoints/ (resume.py);
     # None: only when the pack ends.
     save_interval: Optional[int] = None

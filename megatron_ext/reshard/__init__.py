@@ -16,6 +16,7 @@ job with every training state carried over.
                  switch, move, roll back on failure, within the same workers
     pool.py      the worker pool: moves to another number of workers (standby workers join,
                  leaving workers hand over their state and wait)
+    request.py   a request file read and checked for its shape; renamed .done or .rejected
     plugin.py    `plugins=[reshard]`: a schedule, a polled request file
 
     from megatron_ext.reshard.layout import ParallelLayout

@@ -105,7 +105,10 @@ class ParallelLayout:
         then batch-size rules, which belong to the run, are not checked), plus the one rule a
         live reshard adds: the run's padded vocabulary is fixed, so tp must divide it."""
         if isinstance(cfg, ModelConfig):
-            cfg = Config(model=cfg, train=TrainConfig(global_batch_size=None))
+            # Sequence parallelism places no state differently; a model alone is checked as a
+            # run that uses it where it must (megatron trains MoE at tp > 1 only with it).
+            parallel = ParallelConfig(sequence_parallel=self.tp > 1 and cfg.num_experts is not None)
+            cfg = Config(model=cfg, parallel=parallel, train=TrainConfig(global_batch_size=None))
         cfg = dataclasses.replace(cfg, parallel=self.to_config(cfg.parallel))
         found = violations(cfg, self.active, device)
         vocab = cfg.model.vocab_size

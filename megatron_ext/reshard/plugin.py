@@ -4,7 +4,8 @@ Triggers, checked before every step:
   - a schedule in the config:   reshard.schedule='[{step: 100, layout: {tp: 1, pp: 2, dp: 2}}]'
   - a request file, polled:     reshard.request_file=/path/req.json  containing
                                 {"layout": {"pp": 2, "dp": 2}}; it is renamed to *.done once
-                                applied, so a cluster scheduler or a person can ask again
+                                taken, so a cluster scheduler or a person can ask again, or to
+                                *.rejected (one log line says why) when it cannot be taken
   - Python:                     trainer.reshard({"tp": 1, "dp": 4}) (e.g. RLHF phase switches)
 A layout names the sizes that change; the others keep the run's values (dp is derived when
 left out and tp/pp/cp change).
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ext.plugin import Plugin, build_plugins, register_plugin
+from megatron_ext.reshard.request import SIZES, RequestError, read_request, retire
 
 if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
     from megatron_ext.reshard.live import Preparation
@@ -54,9 +56,6 @@ class ReshardConfig:
     # Between the processes of one host, move the state through shared memory (/dev/shm)
     # rather than as gloo messages; falls back to messages by itself where it cannot.
     shared_memory: bool = True
-
-
-SIZES = ("tp", "pp", "dp", "ep", "cp", "vpp")
 
 
 def target_config(current, layout: dict):
@@ -107,6 +106,7 @@ class ReshardPlugin(Plugin):
         check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size(), trainer.plugins)
         self._next: Optional[tuple[int, _Planned]] = None  # the next scheduled move
         self._requested_move: Optional[_Planned] = None
+        self._stuck: Optional[tuple] = None  # a request file (rank 0's view) that cannot be renamed
 
     def on_step_begin(self, trainer, step: int) -> None:
         self._prepare_next(trainer, step - 1)  # at the first step (fresh or resumed)
@@ -153,16 +153,28 @@ class ReshardPlugin(Plugin):
         return _Planned(target, prepare(trainer, target, budget, self.cfg.prebuild))
 
     def _poll(self, trainer, step: int) -> None:
-        layout = self._requested()
-        if layout is None:
+        """Take the request file's layout, if there is one. Nothing in the file may stop the
+        job: a request that cannot be taken is refused in one line and renamed aside."""
+        request = self._requested()
+        if request is None:
             return
-        try:
-            # prepare checks the target (the config rules, every plugin's check_layout) first
-            self._requested_move = self._prepare(trainer, target_config(trainer.cfg.parallel, layout))
-        except ValueError as e:  # a bad request must not stop a running job
-            trainer.note(f"step {step}: reshard request refused: {e}")
+        layout, problem = request
+        path = self.cfg.request_file
+        if problem is None:
+            try:
+                target = target_config(trainer.cfg.parallel, layout)
+                if _same_layout(trainer, target):
+                    trainer.note(f"step {step}: reshard request for {layout} in {path}: already there, "
+                                 f"no move{self._consume('done')}")
+                    return
+                # prepare checks the target (the config rules, every plugin's check_layout) first
+                self._requested_move = self._prepare(trainer, target)
+            except ValueError as e:
+                problem = " ".join(str(e).split())  # a ConfigError names each rule on a line
+        if problem is not None:
+            trainer.note(f"step {step}: reshard request refused: {path}: {problem}{self._consume('rejected')}")
             return
-        trainer.note(f"step {step}: reshard request to {layout} accepted; planning")
+        trainer.note(f"step {step}: reshard request to {layout} accepted; planning{self._consume('done')}")
 
     def _apply(self, trainer, step: int, planned: _Planned) -> None:
         from megatron_ext.reshard.live import ReshardFailed, reshard
@@ -205,19 +217,39 @@ class ReshardPlugin(Plugin):
             with open(self.cfg.report_file, "a") as f:
                 f.write(json.dumps({"step": step, **dataclasses.asdict(report)}) + "\n")
 
-    def _requested(self) -> Optional[dict]:
-        """The layout in the request file, read on rank 0 and shared with every rank."""
+    def _requested(self) -> Optional[tuple[Optional[dict], Optional[str]]]:
+        """(the layout, None) or (None, what is wrong with it) for the request file, read on
+        rank 0 and shared with every rank; None when there is no request."""
         if not self.cfg.request_file:
             return None
         import torch.distributed as dist
 
         message: list = [None]
-        if dist.get_rank() == 0 and os.path.isfile(self.cfg.request_file):
-            with open(self.cfg.request_file) as f:
-                message[0] = json.load(f)["layout"]
-            os.replace(self.cfg.request_file, self.cfg.request_file + ".done")
+        if dist.get_rank() == 0 and self._pending(self.cfg.request_file):
+            try:
+                message[0] = (read_request(self.cfg.request_file), None)
+            except RequestError as e:
+                message[0] = (None, f"{e}")
         dist.broadcast_object_list(message, src=0)
         return message[0]
+
+    def _pending(self, path: str) -> bool:
+        """Whether `path` holds a request not seen yet (one that could not be renamed aside is
+        seen once, until it changes)."""
+        return os.path.isfile(path) and _identity(path) != self._stuck
+
+    def _consume(self, outcome: str) -> str:
+        """Rename the request file (on rank 0) to `<file>.<outcome>`; the log's words for it."""
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return ""
+        path = self.cfg.request_file
+        renamed = retire(path, outcome)
+        if renamed is None:
+            self._stuck = _identity(path)
+            return f"; {path} cannot be renamed: it is ignored until it changes"
+        return f"; renamed to {renamed}" if outcome != "done" else ""
 
 
 def check_schedule(cfg, schedule: list, world_size: int, plugins: list) -> None:
@@ -248,6 +280,26 @@ def _changes_world(trainer, target) -> bool:
     """Whether `target` needs another number of workers than the current world has."""
     p = target
     return p.dp is not None and p.tp * p.pp * p.dp * p.cp != trainer.world_size
+
+
+def _same_layout(trainer, target) -> bool:
+    """Whether `target` is the layout the trainer runs now (dp derived where not named)."""
+    from megatron_ext.config.validate import resolve_dp
+
+    try:
+        dp = resolve_dp(dataclasses.replace(trainer.cfg, parallel=target), trainer.world_size)
+    except ValueError:  # not the current world's: another layout
+        return False
+    return dataclasses.replace(target, dp=dp) == dataclasses.replace(trainer.cfg.parallel, dp=trainer.dp)
+
+
+def _identity(path: str) -> Optional[tuple]:
+    """What tells one version of a file from another (None: no file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _everywhere(flag: bool) -> bool:

@@ -22,12 +22,13 @@ checkpoint written at TP2 x PP2 resumes at PP2 x DP2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from megatron_ext.config.validate import ConfigError
+from megatron_ext.platform.disk_space import disk_full
 from megatron_ext.training.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (this module's API)
 
 # Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
@@ -111,6 +113,8 @@ def save_checkpoint(
         return write_staged(root, iteration, lambda folder: dist_checkpointing.save(state, str(folder)), keep_last)
     staging = _open_staging(root, iteration)
     request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+    # megatron's finalisation raises what the background writers met: a full disk named too
+    request.finalize_fns[:] = [_naming_a_full_disk(fn, Path(root), staging) for fn in request.finalize_fns]
     request.add_finalize_fn(lambda: _publish(root, iteration, keep_last))
     async_queue.schedule_async_request(request)
     return iteration_dir(root, iteration)
@@ -127,7 +131,9 @@ def write_staged(
     `group` (collective; default the world, whose rank 0 renames). The folder is a staging one,
     renamed to `iteration_dir` and recorded in the tracker only after every rank has written: a
     crash mid-save leaves the previous checkpoint the latest, and no half-written one."""
-    write(_open_staging(root, iteration, group))
+    staging = _open_staging(root, iteration, group)
+    with _full_disk_named(Path(root), staging):
+        write(staging)
     return _publish(root, iteration, keep_last, group)
 
 
@@ -158,11 +164,41 @@ def _publish(
         if final.exists():  # a re-save of the same iteration replaces it
             shutil.rmtree(final)
         os.replace(_staging_dir(root, iteration), final)
-        _write_tracker(root, iteration)
+        with _full_disk_named(root, root / TRACKER):
+            _write_tracker(root, iteration)
         if keep_last:
             _prune(root, keep_last)
     dist.barrier(group=group)
     return final
+
+
+@contextlib.contextmanager
+def _full_disk_named(root: Path, path: Path) -> Iterator[None]:
+    """Writing `path` of a save to `root` that runs out of space ends in one line naming it and
+    the space left (the writers' own errors name neither); the tracker still names the last
+    complete checkpoint, which stays. A staging folder left is removed by the next save (not
+    here: the other ranks are judging the space left)."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        reason = disk_full(e, path)
+        if reason is None:
+            raise
+        with contextlib.suppress(ValueError):  # a tracker that does not parse: nothing to name
+            last = latest_iteration(root)
+            kept = f"{iteration_dir(root, last)} stays the latest" if last is not None else "no checkpoint was complete before it"
+            reason = f"{reason}; {kept}"
+        raise ConfigError("checkpoint.save", reason) from e
+
+
+def _naming_a_full_disk(fn: Callable[[], None], root: Path, path: Path) -> Callable[[], None]:
+    """`fn` (an async save's finalisation step), its full disk said as `_full_disk_named` says it."""
+
+    def step() -> None:
+        with _full_disk_named(root, path):
+            fn()
+
+    return step
 
 
 def _write_tracker(root: Path, iteration: int) -> None:

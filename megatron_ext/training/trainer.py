@@ -12,7 +12,6 @@ The Trainer only wires them together and calls the plugins' hooks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
@@ -63,7 +62,7 @@ from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
-from megatron_ext.training.preemption import StopRequest
+from megatron_ext.training.preemption import stop_request
 from megatron_ext.training.release import release_in_background
 from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 from megatron_ext.training.skipped_steps import SkippedSteps
@@ -496,7 +495,7 @@ class Trainer:
         metrics: dict = {}
         eval_loss, evaluated_at = None, None
         tokens_per_step = self._global_batch_size() * cfg.model.seq_length
-        with contextlib.closing(StopRequest()) as stop, ManualGC(cfg.train).training() as collector:
+        with stop_request() as stop, ManualGC(cfg.train).training() as collector:
             while self.state.iteration < stop_at:
                 for p in self.plugins:
                     p.on_step_begin(self, self.state.iteration + 1)

@@ -120,7 +120,8 @@ def test_tp1_logits_perplexity_and_hf_export(one_rank_world, smollm_gguf, tokeni
 
     from megatron_ext.evaluation import perplexity
     from megatron_ext.models.convert.hf import write_hf
-    from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+    from megatron_ext.models.convert.hf_config import hf_config_from_model
+    from megatron_ext.models.convert.llama import logical_to_hf
     from megatron_ext.models.convert.load import gather_logical
 
     chunks, cfg = imported(str(smollm_gguf))
@@ -136,6 +137,7 @@ def test_tp1_logits_perplexity_and_hf_export(one_rank_world, smollm_gguf, tokeni
     tokenizer.save_pretrained(str(tokenizer_dir))
     tensors = logical_to_hf(gather_logical(chunks), cfg, vocab)
     out = write_hf(tmp_path / "hf", tensors, hf_config_from_model(cfg, vocab), tokenizer_dir)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 8192  # the GGUF's context
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert AutoTokenizer.from_pretrained(out)(TEXT).input_ids == ids
     with torch.no_grad():

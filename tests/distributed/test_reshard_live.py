@@ -97,9 +97,14 @@ SWITCH_AT_5 = "reshard.schedule=[{step: 5, layout: {tp: 1, pp: 2, dp: 2}}]"
 def run_with_fault(tmp_path, *overrides: str) -> dict:
     """A run of COMMON with the `fault` plugin first, in a child process (it registers the
     plugin before the config is composed)."""
+    return run_script(FAULTS, tmp_path, "plugins=[fault,reshard]", *overrides)
+
+
+def run_script(script: Path, tmp_path, plugins: str, *overrides: str, common: tuple = tuple(COMMON[:-1])) -> dict:
+    """A run of `common` with `plugins` through `script`, which registers a test plugin and
+    writes the run's summary."""
     out = tmp_path / "summary.json"
-    plugins = "plugins=[fault,reshard]"
-    cmd = [sys.executable, str(FAULTS), str(out), *COMMON[:-1], plugins, *overrides]
+    cmd = [sys.executable, str(script), str(out), *common, plugins, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(FAULTS.parents[2])}
     # A killed worker's job runs twice (the launcher restarts it): allow for a busy machine.
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -134,6 +139,49 @@ def test_exception_while_workers_join_rolls_back_and_training_goes_on(uninterrup
     failed = [n for n in summary["notes"] if "reshard" in n]
     assert len(failed) == 1 and "rank 3: RuntimeError: injected fault" in failed[0], failed
     assert "rolled back to tp1·pp1·dp2·+2 standby" in failed[0]
+    assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
+
+
+# --- request files: nothing in one stops the job or meets a restart again -------------------------
+
+REQUEST_WRITER = Path(__file__).with_name("_request_writer.py")
+# What the request file holds before each step (one request per step), and the log's words for
+# it: five that cannot be taken (renamed aside), then a valid one, which must still apply exactly.
+POISONED_REQUESTS = [
+    ("\x00\x9f{garbage", "is not valid JSON"),
+    ('{"Layout": {"tp": 1}}', "unknown key(s) ['Layout']"),
+    ('{"layout": null}', "'layout' is null"),
+    ('{"layout": {"tp": "one"}}', 'layout.tp must be a positive integer, got "one"'),
+    ('{"layout": {"tp": 2, "pp": 2}}', None),  # the layout it runs: already there
+]
+
+
+def test_poisoned_request_files_are_refused_renamed_and_a_valid_one_still_applies(cache, tmp_path):
+    # 12 steps: the valid request (step 6) is planned in the background for as many steps as a
+    # busy machine needs; the reference is the uninterrupted run of as many steps.
+    common = [o for o in COMMON[:-1] if not o.startswith("train.iters=")] + ["train.iters=12"]
+    uninterrupted = run_from_overrides([*common, cache, "parallel.tp=2", "parallel.pp=2"])["losses"]
+    request, cases = tmp_path / "request.json", tmp_path / "cases.json"
+    texts = [text for text, _ in POISONED_REQUESTS] + ['{"layout": {"tp": 1, "pp": 2}}']
+    cases.write_text(json.dumps(texts))
+    summary = run_script(
+        REQUEST_WRITER, tmp_path, "plugins=[requests,reshard]", cache, "parallel.tp=2", "parallel.pp=2",
+        f"reshard.request_file={request}", f"requests.file={request}", f"requests.cases={cases}", common=tuple(common),
+    )
+    notes = [n for n in summary["notes"] if "reshard" in n]
+    rejected = [f"{request}.rejected"] + [f"{request}.rejected.{k}" for k in (1, 2, 3)]
+    for step, ((text, problem), note) in enumerate(zip(POISONED_REQUESTS, notes), start=1):
+        if problem is None:
+            assert note == f"step {step}: reshard request for {{'tp': 2, 'pp': 2}} in {request}: already there, no move"
+            continue
+        name = rejected[step - 1]
+        assert note.startswith(f"step {step}: reshard request refused: {request}: ") and problem in note, note
+        assert note.endswith(f"; renamed to {name}") and (tmp_path / name).read_bytes() == text.encode("latin-1")
+    assert "step 6: reshard request to {'tp': 1, 'pp': 2} accepted" in notes[5]
+    assert len([n for n in notes[6:] if "reshard tp2·pp2·dp1 -> tp1·pp2·dp2" in n]) == 1, notes
+    assert not request.exists() and sorted(p.name for p in tmp_path.glob("request.json.*")) == sorted(
+        [Path(n).name for n in rejected] + ["request.json.done"]
+    )
     assert summary["losses"] == pytest.approx(uninterrupted, abs=LOSS_ATOL)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.convert import llama
+from megatron_ext.models.convert.hf_config import model_config_from_hf
 from megatron_ext.models.convert.llama import HFAsLogical, logical_names, logical_to_hf
 from megatron_ext.models.logical import LogicalName
 
@@ -51,34 +52,6 @@ def test_hf_to_logical_and_back_is_exact(tied):
     assert ("lm_head.weight" in back) == (not tied)
 
 
-def test_config_from_hf_json():
-    hf_config = {
-        "model_type": "llama",
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "vocab_size": 49152,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
-        "tie_word_embeddings": True,
-    }
-    cfg = llama.model_config_from_hf(hf_config, max_seq_length=1024)
-    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (30, 576, 1536)
-    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size) == (9, 3, 49152)
-    assert (cfg.rotary_base, cfg.norm_epsilon, cfg.tie_embeddings, cfg.seq_length) == (1e5, 1e-5, True, 1024)
-    legacy = {**hf_config, "rope_theta": 500.0, "rope_parameters": None}  # transformers 4 spelling
-    assert llama.model_config_from_hf(legacy).rotary_base == 500.0
-    exported = llama.hf_config_from_model(cfg, 49152)
-    assert llama.model_config_from_hf(exported, max_seq_length=1024, name=cfg.name) == cfg
-    with pytest.raises(ValueError, match="RoPE scaling"):
-        llama.model_config_from_hf({**hf_config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}})
-    with pytest.raises(ValueError, match="model_type='mistral'"):
-        llama.model_config_from_hf({**hf_config, "model_type": "mistral"})
-
-
 def test_shape_check_names_the_tensor():
     shapes = {n: t.shape for n, t in random_hf(CFG).items()}
     llama.check_hf_shapes(shapes, CFG, "x")
@@ -104,7 +77,7 @@ def test_tiny_llama_logits_match_transformers(one_rank_world, tied):
         num_key_value_heads=2, vocab_size=100, rope_theta=500.0, tie_word_embeddings=tied,
     )
     reference = LlamaForCausalLM(hf_config).eval()
-    cfg = llama.model_config_from_hf(hf_config.to_dict())
+    cfg = model_config_from_hf(hf_config.to_dict())
     (model,) = chunks = build_model(cfg, padded_vocab=128)
     load_logical(chunks, HFAsLogical(reference.state_dict(), cfg, 128))
     tokens = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(1))

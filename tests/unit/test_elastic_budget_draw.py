@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_ext.config.schema import Config
 from megatron_ext.elastic.distill import CurriculumConfig, Distiller, check_budget_draw
 from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
 from megatron_ext.elastic.router import BudgetRouter, RouterConfig, apply_choice
@@ -132,7 +133,7 @@ def test_elastic_with_live_reshard_is_refused_before_launch():
     from megatron_ext.config.validate import ConfigError
 
     with pytest.raises(ConfigError, match="frozen teacher"):
-        ElasticPlugin(ElasticConfig()).check(SimpleNamespace(plugins=["reshard", "elastic"]), 2)
-    ElasticPlugin(ElasticConfig()).check(SimpleNamespace(plugins=["elastic"]), 2)
+        ElasticPlugin(ElasticConfig()).check(Config(plugins=["reshard", "elastic"]), 2)
+    ElasticPlugin(ElasticConfig()).check(Config(plugins=["elastic"]), 2)
     with pytest.raises(ValueError, match="frozen teacher"):  # a Trainer built without train.run()
         ElasticPlugin(ElasticConfig()).setup(SimpleNamespace(cfg=SimpleNamespace(plugins=["reshard", "elastic"])))

@@ -44,7 +44,8 @@ def test_peft_loads_our_adapter_with_the_same_logits(one_rank_world, tmp_path, j
     from transformers import AutoModelForCausalLM
 
     from megatron_ext.models.convert.hf import write_hf
-    from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+    from megatron_ext.models.convert.hf_config import hf_config_from_model
+    from megatron_ext.models.convert.llama import logical_to_hf
     from megatron_ext.models.convert.load import gather_logical
 
     model, wrappers, routing = build_base(LLAMA, VOCAB, dtype=torch.float64)

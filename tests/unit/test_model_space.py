@@ -237,10 +237,10 @@ BAD = {
     "normalization": ({"model.normalization": "ScaleNorm"}, 1, "model.normalization", "one of RMSNorm, LayerNorm"),
     "activation": ({"model.activation": "geglu"}, 1, "model.activation", "one of swiglu, gelu, squared_relu"),
     "position": ({"model.position_embedding_type": "alibi"}, 1, "model.position_embedding_type", "one of rope"),
-    "rotary_percent_zero": ({"model.rotary_percent": 0.0}, 1, "model.rotary_percent", "in (0.0, 1.0]"),
+    "rotary_percent_zero": ({"model.rotary_percent": 0.0}, 1, "model.rotary_percent", "in (0, 1]"),
     "rotary_odd": ({"model.rotary_percent": 0.3}, 1, "model.rotary_percent", "even, non-zero"),
-    "hidden_dropout_one": ({"model.hidden_dropout": 1.0}, 1, "model.hidden_dropout", "in [0.0, 1.0)"),
-    "attention_dropout_negative": ({"model.attention_dropout": -0.1}, 1, "model.attention_dropout", "in [0.0, 1.0)"),
+    "hidden_dropout_one": ({"model.hidden_dropout": 1.0}, 1, "model.hidden_dropout", "in [0, 1)"),
+    "attention_dropout_negative": ({"model.attention_dropout": -0.1}, 1, "model.attention_dropout", "in [0, 1)"),
     "rope_scaling_unknown": ({"model.rope_scaling": "linear"}, 1, "model.rope_scaling", "null or llama3"),
     "rope_scaling_without_rope": (
         {"model.rope_scaling": "llama3", "model.position_embedding_type": "learned_absolute"},

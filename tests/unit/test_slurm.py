@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -47,10 +48,10 @@ REPORT = """
 report() {
     echo "PROGRAM=$1"; shift
     for var in MASTER_ADDR MASTER_PORT RANK LOCAL_RANK WORLD_SIZE OMP_NUM_THREADS \\
-               CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS \\
-               TORCHELASTIC_SIGNALS_TO_HANDLE; do
+               CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS; do
         echo "$var=${!var-}"
     done
+    echo "SIGNALS_IGNORED=$(awk '/^SigIgn:/ {print $2}' /proc/$$/status)"
     for arg in "$@"; do echo "ARG=$arg"; done
 }
 """
@@ -114,14 +115,17 @@ def test_multinode_runs_torchrun_per_node(tmp_path):
     env, args = run_job(tmp_path, script)
     assert env["PROGRAM"] == "torchrun"
     assert args == [
-        "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-id", "4242",
+        "--signals-to-handle", "SIGHUP,SIGQUIT", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-id", "4242",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "node01:29500",
         "-m", "megatron_ext.train", "hydra.run.dir=outputs/slurm-4242", *AWKWARD, EXTRA,
     ]
     assert env["OMP_NUM_THREADS"] == "6"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert env["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
-    assert "SIGUSR1" in env["TORCHELASTIC_SIGNALS_TO_HANDLE"]
+    # SLURM signals the workers themselves; torchrun must neither re-send nor die of it.
+    ignored = int(env["SIGNALS_IGNORED"], 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        assert ignored >> (sig - 1) & 1, f"torchrun does not ignore {sig.name}"
 
 
 def test_srun_task_derives_torch_env_from_slurm(tmp_path):

@@ -9,7 +9,8 @@ optimizer state) at iteration 0: training starts from it through `model.pretrain
 the weights and nothing else (no optimizer, scheduler, counters or RNG), in any layout.
 
 Export loads a checkpoint of any layout (dist_checkpointing reshards) into a TP1/PP1 model in
-this process and writes a LlamaForCausalLM folder.
+this process and writes a Hugging Face folder of the model's transformers family
+(`families.family_of`).
 
 Both write atomically: the result is assembled under a temporary name beside the destination and
 renamed into place, and every input problem is raised before anything is written.
@@ -26,7 +27,8 @@ from typing import Any, Optional
 from megatron_ext.config.schema import Config, LauncherConfig, ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
 from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, publish, staging_dir, write_hf
-from megatron_ext.models.convert.llama import hf_config_from_model, logical_to_hf
+from megatron_ext.models.convert.hf_config import hf_config_from_model
+from megatron_ext.models.convert.llama import logical_to_hf
 from megatron_ext.models.convert.load import gather_logical, load_pretrained
 from megatron_ext.models.convert.source import Pretrained, open_pretrained
 from megatron_ext.models.convert.world import build_model, model_parallel_world
@@ -53,7 +55,10 @@ def common_state(model: ModelConfig, padded_vocab: int, tp: int, pp: int, token_
 
 def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
     """The training config's own rules (heads, query groups, layers vs tp/pp)."""
-    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=1), launcher=LauncherConfig(nproc=tp * pp))
+    # A checkpoint holds no activations: sequence parallelism, which megatron's MoE layer needs
+    # to train under TP, changes nothing in it.
+    parallel = ParallelConfig(tp=tp, pp=pp, dp=1, sequence_parallel=tp > 1 and model.num_experts is not None)
+    cfg = Config(model=model, parallel=parallel, launcher=LauncherConfig(nproc=tp * pp))
     validate(cfg, tp * pp)
 
 
@@ -64,7 +69,7 @@ def import_checkpoint(source: str, out: str, tp: int = 1, pp: int = 1, max_seq_l
     out_path = Path(out)
     staging = staging_dir(out_path)
     try:
-        launch_local(tp * pp, _import_worker, (source, str(staging), tp, pp, max_seq_length), "127.0.0.1", 0)
+        launch_local(tp * pp, save_imported, (source, str(staging), tp, pp, max_seq_length), "127.0.0.1", 0)
         _write_tokenizer(pretrained, staging / TOKENIZER_DIR)
         publish(staging, out_path)
     except BaseException:
@@ -73,7 +78,9 @@ def import_checkpoint(source: str, out: str, tp: int = 1, pp: int = 1, max_seq_l
     return out_path
 
 
-def _import_worker(source: str, out: str, tp: int, pp: int, max_seq_length: int) -> None:
+def save_imported(source: str, out: str, tp: int, pp: int, max_seq_length: int = 2048) -> None:
+    """One rank's part of an import, in a world of tp*pp ranks (joined here, or the one this
+    process is in): build its stage, load its weights, join the collective save to `out`."""
     with model_parallel_world(tp, pp):
         pretrained = open_pretrained(source, max_seq_length)
         padded = padded_vocab_size(pretrained.config.vocab_size, pretrained.config, tp)
@@ -105,13 +112,14 @@ def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> P
     model = _model_config(common["config"]["model"])
     padded = common["padded_vocab_size"]
     vocab = model.vocab_size or padded
-    check_free(Path(out))  # before the slow part
+    # Before the slow part: a model no transformers family has is refused here.
+    config = hf_config_from_model(model, vocab, common.get("token_ids"))
+    check_free(Path(out))
     with model_parallel_world():
         chunks = build_model(model, padded)
         ckpt.load_checkpoint(load, iteration, chunks, None, load_rng=False)
         tensors = logical_to_hf(gather_logical(chunks), model, vocab)
     tokenizer = Path(load, TOKENIZER_DIR)
-    config = hf_config_from_model(model, vocab, common.get("token_ids"))
     return write_hf(out, tensors, config, tokenizer if tokenizer.is_dir() else None)
 
 

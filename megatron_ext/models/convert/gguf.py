@@ -108,6 +108,7 @@ def model_config(reader: GGUFReader, path: str, max_seq_length: int = 2048) -> M
         num_attention_heads=heads,
         num_query_groups=int(meta("attention.head_count_kv", heads)),
         seq_length=min(int(meta("context_length", max_seq_length)), max_seq_length),
+        max_position_embeddings=int(meta("context_length", max_seq_length)),
         vocab_size=_vocab_size(reader, path),
         tie_embeddings="output.weight" not in names,
         rotary_base=_decimal(meta("rope.freq_base", 10000.0)),

@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA folders: read (config.json + *.safetensors) and write (atomically).
+"""Hugging Face model folders: read (config.json + *.safetensors) and write (atomically).
 
 Reading takes every tensor's shape from the safetensors headers and checks the whole model
 against config.json before any weight is read. Writing builds the folder under a temporary name
@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_ext.models.convert import llama
+from megatron_ext.models.convert.hf_config import model_config_from_hf
 from megatron_ext.models.convert.source import LazyTensors, Pretrained
 
 # Files of a Hugging Face tokenizer that travel with a converted model.
@@ -38,11 +39,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_hf(folder: str, max_seq_length: int = 2048) -> Pretrained:
-    """Open and check a LlamaForCausalLM folder; tensors are read when looked up."""
+    """Open and check a Hugging Face folder of one of the families in `families.py`; tensors are
+    read when looked up."""
     folder = str(folder)
     with open(os.path.join(folder, "config.json")) as f:
         hf_config = json.load(f)
-    cfg = llama.model_config_from_hf(hf_config, max_seq_length, name=Path(folder).name)
+    try:
+        cfg = model_config_from_hf(hf_config, max_seq_length, name=Path(folder).name)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder}: no *.safetensors files")
@@ -101,7 +106,7 @@ def write_hf(
     config: Mapping,
     tokenizer_dir: Optional[str | os.PathLike] = None,
 ) -> Path:
-    """A LlamaForCausalLM folder: model.safetensors, config.json and the tokenizer files found in
+    """A Hugging Face model folder: model.safetensors, config.json and the tokenizer files found in
     `tokenizer_dir`. Written atomically; returns the folder."""
     out = Path(out)
     staging = staging_dir(out)

@@ -38,7 +38,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
 @dataclass(frozen=True)
 class Pretrained:
-    """A checked pretrained LLaMA: `tensors` has exactly the tensors `config` implies, in
+    """A checked pretrained model: `tensors` has exactly the tensors `config` implies, in
     Hugging Face names, layout and RoPE convention (rotate_half)."""
 
     config: ModelConfig

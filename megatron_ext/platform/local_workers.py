@@ -1,0 +1,226 @@
+"""The launcher's side of the workers `launch_local` starts: pre-emption signals and failures.
+
+Signals (platform/signals.py): the launcher forwards the first pre-emption request to every
+worker (as FORWARDED_REQUEST) and waits for them, while torch's elastic agent goes on
+collecting their results (its own handler would stop collecting, so that workers that had saved
+and returned waited for it until they were killed). A second request, or no exit within `launcher.preempt_timeout_s`,
+aborts: the agent kills the workers (SIGKILL) and the launch raises LaunchAborted.
+
+Failures: when a worker dies, the others fail on the connections to it soon after, and torch's
+agent reports whichever of them it looked at first. A watcher thread notes the order in which
+the workers end, so that the launch names the first that failed (LaunchFailed).
+
+Each worker writes its pid to the launch's folder when it starts (`register`): the launcher's
+way to find its workers, which are the forkserver's children rather than its own.
+"""
+
+from __future__ import annotations
+
+import _thread
+import dataclasses
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+
+from megatron_ext.platform.signals import (
+    FORWARDED_REQUEST,
+    PREEMPTION_SIGNALS,
+    SignalCount,
+    aborted_exit_code,
+    say,
+    signal_name,
+)
+
+
+class LaunchAborted(RuntimeError):
+    """The workers were killed after a second pre-emption request or at the deadline."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class LaunchFailed(RuntimeError):
+    """A worker failed: the message names the first one."""
+
+
+def register(folder: str) -> None:
+    """In a worker: record this process as the worker of its local rank in this attempt."""
+    attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ["LOCAL_RANK"]
+    Path(folder, f"{attempt}_{rank}").write_text(str(os.getpid()))
+
+
+@dataclasses.dataclass
+class _Ended:
+    attempt: int
+    rank: int
+    process: Any  # multiprocessing.Process
+
+
+# The pre-emption signals, and those torch's agent may handle.
+_HANDLED_BY_SOMEONE = (*PREEMPTION_SIGNALS, signal.SIGHUP, signal.SIGQUIT)
+
+# A worker keeps its own deadline (the one that holds under srun) this much after its
+# launcher's, which ends all workers at once.
+WORKER_DEADLINE_GRACE_S = 10.0
+
+
+class LocalWorkers:
+    """Use as a context around torch's elastic launch (in the launcher's main thread); with
+    `preemption`, it handles the pre-emption signals, with `deadline_s` (0: none)."""
+
+    def __init__(self, preemption: bool, deadline_s: Optional[float]) -> None:
+        self.folder = tempfile.mkdtemp(prefix="megatron_ext_workers_")
+        self.preemption, self.deadline_s = preemption, deadline_s
+        self.worker_deadline_s = deadline_s + WORKER_DEADLINE_GRACE_S if deadline_s else None
+        self.aborted: Optional[LaunchAborted] = None
+        self._count = SignalCount()
+        self._expired = False
+        self._deadline: Optional[threading.Timer] = None
+        self._previous: dict[int, Any] = {}
+        self._ended: list[_Ended] = []
+        self._done = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
+
+    def __enter__(self) -> "LocalWorkers":
+        if threading.current_thread() is threading.main_thread():
+            # torch's agent installs handlers of its own and leaves them: this process (a test,
+            # a notebook) gets its own back at the end
+            self._previous = {sig: signal.getsignal(sig) for sig in _HANDLED_BY_SOMEONE}
+            if self.preemption:
+                for sig in PREEMPTION_SIGNALS:
+                    signal.signal(sig, self._on_signal)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._done.set()
+        self._watcher.join()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # --- pre-emption -----------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._expired:
+            self._abort(f"no exit {self.deadline_s:g} s after {signal_name(self._count.first)}", self._count.first)
+        first = self._count.first is None
+        if self._count.is_second_request(signum):
+            self._abort(f"a second {signal_name(signum)}", signum)
+        if not first:
+            return  # the first request again, by another path
+        say(f"launcher: {signal_name(signum)}: forwarded to the workers, waiting for their checkpoint")
+        self._forward()
+        if self.deadline_s:
+            self._deadline = threading.Timer(self.deadline_s, self._expire)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _forward(self) -> None:
+        mine = {p.pid for p in psutil.Process().children(recursive=True)}
+        for pid in self._registered().values():
+            if pid in mine:
+                _request_stop(pid)
+
+    def _tell_late_worker(self, pid: int) -> None:
+        """Forward a request that came before this worker noted signals (it was starting)."""
+        if self._count.first is not None:
+            _request_stop(pid)
+
+    def _expire(self) -> None:
+        self._expired = True
+        _thread.interrupt_main(self._count.first)  # runs _on_signal in the main thread
+
+    def _abort(self, why: str, signum: int) -> None:
+        """Make torch's agent kill the workers at once (it shuts them down with the signal of a
+        SignalException raised in its loop)."""
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        message = f"aborted ({why}): workers killed; the last complete checkpoint stays"
+        self.aborted = LaunchAborted(message, aborted_exit_code(signum))
+        say(f"launcher: {message}")
+        raise SignalException(message, sigval=signal.SIGKILL)
+
+    # --- failures --------------------------------------------------------------------------
+
+    def _registered(self) -> dict[tuple[int, int], int]:
+        """(attempt, local rank) -> pid of every worker that started."""
+        found = {}
+        for path in Path(self.folder).iterdir():
+            attempt, rank = path.name.split("_")
+            text = path.read_text()
+            if text:
+                found[int(attempt), int(rank)] = int(text)
+        return found
+
+    def _watch(self) -> None:
+        """Note the order in which the workers end. Their exit codes are read afterwards: the
+        agent reads them while the workers run."""
+        watched: dict[Any, _Ended] = {}  # sentinel -> worker
+        known: set[tuple[int, int]] = set()
+        while not self._done.is_set():
+            new = {key: pid for key, pid in self._registered().items() if key not in known}
+            if new:
+                # Only while the new workers run: a process that ended here would be reaped by
+                # active_children() itself, under the agent's feet.
+                by_pid = {p.pid: p for p in multiprocessing.active_children()}
+                for (attempt, rank), pid in new.items():
+                    known.add((attempt, rank))  # looked for once: one that ended at once is lost
+                    if pid in by_pid:
+                        watched[by_pid[pid].sentinel] = _Ended(attempt, rank, by_pid[pid])
+                        self._tell_late_worker(pid)
+            if not watched:
+                time.sleep(0.05)
+                continue
+            try:
+                ready = wait(list(watched), timeout=0.05)
+            except (OSError, ValueError):  # a sentinel closed under us: the order is lost
+                watched.clear()
+                continue
+            self._ended.extend(watched.pop(sentinel) for sentinel in ready)
+
+    def failure(self, error: Exception) -> LaunchFailed:
+        """What failed, from torch's ChildFailedError: the first worker of the last attempt
+        that ended with an error, and what ended it."""
+        self._done.set()
+        self._watcher.join()
+        last = max((e.attempt for e in self._ended), default=0)
+        for ended in self._ended:
+            code = ended.process.exitcode
+            if ended.attempt == last and code not in (0, None):
+                return LaunchFailed(
+                    f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(code)}; "
+                    "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
+                )
+        return LaunchFailed(_first_line(error))
+
+
+def _request_stop(pid: int) -> None:
+    try:
+        os.kill(pid, FORWARDED_REQUEST)
+    except ProcessLookupError:
+        pass
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal_name(-code)}"
+    if code - 128 in {s.value for s in signal.Signals}:
+        return f"exit code {code} ({signal_name(code - 128)})"
+    return f"exit code {code}"
+
+
+def _first_line(error: Exception) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)

@@ -1,0 +1,165 @@
+"""`python -m megatron_ext.train` as a job an operator or a cluster signals, for the pre-emption
+tests: a subprocess in its own session (its own process group, as `srun` or a terminal makes),
+its output collected as it comes, its processes found in the process table."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+import psutil
+
+# Tiny settings: 4 CPU workers, a few hundred tokens a step, a step line each step; a run that
+# only a signal ends.
+TINY = [
+    "experiment=none",
+    "launcher.nproc=4",
+    "train.iters=100000",
+    "train.eval_interval=0",
+    "logging.progress_bar=false",
+    "logging.log_interval=1",
+    "model.seq_length=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+]
+
+_STEP = re.compile(r"^iter\s+(\d+)/")
+
+
+class Job:
+    def __init__(self, overrides: Sequence[str], timeout_s: float = 240) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "megatron_ext.train", *overrides],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.timeout_s = timeout_s
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._tree: list[psutil.Process] = []  # the job's processes, once it runs
+        self.workers_at_start: list[psutil.Process] = []
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def last_step(self) -> int:
+        steps = [int(m.group(1)) for line in self.lines if (m := _STEP.match(line))]
+        return max(steps, default=0)
+
+    def wait_for_step(self, step: int) -> None:
+        """Until the job has logged `step` (and every process of it exists)."""
+        self.wait_until(lambda: self.last_step() >= step, f"step {step}")
+        self._snapshot()
+
+    def wait_for_workers(self, count: int) -> None:
+        """Until `count` workers exist (they are starting: importing, building the model)."""
+
+        def started() -> bool:
+            try:
+                return len(self.workers) >= count
+            except (StopIteration, psutil.NoSuchProcess):  # no forkserver yet
+                return False
+
+        self.wait_until(started, f"{count} workers", poll_s=0.005)
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        self._tree = self.launcher.children(recursive=True)
+        self.workers_at_start = self.workers
+
+    def wait_until(self, condition, what: str, poll_s: float = 0.02) -> None:
+        end = time.monotonic() + self.timeout_s
+        while not condition():
+            if self.process.poll() is not None:
+                rc = self.process.returncode
+                raise AssertionError(f"the job ended (rc {rc}) before {what}:\n{self.output[-4000:]}")
+            if time.monotonic() > end:
+                self.kill()
+                raise AssertionError(f"no {what} within {self.timeout_s} s:\n{self.output[-4000:]}")
+            time.sleep(poll_s)
+
+    # --- its processes -----------------------------------------------------------------------
+
+    @property
+    def launcher(self) -> psutil.Process:
+        return psutil.Process(self.process.pid)
+
+    @property
+    def forkserver(self) -> psutil.Process:
+        return next(p for p in self.launcher.children() if "multiprocessing.forkserver" in " ".join(p.cmdline()))
+
+    @property
+    def workers(self) -> list[psutil.Process]:
+        return self.forkserver.children()
+
+    def processes(self) -> list[psutil.Process]:
+        """The launcher and every process under it."""
+        return [self.launcher, *self.launcher.children(recursive=True)]
+
+    def signal(self, target: str, signum: int) -> Optional[int]:
+        """Send `signum` to `target`: group | launcher | forkserver | worker (rank 1's process,
+        by start order). Returns the pid signalled (the group's leader for group)."""
+        if target == "group":
+            os.killpg(self.process.pid, signum)
+            return self.process.pid
+        process = {"launcher": lambda: self.launcher, "forkserver": lambda: self.forkserver}.get(
+            target, lambda: sorted(self.workers, key=lambda p: p.create_time())[1]
+        )()
+        process.send_signal(signum)
+        return process.pid
+
+    # --- its end -------------------------------------------------------------------------------
+
+    def wait(self) -> int:
+        try:
+            self.process.wait(self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not end within {self.timeout_s} s:\n{self.output[-4000:]}")
+        self._reader.join(10)
+        return self.process.returncode
+
+    def left_behind(self, grace_s: float = 5.0) -> list[psutil.Process]:
+        """The job's processes still alive `grace_s` after it ended (none, for a job that
+        leaves no orphan)."""
+        end = time.monotonic() + grace_s
+        alive = self._tree
+        while alive and time.monotonic() < end:
+            alive = [p for p in alive if _running(p)]
+            time.sleep(0.1)
+        return alive
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_job(overrides: Sequence[str], timeout_s: float = 240) -> tuple[int, str]:
+    """A job run to its end: (exit code, output)."""
+    job = Job(overrides, timeout_s)
+    return job.wait(), job.output
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,133 @@
+"""Pre-emption as SLURM, torchrun and a terminal deliver it, to a job of 4 local workers
+(`python -m megatron_ext.train` in its own process group): whichever of its processes gets the
+signal, the job saves a complete checkpoint (a resume from it works) and exits 0, leaving no
+process behind; a second signal aborts and leaves the previous checkpoint the latest. Also: a
+killed worker is named, and a local job listens on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.platform.signals import SAME_REQUEST_S
+from megatron_ext.training import checkpoint as ckpt
+from tests.distributed._job import TINY, Job, run_job
+
+pytestmark = pytest.mark.distributed
+
+DP4 = ["launcher.nproc=4", "parallel.dp=4"]
+# The default experiment's kind of job: a reshard worker pool at TP2 x PP2.
+POOL = ["launcher.nproc=4", "parallel.tp=2", "parallel.pp=2", "plugins=[reshard]"]
+
+# name: (job, the process signalled, the signal, when: while training, or as soon as the
+# workers exist: while they import and build their model)
+CASES = {
+    "scancel: SIGTERM to the group": (DP4, "group", signal.SIGTERM, "training"),
+    "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM, "training"),
+    "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
+    "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
+    "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
+}
+SLOW_CASES = {
+    "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
+    "SIGINT to one worker": (DP4, "worker", signal.SIGINT, "training"),
+    "SIGTERM to the launcher": (DP4, "launcher", signal.SIGTERM, "training"),
+    "SIGINT to the launcher": (DP4, "launcher", signal.SIGINT, "training"),
+    "SIGTERM to one worker in its setup": (DP4, "worker", signal.SIGTERM, "setup"),
+    "SIGUSR1 to a worker pool's launcher": (POOL, "launcher", signal.SIGUSR1, "training"),
+}
+
+
+def _params(cases: dict, *marks) -> list:
+    return [pytest.param(*case, id=name, marks=marks) for name, case in cases.items()]
+
+
+@pytest.fixture
+def dirs(tmp_path) -> tuple[Path, list[str]]:
+    root = tmp_path / "ckpt"
+    return root, [f"checkpoint.save={root}", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+@pytest.mark.parametrize("layout, target, signum, when", _params(CASES) + _params(SLOW_CASES, pytest.mark.slow))
+def test_signal_saves_and_exits_0(dirs, layout, target, signum, when):
+    root, paths = dirs
+    job = Job([*TINY, *layout, *paths])
+    if when == "setup":
+        job.wait_for_workers(4)
+    else:
+        job.wait_for_step(3)
+    job.signal(target, signum)
+    assert job.wait() == 0, job.output[-4000:]
+    stopped_at = ckpt.latest_iteration(root)
+    assert stopped_at is not None and stopped_at >= (1 if when == "setup" else 3), job.output[-4000:]
+    assert not job.left_behind()
+    _assert_resumes(root, paths, stopped_at)
+
+
+# name: (extra settings, whether a second signal is sent, what the launcher says)
+ABORTS = {"a second signal": ([], True, "aborted (a second SIGTERM)")}
+SLOW_ABORTS = {  # the same path, reached by a timer
+    "the deadline": (["launcher.preempt_timeout_s=10"], False, "aborted (no exit 10 s after SIGTERM)"),
+}
+
+
+@pytest.mark.parametrize("settings, second_signal, said", _params(ABORTS) + _params(SLOW_ABORTS, pytest.mark.slow))
+def test_abort_during_the_save_keeps_the_previous_checkpoint(dirs, settings, second_signal, said):
+    root, paths = dirs
+    job = Job([*TINY, *DP4, *paths, "checkpoint.interval=2", *settings])
+    job.wait_until(lambda: ckpt.latest_iteration(root) == 2 and job.last_step() >= 3, "the checkpoint of step 2")
+    job.wait_for_step(3)
+    first = time.monotonic()
+    job.signal("group", signal.SIGTERM)
+    job.wait_until(lambda: any(root.glob(".iter_*.tmp")), "the save after the signal", poll_s=0.002)
+    job.workers[0].suspend()  # holds the save where it is: every rank waits for this one
+    time.sleep(0.5)
+    previous = ckpt.latest_iteration(root)
+    assert any(root.glob(".iter_*.tmp")), "the save finished before it could be interrupted"
+    if second_signal:
+        time.sleep(max(0.0, first + SAME_REQUEST_S + 0.2 - time.monotonic()))
+        job.signal("group", signal.SIGTERM)
+    assert job.wait() == 128 + signal.SIGTERM, job.output[-4000:]
+    assert said in job.output
+    assert ckpt.latest_iteration(root) == previous
+    assert not job.left_behind()
+    _assert_resumes(root, paths, previous)
+
+
+def test_killed_worker_is_named(dirs):
+    _, paths = dirs
+    job = Job([*TINY, *DP4, *paths])
+    job.wait_for_step(2)
+    pid = job.signal("worker", signal.SIGKILL)
+    assert job.wait() == 1
+    named = re.findall(r"error: rank (\d) \(pid (\d+)\) failed first: (.*?);", job.output)
+    assert [(int(p), why) for _, p, why in named] == [(pid, "killed by SIGKILL")], job.output[-4000:]
+    assert not job.left_behind()
+
+
+def test_local_job_listens_on_localhost_only(dirs):
+    _, paths = dirs
+    job = Job([*TINY, *DP4, *paths])
+    job.wait_for_step(2)
+    listening = {
+        (p.pid, c.laddr.ip)
+        for p in job.processes()
+        for c in p.net_connections(kind="inet")
+        if c.status == "LISTEN"
+    }
+    job.signal("group", signal.SIGTERM)
+    assert job.wait() == 0, job.output[-4000:]
+    # the rendezvous store on the launcher; the workers' store and gloo's ports on the workers
+    assert {pid for pid, _ in listening} == {job.process.pid, *(w.pid for w in job.workers_at_start)}
+    assert {ip for _, ip in listening} == {"127.0.0.1"}, listening
+
+
+def _assert_resumes(root: Path, paths: list[str], iteration: int) -> None:
+    """A one-process run from checkpoint `iteration` trains the step after it."""
+    rc, output = run_job([*TINY, "launcher.nproc=1", *paths, f"checkpoint.load={root}", f"train.iters={iteration + 1}"])
+    steps = re.findall(r"^iter\s+(\d+)/", output, re.M)
+    assert rc == 0 and steps == [str(iteration + 1)], output[-4000:]

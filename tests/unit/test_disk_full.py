@@ -1,0 +1,95 @@
+"""A write that runs out of space ends in one line naming the path and the space left on its
+filesystem, where the writers' own errors name neither (`[Errno 28]` without a path, torch's
+`unexpected pos`, megatron's empty CheckpointException); the last complete checkpoint stays."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+
+import pytest
+
+from megatron_ext.config.schema import ModelConfig
+from megatron_ext.config.validate import ConfigError
+from megatron_ext.models.convert.world import build_model
+from megatron_ext.platform.disk_space import disk_full
+from megatron_ext.training import checkpoint as ckpt
+
+SMALL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2, vocab_size=100)
+FREE = re.compile(r"no space left on its filesystem \((\d+ B|[\d.]+ [KMGT]iB) free of [\d.]+ [KMGT]?i?B\)")
+
+
+def _full_at_fsync(folder: str, monkeypatch) -> None:
+    """Files under `folder` fail with ENOSPC when synced, as on a full disk whose blocks are only
+    claimed at write-back. Megatron's checkpoint writers (forked processes) inherit this."""
+    fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(folder):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+
+
+def test_a_checkpoint_save_on_a_full_disk_names_the_folder_and_keeps_the_last_one(one_rank_world, tmp_path, monkeypatch):
+    model = build_model(SMALL, padded_vocab=128)
+    ckpt.save_checkpoint(tmp_path, 1, model, None, {"iteration": 1})
+    staging = tmp_path / f".{ckpt.iteration_dir(tmp_path, 2).name}.tmp"
+    with monkeypatch.context() as patch:
+        _full_at_fsync(str(staging), patch)
+        with pytest.raises(ConfigError) as full:
+            ckpt.save_checkpoint(tmp_path, 2, model, None, {"iteration": 2})
+    message = str(full.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint.save: {staging}: ") and FREE.search(message), message
+    assert message.endswith(f"; {ckpt.iteration_dir(tmp_path, 1)} stays the latest")
+    assert ckpt.latest_iteration(tmp_path) == 1 and not ckpt.iteration_dir(tmp_path, 2).exists()
+    assert ckpt.load_checkpoint(tmp_path, 1, build_model(SMALL, padded_vocab=128), None, load_rng=True)["iteration"] == 1
+
+
+CAUSES = {
+    # what a writer says, whether it is a full disk (the filesystem has room: by its words only)
+    "errno": (OSError(errno.ENOSPC, "No space left on device"), True),
+    "zip_writer": (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), True),
+    "wrapped": (RuntimeError("Worker failure"), True),
+    "permission": (PermissionError(errno.EACCES, "Permission denied"), False),
+    "other": (RuntimeError("something else"), False),
+}
+
+
+@pytest.mark.parametrize("case", CAUSES)
+def test_a_full_disk_is_known_by_its_errno_or_its_words(tmp_path, case):
+    error, full = CAUSES[case]
+    if case == "wrapped":  # megatron's writer process failure, the OS error as its cause
+        error.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    free, total = shutil.disk_usage(tmp_path)[2], shutil.disk_usage(tmp_path)[0]
+    if free < 64 * 2**20:
+        pytest.skip(f"{tmp_path} is nearly full: every failure there counts as a full disk")
+    reason = disk_full(error, tmp_path / "x")
+    assert (reason is not None) == full
+    if full:
+        assert reason.startswith(f"{tmp_path / 'x'}: ") and FREE.search(reason)
+
+
+def test_an_async_save_on_a_full_disk_names_the_folder_when_it_is_finalised(one_rank_world, tmp_path, monkeypatch):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    model = build_model(SMALL, padded_vocab=128)
+    ckpt.save_checkpoint(tmp_path, 1, model, None, {"iteration": 1})
+    staging = tmp_path / f".{ckpt.iteration_dir(tmp_path, 2).name}.tmp"
+    queue = AsyncCallsQueue()
+    try:
+        with monkeypatch.context() as patch:
+            _full_at_fsync(str(staging), patch)  # the background writer is forked from here
+            ckpt.save_checkpoint(tmp_path, 2, model, None, {"iteration": 2}, async_queue=queue)
+            with pytest.raises(ConfigError) as full:
+                queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    message = str(full.value)
+    assert message.startswith(f"checkpoint.save: {staging}: ") and FREE.search(message), message
+    assert message.endswith(f"; {ckpt.iteration_dir(tmp_path, 1)} stays the latest")
+    assert ckpt.latest_iteration(tmp_path) == 1

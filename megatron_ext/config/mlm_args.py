@@ -201,7 +201,7 @@ def _model_shape(b: _Builder) -> None:
     """Activation, FFN size and attention heads, following Megatron-LM's arguments.py."""
     if b.has("--bf16") and b.has("--fp16"):
         b.problem("--fp16", "--bf16 and --fp16 are exclusive")
-    gated = [n for n in ("--swiglu", "--squared-relu") if b.has(n)]
+    gated = [n for n in ("--swiglu", "--squared-relu", "--quick-geglu") if b.has(n)]
     if len(gated) > 1:
         b.problem(gated[1], f"{gated[0]} and {gated[1]} are exclusive")
     activation = _BY_NAME[gated[0]].const if gated else "gelu"
@@ -232,6 +232,7 @@ def _model_shape(b: _Builder) -> None:
 
 def _positions(b: _Builder) -> None:
     maximum, seq = b.get("--max-position-embeddings"), b.get("--seq-length")
+    _rope_type(b)
     if maximum is not None and seq is not None and maximum < seq:
         b.problem("--max-position-embeddings", f"must be >= --seq-length ({seq})")
     if b.has("--no-position-embedding"):
@@ -241,6 +242,20 @@ def _positions(b: _Builder) -> None:
         else:
             b.problem("--no-position-embedding", "deprecated in Megatron-LM, which refuses it "
                       "without rope positions: use --position-embedding-type none")
+
+
+def _rope_type(b: _Builder) -> None:
+    """--rope-type is multi-latent attention's RoPE: YaRN unless it says rope (megatron-core's
+    MLA default). Here the model space's position_embedding_type carries it; other attention
+    takes rope only, as Megatron-LM asserts."""
+    kind = b.get("--rope-type")
+    if not b.has("--multi-latent-attention"):
+        if kind not in (None, "rope"):
+            b.problem("--rope-type", "yarn is multi-latent attention's; other attention takes "
+                      "--position-embedding-type yarn")
+        return
+    if b.values.get("model.position_embedding_type", "rope") == "rope":
+        b.set("model.position_embedding_type", kind or "yarn", "--rope-type")
 
 
 VPP_FLAGS = (
@@ -374,9 +389,31 @@ def _checkpoint_format(b: _Builder) -> None:
                  "dist_checkpointing), which Megatron-LM reads")
 
 
+def _attention_window(b: _Builder) -> None:
+    """--window-size "L,R" (Megatron-LM's tuple syntax, parentheses optional) and an integer
+    --window-attn-skip-freq; Megatron-LM's per-layer list pattern for the latter is refused."""
+    if b.has("--window-size"):
+        text = b.get("--window-size").strip().strip("()")
+        try:
+            window = [int(side) for side in text.split(",")]
+        except ValueError:
+            window = []
+        if len(window) == 2:
+            b.set("model.window_size", window, "--window-size")
+        else:
+            b.problem("--window-size", "two integers L,R (keys before and after a query)")
+    if b.has("--window-attn-skip-freq"):
+        freq = b.get("--window-attn-skip-freq")
+        if freq.strip().isdigit():
+            b.set("model.window_attn_skip_freq", int(freq), "--window-attn-skip-freq")
+        else:
+            b.problem("--window-attn-skip-freq", "an integer N (full attention in every N-th layer); per-layer patterns are not supported")
+
+
 def _derived(b: _Builder) -> None:
     """Overrides that depend on several flags, following Megatron-LM's arguments.py."""
     _model_shape(b)
+    _attention_window(b)
     _positions(b)
     _parallel(b)
     _schedule(b)

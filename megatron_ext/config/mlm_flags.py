@@ -175,14 +175,8 @@ FLAGS: tuple[Flag, ...] = (
         notice('--cpu-offloading-num-layers', 'int', TUNE),
         notice('--cpu-offloading-retain-pinned-cpu-buffers', 'on', TUNE),
         mapped('--num-layers', 'int', 'model.num_layers'),
-        refused(
-            '--mtp-num-layers', 'int',
-            "multi-token prediction is not in megatron_ext's model space",
-        ),
-        refused(
-            '--mtp-loss-scaling-factor', 'float',
-            "multi-token prediction is not in megatron_ext's model space",
-        ),
+        mapped('--mtp-num-layers', 'int', 'model.mtp_num_layers'),
+        mapped('--mtp-loss-scaling-factor', 'float', 'model.mtp_loss_scaling_factor', default=0.1),
         refused(
             '--mtp-use-repeated-layer', 'on',
             "multi-token prediction is not in megatron_ext's model space",
@@ -218,10 +212,9 @@ FLAGS: tuple[Flag, ...] = (
             '--flash-attention-version', 'int', 'attention kernel choice: no effect here',
             choices=(2, 3, 4),
         ),
-        notice(
-            '--softmax-type', 'str', 'vanilla softmax is what megatron_ext computes',
-            choices=('vanilla', 'off-by-one', 'learnable'), only=('vanilla',),
-            refuse="attention sinks (off-by-one, learnable softmax) are not in megatron_ext's model space",
+        mapped(
+            '--softmax-type', 'str', 'model.softmax_type', choices=('vanilla', 'off-by-one', 'learnable'),
+            default='vanilla',
         ),
         mapped(
             '--num-query-groups', 'int', 'model.num_query_groups', derived=True,
@@ -240,14 +233,8 @@ FLAGS: tuple[Flag, ...] = (
         ),
         mapped('--disable-bias-linear', 'off', 'model.add_bias_linear', default=True),
         mapped('--add-qkv-bias', 'on', 'model.add_qkv_bias', default=False),
-        refused(
-            '--glu-linear-offset', 'float',
-            "an offset GLU (GPT-OSS) is not in megatron_ext's model space",
-        ),
-        refused(
-            '--activation-func-clamp-value', 'float',
-            "clamped activations (GPT-OSS) are not in megatron_ext's model space",
-        ),
+        mapped('--glu-linear-offset', 'float', 'model.glu_linear_offset', default=0.0),
+        mapped('--activation-func-clamp-value', 'float', 'model.activation_func_clamp_value'),
         refused('--rotary-interleaved', 'on', NOT_MODELLED),
         mapped(
             '--normalization', 'str', 'model.normalization', choices=('LayerNorm', 'RMSNorm'),
@@ -583,12 +570,13 @@ FLAGS: tuple[Flag, ...] = (
             '--group-query-attention', 'on', 'model.num_query_groups', derived=True,
             note='the groups are --num-query-groups, default 1; without it one group per head',
         ),
-        refused(
-            '--window-size', 'str', "sliding-window attention is not in megatron_ext's model space",
+        mapped(
+            '--window-size', 'str', 'model.window_size', derived=True,
+            note='"L,R": a query sees the L keys before it and R after',
         ),
-        refused(
-            '--window-attn-skip-freq', 'str',
-            "sliding-window attention is not in megatron_ext's model space",
+        mapped(
+            '--window-attn-skip-freq', 'str', 'model.window_attn_skip_freq', derived=True,
+            note="an integer N: every N-th layer keeps full attention (Megatron-LM's list pattern is refused)",
         ),
         mapped('--max-position-embeddings', 'int', 'model.max_position_embeddings'),
         mapped(
@@ -597,18 +585,9 @@ FLAGS: tuple[Flag, ...] = (
             default='learned_absolute', only=('learned_absolute', 'rope', 'yarn', 'none'),
             refuse="mrope and relative positions are not in megatron_ext's model space",
         ),
-        refused(
-            '--yarn-original-max-position-embeddings', 'int',
-            "YaRN's parameters have no config keys here (megatron-core's defaults are used)",
-        ),
-        refused(
-            '--yarn-beta-fast', 'float',
-            "YaRN's parameters have no config keys here (megatron-core's defaults are used)",
-        ),
-        refused(
-            '--yarn-beta-slow', 'float',
-            "YaRN's parameters have no config keys here (megatron-core's defaults are used)",
-        ),
+        mapped('--yarn-original-max-position-embeddings', 'int', 'model.yarn_original_max_position_embeddings'),
+        mapped('--yarn-beta-fast', 'float', 'model.yarn_beta_fast'),
+        mapped('--yarn-beta-slow', 'float', 'model.yarn_beta_slow'),
         refused(
             '--yarn-correction-range-round-to-int', 'on',
             "YaRN's parameters have no config keys here (megatron-core's defaults are used)",
@@ -654,8 +633,9 @@ FLAGS: tuple[Flag, ...] = (
             '--swiglu', 'on', 'model.activation', derived=True, const='swiglu',
             note="without --swiglu or --squared-relu: Megatron-LM's gelu",
         ),
-        refused(
-            '--quick-geglu', 'on', "quick-GeGLU (GPT-OSS) is not in megatron_ext's model space",
+        mapped(
+            '--quick-geglu', 'on', 'model.activation', derived=True, const='quick_geglu',
+            note="without --swiglu, --squared-relu or --quick-geglu: Megatron-LM's gelu",
         ),
         notice('--onnx-safe', 'str', 'ONNX export: no effect on training'),
         notice('--bert-no-binary-head', 'off', 'BERT only: no effect in pretrain_gpt'),
@@ -786,11 +766,9 @@ FLAGS: tuple[Flag, ...] = (
         notice('--no-bias-swiglu-fusion', 'off', FUSION),
         notice('--no-bias-dropout-fusion', 'off', FUSION),
         notice('--no-rope-fusion', 'off', FUSION),
-        notice(
-            '--rope-type', 'str',
-            'read only by multi-latent attention, whose RoPE megatron-core builds',
-            choices=('rope', 'yarn'), only=('rope',),
-            refuse='YaRN for multi-latent attention has no config keys here',
+        mapped(
+            '--rope-type', 'str', 'model.position_embedding_type', derived=True, choices=('rope', 'yarn'),
+            note='multi-latent attention\'s RoPE (YaRN unless rope, as in Megatron-LM); other attention takes rope only',
         ),
         notice('--use-flash-attn', 'on', 'attention kernel choice: no effect here'),
         mapped(
@@ -1492,20 +1470,9 @@ FLAGS: tuple[Flag, ...] = (
         mapped('--qk-head-dim', 'int', 'model.qk_head_dim', default=128),
         mapped('--qk-pos-emb-head-dim', 'int', 'model.qk_pos_emb_head_dim', default=64),
         mapped('--v-head-dim', 'int', 'model.v_head_dim', default=128),
-        notice(
-            '--rotary-scaling-factor', 'float',
-            "multi-latent attention's RoPE scaling at megatron's default", only=(1.0,),
-            refuse="multi-latent attention's YaRN scaling has no config key",
-        ),
-        notice(
-            '--mscale', 'float', "multi-latent attention's RoPE scaling at megatron's default",
-            only=(1.0,), refuse="multi-latent attention's YaRN scaling has no config key",
-        ),
-        notice(
-            '--mscale-all-dim', 'float',
-            "multi-latent attention's RoPE scaling at megatron's default", only=(0.0,),
-            refuse="multi-latent attention's YaRN scaling has no config key",
-        ),
+        mapped('--rotary-scaling-factor', 'float', 'model.yarn_rotary_scaling_factor'),
+        mapped('--mscale', 'float', 'model.yarn_mscale'),
+        mapped('--mscale-all-dim', 'float', 'model.yarn_mscale_all_dim'),
         notice('--cache-mla-latents', 'on', INFER),
         notice('--mla-down-proj-fusion', 'on', FUSION),
     ),
@@ -1860,9 +1827,10 @@ FLAGS: tuple[Flag, ...] = (
         refused('--export-moe-apply-probs-on-input', 'on', G_MODELOPT_GENERIC),
         refused('--export-offline-model', 'on', G_MODELOPT_GENERIC),
         refused('--modelopt-enabled', 'on', G_MODELOPT_GENERIC),
-        refused(
+        notice(
             '--enable-gpt-oss', 'on',
-            "GPT-OSS's attention sinks, sliding windows and clamped activations are not in megatron_ext's model space",
+            "read by ModelOpt's model builder only (--modelopt-enabled, or a ModelOpt checkpoint), where it sets "
+            "gpt-oss's YaRN; without ModelOpt Megatron-LM builds the model from the other flags, as here",
         ),
     ),
 )

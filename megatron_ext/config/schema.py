@@ -42,8 +42,13 @@ class ModelConfig:
     init_method_std: float = 0.02
     # LayerNorm | RMSNorm
     normalization: str = "RMSNorm"
-    # swiglu (gated SiLU) | gelu | squared_relu
+    # swiglu (gated SiLU) | gelu | squared_relu | quick_geglu (gated x*sigmoid(1.702x), gpt-oss)
     activation: str = "swiglu"
+    # Gated activations (gpt-oss): added to the linear half of the GLU, and the bound both halves
+    # are clamped to (the gate from above only). Megatron-LM's --glu-linear-offset and
+    # --activation-func-clamp-value; None: no clamp.
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     # rope | yarn | learned_absolute | none
     position_embedding_type: str = "rope"
     # Fraction of each head's channels that RoPE rotates.
@@ -73,6 +78,21 @@ class ModelConfig:
     qk_layernorm: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # Sliding-window attention (Megatron-LM's --window-size "L,R"): a query at position i sees
+    # keys i-L .. i+R (R is 0 in a causal decoder); None: full attention. With
+    # window_attn_skip_freq N every N-th layer (1-based) keeps full attention (gpt-oss: N=2);
+    # None: every layer is windowed.
+    window_size: Optional[list[int]] = None
+    window_attn_skip_freq: Optional[int] = None
+    # vanilla | off-by-one (a zero logit added to every softmax denominator) | learnable (one
+    # learned logit, an attention sink, per head: gpt-oss). Megatron-LM's --softmax-type.
+    softmax_type: str = "vanilla"
+    # Multi-token prediction (DeepSeek-V3): this many extra layers after the decoder, the k-th
+    # predicting the token k+1 places ahead. Their mean loss times mtp_loss_scaling_factor joins
+    # the training objective; the reported loss stays the next-token one, as in Megatron-LM.
+    # None: no MTP.
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     # Multi-latent attention (DeepSeek-V2/V3): low-rank compressed queries and keys/values.
     multi_latent_attention: bool = False
     # None: queries are not compressed.
@@ -86,6 +106,9 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     moe_aux_loss_coeff: float = 0.0
+    # ST-MoE's router z-loss (gpt-oss, Megatron-LM's --moe-z-loss-coeff): the squared
+    # log-sum-exp of each token's router logits, times this; None: none.
+    moe_z_loss_coeff: Optional[float] = None
     # aux_loss | seq_aux_loss | sinkhorn | none (megatron's moe_router_load_balancing_type)
     moe_router_load_balancing_type: str = "aux_loss"
     moe_router_pre_softmax: bool = False
@@ -108,8 +131,6 @@ class ModelConfig:
     # CUDA, else alltoall: the same routing and math.
     moe_token_dispatcher: str = "allgather"
     moe_flex_dispatcher_backend: str = "deepep"
-    # ST-MoE's router z-loss, coeff * mean(logsumexp(router logits)^2); None: off.
-    moe_z_loss_coeff: Optional[float] = None
     # megatron's benchmark mode: random router logits, so tokens spread evenly over the experts.
     moe_router_force_load_balancing: bool = False
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a

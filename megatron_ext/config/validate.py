@@ -541,6 +541,80 @@ def mla_fits(cfg: Config, world: int, device: str) -> list[str]:
     return found
 
 
+def glu_extras_fit(cfg: Config, world: int, device: str) -> list[str]:
+    """The GLU offset and clamp act on the two halves of a gated activation."""
+    m = cfg.model
+    found = []
+    gated = m.activation in ("swiglu", "quick_geglu")
+    for name, value, off in (
+        ("glu_linear_offset", m.glu_linear_offset, 0.0),
+        ("activation_func_clamp_value", m.activation_func_clamp_value, None),
+    ):
+        if value != off and not gated:
+            found.append(f"model.{name} needs a gated activation (model.activation swiglu or quick_geglu), got {m.activation!r}")
+    if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
+        found.append(f"model.activation_func_clamp_value must be > 0, got {m.activation_func_clamp_value}")
+    return found
+
+
+def window_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """megatron's sliding window: (keys before, keys after) a query; the local attention builds
+    its own window mask over the whole sequence, which a context-parallel rank does not hold."""
+    m = cfg.model
+    if m.window_size is None:
+        if m.window_attn_skip_freq is not None:
+            return ["model.window_attn_skip_freq needs model.window_size (the window of the other layers)"]
+        return []
+    found = []
+    if len(m.window_size) != 2 or any(side < 0 for side in m.window_size):
+        found.append(f"model.window_size must be two numbers >= 0 (keys before, keys after), got {list(m.window_size)}")
+    if m.window_attn_skip_freq is not None and m.window_attn_skip_freq < 1:
+        found.append(f"model.window_attn_skip_freq must be >= 1, got {m.window_attn_skip_freq}")
+    if _local_layers(cfg, device) and cfg.parallel.cp > 1:
+        found.append(
+            "model.window_size on local layers needs parallel.cp = 1: megatron's local attention masks the "
+            "window over the whole sequence (Transformer Engine's attention windows under CP)"
+        )
+    return found
+
+
+def attention_variants_need_gpt(cfg: Config, world: int, device: str) -> list[str]:
+    """Sliding windows and softmax offsets are checked on the GPT decoder's layers; the hybrid's
+    attention layers count Mamba layers in their numbering and are not checked with them."""
+    m = cfg.model
+    if m.arch == "gpt":
+        return []
+    used = [(m.window_size is not None, "model.window_size"), (m.softmax_type != "vanilla", "model.softmax_type")]
+    return [f"{name} needs model.arch=gpt (the hybrid's attention is checked with plain softmax attention only)"
+            for bad, name in used if bad]
+
+
+def mtp_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """megatron-core 0.16's multi-token prediction: GPTModel's, on the last pipeline stage."""
+    m = cfg.model
+    if m.mtp_num_layers is None:
+        return []
+    found = []
+    if m.mtp_num_layers < 1:
+        found.append(f"model.mtp_num_layers must be null or >= 1, got {m.mtp_num_layers}")
+    if m.mtp_loss_scaling_factor < 0:
+        found.append(f"model.mtp_loss_scaling_factor must be >= 0, got {m.mtp_loss_scaling_factor}")
+    if m.arch != "gpt":
+        found.append("model.mtp_num_layers needs model.arch=gpt (megatron-core 0.16's MTP is GPTModel's)")
+    if cfg.parallel.pp > 1 and m.tie_embeddings:
+        found.append(
+            "model.mtp_num_layers with parallel.pp > 1 needs model.tie_embeddings=false: megatron-core 0.16's "
+            "GPTModel gives the last stage an output weight of its own that its checkpoint refuses"
+        )
+    if cfg.parallel.pp > 1 and m.position_embedding_type == "learned_absolute":
+        found.append(
+            "model.mtp_num_layers with parallel.pp > 1 needs a position_embedding_type other than "
+            "learned_absolute: megatron-core 0.16 gives the MTP stage its own position table, never tied to "
+            "the first stage's"
+        )
+    return found
+
+
 def moe_router_fits(cfg: Config, world: int, device: str) -> list[str]:
     """What megatron-core 0.16's TransformerConfig and TopKRouter refuse about the router."""
     m = cfg.model
@@ -740,7 +814,12 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.mamba_num_groups", mamba_heads_fit),
     ("model.arch", hybrid_features),
     ("model.normalization", one_of("model.normalization", ("RMSNorm", "LayerNorm"))),
-    ("model.activation", one_of("model.activation", ("swiglu", "gelu", "squared_relu"))),
+    ("model.activation", one_of("model.activation", ("swiglu", "gelu", "squared_relu", "quick_geglu"))),
+    ("model.activation", glu_extras_fit),
+    ("model.softmax_type", one_of("model.softmax_type", ("vanilla", "off-by-one", "learnable"))),
+    ("model.window_size", window_fits),
+    ("model.arch", attention_variants_need_gpt),
+    ("model.mtp_num_layers", mtp_fits),
     (
         "model.position_embedding_type",
         one_of("model.position_embedding_type", ("rope", "yarn", "learned_absolute", "none")),
@@ -841,6 +920,7 @@ RANGES: tuple[tuple[str, str], ...] = (
     ("model.qk_pos_emb_head_dim", "(0, inf)"),
     ("model.v_head_dim", "(0, inf)"),
     ("model.moe_aux_loss_coeff", "[0, inf)"),
+    ("model.moe_z_loss_coeff", "[0, inf)"),
     ("model.moe_router_num_groups", "(0, inf)"),
     ("model.moe_router_group_topk", "(0, inf)"),
     ("model.moe_router_topk_scaling_factor", "(0, inf)"),

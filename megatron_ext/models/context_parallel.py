@@ -82,7 +82,7 @@ class ContextParallelAttention(DotProductAttention):
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
     ):
-        if config.window_size is not None:
+        if config.window_size is not None and config.context_parallel_size > 1:
             raise ValueError("context parallelism on local layers has no sliding-window attention")
         # The parent refuses a CP config; it only reads the TP sizes and softmax settings from it.
         local = copy.copy(config)

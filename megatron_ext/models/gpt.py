@@ -17,11 +17,14 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -31,6 +34,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import get_pg_rank
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
@@ -43,7 +47,12 @@ from megatron_ext.platform import optional
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # model.activation -> (megatron's activation_func, gated_linear_unit)
-ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False), "squared_relu": (squared_relu, False)}
+ACTIVATIONS = {
+    "swiglu": (F.silu, True),
+    "gelu": (F.gelu, False),
+    "squared_relu": (squared_relu, False),
+    "quick_geglu": (quick_gelu, True),
+}
 
 _log = logging.getLogger(__name__)
 
@@ -148,6 +157,15 @@ def _dispatcher_fields(model: ModelConfig, on_cuda: bool) -> dict:
     return {"moe_token_dispatcher_type": "alltoall"}
 
 
+def _z_loss_coeff(model: ModelConfig, parallel: ParallelConfig) -> Optional[float]:
+    """megatron's z-loss coefficient that gives the router z-loss model.moe_z_loss_coeff's weight
+    under every layout: megatron-core 0.16 divides it by tp * cp while each of those ranks sums
+    the z-loss over its own share of the tokens only (the aux loss's case, above)."""
+    if model.moe_z_loss_coeff is None:
+        return None
+    return model.moe_z_loss_coeff * parallel.tp * parallel.cp
+
+
 def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool, on_cpu: bool) -> dict:
     if model.num_experts is None:
         return {"num_moe_experts": None}
@@ -156,9 +174,9 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool, on_c
         "moe_router_topk": model.moe_router_topk,
         "moe_ffn_hidden_size": model.moe_ffn_hidden_size,
         **_dispatcher_fields(model, on_cuda=not on_cpu),
-        "moe_z_loss_coeff": model.moe_z_loss_coeff,
         "moe_router_force_load_balancing": model.moe_router_force_load_balancing,
         "moe_aux_loss_coeff": _aux_loss_coeff(model, parallel),
+        "moe_z_loss_coeff": _z_loss_coeff(model, parallel),
         "moe_router_load_balancing_type": model.moe_router_load_balancing_type,
         "moe_router_pre_softmax": model.moe_router_pre_softmax,
         "moe_router_score_function": model.moe_router_score_function,
@@ -169,6 +187,16 @@ def _moe_fields(model: ModelConfig, parallel: ParallelConfig, use_te: bool, on_c
         "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
         "moe_layer_freq": megatron_moe_layer_freq(model),
         "moe_grouped_gemm": model.moe_grouped_gemm and use_te,
+    }
+
+
+def _attention_fields(model: ModelConfig) -> dict:
+    """Sliding windows and the softmax's extra denominator term (gpt-oss), as megatron's
+    DotProductAttention reads them."""
+    return {
+        "window_size": tuple(model.window_size) if model.window_size is not None else None,
+        "window_attn_skip_freq": model.window_attn_skip_freq,
+        "softmax_type": model.softmax_type,
     }
 
 
@@ -187,6 +215,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         layernorm_epsilon=model.norm_epsilon,
         gated_linear_unit=gated,
         activation_func=activation,
+        glu_linear_offset=model.glu_linear_offset,
+        activation_func_clamp_value=model.activation_func_clamp_value,
+        **_attention_fields(model),
+        mtp_num_layers=model.mtp_num_layers,
+        mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
@@ -322,9 +355,11 @@ def build_gpt_model(
     position = "rope" if model.multi_latent_attention else model.position_embedding_type
     if position == "yarn":
         _set_yarn_attributes(config, model)
-    gpt = GPTModel(
+    decoder = decoder_spec(config, spec, vp_stage, pg_collection, model)
+    gpt = (MTPGPTModel if model.mtp_num_layers else GPTModel)(
         config=config,
-        transformer_layer_spec=decoder_spec(config, spec, vp_stage, pg_collection, model),
+        transformer_layer_spec=decoder,
+        mtp_block_spec=mtp_spec(config, spec, vp_stage, pg_collection),
         vocab_size=vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=pre_process,
@@ -343,7 +378,43 @@ def build_gpt_model(
         # Megatron-LM's Float16Module casts it with the rest of the model. Left in fp32, it
         # would turn a bf16/fp16 model's hidden states into fp32 at the first layer.
         gpt.embedding.position_embeddings.to(config.params_dtype)
+    _mark_softmax_offsets_tensor_parallel(gpt)
     return gpt
+
+
+class MTPGPTModel(GPTModel):
+    """GPTModel with multi-token prediction, whose checkpoint state works without metadata.
+
+    On a pipeline stage with MTP and no embedding of its own, megatron-core 0.16's GPTModel reads
+    `metadata["dp_cp_group"]` for the embedding copy without first filling in a None metadata,
+    as its parent class does."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
+
+
+def mtp_spec(config: TransformerConfig, spec: ModuleSpec, vp_stage: Optional[int], pg_collection):
+    """megatron's multi-token-prediction block on the stage that builds it (the last one), its
+    layers made like the decoder's; None elsewhere and without MTP."""
+    if not config.mtp_num_layers:
+        return None
+    local = getattr(spec.submodules, "input_layernorm", None) is LocalNorm
+    pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None else None
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=not local, vp_stage=vp_stage, pp_rank=pp_rank)
+    if block is not None and local:
+        # The local backend's norm is WrappedTorchNorm, which refuses sequence parallelism.
+        for layer in block.layer_specs:
+            for norm in ("enorm", "hnorm", "layer_norm"):
+                setattr(layer.submodules, norm, LocalNorm)
+    return block
+
+
+def _mark_softmax_offsets_tensor_parallel(gpt: GPTModel) -> None:
+    """megatron-core 0.16 splits the learnable softmax offsets (one per head) over TP ranks but
+    does not mark them so; unmarked, the gradient norm counts TP rank 0's heads only."""
+    for name, param in gpt.named_parameters():
+        if name.endswith("core_attention.softmax_offset"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 def _set_yarn_attributes(config: TransformerConfig, model: ModelConfig) -> None:

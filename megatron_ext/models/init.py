@@ -31,6 +31,9 @@ _RESIDUAL_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight", "mixe
 
 def _init_std(key: str, config: TransformerConfig) -> Optional[float]:
     """The normal std megatron uses for this weight, or None for deterministic ones (norms)."""
+    if key.endswith("softmax_offset"):
+        # Learnable attention sinks, one per head: megatron draws them with init_method.
+        return config.init_method_std
     if "norm" in key or not key.endswith("weight"):
         return None
     if key.endswith(_RESIDUAL_OUTPUT_PROJECTIONS):

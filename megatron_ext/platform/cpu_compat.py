@@ -177,6 +177,7 @@ def _fix_device_literals() -> None:
         "megatron.core.transformer.attention",
         "megatron.core.transformer.transformer_layer",
         "megatron.core.transformer.utils",
+        "megatron.core.transformer.multi_token_prediction",
         "megatron.core.transformer.moe.router",
         "megatron.core.transformer.moe.moe_utils",
         "megatron.core.transformer.moe.experts",

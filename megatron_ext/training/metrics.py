@@ -152,6 +152,7 @@ class MetricsReporter:
             line += f" | params norm {m['params_norm']:.3f}"
         if "num_zeros_in_grad" in m:
             line += f" | num zeros {m['num_zeros_in_grad']:.0f}"
+        line += "".join(f" | {k} {v:.4f}" for k, v in m.items() if k.startswith("mtp_"))
         if "throughput" in m:  # over the steps since the last line, as Megatron-LM's interval
             per_step = self._window_seconds / max(self._window_steps, 1)
             line += f" | TFLOP/s/rank {self._tflops_per_rank(per_step):.3f}"

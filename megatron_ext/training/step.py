@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from megatron_ext.platform.device import current_device
 
@@ -30,7 +30,9 @@ def forward_step(data_iterator, model):
     device = current_device()
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
     batch = get_batch_on_this_cp_rank(batch)  # this rank's two chunks of each sequence (cp > 1)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # Multi-token prediction masks its own losses with the batch's loss mask (as in Megatron-LM).
+    mtp = {"loss_mask": batch["loss_mask"]} if get_model_config(model).mtp_num_layers else {}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **mtp)
     return output, partial(loss_func, batch["loss_mask"])
 
 

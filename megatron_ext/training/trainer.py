@@ -60,6 +60,7 @@ from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
+from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
 from megatron_ext.training.release import release_in_background
@@ -161,6 +162,7 @@ class Trainer:
         # backward outside megatron's schedules earlier in this process leaves a shape the
         # schedules then cannot copy into.
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        reset_mtp_tracker()
         self._init_layout()
         for p in self.plugins:
             p.setup(self)
@@ -460,6 +462,8 @@ class Trainer:
         }
         if self.cfg.logging.log_num_zeros_in_grad:
             metrics["num_zeros_in_grad"] = float(num_zeros_in_grad)
+        if self.cfg.model.mtp_num_layers:
+            metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
         return metrics
 
     def evaluate(self, dataset=None) -> Optional[float]:

@@ -229,10 +229,6 @@ DEEPSEEK_V3 = Example(
     --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16
     """,
     nproc=2,
-    needs=(
-        'refused here: --mtp-num-layers/--mtp-loss-scaling-factor (example-model), '
-        '--rotary-scaling-factor/--mscale-all-dim (model-space)'
-    ),
 )
 
 GPT_OSS = Example(
@@ -266,11 +262,6 @@ GPT_OSS = Example(
     --log-throughput
     """,
     nproc=2,
-    needs=(
-        "refused here: GPT-OSS's model (--enable-gpt-oss, --quick-geglu, --glu-linear-offset, "
-        '--softmax-type learnable, --window-size, --window-attn-skip-freq, '
-        '--activation-func-clamp-value) (example-model)'
-    ),
 )
 
 _MODELOPT_LAUNCH = """

@@ -426,7 +426,7 @@ def test_bad_command_lines(command, phrase):
 
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
-        "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --enable-gpt-oss "
+        "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --freeze-base-for-mtp "
         "--step-batch-size-schedule 0:16 --rope-type yarn --no-save-optim"
     )
     with pytest.raises(SystemExit) as info:
@@ -436,11 +436,12 @@ def test_one_message_lists_every_refused_flag(capsys):
         "error: --foo: unknown Megatron-LM flag",
         "error: --step-batch-size-schedule 0:16: batch-size schedules are not supported: the "
         "global batch is fixed",
-        "error: --rope-type yarn: YaRN for multi-latent attention has no config keys here",
         "error: --no-save-optim: a checkpoint here always holds the optimizer and RNG state "
         "(--no-load-optim skips them)",
-        "error: --enable-gpt-oss: GPT-OSS's attention sinks, sliding windows and clamped "
-        "activations are not in megatron_ext's model space",
+        "error: --freeze-base-for-mtp: ModelOpt (quantization/distillation/export) is not part of "
+        "this trainer",
+        "error: --rope-type yarn: yarn is multi-latent attention's; other attention takes "
+        "--position-embedding-type yarn",
         "error: --merge-file: GPT2BPETokenizer needs both --vocab-file and --merge-file",
     ]
 

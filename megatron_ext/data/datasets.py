@@ -191,5 +191,9 @@ def build_data_iterator(
         num_workers=num_workers,
         collate_fn=_collate,
         persistent_workers=num_workers > 0,
+        # Each new iterator draws its workers' base seed; from torch's global generator that
+        # draw would shift dropout's random numbers: after a resume (which builds the iterator
+        # after restoring them) and at each evaluation.
+        generator=torch.Generator().manual_seed(0),
     )
     return iter(loader)

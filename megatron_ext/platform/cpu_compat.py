@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from megatron_ext.platform.distributed_optimizer_mixed_groups import fix_distributed_optimizer_mixed_groups
 from megatron_ext.platform.float16_optimizer_checkpoint import fix_float16_optimizer_checkpoint
 
 CPU = torch.device("cpu")
@@ -490,6 +491,7 @@ FIXES: tuple[Fix, ...] = (
     Fix("alltoall_split_sizes", _fix_alltoall_split_sizes),
     Fix("uneven_tp_collectives", _fix_uneven_tp_collectives),
     Fix("mla_without_te", _fix_mla_without_te, cpu_only=False),
+    Fix("distributed_optimizer_mixed_groups", fix_distributed_optimizer_mixed_groups, cpu_only=False),
 )
 
 _applied: list[str] = []

@@ -1,4 +1,5 @@
-"""bf16 and fp16 without the distributed optimizer (megatron's Float16OptimizerWithFloat16Params):
+"""bf16 and fp16 without the distributed optimizer (megatron's Float16OptimizerWithFloat16Params),
+a GPT-3-style bf16 model with it, and GPT-3's dropout:
 a run saved at step N and resumed goes on exactly as the run that was never interrupted, losses
 and final checkpoint (weights, fp32 main copies, Adam moments) bitwise.
 
@@ -39,6 +40,19 @@ CASES = {
     # here), before any update: the resumed run reaches the same updates only with the
     # scaler's state restored.
     "fp16_dp1": (["model.precision=fp16"], 1, 40),
+    # GPT-3 style: 16-bit biases beside the fp32 norms in the param group without weight decay,
+    # with megatron's Float16 optimizer and with its distributed optimizer
+    # (platform/distributed_optimizer_mixed_groups.py).
+    "bf16_gpt3": (["model=gpt3_tiny", "model.precision=bf16", "model.hidden_dropout=0", "model.attention_dropout=0"], 1, 6),
+    # Dropout (GPT-3's 0.1) draws from the restored generators: building the data iterator on
+    # resume, and each evaluation's iterator, must not draw from them.
+    "fp32_gpt3_dropout": (["model=gpt3_tiny", "train.eval_interval=2", "train.eval_iters=1"], 1, 6),
+    "bf16_gpt3_distributed_optimizer": (
+        ["model=gpt3_tiny", "model.precision=bf16", "model.hidden_dropout=0", "model.attention_dropout=0",
+         "parallel.use_distributed_optimizer=true"],
+        2,
+        6,
+    ),
 }
 
 
@@ -61,7 +75,9 @@ def test_save_and_resume_is_bitwise(name, tmp_path):
     assert continued == losses[saved_at:]  # exact float equality
     expected = checkpoint_tensors(whole, iters, tmp_path / "whole.pt")
     got = checkpoint_tensors(resumed, iters, tmp_path / "resumed.pt")
-    assert any("optimizer.state.fp32_param." in k for k in expected)  # chained: "chained_<i>." first
+    if any(o in overrides for o in ("model.precision=bf16", "model.precision=fp16")):
+        # The fp32 main copies are compared too (the Float16 optimizer's and the distributed one's keys).
+        assert any(".fp32_param." in k or k.startswith("optimizer.state.param.") for k in expected)
     assert expected.keys() == got.keys()
     for key, tensor in expected.items():
         assert torch.equal(tensor, got[key]), key

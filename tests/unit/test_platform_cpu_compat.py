@@ -274,6 +274,27 @@ def scenario_float16_optimizer_checkpoint():
         assert torch.equal(p, q)
 
 
+def scenario_distributed_optimizer_mixed_groups():
+    """A bf16 model under the distributed optimizer whose no-weight-decay group holds an fp32
+    `temperature` beside the bf16 norms. Each parameter's place in the optimizer's groups, which
+    checkpointing reads main params and Adam moments at, holds that parameter's own main copy."""
+    model = tiny_gpt(0, bf16=True)
+    module = Float16Module(model.config, model)
+    # On the model's last module: DDP meets the bf16 parameters first, so their buffer (and
+    # their places in the gradient-buffer order) come before the fp32 one's.
+    model.output_layer.register_parameter("temperature", torch.nn.Parameter(torch.ones(1)))
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(model.config, ddp_config, module)
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(config, [ddp], config_overrides={}).chained_optimizers[0]
+    for param in ddp.parameters():
+        group, order = optimizer.model_param_group_index_map[param]
+        held = optimizer.optimizer.param_groups[group]["params"][order]
+        main = param if param.dtype == torch.float32 else param.main_param
+        # One rank: a shard is the whole parameter (an fp32 one's view of it, or its main copy).
+        assert held.data_ptr() == main.data_ptr() and held.numel() == main.numel(), "another param's place"
+
+
 def scenario_alltoall_split_sizes():
     """The all-to-all dispatcher's split sizes, brought to the host as it does, serve as the
     split sizes of torch's all_to_all_single (one rank here: the tokens come back)."""
@@ -353,6 +374,12 @@ CASES = {
         scenario_mla_without_te,
         "megatron/core/transformer/multi_latent_attention.py",
         "and isinstance(self.linear_proj, TELinear)",
+        after_other_fixes=True,
+    ),
+    "distributed_optimizer_mixed_groups": Case(
+        scenario_distributed_optimizer_mixed_groups,
+        "tests/unit/test_platform_cpu_compat.py",
+        "another param's place",
         after_other_fixes=True,
     ),
 }
@@ -524,7 +551,8 @@ def test_with_cuda_only_the_plain_bug_fixes_apply(monkeypatch):
     monkeypatch.setattr(cpu_compat, "_applied", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.apply() == ran == [
-        "te_general_gemm", "torch_adam_checkpointing", "float16_optimizer_checkpoint", "mla_without_te"
+        "te_general_gemm", "torch_adam_checkpointing", "float16_optimizer_checkpoint", "mla_without_te",
+        "distributed_optimizer_mixed_groups",
     ]
     assert cpu_compat.apply(on_cpu=False) == ran  # idempotent here too
 

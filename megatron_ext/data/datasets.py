@@ -75,6 +75,24 @@ def _check_split_coverage(
                 )
 
 
+def dataset_config(tokenizer: Tokenizer, seq_length: int, seed: int, cache_dir: str, **sources) -> GPTDatasetConfig:
+    """megatron's GPTDatasetConfig as every dataset here is read: whole causal samples, no
+    per-sample mask. `sources`: the blend and split (none for mock data)."""
+    return GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # GPTModel with a causal mask type builds the mask itself; a [1, s, s] mask per sample
+        # would dominate batch memory at long sequence lengths.
+        create_attention_mask=False,
+        **sources,
+    )
+
+
 def build_gpt_datasets(
     data_path: list[str],
     tokenizer: Tokenizer,
@@ -97,20 +115,7 @@ def build_gpt_datasets(
     if not data_path:
         raise ValueError("data.data_path is empty: give at least one dataset prefix")
     blend = get_blend_from_list(list(data_path))
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=blend,
-        split=split,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        # GPTModel with a causal mask type builds the mask itself; a [1, s, s] mask per sample
-        # would dominate batch memory at long sequence lengths.
-        create_attention_mask=False,
-    )
+    config = dataset_config(tokenizer, seq_length, seed, cache_dir, blend=blend, split=split)
     _check_split_coverage(blend[0], config, num_samples)
     for split_kind in Split:
         if num_samples[split_kind.value] == 0:

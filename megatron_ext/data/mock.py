@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import MockGPTDataset
 from megatron.core.datasets.utils import Split
 
+from megatron_ext.data.datasets import dataset_config
 from megatron_ext.data.tokenizers import Tokenizer
 
 
@@ -28,16 +29,7 @@ def build_mock_datasets(
     """Train/valid/test mock datasets with at least the requested samples; a split with 0
     requested samples comes back None. Collective under torch.distributed, like
     `build_gpt_datasets`: rank 0 writes the sample indices to `cache_dir`, the others read them."""
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-    )
+    config = dataset_config(tokenizer, seq_length, seed, cache_dir)
     for split in Split:
         if num_samples[split.value] == 0:
             config.split_matrix[split.value] = None

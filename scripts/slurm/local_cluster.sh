@@ -71,7 +71,9 @@ pid_alive() {  # pid_alive PIDFILE
 
 write_config() {
     local cpus user
-    cpus=$(nproc)
+    # nproc would answer OMP_NUM_THREADS when it is set (the test suite sets 1): the CPUs the
+    # processes here may run on, which is what the node offers its jobs.
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     user=$(id -un)
     cat >"$DIR/slurm.conf.new" <<EOF
 # Written by scripts/slurm/local_cluster.sh: a one-node cluster on localhost.

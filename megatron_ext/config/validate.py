@@ -403,7 +403,7 @@ def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
 
 def warmup_init_within_lr(cfg: Config, world: int, device: str) -> Optional[str]:
     o = cfg.optim
-    if not 0.0 <= o.lr_warmup_init <= o.lr:
+    if o.lr >= 0 and not 0.0 <= o.lr_warmup_init <= o.lr:  # a negative lr is reported by its range alone
         return f"optim.lr_warmup_init ({o.lr_warmup_init}) must be >= 0 and <= optim.lr ({o.lr})"
     return None
 

@@ -23,6 +23,9 @@ COMMON = [
     "model.num_attention_heads=4",
     "model.num_query_groups=2",
     "model.seq_length=32",
+    # Dropout draws from torch's generator while training, so the checkpoint's RNG state is not
+    # the one a fresh seeding gives.
+    "model.hidden_dropout=0.1",
     "train.micro_batch_size=2",
     "train.global_batch_size=2",
     "train.eval_interval=0",

@@ -8,7 +8,7 @@
 #   scripts/slurm/local_cluster.sh env    [DIR]   # the line that points sbatch & co. at the cluster
 #   eval "$(scripts/slurm/local_cluster.sh env)" && sbatch job.sbatch
 #
-# DIR (default $MEGATRON_EXT_SLURM_DIR, else /tmp/megatron_ext-slurm) holds everything: slurm.conf,
+# DIR (default $MEGATRON_EXT_SLURM_DIR, else $TMPDIR/megatron_ext-slurm, TMPDIR defaulting to /tmp) holds everything: slurm.conf,
 # the munge key and socket, state, spool, logs and the job-completion log. Nothing under /etc is
 # read or written, so a system SLURM elsewhere on the machine is left alone. Every daemon binds
 # 127.0.0.1 only. The daemons run as the calling user: root (slurmd starts job steps as the
@@ -30,7 +30,7 @@
 set -euo pipefail
 
 COMMAND=${1:-}
-DIR=${2:-${MEGATRON_EXT_SLURM_DIR:-/tmp/megatron_ext-slurm}}
+DIR=${2:-${MEGATRON_EXT_SLURM_DIR:-${TMPDIR:-/tmp}/megatron_ext-slurm}}
 CTLD_PORT=${SLURM_LOCAL_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_LOCAL_SLURMD_PORT:-6818}
 PACKAGES=(slurmctld slurmd slurm-client munge)

@@ -63,7 +63,7 @@ GOOD = {
     # Megatron-LM's zero warmup default counts in either unit.
     "samples_with_zero_warmup_iters": {**SAMPLES, "optim.lr_warmup_iters": 0},
     "iters_with_zero_warmup_samples": {"optim.lr_warmup_samples": 0},
-    "async_save": {"checkpoint.async_save": True, "checkpoint.save": "/tmp/ckpt"},
+    "async_save": {"checkpoint.async_save": True, "checkpoint.save": "ckpt"},
     "mock": {"data.mock": True},
 }
 

@@ -204,7 +204,7 @@ class LocalWorkers:
                     f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(code)}; "
                     "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
                 )
-        return LaunchFailed(_first_line(error))
+        return LaunchFailed(first_line(error))
 
 
 def _request_stop(pid: int) -> None:
@@ -222,5 +222,6 @@ def _exit_status(code: int) -> str:
     return f"exit code {code}"
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
+    """The first non-blank line of an error's message, else its type's name."""
     return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)

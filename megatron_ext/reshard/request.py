@@ -13,6 +13,8 @@ import json
 import os
 from typing import Optional
 
+from megatron_ext.platform.local_workers import first_line
+
 SIZES = ("tp", "pp", "dp", "ep", "cp", "vpp")
 EXAMPLE = '{"layout": {"tp": 1, "pp": 2}}'
 
@@ -31,7 +33,7 @@ def read_request(path: str) -> dict:
     try:
         request = json.loads(text)
     except ValueError as e:  # JSONDecodeError, or bytes that are no text at all
-        raise RequestError(f"is not valid JSON ({_first_line(e)}); expected {EXAMPLE}") from None
+        raise RequestError(f"is not valid JSON ({first_line(e)}); expected {EXAMPLE}") from None
     return layout_of(request)
 
 
@@ -76,7 +78,3 @@ def retire(path: str, suffix: str) -> Optional[str]:
 
 def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__

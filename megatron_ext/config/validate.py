@@ -22,6 +22,7 @@ from megatron_ext.training.batch_schedule import (
     BatchSchedule,
     parse_step_schedule,
     rampup_problems,
+    schedule_key,
     step_schedule_problems,
 )
 
@@ -399,7 +400,7 @@ def schedule_in_one_unit(cfg: Config, world: int, device: str) -> list[str]:
 
 def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
     samples, gbs = cfg.train.train_samples, _global_batch_or_none(cfg, world)
-    if _batch_schedule_set(cfg):
+    if schedule_key(cfg.train) is not None:
         return None  # a ramp or a step schedule trains at least its first batch
     if samples is not None and gbs is not None and samples < gbs:
         return (
@@ -407,10 +408,6 @@ def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
             f"trains train_samples // global batch = 0 iterations"
         )
     return None
-
-
-def _batch_schedule_set(cfg: Config) -> bool:
-    return cfg.train.rampup_batch_size is not None or cfg.train.step_batch_size_schedule is not None
 
 
 def rampup_fits(cfg: Config, world: int, device: str) -> list[str]:

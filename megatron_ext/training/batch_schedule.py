@@ -181,3 +181,12 @@ class BatchSchedule:
         if self.steps is not None:
             return consumed_samples >= self.steps[-1][0]
         return self.rampup is None or consumed_samples > self.rampup[2]
+
+
+def schedule_key(train: TrainConfig) -> Optional[str]:
+    """The config key of the run's batch-size schedule; None for a fixed global batch."""
+    if train.rampup_batch_size is not None:
+        return "train.rampup_batch_size"
+    if train.step_batch_size_schedule is not None:
+        return "train.step_batch_size_schedule"
+    return None

@@ -65,6 +65,7 @@ def test_rampup_equals_megatron_calculator(start, increment, ramp, gbs, expected
     if start % (mbs * dp) or increment % (mbs * dp):
         pytest.skip("the ramp's batches are not whole micro-batches per replica")
     batches = BatchSchedule.of(TrainConfig(global_batch_size=gbs, rampup_batch_size=[start, increment, ramp]), 64, gbs)
+    calc.destroy_num_microbatches_calculator()  # megatron's global: set by any earlier trainer in this process
     calc.init_num_microbatches_calculator(0, [start, increment, ramp], gbs, mbs, dp)
     try:
         for consumed in sorted({*expected, *range(0, ramp + 2 * gbs, max(1, ramp // 50))}):

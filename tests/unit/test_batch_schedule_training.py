@@ -1,8 +1,9 @@
 """One-rank training under Megatron-LM's batch-size schedules: each step runs the micro-batches
 of the global batch Megatron-LM's rules give at the samples consumed before it (written out
 here), its learning rate is the scheduler's formula at the samples consumed after it (Megatron-LM
-advances the scheduler by each step's batch), and a run stopped mid-schedule resumes from its
-checkpoint bitwise equal to the run that was not stopped."""
+advances the scheduler by each step's batch), a checkpoint is saved before a step of a new
+batch (as Megatron-LM saves one), and a run stopped mid-schedule resumes from its checkpoint
+bitwise equal to the run that was not stopped."""
 
 from __future__ import annotations
 
@@ -112,5 +113,8 @@ def test_schedule_trains_megatron_batches_and_resumes_bitwise(overrides, batch_a
 
     ckpt = tmp_path / "ckpt"
     first = recorded_run([*overrides, f"train.exit_interval={stop}", f"checkpoint.save={ckpt}"], monkeypatch)
+    # Megatron-LM also saves before the first step of a new global batch: step `stop`'s here.
+    assert batches[stop - 1] != batches[stop - 2]
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{stop - 1:07d}", f"iter_{stop:07d}"]
     resumed = recorded_run([*overrides, f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"], monkeypatch)
     assert first + resumed == whole  # exact floats: the same batches, lrs and losses

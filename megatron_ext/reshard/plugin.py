@@ -90,7 +90,7 @@ class ReshardPlugin(Plugin):
         from megatron_ext.config.validate import ConfigError
         from megatron_ext.training.batch_schedule import schedule_key
 
-        if schedule_key(cfg.train):  # a move rebuilds the micro-batch calculator, its pool's joiners too
+        if schedule_key(cfg.train):  # moves, prebuilt layouts and joining workers are not made to follow one
             raise ConfigError(schedule_key(cfg.train), "reshard moves runs of one global batch; a batch-size schedule "
                                                        "is not supported with it: use a fixed train.global_batch_size")
         if self.cfg.memory_budget_mb <= 0:

@@ -705,15 +705,19 @@ FLAGS: tuple[Flag, ...] = (
         'training',
         mapped('--micro-batch-size', 'int', 'train.micro_batch_size'),
         mapped('--global-batch-size', 'int', 'train.global_batch_size', default=None),
-        refused(
-            '--rampup-batch-size', 'int3',
-            'batch-size ramp-up is not supported: the global batch is fixed',
+        mapped(
+            '--rampup-batch-size', 'int3', 'train.rampup_batch_size',
+            note="megatron-core 0.16's ramp (Megatron-LM now deprecates it), with --train-samples",
+        ),
+        mapped(
+            '--step-batch-size-schedule', 'str', 'train.step_batch_size_schedule',
+            note='thresholds in tokens; --global-batch-size beside it must be its last batch size '
+            '(Megatron-LM refuses both together, though its gpt3 example passes both)',
         ),
         refused(
-            '--step-batch-size-schedule', 'str',
-            'batch-size schedules are not supported: the global batch is fixed',
+            '--decrease-batch-size-if-needed', 'on',
+            'the global batch is not decreased to fit: it must be divisible by --micro-batch-size * dp',
         ),
-        refused('--decrease-batch-size-if-needed', 'on', 'the global batch is fixed'),
         notice('--empty-unused-memory-level', 'int', TUNE, choices=(0, 1, 2)),
         notice('--check-weight-hash-across-dp-replicas-interval', 'int', TUNE),
         notice('--gpu-sniff-test-interval', 'int', TUNE),

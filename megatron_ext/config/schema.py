@@ -235,6 +235,16 @@ class TrainConfig:
     micro_batch_size: int = 4
     # None: micro_batch_size * dp (one micro-batch per data-parallel rank per step).
     global_batch_size: Optional[int] = 16
+    # A global batch that grows with the samples consumed (training/batch_schedule.py); the
+    # micro-batches per step follow it, and the lr schedule then counts samples. At most one:
+    # - Megatron-LM's --rampup-batch-size [start, increment, ramp samples] (megatron-core 0.16's
+    #   ramp): from `start`, `increment` more every (global_batch_size - start) / increment-th
+    #   share of the ramp samples, then global_batch_size. Sample-based runs only.
+    # - Megatron-LM's --step-batch-size-schedule "THRESHOLD:BATCH ...": the batch of the last
+    #   entry whose threshold (tokens, K/M/B/T suffixes) the tokens consumed have reached; the
+    #   first threshold is 0. global_batch_size, when set, must be the last entry's batch.
+    rampup_batch_size: Optional[list[int]] = None
+    step_batch_size_schedule: Optional[str] = None
     seed: int = 1234
     eval_interval: int = 50
     eval_iters: int = 4

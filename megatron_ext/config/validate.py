@@ -18,6 +18,13 @@ from megatron_ext.config.schema import Config
 from megatron_ext.models.moe_layers import moe_layer_pattern
 from megatron_ext.platform import optional
 from megatron_ext.plugin import registered_plugins
+from megatron_ext.training.batch_schedule import (
+    BatchSchedule,
+    parse_step_schedule,
+    rampup_problems,
+    schedule_key,
+    step_schedule_problems,
+)
 
 
 class ConfigError(ValueError):
@@ -393,12 +400,70 @@ def schedule_in_one_unit(cfg: Config, world: int, device: str) -> list[str]:
 
 def samples_fill_a_batch(cfg: Config, world: int, device: str) -> Optional[str]:
     samples, gbs = cfg.train.train_samples, _global_batch_or_none(cfg, world)
+    if schedule_key(cfg.train) is not None:
+        return None  # a ramp or a step schedule trains at least its first batch
     if samples is not None and gbs is not None and samples < gbs:
         return (
             f"train.train_samples ({samples}) must be at least one global batch ({gbs}): the run "
             f"trains train_samples // global batch = 0 iterations"
         )
     return None
+
+
+def rampup_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """megatron-core 0.16's ramp rules, and Megatron-LM's: a ramp sizes a sample-based run."""
+    t = cfg.train
+    if t.rampup_batch_size is None:
+        return []
+    if t.step_batch_size_schedule is not None:
+        return ["train.rampup_batch_size and train.step_batch_size_schedule are exclusive: one batch-size schedule"]
+    gbs = _global_batch_or_none(cfg, world)
+    problems = rampup_problems(list(t.rampup_batch_size), gbs) if gbs is not None else []
+    if t.train_samples is None:
+        problems.append("a ramp needs a sample-based run (train.train_samples), as in Megatron-LM")
+    return problems
+
+
+def step_schedule_fits(cfg: Config, world: int, device: str) -> list[str]:
+    """Megatron-LM's step schedule rules. Megatron-LM refuses --global-batch-size beside it;
+    here a global batch equal to the schedule's last one is accepted (Megatron-LM's own
+    example passes both)."""
+    t = cfg.train
+    if t.step_batch_size_schedule is None:
+        return []
+    try:
+        schedule = parse_step_schedule(t.step_batch_size_schedule, cfg.model.seq_length)
+    except ValueError as e:
+        return [str(e)]
+    problems = step_schedule_problems(schedule)
+    if not problems and t.global_batch_size not in (None, schedule[-1][1]):
+        problems.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be unset or the schedule's last batch size ({schedule[-1][1]})"
+        )
+    return problems
+
+
+def scheduled_batches_divisible(path: str) -> Rule:
+    """Every global batch of the schedule at `path` runs as whole micro-batches on every
+    data-parallel rank (megatron's calculator asserts it when the batch is reached); under the
+    interleaved pipeline, in groups of pp micro-batches."""
+
+    def rule(cfg: Config, world: int, device: str) -> Optional[str]:
+        t, p = cfg.train, cfg.parallel
+        dp, gbs = _dp_or_none(cfg, world), _global_batch_or_none(cfg, world)
+        if _get(cfg, path) is None or dp is None or gbs is None:
+            return None
+        if rampup_fits(cfg, world, device) or step_schedule_fits(cfg, world, device):
+            return None  # the schedule itself is reported
+        per_step = t.micro_batch_size * dp * (p.pp if p.vpp else 1)
+        bad = sorted({size for size in BatchSchedule.of(t, cfg.model.seq_length, gbs).sizes() if size % per_step})
+        if not bad:
+            return None
+        factors = f"train.micro_batch_size * dp ({t.micro_batch_size} * {dp}"
+        factors += f" * parallel.pp {p.pp} under parallel.vpp)" if p.vpp else ")"
+        return f"its global batch sizes {', '.join(map(str, bad))} must be divisible by {factors} = {per_step}"
+
+    return rule
 
 
 def warmup_init_within_lr(cfg: Config, world: int, device: str) -> Optional[str]:
@@ -791,6 +856,10 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("optim.lr_warmup_iters", warmup_before_decay_end),
     ("train.train_samples", schedule_in_one_unit),
     ("train.train_samples", samples_fill_a_batch),
+    ("train.rampup_batch_size", rampup_fits),
+    ("train.step_batch_size_schedule", step_schedule_fits),
+    ("train.rampup_batch_size", scheduled_batches_divisible("train.rampup_batch_size")),
+    ("train.step_batch_size_schedule", scheduled_batches_divisible("train.step_batch_size_schedule")),
     ("optim.lr_warmup_samples", sample_warmup_before_decay_end),
     ("optim.lr_warmup_init", warmup_init_within_lr),
     ("checkpoint.async_save", async_save_needs_save_dir),

@@ -80,6 +80,14 @@ class DppPlugin(Plugin):
         self.tokens_total, self.train_seconds = 0, 0.0
         self.planning_s = self.waited_s = 0.0  # of the streams closed so far (one per layout)
 
+    def check(self, cfg, world_size: int) -> None:
+        from megatron_ext.config.validate import ConfigError
+        from megatron_ext.training.batch_schedule import schedule_key
+
+        if schedule_key(cfg.train):  # dpp's global batches are dpp.docs_per_batch documents
+            raise ConfigError(schedule_key(cfg.train), "dpp plans its own global batches of whole documents: "
+                                                       "a batch-size schedule is not supported")
+
     def check_layout(self, cfg, world_size: int) -> None:
         """Before the run starts and before a live reshard moves it: a layout or model DPP
         cannot train, or a cost model that is missing or was calibrated for another layer

@@ -89,6 +89,11 @@ class LoraPlugin(Plugin):
             raise ConfigError("model.multi_latent_attention", "lora adapts linear_qkv, which multi-latent attention has not")
         if cfg.model.num_experts is not None:
             raise ConfigError("model.num_experts", "lora adapts dense MLPs (linear_fc1/linear_fc2), not MoE experts")
+        from megatron_ext.training.batch_schedule import schedule_key
+
+        if schedule_key(cfg.train):
+            raise ConfigError(schedule_key(cfg.train), "lora trains each job at one global batch (train.global_batch_size): "
+                                                       "a batch-size schedule is not supported")
         others = [name for name in cfg.plugins if name != self.name]
         if others:  # they hook into the Trainer, which a sweep does not run
             raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "

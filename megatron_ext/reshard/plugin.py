@@ -88,7 +88,11 @@ class ReshardPlugin(Plugin):
         """Settings or a scheduled layout that cannot work are a config error: refuse them
         before launching."""
         from megatron_ext.config.validate import ConfigError
+        from megatron_ext.training.batch_schedule import schedule_key
 
+        if schedule_key(cfg.train):  # moves, prebuilt layouts and joining workers are not made to follow one
+            raise ConfigError(schedule_key(cfg.train), "reshard moves runs of one global batch; a batch-size schedule "
+                                                       "is not supported with it: use a fixed train.global_batch_size")
         if self.cfg.memory_budget_mb <= 0:
             raise ConfigError("reshard.memory_budget_mb", f"must be positive, got {self.cfg.memory_budget_mb}")
         if self.cfg.prepare_steps_ahead < 0:

@@ -55,17 +55,15 @@ class MetricsReporter:
         total_iters: int,
         start_iter: int,
         is_reporting_rank: bool,
-        flops_per_iteration: Optional[float] = None,
         world_size: int = 1,
     ):
         self.cfg = cfg
         self.active = is_reporting_rank
         self.total_iters = total_iters
-        # Operations of one iteration over the whole world (None: not counted for this model).
-        self.flops_per_iteration = flops_per_iteration
         self.world_size = world_size
         self._window_seconds = 0.0
-        self._window_steps = 0
+        # Operations of the window's steps over the whole world (None: not counted for this model).
+        self._window_flops: Optional[float] = 0.0
         self._bar = None
         self._tb = None
         self._wandb = None
@@ -94,22 +92,30 @@ class MetricsReporter:
             self._wandb = wandb.init(project=cfg.wandb_project)
 
     def step(
-        self, iteration: int, metrics: dict, tokens: int, seconds: float, timers: Optional[dict] = None
+        self,
+        iteration: int,
+        metrics: dict,
+        tokens: int,
+        seconds: float,
+        timers: Optional[dict] = None,
+        flops: Optional[float] = None,
     ) -> None:
-        """Record a finished training step; `metrics` holds loss, lr, grad_norm, and what the
-        logging switches add (params_norm, num_zeros_in_grad); `timers`: seconds per phase."""
+        """Record a finished training step; `metrics` holds loss, lr, grad_norm, the step's
+        global batch and the samples consumed, and what the logging switches add
+        (params_norm, num_zeros_in_grad); `timers`: seconds per phase; `flops`: the step's
+        operations over the whole world (None: not counted for this model)."""
         self.losses.append(metrics["loss"])
         self.tokens_total += tokens
         self.train_seconds += seconds
         self._window_tokens += tokens
         self._window_seconds += seconds
-        self._window_steps += 1
+        self._window_flops = None if flops is None or self._window_flops is None else self._window_flops + flops
         if not self.active:
             return
         tps = tokens / seconds if seconds > 0 else 0.0
         metrics = {**metrics, "tokens_per_s": tps}
-        if self.cfg.log_throughput and self.flops_per_iteration is not None:
-            metrics["throughput"] = self._tflops_per_rank(seconds)
+        if self.cfg.log_throughput and flops is not None:
+            metrics["throughput"] = self._tflops_per_rank(flops, seconds)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
             self._bar.update(1)
@@ -122,8 +128,8 @@ class MetricsReporter:
         if self.cfg.log_memory_to_tensorboard:
             self._scalars("memory", iteration, memory_stats())
 
-    def _tflops_per_rank(self, seconds: float) -> float:
-        return self.flops_per_iteration / (max(seconds, 1e-9) * 1e12 * self.world_size)
+    def _tflops_per_rank(self, flops: float, seconds: float) -> float:
+        return flops / (max(seconds, 1e-9) * 1e12 * self.world_size)
 
     def eval(self, iteration: int, loss: float, split: str = "eval") -> None:
         """A held-out loss: the validation set (`eval`) or, at the end, the test set (`test`)."""
@@ -148,18 +154,19 @@ class MetricsReporter:
             f"iter {iteration:6d}/{self.total_iters} | loss {m['loss']:.4f} | lr {m['lr']:.3e}"
             f" | grad norm {m['grad_norm']:.3f} | tokens/s {tps:,.0f}"
         )
+        if "consumed_samples" in m:
+            line += f" | consumed samples {m['consumed_samples']} | global batch {m['global_batch_size']}"
         if "params_norm" in m:
             line += f" | params norm {m['params_norm']:.3f}"
         if "num_zeros_in_grad" in m:
             line += f" | num zeros {m['num_zeros_in_grad']:.0f}"
         line += "".join(f" | {k} {v:.4f}" for k, v in m.items() if k.startswith("mtp_"))
         if "throughput" in m:  # over the steps since the last line, as Megatron-LM's interval
-            per_step = self._window_seconds / max(self._window_steps, 1)
-            line += f" | TFLOP/s/rank {self._tflops_per_rank(per_step):.3f}"
+            line += f" | TFLOP/s/rank {self._tflops_per_rank(self._window_flops, self._window_seconds):.3f}"
         if self.cfg.log_memory_to_tensorboard:
             line += " | " + " | ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in memory_stats().items() if k.endswith("bytes"))
         self._window_tokens, self._window_start = 0, now
-        self._window_seconds, self._window_steps = 0.0, 0
+        self._window_seconds, self._window_flops = 0.0, 0.0
         self._print(line)
 
     def _print(self, line: str) -> None:

@@ -2,11 +2,13 @@
 `--train-samples` / `--lr-warmup-samples` / `--lr-decay-samples`, by samples.
 
 Megatron-LM's `get_optimizer_param_scheduler` feeds megatron-core's `OptimizerParamScheduler`
-sample counts: the run trains `train_samples // global_batch_size` iterations, warmup and decay
-are given in samples, and the scheduler advances by one global batch per iteration. An
-iteration-based run counts iterations and advances by one: with a fixed global batch both give
-the same learning rates, and the iteration count does not change when a layout change changes
-a derived global batch (train.global_batch_size null).
+sample counts: the run trains the iterations its `train_samples` fill, warmup and decay are
+given in samples, and the scheduler advances by each step's global batch. An iteration-based run
+with a fixed global batch counts iterations and advances by one: the same learning rates, and
+the iteration count does not change when a layout change changes a derived global batch
+(train.global_batch_size null). An iteration-based run whose global batch varies (a ramp or a
+step schedule, batch_schedule.py) counts samples as Megatron-LM does: its iteration counts
+times the global batch (Megatron-LM's args.global_batch_size), advanced by each step's batch.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from __future__ import annotations
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.config.schema import OptimConfig, TrainConfig
+from megatron_ext.training.batch_schedule import BatchSchedule
 
 
-def train_iters(train: TrainConfig, global_batch_size: int) -> int:
-    """The iterations the run trains. Samples: the whole global batches they fill (Megatron-LM's
-    `update_train_iters`; a trailing partial batch is not trained)."""
+def train_iters(train: TrainConfig, batches: BatchSchedule) -> int:
+    """The iterations the run trains. Samples: as Megatron-LM's `update_train_iters` counts
+    them (BatchSchedule.train_iters)."""
     if train.train_samples is None:
         return train.iters
-    return train.train_samples // global_batch_size
+    return batches.train_iters(train.train_samples)
 
 
 def warmup_iters(optim: OptimConfig, iters: int) -> int:
@@ -29,24 +32,33 @@ def warmup_iters(optim: OptimConfig, iters: int) -> int:
     return optim.lr_warmup_iters if optim.lr_warmup_iters is not None else iters // 20
 
 
-def scheduler_increment(train: TrainConfig, global_batch_size: int) -> int:
-    """What one iteration advances the scheduler by: a global batch of samples, or one step."""
-    return global_batch_size if train.train_samples is not None else 1
+def counts_samples(train: TrainConfig, batches: BatchSchedule) -> bool:
+    """Whether the scheduler counts samples (else iterations)."""
+    return train.train_samples is not None or batches.varies
+
+
+def scheduler_increment(train: TrainConfig, batches: BatchSchedule, global_batch: int) -> int:
+    """What a step of `global_batch` samples advances the scheduler by: the samples, or one step."""
+    return global_batch if counts_samples(train, batches) else 1
 
 
 def build_scheduler(
-    optimizer, optim: OptimConfig, train: TrainConfig, global_batch_size: int
+    optimizer, optim: OptimConfig, train: TrainConfig, batches: BatchSchedule
 ) -> OptimizerParamScheduler:
     """megatron-core's scheduler for `optimizer`, in samples when `train.train_samples` is set
-    (unset sample warmup: the iteration default in samples), else in iterations."""
-    iters = train_iters(train, global_batch_size)
-    if train.train_samples is None:
-        warmup, decay, wd_steps = warmup_iters(optim, iters), optim.lr_decay_iters or iters, iters
-    else:
+    (unset sample warmup: the iteration default in samples) or the batch varies (iteration
+    counts in samples of the global batch), else in iterations."""
+    iters, gbs = train_iters(train, batches), batches.global_batch_size
+    if train.train_samples is not None:
         warmup = optim.lr_warmup_samples
         if warmup is None:
-            warmup = warmup_iters(optim, iters) * global_batch_size
+            warmup = warmup_iters(optim, iters) * gbs
         decay, wd_steps = optim.lr_decay_samples or train.train_samples, train.train_samples
+    else:
+        per_iteration = gbs if batches.varies else 1
+        warmup = warmup_iters(optim, iters) * per_iteration
+        decay = (optim.lr_decay_iters or iters) * per_iteration
+        wd_steps = iters * per_iteration
     return OptimizerParamScheduler(
         optimizer,
         init_lr=optim.lr_warmup_init,

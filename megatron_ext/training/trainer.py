@@ -27,8 +27,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
+    get_current_global_batch_size,
     get_num_microbatches,
     init_num_microbatches_calculator,
+    reconfigure_num_microbatches_calculator,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -57,6 +59,7 @@ from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
@@ -129,13 +132,14 @@ class Trainer:
         self.on_cpu = current_device().type == "cpu"
         self.world_size = dist.get_world_size()
         self.dp = resolve_dp(cfg, self.world_size)
+        self.batches = self._batch_schedule()
         if cfg.train.train_samples is not None:
             # A sample-based run trains the iterations its samples fill; everything reads them
             # there. A copy, not dataclasses.replace: that keeps only the fields of this
             # process's schema class, and a config received from another process may carry
             # plugin sections this one has not registered.
             self.cfg = copy.copy(cfg)
-            self.cfg.train = dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self._global_batch_size()))
+            self.cfg.train = dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self.batches))
         self.model: list = []
         self.optimizer = None
         self.model_config = None  # megatron's TransformerConfig of the current layout
@@ -185,6 +189,7 @@ class Trainer:
             self._load(*resume)
         if joining is not None:
             self._restore_common(joining)
+        self._follow_schedule()
         self._build_data()
 
     def _tokenizer_spec(self) -> str:
@@ -203,17 +208,37 @@ class Trainer:
         # from it and then sliced, so every layout starts from identical weights.
         torch.manual_seed(self.cfg.train.seed)
         model_parallel_cuda_manual_seed(self.cfg.train.seed)
+        self.batches = self._batch_schedule()
         init_num_microbatches_calculator(
             dist.get_rank(),
             None,
-            self._global_batch_size(),
+            self.batches.at(self.state.consumed_samples),
             self.cfg.train.micro_batch_size,
             self.dp,
         )
 
     def _global_batch_size(self, dp: Optional[int] = None) -> int:
+        """Megatron-LM's args.global_batch_size: the batch of every step, or the last one of a
+        ramp or step schedule."""
         t = self.cfg.train
         return t.global_batch_size or t.micro_batch_size * (dp or self.dp)
+
+    def _batch_schedule(self) -> BatchSchedule:
+        return BatchSchedule.of(self.cfg.train, self.cfg.model.seq_length, self._global_batch_size())
+
+    def _follow_schedule(self) -> int:
+        """The global batch of the next step, at the samples consumed so far; megatron's
+        micro-batch calculator is set to it."""
+        batch = self.batches.at(self.state.consumed_samples)
+        if batch != get_current_global_batch_size():
+            reconfigure_num_microbatches_calculator(
+                dist.get_rank(), None, batch, self.cfg.train.micro_batch_size, self.dp
+            )
+        return batch
+
+    def _batch_changes(self) -> bool:
+        """Whether the next step's global batch differs from the last step's."""
+        return self.batches.at(self.state.consumed_samples) != get_current_global_batch_size()
 
     def _resume_point(self) -> Optional[tuple[str, int, dict]]:
         """(directory, iteration, common state) of the checkpoint to resume from, if any."""
@@ -344,7 +369,7 @@ class Trainer:
         return optimizer
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
-        return build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train, self._global_batch_size())
+        return build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train, self.batches)
 
     def _build_data(self) -> None:
         self.train_ds, self.valid_ds = self.open_datasets()
@@ -362,7 +387,8 @@ class Trainer:
         gbs = self._global_batch_size(dp)
         # Every evaluation reads the same held-out batches, so one round of them is enough.
         eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
-        train_ds, valid_ds, _ = self._datasets((cfg.train.iters * gbs, eval_samples, 0))
+        batches = BatchSchedule.of(cfg.train, cfg.model.seq_length, gbs)
+        train_ds, valid_ds, _ = self._datasets((batches.samples(cfg.train.iters), eval_samples, 0))
         return train_ds, valid_ds
 
     def _open_test_dataset(self):
@@ -431,6 +457,7 @@ class Trainer:
         return get_forward_backward_func()
 
     def train_step(self) -> dict[str, Any]:
+        global_batch = self._follow_schedule()
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -447,9 +474,9 @@ class Trainer:
         update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
         # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
         if update_ok:
-            self.scheduler.step(increment=scheduler_increment(self.cfg.train, self._global_batch_size()))
+            self.scheduler.step(increment=scheduler_increment(self.cfg.train, self.batches, global_batch))
         self.state.iteration += 1
-        self.state.consumed_samples += self._global_batch_size()
+        self.state.consumed_samples += global_batch
         skipped = self.skipped_steps.record(self.state.iteration, update_ok, loss_scale, self.optimizer)
         if skipped is not None:
             self.note(skipped)
@@ -459,6 +486,8 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
             "loss_scale": loss_scale,
             "skipped_iterations": self.skipped_steps.total,
+            "global_batch_size": global_batch,
+            "consumed_samples": self.state.consumed_samples,
         }
         if self.cfg.logging.log_num_zeros_in_grad:
             metrics["num_zeros_in_grad"] = float(num_zeros_in_grad)
@@ -468,14 +497,14 @@ class Trainer:
 
     def evaluate(self, dataset=None) -> Optional[float]:
         """Loss on a held-out split (default: validation): the same `eval_iters` global
-        batches every time."""
+        batches every time (Megatron-LM's global batch, whatever a schedule trains at)."""
         dataset = self.valid_ds if dataset is None else dataset
         if dataset is None or not self.cfg.train.eval_iters:
             return None
         return forward_only_loss(
             self.model,
             self._iterator(dataset, 0),
-            get_num_microbatches() * self.cfg.train.eval_iters,
+            self._global_batch_size() // (self.cfg.train.micro_batch_size * self.dp) * self.cfg.train.eval_iters,
             self.cfg.model.seq_length,
             self.cfg.train.micro_batch_size,
             self.forward_backward_func(),
@@ -489,7 +518,6 @@ class Trainer:
             cfg.train.iters,
             self.state.iteration,
             dist.get_rank() == 0,
-            flops_per_iteration(cfg.model, self.vocab_size, self._global_batch_size()),
             self.world_size,
         )
         self._note_restart()
@@ -498,9 +526,9 @@ class Trainer:
             stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
         metrics: dict = {}
         eval_loss, evaluated_at = None, None
-        tokens_per_step = self._global_batch_size() * cfg.model.seq_length
         with stop_request() as stop, ManualGC(cfg.train).training() as collector:
             while self.state.iteration < stop_at:
+                self._save_before_batch_change()
                 for p in self.plugins:
                     p.on_step_begin(self, self.state.iteration + 1)
                 if self.left:
@@ -513,8 +541,10 @@ class Trainer:
                 for p in self.plugins:
                     p.on_step_end(self, self.state.iteration, metrics)
                 # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
+                batch = metrics["global_batch_size"]
                 reporter.step(
-                    self.state.iteration, metrics, metrics.pop("tokens", tokens_per_step), seconds, self.timers.pop()
+                    self.state.iteration, metrics, metrics.pop("tokens", batch * cfg.model.seq_length), seconds,
+                    self.timers.pop(), flops_per_iteration(cfg.model, self.vocab_size, batch),
                 )
                 collector.after_step(self.state.iteration)
                 if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
@@ -566,6 +596,12 @@ class Trainer:
             self.note(f"restart {restarts} of the job after a worker failed: resumed from {where}")
 
     # --- checkpoints ---------------------------------------------------------------------------
+
+    def _save_before_batch_change(self) -> None:
+        """Megatron-LM saves a checkpoint before the first step of a new global batch."""
+        c = self.cfg.checkpoint
+        if c.save and self.state.iteration and self._batch_changes() and not self._saved_at_current_iteration():
+            self.save()
 
     def _due_for_checkpoint(self) -> bool:
         c = self.cfg.checkpoint

@@ -78,6 +78,9 @@ class Example:
     flags: str
     nproc: int = 1
     global_batch: int = 4
+    # The global batch of each step of the resumed run (iterations 3 and 4), where a batch-size
+    # schedule sets it; empty: not checked.
+    resumed_batches: tuple[int, ...] = ()
     # What megatron_ext still lacks for this command line to run; empty: it runs. A case with
     # needs is a strict xfail, so it fails as soon as it passes and its needs must be cleared.
     needs: str = ""
@@ -88,8 +91,8 @@ GPT3_175B = Example(
     """
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
     --max-position-embeddings 64 --attention-backend auto
-    --micro-batch-size 1 --global-batch-size 4
-    --step-batch-size-schedule "0:2 2.4B:4"
+    --micro-batch-size 1 --global-batch-size 6
+    --step-batch-size-schedule "0:1 0.128K:2 0.256K:3 0.384K:4 0.512K:5 0.64K:6"
     --train-iters {iters} --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
     --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
     --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters {iters}
@@ -99,11 +102,8 @@ GPT3_175B = Example(
     --eval-iters 1 --tensorboard-dir {tb}
     """,
     nproc=2,
-    needs=(
-        'refused here: --step-batch-size-schedule (the trainer has no batch-size schedule, and '
-        "megatron-core 0.16's micro-batch calculator has none); without it, fp16 with GPT-3's "
-        'LayerNorm stops in the first QKV linear (a float input against fp16 weights)'
-    ),
+    # thresholds 2, 4, 6, 8, 10 samples of 64 tokens: batches 1, 1, 2, 3
+    resumed_batches=(2, 3),
 )
 
 _LLAMA3_MODEL = """
@@ -337,3 +337,6 @@ def test_megatron_example_trains_saves_and_resumes(example, local_files, tmp_pat
     assert _saved_iteration(tmp_path / "ckpt") == 4
     logged = re.findall(r"iter\s+(\d+)/4", second.stdout + second.stderr)
     assert logged and int(logged[0]) == 3, "the second run did not resume at iteration 3"
+    if example.resumed_batches:
+        batches = re.findall(r"iter\s+\d+/4 .*\| global batch (\d+)", second.stdout)
+        assert tuple(map(int, batches)) == example.resumed_batches

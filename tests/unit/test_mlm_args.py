@@ -427,15 +427,15 @@ def test_bad_command_lines(command, phrase):
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
         "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --freeze-base-for-mtp "
-        "--step-batch-size-schedule 0:16 --rope-type yarn --no-save-optim"
+        "--decrease-batch-size-if-needed --rope-type yarn --no-save-optim"
     )
     with pytest.raises(SystemExit) as info:
         main(shlex.split(command))
     assert info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: --foo: unknown Megatron-LM flag",
-        "error: --step-batch-size-schedule 0:16: batch-size schedules are not supported: the "
-        "global batch is fixed",
+        "error: --decrease-batch-size-if-needed: the global batch is not decreased to fit: it "
+        "must be divisible by --micro-batch-size * dp",
         "error: --no-save-optim: a checkpoint here always holds the optimizer and RNG state "
         "(--no-load-optim skips them)",
         "error: --freeze-base-for-mtp: ModelOpt (quantization/distillation/export) is not part of "

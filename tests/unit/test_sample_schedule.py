@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import OptimConfig, TrainConfig
+from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 
 GBS = 16
@@ -40,10 +41,11 @@ CASES = {
 def _lrs(optim: OptimConfig, train: TrainConfig) -> list[float]:
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.0)
-    scheduler = build_scheduler(optimizer, optim, train, GBS)
+    batches = BatchSchedule(GBS)
+    scheduler = build_scheduler(optimizer, optim, train, batches)
     lrs = []
-    for _ in range(train_iters(train, GBS)):
-        scheduler.step(increment=scheduler_increment(train, GBS))
+    for _ in range(train_iters(train, batches)):
+        scheduler.step(increment=scheduler_increment(train, batches, GBS))
         lrs.append(optimizer.param_groups[0]["lr"])
     return lrs
 

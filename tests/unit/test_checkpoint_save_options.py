@@ -149,3 +149,30 @@ def test_no_save_rng_resumes_with_this_runs_seeding_without_no_load_rng(runs):
     assert torch.equal(no_rng["rng"], fresh["rng"])
     assert same(no_rng["weights"], full["weights"]) and same(no_rng["moments"], full["moments"])
     assert no_rng["scheduler_steps"] == full["scheduler_steps"] == ITERS
+
+
+def test_a_megatron_command_line_saves_without_the_optimizer_and_resumes_as_megatron_does(tmp_path, capsys):
+    """Megatron-LM's flags end to end: --no-save-optim, then a resume that stops with one line
+    naming the flag to add, then the resume with it."""
+    from megatron_ext.pretrain_gpt import main
+
+    command = [
+        "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--disable-bias-linear", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--lr", "1e-3", "--eval-iters", "0",
+        "--nproc", "1", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress_bar=false",
+    ]
+    main([*command, "--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--no-save-optim"])
+    assert not any(k.startswith("optimizer") for k in ckpt.held_states(tmp_path / "ckpt", 2))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        main([*command, "--train-iters", "4", "--load", str(tmp_path / "ckpt")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --load {tmp_path / 'ckpt'} (checkpoint.load): {tmp_path / 'ckpt' / 'iter_0000002'} holds no optimizer "
+        "state (saved with --no-save-optim, checkpoint.save_optim=false): resume it with --no-load-optim "
+        "(checkpoint.load_optim=false) or --finetune"
+    )
+    main([*command, "--train-iters", "4", "--load", str(tmp_path / "ckpt"), "--no-load-optim"])
+    assert "summary |" in capsys.readouterr().out

@@ -94,9 +94,11 @@ def test_a_plugin_accepts_the_options_it_handles(plugin, option):
 # --- elastic with a sliding window ------------------------------------------------------------
 
 
-def test_elastic_slices_a_windowed_model_and_keeps_its_window(one_rank_world):
+@pytest.mark.parametrize("skip_freq", [None, 2], ids=["every_layer", "every_other_layer"])
+def test_elastic_slices_a_windowed_model_and_keeps_its_window(one_rank_world, skip_freq):
     """The elastic forward of a windowed parent at half size equals the exported standalone
-    submodel, which keeps the window; the same weights without the window give other logits."""
+    submodel, which keeps the window (on the same layers: no axis drops layers); the same
+    weights without the window give other logits."""
     from megatron_ext.elastic import slicing
     from megatron_ext.elastic.importance import calibrate
     from megatron_ext.elastic.permute import reorder
@@ -105,7 +107,7 @@ def test_elastic_slices_a_windowed_model_and_keeps_its_window(one_rank_world):
     from megatron_ext.models.init import init_weights_layout_independent
     from tests.unit.test_elastic_slicing import PADDED, PARENT, POSITIONS, TOKENS, logits
 
-    parent = dataclasses.replace(PARENT, window_size=[8, 0])
+    parent = dataclasses.replace(PARENT, window_size=[8, 0], window_attn_skip_freq=skip_freq)
     (model,) = build_model(parent, PADDED)
     init_weights_layout_independent([model], model.config, 0)
     space = ElasticSpace(model)
@@ -115,9 +117,9 @@ def test_elastic_slices_a_windowed_model_and_keeps_its_window(one_rank_world):
     with space.at(half):
         expected = logits(model)
     sub, cfg = slicing.export_submodel(model, parent, space, half, PADDED, "half")
-    assert cfg.window_size == [8, 0]
+    assert (cfg.window_size, cfg.window_attn_skip_freq) == ([8, 0], skip_freq)
     assert torch.equal(logits(sub), expected)
-    (unwindowed,) = build_model(dataclasses.replace(cfg, window_size=None), PADDED)
+    (unwindowed,) = build_model(dataclasses.replace(cfg, window_size=None, window_attn_skip_freq=None), PADDED)
     unwindowed.load_state_dict(sub.state_dict())
     assert not torch.allclose(logits(unwindowed), expected, atol=1e-3)
 

@@ -7,7 +7,10 @@
 The megatron checkpoint is model-only, at iteration 0 (CKPT/iter_0000000 + tracker); train from
 it with `model.pretrained=CKPT` (weights only). The Hugging Face folder holds model.safetensors
 (fp32), a config.json of the model's transformers family (Llama, Qwen2, Qwen3, Mixtral or
-Qwen3-MoE, whichever megatron's model is) and the tokenizer files when the checkpoint has them.
+Qwen3-MoE, whichever megatron's model is) and the tokenizer files when the checkpoint has them;
+a model none of them expresses (multi-token prediction layers, a sliding window within the
+context, softmax offsets, multi-latent attention, ...) is refused with one line naming the setting
+and the family, before anything is written.
 Hugging Face imports read Llama (3.x RoPE scaling included), Mistral, Qwen2/2.5, Qwen3, Mixtral and
 Qwen3-MoE folders; what megatron's model space cannot build is refused with one line.
 Destinations must not exist (or be empty); they appear complete or not at all.

@@ -1059,14 +1059,8 @@ FLAGS: tuple[Flag, ...] = (
             '--replication-factor', 'int', 'checkpoint replication is not part of this trainer',
         ),
         refused('--verify-integrity', 'on', NO_KEY),
-        refused(
-            '--no-save-optim', 'on',
-            'a checkpoint here always holds the optimizer and RNG state (--no-load-optim skips them)',
-        ),
-        refused(
-            '--no-save-rng', 'on',
-            'a checkpoint here always holds the optimizer and RNG state (--no-load-rng skips them)',
-        ),
+        mapped('--no-save-optim', 'on', 'checkpoint.save_optim', const=False),
+        mapped('--no-save-rng', 'on', 'checkpoint.save_rng', const=False),
         mapped('--no-load-optim', 'on', 'checkpoint.load_optim', const=False),
         mapped('--no-load-rng', 'on', 'checkpoint.load_rng', const=False),
         refused('--override-ckpt-iteration', 'int', NO_KEY),

@@ -284,6 +284,11 @@ class CheckpointConfig:
     # params copied from the loaded weights; without the RNG, the streams keep this run's seed.
     load_optim: bool = True
     load_rng: bool = True
+    # What a save writes besides the weights (Megatron-LM's --no-save-optim / --no-save-rng):
+    # without the optimizer, neither its state nor the lr schedule, so resuming the checkpoint
+    # needs load_optim=false (or finetune); without the RNG, a resume keeps its own seeding.
+    save_optim: bool = True
+    save_rng: bool = True
     # Megatron-LM's --finetune: only the weights are loaded; the iteration, the data position,
     # the lr schedule, the optimizer and the RNG start fresh.
     finetune: bool = False

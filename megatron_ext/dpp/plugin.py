@@ -220,6 +220,15 @@ def refuse_model_space(model) -> None:
                           f"through RoPE: position_embedding_type={model.position_embedding_type} is not supported")
     if model.attention_dropout > 0:
         raise ConfigError("model.attention_dropout", "dpp's chunk attention has no attention dropout; set it to 0")
+    if model.window_size is not None:
+        raise ConfigError("model.window_size", "dpp's chunk attention is full causal attention within each sequence: "
+                          "sliding windows are not supported")
+    if model.softmax_type != "vanilla":
+        raise ConfigError("model.softmax_type", f"dpp's chunk attention computes a plain softmax: softmax offsets "
+                          f"(softmax_type={model.softmax_type}) are not supported")
+    if model.mtp_num_layers is not None:
+        raise ConfigError("model.mtp_num_layers", "dpp packs several sequences into one chunk: multi-token "
+                          "prediction's shifted tokens would cross from one sequence into the next")
     if model.num_experts and model.moe_router_load_balancing_type == "seq_aux_loss":
         raise ConfigError("model.moe_router_load_balancing_type", "dpp packs several sequences into one chunk: "
                           "the sequence-level aux loss (seq_aux_loss) would see chunks, not sequences")

@@ -94,6 +94,16 @@ class LoraPlugin(Plugin):
         if schedule_key(cfg.train):
             raise ConfigError(schedule_key(cfg.train), "lora trains each job at one global batch (train.global_batch_size): "
                                                        "a batch-size schedule is not supported")
+        if cfg.model.mtp_num_layers is not None:
+            raise ConfigError("model.mtp_num_layers", "lora trains each packed job on its own next-token loss: "
+                                                      "multi-token prediction's loss is one over the whole pack")
+        # Each job's adapter is written for a Hugging Face base (PEFT), whose families have neither.
+        peft = "lora writes each job's adapter for a Hugging Face base (PEFT), which has no"
+        if cfg.model.window_size is not None:
+            raise ConfigError("model.window_size", f"{peft} sliding window: the adapter would meet another network")
+        if cfg.model.softmax_type != "vanilla":
+            raise ConfigError("model.softmax_type", f"{peft} softmax offsets (softmax_type={cfg.model.softmax_type}): "
+                                                    "the adapter would meet another network")
         others = [name for name in cfg.plugins if name != self.name]
         if others:  # they hook into the Trainer, which a sweep does not run
             raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "

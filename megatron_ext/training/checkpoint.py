@@ -38,6 +38,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from megatron_ext.config.validate import ConfigError
@@ -46,6 +47,8 @@ from megatron_ext.training.tracker import TRACKER, iteration_dir, latest_iterati
 
 # Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The top-level keys of the optimizer's and the RNG's states in a checkpoint.
+OPTIMIZER_KEY, RNG_KEY = "optimizer", "rng_state"
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:
@@ -83,15 +86,17 @@ def _layout_key() -> tuple[int, int]:
     )
 
 
-def sharded_state_dict(model_chunks: list, optimizer, is_loading: bool = False) -> dict:
+def sharded_state_dict(model_chunks: list, optimizer, is_loading: bool = False, rng: bool = True) -> dict:
+    """What a checkpoint holds: the model, the optimizer unless it is None, the RNG states if `rng`."""
     state = _model_sharded_state_dict(model_chunks)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(
+        state[OPTIMIZER_KEY] = optimizer.sharded_state_dict(
             _model_sharded_state_dict(model_chunks) if len(model_chunks) > 1 else state["model"],
             is_loading=is_loading,
             metadata=OPTIMIZER_METADATA,
         )
-    state["rng_state"] = _rng_sharded_object(_layout_key())
+    if rng:
+        state[RNG_KEY] = _rng_sharded_object(_layout_key())
     return state
 
 
@@ -103,11 +108,14 @@ def save_checkpoint(
     common: dict[str, Any],
     keep_last: Optional[int] = None,
     async_queue: Optional[AsyncCallsQueue] = None,
+    save_rng: bool = True,
 ) -> Path:
     """Write checkpoint `iteration` under `root`; `common` is plain state (same on all ranks).
-    With `async_queue` (no save of it outstanding), the tensors are written in the background
-    and the checkpoint is published when the queue finalises the request."""
-    state = sharded_state_dict(model_chunks, optimizer)
+    Without `optimizer` (None) the checkpoint holds no optimizer state, without `save_rng` no
+    RNG states (Megatron-LM's --no-save-optim / --no-save-rng). With `async_queue` (no save of
+    it outstanding), the tensors are written in the background and the checkpoint is published
+    when the queue finalises the request."""
+    state = sharded_state_dict(model_chunks, optimizer, rng=save_rng)
     state["common"] = common
     if async_queue is None:
         return write_staged(root, iteration, lambda folder: dist_checkpointing.save(state, str(folder)), keep_last)
@@ -228,6 +236,31 @@ def load_common(root: str | os.PathLike, iteration: int) -> dict[str, Any]:
     return common["common"]
 
 
+def held_states(root: str | os.PathLike, iteration: int, field: str = "checkpoint.load") -> frozenset[str]:
+    """The top-level keys of what checkpoint `iteration` holds (model keys, OPTIMIZER_KEY,
+    RNG_KEY), read from its metadata file alone; one that cannot be read raises naming `field`."""
+    folder = iteration_dir(root, iteration)
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # missing or damaged: whatever torch raises for it
+        raise ConfigError(field, f"{folder} cannot be loaded: {_cause(e)}") from e
+    return frozenset(re.split(r"[./]", key, maxsplit=1)[0] for key in metadata.state_dict_metadata)
+
+
+def check_holds_optimizer(
+    root: str | os.PathLike, iteration: int, field: str = "checkpoint.load", held: Optional[frozenset[str]] = None
+) -> None:
+    """A resume that restores the optimizer needs a checkpoint that holds it (`held`: its
+    `held_states`, read when not given). Megatron-LM stops there too, asking for --no-load-optim
+    or --finetune; a missing RNG state it tolerates, and so does `load_checkpoint`."""
+    if OPTIMIZER_KEY not in (held if held is not None else held_states(root, iteration, field)):
+        raise ConfigError(
+            field,
+            f"{iteration_dir(root, iteration)} holds no optimizer state (saved with --no-save-optim, "
+            "checkpoint.save_optim=false): resume it with --no-load-optim (checkpoint.load_optim=false) or --finetune",
+        )
+
+
 def load_checkpoint(
     root: str | os.PathLike,
     iteration: int,
@@ -237,13 +270,15 @@ def load_checkpoint(
     field: str = "checkpoint.load",
 ) -> dict[str, Any]:
     """Load model (and optimizer) state of `iteration` into the current layout; returns the
-    common state. RNG states are restored only when `load_rng` (same TP x PP layout). A
-    checkpoint that cannot be read (a shard cut short, another model's shapes) raises one line
-    naming `field` and its path."""
+    common state. RNG states are restored only when `load_rng` (same TP x PP layout) and the
+    checkpoint holds them. A checkpoint that cannot be read (a shard cut short, another model's
+    shapes, no optimizer state for an `optimizer`) raises one line naming `field` and its path."""
     path = str(iteration_dir(root, iteration))
-    template = sharded_state_dict(model_chunks, optimizer, is_loading=True)
-    if not load_rng:
-        template.pop("rng_state")
+    held = held_states(root, iteration, field)
+    if optimizer is not None:
+        check_holds_optimizer(root, iteration, field, held)
+    load_rng = load_rng and RNG_KEY in held  # Megatron-LM ignores a missing one
+    template = sharded_state_dict(model_chunks, optimizer, is_loading=True, rng=load_rng)
     try:
         state = dist_checkpointing.load(template, path)
     except (Exception, CheckpointException) as e:  # every rank raises it: torch gathers the readers' failures
@@ -254,9 +289,9 @@ def load_checkpoint(
         for i, m in enumerate(model_chunks):
             unwrap_model(m).load_state_dict(state[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state[OPTIMIZER_KEY])
     if load_rng:
-        _restore_rng(state["rng_state"])
+        _restore_rng(state[RNG_KEY])
     return load_common(root, iteration)
 
 

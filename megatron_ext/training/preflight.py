@@ -186,6 +186,8 @@ def check_load(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
         if checkpoint.step is None:
             return
     _check_checkpoint("checkpoint.load", root, checkpoint.step, model, field_of_step="checkpoint.step")
+    if checkpoint.load_optim and not checkpoint.finetune:
+        _checkpoint_module().check_holds_optimizer(root, checkpoint.step or tracker.latest_iteration(root))
 
 
 def _same_dir(a: str, b: Optional[str]) -> bool:
@@ -214,14 +216,19 @@ def _check_checkpoint(
         raise ConfigError(field, f"{folder} holds another model shape: {'; '.join(differing)}")
 
 
-def _saved_model(field: str, root: str, iteration: int) -> dict[str, Any]:
-    """The model section of the config that wrote the checkpoint ({} when it has none)."""
+def _checkpoint_module():
+    """training/checkpoint.py, imported (with megatron) only when there is a checkpoint to read."""
     with warnings.catch_warnings():  # megatron's import notes are the workers' to print
         warnings.simplefilter("ignore")
-        from megatron_ext.training import checkpoint as ckpt  # megatron: only when there is one to read
+        from megatron_ext.training import checkpoint as ckpt
 
+    return ckpt
+
+
+def _saved_model(field: str, root: str, iteration: int) -> dict[str, Any]:
+    """The model section of the config that wrote the checkpoint ({} when it has none)."""
     try:
-        common = ckpt.load_common(root, iteration)
+        common = _checkpoint_module().load_common(root, iteration)
     except Exception as e:  # a missing or damaged common.pt, whatever megatron raises for it
         raise ConfigError(field, f"{tracker.iteration_dir(root, iteration)} is not a readable checkpoint ({_one_line(e)})") from None
     model = (common.get("config") or {}).get("model") or {}

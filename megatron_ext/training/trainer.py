@@ -637,14 +637,19 @@ class Trainer:
     def save(self) -> None:
         # An async save first waits for the one before it: a save clears unpublished staging.
         self._finalize_saves()
+        c = self.cfg.checkpoint
+        common = self.common_state()
+        if not c.save_optim:  # Megatron-LM's --no-save-optim leaves out the lr schedule too
+            del common["scheduler"]
         ckpt.save_checkpoint(
-            self.cfg.checkpoint.save,
+            c.save,
             self.state.iteration,
             self.model,
-            self.optimizer,
-            self.common_state(),
-            keep_last=self.cfg.checkpoint.keep_last,
+            self.optimizer if c.save_optim else None,
+            common,
+            keep_last=c.keep_last,
             async_queue=self._async_saves,
+            save_rng=c.save_rng,
         )
 
     def _finalize_saves(self, blocking: bool = True) -> None:

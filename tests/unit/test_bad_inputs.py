@@ -115,6 +115,7 @@ CASES = {
     "load_not_a_checkpoint": (["checkpoint.load={d}/not_ckpt"], "checkpoint.load", "{d}/not_ckpt holds no"),
     "load_step_missing": (["checkpoint.load={d}/small_ckpt", "checkpoint.step=7", "model.num_layers=2", "model.hidden_size=64"], "checkpoint.step", "{d}/small_ckpt/iter_0000007 is missing"),
     "load_other_shape": (["checkpoint.load={d}/small_ckpt"], "checkpoint.load", "model.num_layers=4 but the checkpoint has 2; model.hidden_size=128 but the checkpoint has 64"),
+    "load_without_optimizer_state": (["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64"], "checkpoint.load", "{d}/small_ckpt/iter_0000003 holds no optimizer state (saved with --no-save-optim, checkpoint.save_optim=false): resume it with --no-load-optim"),
     "pretrained_other_shape": (["model.pretrained={d}/small_ckpt"], "model.pretrained", "{d}/small_ckpt/iter_0000003 holds another model shape"),
     "save_not_creatable": (["checkpoint.save=/proc/self/ckpt"], "checkpoint.save", "/proc/self/ckpt is not writable"),
     "iters_not_int": (["train.iters=abc"], "train.iters", "expected int, got 'abc'"),
@@ -220,7 +221,8 @@ def test_cli_cases(inputs, tmp_path):
 GOOD = {
     "resume_if_present_first_run": ["checkpoint.save={t}/run", "checkpoint.load={t}/run"],
     "load_optional_missing": ["checkpoint.load={t}/missing", "checkpoint.load_optional=true"],
-    "same_shape_checkpoint": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64"],
+    # The checkpoint is model-only: resumed without its optimizer, as Megatron-LM's --no-load-optim.
+    "same_shape_checkpoint": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64", "checkpoint.load_optim=false"],
 }
 
 

@@ -427,7 +427,7 @@ def test_bad_command_lines(command, phrase):
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
         "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --freeze-base-for-mtp "
-        "--decrease-batch-size-if-needed --rope-type yarn --no-save-optim"
+        "--decrease-batch-size-if-needed --rope-type yarn --override-ckpt-iteration 5"
     )
     with pytest.raises(SystemExit) as info:
         main(shlex.split(command))
@@ -436,8 +436,7 @@ def test_one_message_lists_every_refused_flag(capsys):
         "error: --foo: unknown Megatron-LM flag",
         "error: --decrease-batch-size-if-needed: the global batch is not decreased to fit: it "
         "must be divisible by --micro-batch-size * dp",
-        "error: --no-save-optim: a checkpoint here always holds the optimizer and RNG state "
-        "(--no-load-optim skips them)",
+        "error: --override-ckpt-iteration 5: megatron_ext has no config key for it",
         "error: --freeze-base-for-mtp: ModelOpt (quantization/distillation/export) is not part of "
         "this trainer",
         "error: --rope-type yarn: yarn is multi-latent attention's; other attention takes "

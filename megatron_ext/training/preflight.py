@@ -42,21 +42,16 @@ SHAPE_FIELDS = (
     "add_qkv_bias",
     "qk_layernorm",
     "multi_latent_attention",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
     "num_experts",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "moe_router_enable_expert_bias",
     "hybrid_pattern",
-    "mamba_num_heads",
-    "mamba_head_dim",
-    "mamba_num_groups",
-    "mamba_state_dim",
 )
+# Fields that shape tensors only when their feature (the key) is on: compared when it is on in
+# the config or in the checkpoint (its defaults differ between Megatron-LM's flags and ours).
+FEATURE_SHAPE_FIELDS = {
+    "multi_latent_attention": ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"),
+    "num_experts": ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias"),
+    "hybrid_pattern": ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups", "mamba_state_dim"),
+}
 
 
 def check_inputs(cfg: Config) -> None:
@@ -209,11 +204,19 @@ def _check_checkpoint(
     saved = _saved_model(field, root, iteration)
     differing = [
         f"model.{name}={getattr(model, name)!r} but the checkpoint has {saved[name]!r}"
-        for name in SHAPE_FIELDS
+        for name in _shape_fields(model, saved)
         if name in saved and saved[name] != getattr(model, name)
     ]
     if differing:
         raise ConfigError(field, f"{folder} holds another model shape: {'; '.join(differing)}")
+
+
+def _shape_fields(model: ModelConfig, saved: dict[str, Any]) -> list[str]:
+    fields = list(SHAPE_FIELDS)
+    for feature, names in FEATURE_SHAPE_FIELDS.items():
+        if getattr(model, feature) or saved.get(feature):
+            fields += names
+    return fields
 
 
 def _checkpoint_module():

@@ -223,6 +223,8 @@ GOOD = {
     "load_optional_missing": ["checkpoint.load={t}/missing", "checkpoint.load_optional=true"],
     # The checkpoint is model-only: resumed without its optimizer, as Megatron-LM's --no-load-optim.
     "same_shape_checkpoint": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64", "checkpoint.load_optim=false"],
+    # MLA is off on both sides, so its ranks shape nothing (Megatron-LM's --kv-lora-rank default is 32).
+    "unused_mla_rank_differs": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64", "checkpoint.load_optim=false", "model.kv_lora_rank=32"],
 }
 
 

@@ -27,6 +27,9 @@ processors (a CPU host: every copy is a core's work) also no sooner than the nod
 work spread over them:
     round     = round_collectives · collective + max(max_r work(r),
                                                      max_node Σ_{r on node} work(r) / cores)
+A phased transport (shared memory: every rank packs, a barrier, every rank unpacks) has two
+such maxima per round, one over the send phase's work (packs, local copies, sends) and one
+over the receive phase's (unpacks, receives), each with only its own messages and copies.
     transfer  = setup_s + arena / setup_bandwidth + Σ rounds + collective
 where arena is the largest bytes a rank sends in one round (what the shared-memory transport
 reserves per move), and the final collective is the ranks' success report.
@@ -120,7 +123,8 @@ class Cluster:
     round_collectives: int = 0  # barriers the transport needs per round
     setup_s: float = 0.0  # the transport's setup per move
     setup_bandwidth: float = math.inf  # arena bytes per second reserved at setup
-    cores_per_node: Optional[int] = None  # copy engines a node's ranks share; None: each its own
+    cores_per_node: Optional[float] = None  # copy engines a node's ranks share; None: each its own
+    phased: bool = False  # a barrier between a round's sends and its receives (shared memory)
     topology: str = "full-bisection fat tree between nodes, non-blocking NVSwitch within a node"
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
@@ -154,51 +158,85 @@ def collective_seconds(cluster: Cluster, world: int) -> float:
     return cluster.collective_step_s * math.ceil(math.log2(max(world, 2)))
 
 
-def rank_work(transfers: Round, cluster: Cluster) -> dict[int, float]:
-    """Each rank's seconds of work in one round (module docstring: work(r))."""
-    sent: dict = defaultdict(int)  # (rank, class) -> bytes
-    received: dict = defaultdict(int)
-    peers: dict = defaultdict(set)  # (rank, class) -> {(direction, peer)}
-    copies: dict[int, int] = defaultdict(int)
-    local: dict[int, int] = defaultdict(int)
+# The parts of a round a rank's work is counted for: all of it, or (a phased transport) the
+# send phase (packs and local copies) and the receive phase (unpacks).
+ALL, SEND, RECEIVE = "all", "send", "receive"
+
+
+@dataclasses.dataclass
+class _RankRound:
+    """One rank's share of one round, per link class."""
+
+    sent: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
+    received: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
+    to: dict = dataclasses.field(default_factory=lambda: defaultdict(set))  # class -> peers
+    heard: dict = dataclasses.field(default_factory=lambda: defaultdict(set))
+    packs: int = 0
+    unpacks: int = 0
+    local_copies: int = 0
+    local: int = 0
+
+
+def _shares(transfers: Round, cluster: Cluster) -> dict[int, _RankRound]:
+    shares: dict[int, _RankRound] = defaultdict(_RankRound)
     for t in transfers:
         if t.local:
-            local[t.src] += t.nbytes
-            copies[t.src] += t.copies
+            shares[t.src].local += t.nbytes
+            shares[t.src].local_copies += t.copies
             continue
         link = "intra" if cluster.node(t.src) == cluster.node(t.dst) else "inter"
-        sent[t.src, link] += t.nbytes
-        received[t.dst, link] += t.nbytes
-        peers[t.src, link].add(("to", t.dst))
-        peers[t.dst, link].add(("from", t.src))
-        copies[t.src] += t.copies  # packed by the sender
-        copies[t.dst] += t.copies  # unpacked by the receiver
-    ranks = set(copies) | set(local)
-    return {
-        r: cluster.copy_overhead_s * copies[r]
-        + max(_network(cluster, r, link, sent, received, peers) for link in ("intra", "inter"))
-        + local[r] / cluster.copy_bandwidth
-        for r in ranks
-    }
+        out, into = shares[t.src], shares[t.dst]
+        out.sent[link] += t.nbytes
+        out.to[link].add(t.dst)
+        out.packs += t.copies
+        into.received[link] += t.nbytes
+        into.heard[link].add(t.src)
+        into.unpacks += t.copies
+    return shares
 
 
-def _network(cluster: Cluster, rank: int, link: str, sent: dict, received: dict, peers: dict) -> float:
-    spec: Link = getattr(cluster, link)
-    out, into = sent.get((rank, link), 0), received.get((rank, link), 0)
-    wire = max(out, into) if spec.duplex else out + into
-    return spec.latency_s * len(peers.get((rank, link), ())) + wire / spec.bandwidth
+def _work(share: _RankRound, cluster: Cluster, part: str) -> float:
+    """Seconds of `part` of a rank's round (module docstring: work(r), or a phase of it)."""
+    copies = {ALL: share.packs + share.unpacks + share.local_copies,
+              SEND: share.packs + share.local_copies, RECEIVE: share.unpacks}[part]
+    network = max(_network(share, getattr(cluster, name), name, part) for name in ("intra", "inter"))
+    local = 0.0 if part == RECEIVE else share.local / cluster.copy_bandwidth
+    return cluster.copy_overhead_s * copies + network + local
 
 
-def round_seconds(transfers: Round, cluster: Cluster, world: int) -> float:
-    """One round: its barriers, then until its slowest rank (or busiest shared node) is done."""
-    work = rank_work(transfers, cluster)
+def _network(share: _RankRound, link: Link, name: str, part: str) -> float:
+    out, into = share.sent.get(name, 0), share.received.get(name, 0)
+    peers_out, peers_in = len(share.to.get(name, ())), len(share.heard.get(name, ()))
+    if part == SEND:
+        return link.latency_s * peers_out + out / link.bandwidth
+    if part == RECEIVE:
+        return link.latency_s * peers_in + into / link.bandwidth
+    wire = max(out, into) if link.duplex else out + into
+    return link.latency_s * (peers_out + peers_in) + wire / link.bandwidth
+
+
+def rank_work(transfers: Round, cluster: Cluster, part: str = ALL) -> dict[int, float]:
+    """Each rank's seconds of work in one round, or in one phase of it."""
+    return {rank: _work(share, cluster, part) for rank, share in _shares(transfers, cluster).items()}
+
+
+def _longest(work: dict[int, float], cluster: Cluster) -> float:
+    """Until the slowest rank is done, and on shared cores the busiest node's work spread."""
     longest = max(work.values(), default=0.0)
     if cluster.cores_per_node:
         per_node: dict[int, float] = defaultdict(float)
         for rank, seconds in work.items():
             per_node[cluster.node(rank)] += seconds
         longest = max(longest, max(per_node.values(), default=0.0) / cluster.cores_per_node)
-    return cluster.round_collectives * collective_seconds(cluster, world) + longest
+    return longest
+
+
+def round_seconds(transfers: Round, cluster: Cluster, world: int) -> float:
+    """One round: its barriers, then until its slowest rank (or busiest shared node) is done;
+    with a phased transport, the send phase's and then the receive phase's."""
+    parts = (SEND, RECEIVE) if cluster.phased else (ALL,)
+    work = sum(_longest(rank_work(transfers, cluster, part), cluster) for part in parts)
+    return cluster.round_collectives * collective_seconds(cluster, world) + work
 
 
 def transfer_seconds(traffic: list[Round], cluster: Cluster, world: int) -> float:
@@ -339,12 +377,16 @@ H100_CLASS = Cluster(
 
 
 def describe(cluster: Cluster) -> dict:
-    """The cluster as JSON-ready data, infinities as null."""
-    def plain(value):
-        if isinstance(value, float) and math.isinf(value):
-            return None
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return value
+    """The cluster as JSON-ready data."""
+    return jsonable(dataclasses.asdict(cluster))
 
-    return plain(dataclasses.asdict(cluster))
+
+def jsonable(value):
+    """`value` with infinities and NaN as None (JSON has neither), through dicts and lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value

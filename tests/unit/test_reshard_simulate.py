@@ -68,6 +68,11 @@ CASES = {
     "inter-node, not duplex": (
         {"inter": sim.Link(bandwidth=100.0, latency_s=0.5, duplex=False)}, [HAND_ROUND], 2, 7.4 + 0.2
     ),
+    # Phased (a barrier between packing and unpacking). Send phase: rank 0 packs 2 and copies 1
+    # (0.3) + 1 peer 0.5 + 300 / 100 + local 2.0 = 5.8; rank 1 0.1 + 0.5 + 1.0 = 1.6. Receive
+    # phase: rank 0 0.1 + 0.5 + 1.0 = 1.6; rank 1 unpacks 2: 0.2 + 0.5 + 3.0 = 3.7.
+    # Round 5.8 + 3.7 = 9.5; transfer 9.5 + 0.2.
+    "phased": ({"phased": True}, [HAND_ROUND], 2, 9.5 + 0.2),
     # Three rounds: 6.4, then rank 1 -> 0 200 bytes (each rank 0.1 + 0.5 + 2.0 = 2.6), then a
     # local-only round on rank 1 (0.1 + 50 / 50 = 1.1); two barriers of 0.2 s per round:
     # 3 * 0.4 + 6.4 + 2.6 + 1.1 + the report 0.2.

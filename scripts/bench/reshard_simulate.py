@@ -2,7 +2,8 @@
 against measured live reshards.
 
     python scripts/bench/reshard_simulate.py --json scripts/bench/results/reshard_simulate_cpu.json
-    python scripts/bench/reshard_simulate.py --live-models llama_tiny:llama_moe_tiny --json out.json
+    python scripts/bench/reshard_simulate.py --live-models llama_tiny:llama_moe_tiny --measured --json x.json
+    python scripts/bench/reshard_simulate.py --reuse earlier.json --json again.json  # predict only
 
 One launch of `--nproc` local gloo workers (the reshard benchmark's world):
 
@@ -26,7 +27,10 @@ One launch of `--nproc` local gloo workers (the reshard benchmark's world):
 
 The JSON has the micro-benchmark, the machine's description, per transition the predicted and
 measured parts (agree, switch, transfer), stall (and where measured the stall built at the
-switch and the tmpfs checkpoint route) with errors, summaries, and the H100-class cluster.
+switch and the tmpfs checkpoint route) with errors, the same move on the H100-class cluster,
+summaries per source, the same summaries with the collective as this run's moves met it (their
+median agree part: a diagnostic, fitted), the stall of each transition here against the stored
+runs' (`run_to_run`: the machine's own spread), and every live move's record.
 """
 
 from __future__ import annotations
@@ -63,16 +67,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", required=True, help="where the results go")
     p.add_argument("--measured", nargs="*", default=[str(m) for m in MEASURED],
                    help="reshard.py result JSONs whose transitions are predicted too")
-    p.add_argument("--live-models", nargs="*", default=["llama_tiny:llama_moe_tiny"],
+    p.add_argument("--live-models", nargs="*", default=["llama_tiny:llama_moe_tiny", "llama_100m:llama_moe_100m"],
                    help="DENSE:MOE model presets whose transitions are measured live in this run")
     p.add_argument("--live-repeats", type=int, default=3, help="cycles of each chain measured live")
     p.add_argument("--budget-mb", type=float, default=64.0, help="the live moves' staging budget")
     p.add_argument("--nproc", type=int, default=4, help="local gloo workers")
     p.add_argument("--repeats", type=int, default=5, help="repeats of each micro-benchmark point (median)")
+    p.add_argument("--reuse", help="an earlier --json of this script: predict again from its "
+                   "micro-benchmark and live moves instead of measuring")
     args = p.parse_args(argv)
-    for path in args.measured:
+    for path in [*args.measured, *([args.reuse] if args.reuse else [])]:
         if not Path(path).is_file():
-            p.error(f"--measured: {path} is not a file")
+            p.error(f"--measured / --reuse: {path} is not a file")
     for pair in args.live_models:
         if pair.count(":") != 1:
             p.error(f"--live-models: {pair!r} is not DENSE:MOE")
@@ -304,7 +310,7 @@ def _op(src: int, dst: int, nbytes: int):
 
 
 def _inner(nbytes: int) -> int:
-    return max(3, min(50, (1 << 27) // nbytes))
+    return max(5, min(50, (1 << 28) // nbytes))
 
 
 # --- 3. the machine's description and the predictions --------------------------------------------
@@ -504,11 +510,32 @@ def predict(case: Case, cluster: sim.Cluster) -> dict:
                          ckpt_tmpfs_load_s=ckpt.build + ckpt.load, ckpt_tmpfs_s=ckpt.total)
     row = {"source": case.source, "label": t["label"], "model": t["model"], "bytes_moved": t["bytes_moved"],
            "rounds": t["rounds"], "repeats": t.get("repeats", 1)}
+    # The predicted stall is agree + switch + transfer; the measured one also has prepare and
+    # finish (waiting for a finished preparation, handing the old layout to a thread: ~0).
     for key, p in predicted.items():
         row[key] = {"predicted": p, "measured": t[key], "error": p / t[key] - 1}
-    # The prediction's stall is agree + switch + transfer; the measured one also has prepare
-    # and finish (waiting for a finished preparation, handing the old layout to a thread: ~0).
+    row["h100_class"] = on_h100(case)
     return row
+
+
+def on_h100(case: Case) -> dict:
+    """The same move's stall and checkpoint route on the H100-class cluster (one node here)."""
+    live = sim.stall(case.traffic, sim.H100_CLASS, case.world)
+    ckpt = sim.checkpoint_route(case.held_a, case.held_b, case.state, sim.H100_CLASS)
+    return {"stall_s": live.total, "transfer_s": live.transfer, "ckpt_s": ckpt.total,
+            "ratio_ckpt_over_stall": ckpt.total / live.total}
+
+
+def run_to_run(rows: list[dict]) -> list[dict]:
+    """The same transition's stall measured in this run and in a stored run: how much the
+    machine alone moves a measurement."""
+    here = {(r["model"], r["label"]): r["stall_s"]["measured"] for r in rows if r["source"] == "this run"}
+    return [
+        {"label": r["label"], "model": r["model"], "stored": r["source"], "this_run_s": here[key],
+         "stored_s": r["stall_s"]["measured"], "ratio": here[key] / r["stall_s"]["measured"]}
+        for r in rows
+        if r["source"] != "this run" and (key := (r["model"], r["label"])) in here
+    ]
 
 
 def summary(rows: list[dict], key: str) -> dict:
@@ -533,11 +560,35 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['source'][-25:]:<26}{r['label']:<22}{r['model']:<16}{cells}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+def measure(args: argparse.Namespace) -> dict:
+    """The micro-benchmark and the live moves: run now, or those of an earlier run (--reuse)."""
+    if args.reuse:
+        earlier = json.loads(Path(args.reuse).read_text())
+        return {"micro_benchmark": earlier["micro_benchmark"], "live": earlier["live_moves"]}
     from megatron_ext.platform.launch import launch_local
 
-    ran = launch_local(args.nproc, worker, (args,), "127.0.0.1", 0)[0]
+    return launch_local(args.nproc, worker, (args,), "127.0.0.1", 0)[0]
+
+
+def with_move_collective(cluster: sim.Cluster, live: list[Case], world: int) -> Optional[sim.Cluster]:
+    """`cluster` with the collective as the moves of this run met it: the median agree part
+    (one all-gather) in place of the micro-benchmark's all-reduce."""
+    if not live:
+        return None
+    agree = statistics.median(c.measured["agree_s"] for c in live)
+    return dataclasses.replace(cluster, collective_step_s=agree / math.ceil(math.log2(world)))
+
+
+def summaries(rows: list[dict]) -> dict:
+    by_source: dict[str, list[dict]] = {}
+    for r in rows:
+        by_source.setdefault(r["source"], []).append(r)
+    return {s: {k: summary(rs, k) for k in SUMMARISED} for s, rs in by_source.items()}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    ran = measure(args)
     machine = describe_machine(ran["micro_benchmark"], args.nproc)
     live = cases_of("this run", args.nproc, args.budget_mb, median_records(ran["live"]))
     stored = []
@@ -550,7 +601,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cluster = machine_cluster(machine, args.nproc, constants)
     rows = [predict(c, cluster) for c in live + stored]
     print_table(rows)
-    by_source = {s: [r for r in rows if r["source"] == s] for s in dict.fromkeys(r["source"] for r in rows)}
+    moved = with_move_collective(cluster, live, args.nproc)
+    rows_moved = [predict(c, moved) for c in live + stored] if moved else []
     out = {
         "benchmark": "scripts/bench/reshard_simulate.py: the stall simulator against measured live reshards",
         "world": args.nproc,
@@ -562,14 +614,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         "constants": constants,
         "cluster": sim.describe(cluster),
         "transitions": rows,
-        "summary": {s: {k: summary(rs, k) for k in SUMMARISED} for s, rs in by_source.items()},
+        "summary": summaries(rows),
+        "collective_as_moves_met_it_s": moved.collective_step_s * math.ceil(math.log2(args.nproc)) if moved else None,
+        "summary_with_the_moves_collective": summaries(rows_moved),
+        "run_to_run": run_to_run(rows),
+        "live_moves": ran["live"],
         "h100_class": sim.describe(sim.H100_CLASS),
     }
     Path(args.json).write_text(json.dumps(sim.jsonable(out), indent=2) + "\n")
-    for source, s in out["summary"].items():
-        stall = s["stall_s"]
-        print(f"{source}: stall within 25% in {stall['within_25pct']}/{stall['of']}, "
-              f"median error {stall['median_abs_error']:.0%}, max {stall['max_abs_error']:.0%}")
+    for name, table in (("", out["summary"]), (" (the moves' collective)", out["summary_with_the_moves_collective"])):
+        for source, s in table.items():
+            stall = s["stall_s"]
+            print(f"{source}{name}: stall within 25% in {stall['within_25pct']}/{stall['of']}, "
+                  f"median error {stall['median_abs_error']:.0%}, max {stall['max_abs_error']:.0%}")
     print(f"wrote {args.json}")
     return 0
 

@@ -32,7 +32,8 @@ such maxima per round, one over the send phase's work (packs, local copies, send
 over the receive phase's (unpacks, receives), each with only its own messages and copies.
     transfer  = setup_s + arena / setup_bandwidth + Σ rounds + collective
 where arena is the largest bytes a rank sends in one round (what the shared-memory transport
-reserves per move), and the final collective is the ranks' success report.
+reserves per move; no setup when nothing crosses the network), and the final collective is the
+ranks' success report.
 
 Topology: inter-node traffic crosses a full-bisection fat tree, so a rank's inter-node sends
 and receives are limited only by its own NIC, whatever the pattern (no congestion, no
@@ -57,7 +58,7 @@ The checkpoint route (save in A, build B, load in B):
                                 Σ_r held_B(r) / min(nodes · read_per_node, read_aggregate))
     route  = save + build(B) + load
 A rank works through everything it holds (replicas included); the storage sees the state
-written once and read by every rank that holds a part of it.
+written once and read by every rank that holds a part of it; nodes are those holding state.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.distributed
 DP4 = ["launcher.nproc=4", "parallel.dp=4"]
 # The default experiment's kind of job: a reshard worker pool at TP2 x PP2.
 POOL = ["launcher.nproc=4", "parallel.tp=2", "parallel.pp=2", "plugins=[reshard]"]
+# A pool whose layout uses 2 of its 3 workers: the last one waits on standby, in no world.
+POOL_WITH_STANDBY = ["launcher.nproc=3", "parallel.tp=2", "parallel.dp=1", "plugins=[reshard]"]
 
 # name: (job, the process signalled, the signal, when: while training, or as soon as the
 # workers exist: while they import and build their model)
@@ -31,6 +33,7 @@ CASES = {
     "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
     "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
     "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
+    "SIGTERM to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGTERM, "training"),
 }
 SLOW_CASES = {
     "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
@@ -39,6 +42,8 @@ SLOW_CASES = {
     "SIGINT to the launcher": (DP4, "launcher", signal.SIGINT, "training"),
     "SIGTERM to one worker in its setup": (DP4, "worker", signal.SIGTERM, "setup"),
     "SIGUSR1 to a worker pool's launcher": (POOL, "launcher", signal.SIGUSR1, "training"),
+    "SIGINT to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGINT, "training"),
+    "SIGUSR1 to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGUSR1, "training"),
 }
 
 

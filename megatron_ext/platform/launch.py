@@ -24,7 +24,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_ext.platform.local_workers import REFUSED_EXIT_CODE, LocalWorkers, note_refusal, register
+from megatron_ext.platform.local_workers import (
+    REFUSED_EXIT_CODE,
+    LaunchFailed,
+    LocalWorkers,
+    note_refusal,
+    note_stop_request,
+    register,
+)
 from megatron_ext.platform.signals import FORWARDED_BY_FORKSERVER, preemption_signals
 
 
@@ -184,7 +191,8 @@ def launch_local(
 ) -> dict[int, Any]:
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
-    `max_restarts` times; then LaunchFailed names the first worker that failed. A worker that
+    `max_restarts` times, but not once the job was asked to stop; then LaunchFailed names the
+    first worker that failed. A worker that
     raises one of `refusals` (bad input) ends the launch at once: LaunchRefused, its one line. With
     `preempt_timeout_s` (workers that stop at a step boundary on a pre-emption signal), a
     signal to this process is forwarded to the workers (platform/local_workers.py); a second
@@ -197,6 +205,7 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from megatron_ext.platform import stop_rendezvous
     interface_of(master_addr)  # refused here, before a worker starts
     limit_cpu_threads(nproc)
     start_method = "spawn" if torch.cuda.is_available() else "forkserver"
@@ -216,8 +225,9 @@ def launch_local(
             max_nodes=1,
             nproc_per_node=nproc,
             run_id=f"megatron_ext_{os.getpid()}",
-            rdzv_backend="c10d",
+            rdzv_backend=stop_rendezvous.BACKEND,  # c10d's, with no restart after a stop request
             rdzv_endpoint=f"{master_addr}:{port}",
+            rdzv_configs={stop_rendezvous.FOLDER_KEY: workers.folder},
             max_restarts=max_restarts,
             monitor_interval=0.5,
             start_method=start_method,
@@ -239,6 +249,8 @@ def launch_local(
             if refused is not None:
                 raise refused from None
             raise workers.failure(e) from e
+        except stop_rendezvous.RestartRefused as e:
+            raise LaunchFailed(f"{workers.failure(e)}; {e}") from e
 
 
 def interface_of(address: str) -> str:
@@ -358,7 +370,8 @@ class _LocalWorker:
             signal.signal(signum, signal.SIG_DFL)
         signals = contextlib.nullcontext()
         if self.preemption:
-            signals = preemption_signals(self.deadline_s, from_launcher=True)
+            noted = functools.partial(note_stop_request, self.folder)
+            signals = preemption_signals(self.deadline_s, from_launcher=True, on_request=noted)
         with signals:
             if self.environ is not None:
                 from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}

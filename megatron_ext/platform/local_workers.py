@@ -70,12 +70,23 @@ class LaunchRefused(RuntimeError):
 REFUSED_EXIT_CODE = 2
 _REGISTERED = re.compile(r"(\d+)_(\d+)")  # attempt_localrank: a worker's pid
 _REFUSED = re.compile(r"refused\.(\d+)")  # refused.rank: its one line
+_STOP_REQUESTED = "stop_requested"  # the launcher or a worker noted a pre-emption request
 
 
 def register(folder: str) -> None:
     """In a worker: record this process as the worker of its local rank in this attempt."""
     attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ["LOCAL_RANK"]
     Path(folder, f"{attempt}_{rank}").write_text(str(os.getpid()))
+
+
+def note_stop_request(folder: str) -> None:
+    """In the launcher or a worker: mark that the job was asked to stop (it then ends rather
+    than restart after a failure: stop_rendezvous.py)."""
+    Path(folder, _STOP_REQUESTED).touch()
+
+
+def stop_requested(folder: str) -> bool:
+    return Path(folder, _STOP_REQUESTED).exists()
 
 
 def note_refusal(folder: str, error: BaseException) -> None:
@@ -151,6 +162,7 @@ class LocalWorkers:
         if not first:
             return  # the first request again, by another path
         say(f"launcher: {signal_name(signum)}: forwarded to the workers, waiting for their checkpoint")
+        note_stop_request(self.folder)
         self._forward()
         if self.deadline_s:
             self._deadline = threading.Timer(self.deadline_s, self._expire)
@@ -233,8 +245,8 @@ class LocalWorkers:
             self._ended.extend(watched.pop(sentinel) for sentinel in ready)
 
     def failure(self, error: Exception) -> LaunchFailed:
-        """What failed, from torch's ChildFailedError: the first worker of the last attempt
-        that ended with an error, and what ended it."""
+        """What failed, from torch's ChildFailedError (or a refused restart): the first worker
+        of the last attempt that ended with an error, and what ended it."""
         self._done.set()
         self._watcher.join()
         last = max((e.attempt for e in self._ended), default=0)

@@ -33,10 +33,15 @@ _STEP = re.compile(r"^iter\s+(\d+)/")
 
 
 class Job:
-    def __init__(self, overrides: Sequence[str], timeout_s: float = 240) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """`python -m megatron_ext.train overrides` (or `python *entry overrides`), with `env` added
+    to this process's environment."""
+
+    def __init__(
+        self, overrides: Sequence[str], timeout_s: float = 240, entry: Sequence[str] = ("-m", "megatron_ext.train"), **env: str
+    ) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ext.train", *overrides],
+            [sys.executable, *entry, *overrides],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

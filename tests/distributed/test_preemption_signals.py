@@ -1,8 +1,9 @@
 """Pre-emption as SLURM, torchrun and a terminal deliver it, to a job of 4 local workers
 (`python -m megatron_ext.train` in its own process group): whichever of its processes gets the
 signal, the job saves a complete checkpoint (a resume from it works) and exits 0, leaving no
-process behind; a second signal aborts and leaves the previous checkpoint the latest. Also: a
-killed worker is named, and a local job listens on 127.0.0.1 only."""
+process behind; a second signal aborts and leaves the previous checkpoint the latest; a worker
+that fails while the job stops ends the run, with no restart. Also: a killed worker is named,
+and a local job listens on 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -101,6 +102,32 @@ def test_abort_during_the_save_keeps_the_previous_checkpoint(dirs, settings, sec
     assert ckpt.latest_iteration(root) == previous
     assert not job.left_behind()
     _assert_resumes(root, paths, previous)
+
+
+FAULTS = Path(__file__).with_name("_faults.py")
+# What torch's elastic agent logs (at LOGLEVEL=INFO) each time it starts the workers.
+WORKERS_START = "Starting worker group"
+
+
+def test_a_worker_failing_during_the_stop_is_not_restarted(dirs):
+    root, paths = dirs
+    fault = ["plugins=[fault]", "fault.kind=raise_in_stop_save", "fault.rank=1"]
+    settings = [*TINY, *DP4, *paths, *fault, "launcher.max_restarts=2", "checkpoint.interval=2"]
+    job = Job(settings, entry=[str(FAULTS), "-"], LOGLEVEL="INFO")
+    job.wait_until(lambda: ckpt.latest_iteration(root) == 2 and job.last_step() >= 3, "the checkpoint of step 2")
+    job.signal("worker", signal.SIGTERM)  # rank 1 alone: the launcher learns of it from the worker
+    job.wait_until(lambda: job.process.poll() is not None or job.output.count(WORKERS_START) > 1, "the end or a restart")
+    starts = job.output.count(WORKERS_START)
+    if starts > 1:
+        job.kill()
+    assert starts == 1, "the workers were restarted after the stop request"
+    assert job.wait() == 1, job.output[-4000:]
+    assert "injected fault in the save after a stop request" in job.output
+    assert re.search(r"^error: rank 1 \(pid \d+\) failed first: exit code 1; .*; not restarted: the job was asked to stop$", job.output, re.M), job.output[-4000:]
+    assert not job.left_behind()
+    last = ckpt.latest_iteration(root)
+    assert last is not None and last >= 2 and last % 2 == 0, last  # a periodic save: the stop's failed
+    _assert_resumes(root, paths, last)
 
 
 def test_killed_worker_is_named(dirs):

@@ -192,8 +192,8 @@ def launch_local(
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
     `max_restarts` times, but not once the job was asked to stop; then LaunchFailed names the
-    first worker that failed. A worker that
-    raises one of `refusals` (bad input) ends the launch at once: LaunchRefused, its one line. With
+    first worker that failed. A worker that raises one of `refusals` (bad input) ends the
+    launch, never restarted: LaunchRefused, its one line. With
     `preempt_timeout_s` (workers that stop at a step boundary on a pre-emption signal), a
     signal to this process is forwarded to the workers (platform/local_workers.py); a second
     one, or no exit within `preempt_timeout_s` seconds (0: no deadline), raises LaunchAborted.
@@ -205,7 +205,8 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from megatron_ext.platform import stop_rendezvous
+    from megatron_ext.platform import no_restart_rendezvous as rendezvous
+
     interface_of(master_addr)  # refused here, before a worker starts
     limit_cpu_threads(nproc)
     start_method = "spawn" if torch.cuda.is_available() else "forkserver"
@@ -225,9 +226,9 @@ def launch_local(
             max_nodes=1,
             nproc_per_node=nproc,
             run_id=f"megatron_ext_{os.getpid()}",
-            rdzv_backend=stop_rendezvous.BACKEND,  # c10d's, with no restart after a stop request
+            rdzv_backend=rendezvous.BACKEND,  # c10d's, refusing restarts of a job that must end
             rdzv_endpoint=f"{master_addr}:{port}",
-            rdzv_configs={stop_rendezvous.FOLDER_KEY: workers.folder},
+            rdzv_configs={rendezvous.FOLDER_KEY: workers.folder},
             max_restarts=max_restarts,
             monitor_interval=0.5,
             start_method=start_method,
@@ -244,13 +245,13 @@ def launch_local(
             if workers.aborted is None:
                 raise
             raise workers.aborted from None
-        except ChildFailedError as e:
+        except (ChildFailedError, rendezvous.RestartRefused) as e:
             refused = workers.refusal()
             if refused is not None:
                 raise refused from None
+            if isinstance(e, rendezvous.RestartRefused):
+                raise LaunchFailed(f"{workers.failure(e)}; {e}") from e
             raise workers.failure(e) from e
-        except stop_rendezvous.RestartRefused as e:
-            raise LaunchFailed(f"{workers.failure(e)}; {e}") from e
 
 
 def interface_of(address: str) -> str:
@@ -344,11 +345,11 @@ class _LocalWorker:
     (local_workers.py), with `extra_env`, without the handlers it inherits from the forkserver;
     with `preemption`, noting pre-emption signals from its start (with `deadline_s`;
     platform/signals.py); exiting on an exception of `refusals` with its line noted
-    (local_workers.py) rather than a traceback. Under a forkserver also in `environ`, the launcher's environment of
-    the moment of the launch, plus the variables the elastic agent set for the rank, as a
-    spawned worker sees them: a forkserver's children inherit the server's environment instead,
-    the launcher's at the server's start (Python hands them the launcher's working directory
-    and import path itself)."""
+    (local_workers.py) rather than a traceback. Under a forkserver also in `environ`, the
+    launcher's environment of the moment of the launch, plus the variables the elastic agent
+    set for the rank, as a spawned worker sees them: a forkserver's children inherit the
+    server's environment instead, the launcher's at the server's start (Python hands them the
+    launcher's working directory and import path itself)."""
 
     def __init__(
         self,
@@ -370,8 +371,10 @@ class _LocalWorker:
             signal.signal(signum, signal.SIG_DFL)
         signals = contextlib.nullcontext()
         if self.preemption:
+            # noted when the ranks agree to stop, not when a signal comes: torch's agent
+            # signals the workers too, to end them after a failure
             noted = functools.partial(note_stop_request, self.folder)
-            signals = preemption_signals(self.deadline_s, from_launcher=True, on_request=noted)
+            signals = preemption_signals(self.deadline_s, from_launcher=True, on_stop=noted)
         with signals:
             if self.environ is not None:
                 from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}

@@ -80,13 +80,20 @@ def register(folder: str) -> None:
 
 
 def note_stop_request(folder: str) -> None:
-    """In the launcher or a worker: mark that the job was asked to stop (it then ends rather
-    than restart after a failure: stop_rendezvous.py)."""
+    """In the launcher (a signal) or a worker (the ranks agreed to stop): mark that the job was
+    asked to stop (it then ends rather than restart after a failure: no_restart_rendezvous.py)."""
     Path(folder, _STOP_REQUESTED).touch()
 
 
-def stop_requested(folder: str) -> bool:
-    return Path(folder, _STOP_REQUESTED).exists()
+def why_not_restart(folder: str) -> Optional[str]:
+    """Why the job of the launch in `folder` must end rather than restart after a failure
+    (None: it may restart)."""
+    names = os.listdir(folder)
+    if _STOP_REQUESTED in names:
+        return "the job was asked to stop"
+    if any(_REFUSED.fullmatch(name) for name in names):
+        return "a worker refused its input"
+    return None
 
 
 def note_refusal(folder: str, error: BaseException) -> None:

@@ -57,17 +57,17 @@ class SignalCount:
 
 
 class PreemptionSignals:
-    """A worker's pre-emption requests: the first is noted (`signum`; `on_request` is called),
-    a second one or no exit `deadline_s` after the first ends the process. `from_launcher`: also
-    note FORWARDED_REQUEST (a worker of launch_local)."""
+    """A worker's pre-emption requests: the first is noted (`signum`), a second one or no exit
+    `deadline_s` after the first ends the process. `from_launcher`: also note FORWARDED_REQUEST
+    (a worker of launch_local). `on_stop` is called when the ranks agreed to stop (`stopping`)."""
 
     def __init__(
         self,
         deadline_s: Optional[float] = None,
         from_launcher: bool = False,
-        on_request: Optional[Callable[[], None]] = None,
+        on_stop: Optional[Callable[[], None]] = None,
     ) -> None:
-        self.deadline_s, self.on_request = deadline_s, on_request
+        self.deadline_s, self.on_stop = deadline_s, on_stop
         self.signum: Optional[int] = None  # the first request's signal
         self._count = SignalCount()  # of the signals sent to this process itself
         self._deadline: Optional[threading.Timer] = None
@@ -93,14 +93,18 @@ class PreemptionSignals:
     def _first(self, signum: int, what: str) -> None:
         self.signum = signum
         say(f"[pid {os.getpid()}] {what}: saving a checkpoint at the next step boundary, then stopping")
-        if self.on_request is not None:
-            self.on_request()
         if self.deadline_s:
             why = f"no exit {self.deadline_s:g} s after {what}"
             code = signal.SIGTERM if signum == FORWARDED_REQUEST else signum
             self._deadline = threading.Timer(self.deadline_s, _abort, (why, code))
             self._deadline.daemon = True
             self._deadline.start()
+
+    def stopping(self) -> None:
+        """The ranks agreed to stop (all of them were alive then): call `on_stop`, once."""
+        on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            on_stop()
 
     def close(self) -> None:
         """Give the signals back to their previous handlers, then let a chained handler see a
@@ -123,7 +127,7 @@ _CURRENT: Optional[PreemptionSignals] = None
 def preemption_signals(
     deadline_s: Optional[float] = None,
     from_launcher: bool = False,
-    on_request: Optional[Callable[[], None]] = None,
+    on_stop: Optional[Callable[[], None]] = None,
 ) -> Iterator[PreemptionSignals]:
     """This process's PreemptionSignals: the one installed further out (a local worker's, from
     its start), or new ones for the duration of the block."""
@@ -131,7 +135,7 @@ def preemption_signals(
     if _CURRENT is not None:
         yield _CURRENT
         return
-    _CURRENT = signals = PreemptionSignals(deadline_s, from_launcher, on_request)
+    _CURRENT = signals = PreemptionSignals(deadline_s, from_launcher, on_stop)
     try:
         yield signals
     finally:

@@ -8,7 +8,7 @@ destination piece during a reshard: `raise` raises an exception there, `kill` en
 on the spot; or, with `raise_in_setup`, raise in its first trainer's setup (on a standby
 worker: the trainer it builds ahead of joining); with `raise_ahead`, raise the first time it
 builds an optimizer in a background thread (the new layout built ahead); with
-`raise_in_stop_save`, raise in its first save after a pre-emption request. Only in the job's
+`raise_in_stop_save`, raise in the save of a pre-emption stop (the ranks agreed to stop). Only in the job's
 first attempt: a job the launcher restarts runs clean. The run's summary (losses and notes of
 the last attempt) is written to SUMMARY.json; with `-` instead, the run goes through
 `megatron_ext.train.main` (its exit codes and error lines).
@@ -60,7 +60,7 @@ class FaultPlugin(Plugin):
             trainer.build_optimizer = failing_build
             return
         if self.cfg.kind == "raise_in_stop_save":
-            _fail_the_save_after_a_stop_request(trainer)
+            _fail_the_stops_save(trainer)
             return
         if self.cfg.kind == "raise_in_setup":
             if not _FAILED_SETUP:
@@ -80,18 +80,21 @@ class FaultPlugin(Plugin):
         MegatronState.write = failing_write
 
 
-def _fail_the_save_after_a_stop_request(trainer) -> None:
+def _fail_the_stops_save(trainer) -> None:
     from megatron_ext.platform.signals import preemption_signals
 
-    save = trainer.save
+    with preemption_signals() as signals:  # the worker's own, from its start
+        stopping = signals.stopping
 
     def failing_save(*args, **kwargs):
-        with preemption_signals() as signals:  # the worker's own, from its start
-            if signals.signum is not None:
-                raise RuntimeError("injected fault in the save after a stop request")
-        return save(*args, **kwargs)
+        print("fault: raising in the save of the stop", file=sys.stderr, flush=True)  # for the test to see
+        raise RuntimeError("injected fault in the save of the stop")
 
-    trainer.save = failing_save
+    def stop_then_fail_the_save() -> None:
+        stopping()
+        trainer.save = failing_save
+
+    signals.stopping = stop_then_fail_the_save
 
 
 if __name__ == "__main__":

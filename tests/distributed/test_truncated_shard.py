@@ -98,3 +98,12 @@ def test_a_shard_the_ranks_cannot_read_is_one_line(saved, tmp_path):
     assert len(lines) == 2, lines
     assert lines[0] == "launcher: rank 0 refused its input; the workers stopped"
     assert lines[1].startswith(f"error: checkpoint.load: {ckpt.iteration_dir(root, 1)} cannot be loaded: "), lines
+
+
+@pytest.mark.slow  # the same refusal as above, with restarts allowed
+def test_a_refusal_is_not_restarted(saved, tmp_path):
+    root, _ = damaged_copy(saved, tmp_path, zero_the_end)
+    done = train(f"checkpoint.load={root}", "train.iters=2", "launcher.max_restarts=2", cwd=tmp_path, LOGLEVEL="INFO")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count(WORKERS_START) == 1, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(f"error: checkpoint.load: {ckpt.iteration_dir(root, 1)} cannot be loaded: ")

@@ -1,17 +1,17 @@
-"""The rendezvous of `launch_local`'s workers: torch's c10d one, which refuses to restart the job
-once it was asked to stop.
+"""The rendezvous of `launch_local`'s workers: torch's c10d one, which refuses to restart a job
+that must end.
 
 torch's elastic agent restarts failed workers (`launcher.max_restarts`) through a new
-rendezvous. After a pre-emption request the job is ending: a worker that fails while it saves
-must end the run, not start a new one that trains on from the last checkpoint past the request.
-Whether a request was made is read from the launch's folder, where the launcher and each worker
-mark the first one they note (local_workers.py). The backend is registered through torch's
-registry of rendezvous handlers, its documented extension point.
+rendezvous. Two failures must end the run instead: one after a pre-emption request (the job is
+ending; a restarted one would train on from the last checkpoint past the request) and a worker's
+refusal of its input (a restart would meet the same input). The launcher and the workers note
+both in the launch's folder (local_workers.py), which this rendezvous reads. The backend is
+registered through torch's registry of rendezvous handlers, its documented extension point.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -26,18 +26,19 @@ FOLDER_KEY = "megatron_ext_workers_folder"
 
 
 class RestartRefused(RuntimeError):
-    """The workers failed after the job was asked to stop: the job is not restarted."""
+    """The job failed and must not be restarted: the message says why."""
 
 
-class _StopAwareRendezvous(RendezvousHandler):
-    """torch's c10d rendezvous, refused after the first one once `stop_requested()`."""
+class _NoRestartRendezvous(RendezvousHandler):
+    """torch's c10d rendezvous, refused after the first one while `why_not()` says why."""
 
-    def __init__(self, inner: RendezvousHandler, stop_requested: Callable[[], bool]) -> None:
-        self._inner, self._stop_requested, self._rounds = inner, stop_requested, 0
+    def __init__(self, inner: RendezvousHandler, why_not: Callable[[], Optional[str]]) -> None:
+        self._inner, self._why_not, self._rounds = inner, why_not, 0
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self._rounds and self._stop_requested():
-            raise RestartRefused("not restarted: the job was asked to stop")
+        why = self._why_not() if self._rounds else None
+        if why is not None:
+            raise RestartRefused(f"not restarted: {why}")
         self._rounds += 1
         return self._inner.next_rendezvous()
 
@@ -65,14 +66,14 @@ class _StopAwareRendezvous(RendezvousHandler):
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
-    from megatron_ext.platform.local_workers import stop_requested
+    from megatron_ext.platform.local_workers import why_not_restart
 
     config = dict(params.config)
     folder = config.pop(FOLDER_KEY)
     c10d = RendezvousParameters(
         "c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes, params.local_addr, **config
     )
-    return _StopAwareRendezvous(rendezvous_handler_registry.create_handler(c10d), lambda: stop_requested(folder))
+    return _NoRestartRendezvous(rendezvous_handler_registry.create_handler(c10d), lambda: why_not_restart(folder))
 
 
 rendezvous_handler_registry.register(BACKEND, _create)

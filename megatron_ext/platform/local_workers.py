@@ -268,15 +268,17 @@ class LocalWorkers:
 
 
 class _QuietAfterRefusal(logging.Filter):
-    """Drops what torch's agent logs once a worker refused its input: its report of the
-    failure, the tracebacks and the stopping of the other workers; the refusal's one line says
-    it all."""
+    """Drops the warnings and errors torch's agent logs once a worker refused its input: its
+    report of the failure, the tracebacks and the stopping of the other workers; the refusal's
+    one line says it all. (Its progress, logged at INFO when asked for, stays.)"""
 
     def __init__(self, workers: LocalWorkers) -> None:
         super().__init__()
         self.workers = workers
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
         return not any(_REFUSED.fullmatch(name) for name in os.listdir(self.workers.folder))
 
 

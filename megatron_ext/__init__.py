@@ -10,6 +10,9 @@ for _message in (
     r"full scope is deprecated",
     r"The \.grad attribute of a Tensor that is not a leaf Tensor",
     r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    # megatron's checkpoint loader calls these deprecated torch functions on every resume
+    r"`load_state_dict` is deprecated",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 ):
     warnings.filterwarnings("ignore", message=_message)
 

@@ -20,12 +20,11 @@ from typing import Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
-from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed
+from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed, LaunchRefused
 from megatron_ext.plugin import build_plugins
 from megatron_ext.training.preflight import check_inputs
 
@@ -58,6 +57,7 @@ def run(cfg: Config) -> Optional[dict]:
             launcher.master_port,
             launcher.max_restarts,
             launcher.preempt_timeout_s if _stops_at_a_step(cfg) else None,
+            refusals=(ConfigError,),  # input only the ranks read: a damaged checkpoint
         )
         return results[0]
     return worker(cfg)
@@ -118,12 +118,13 @@ def _run_or_exit(cfg: Config) -> Optional[dict]:
         return run(cfg)
     except ConfigError as e:
         _fail(str(e))
+    except LaunchRefused as e:  # a worker's ConfigError: bad input only the ranks could read
+        print(f"launcher: rank {e.rank} refused its input; the workers stopped", file=sys.stderr)
+        _fail(str(e))
     except LaunchAborted as e:  # a second pre-emption signal, or the deadline
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except LaunchFailed as e:  # the workers' own tracebacks are above
-        if isinstance(e.__cause__, ChildFailedError):
-            _fail_if_refused(e.__cause__)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
@@ -160,16 +161,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
         _fail(_first_line(e))
     _run_or_exit(cfg)
-
-
-def _fail_if_refused(error: ChildFailedError) -> None:
-    """Workers that refused an input only they could read (a checkpoint shard cut short) raise
-    a ConfigError: its one line, as the launcher's own refusals."""
-    refusal = "ConfigError: "
-    for failure in error.failures.values():
-        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-        if message.startswith(refusal):
-            _fail(message[len(refusal):].splitlines()[0])
 
 
 def _check_overrides_of_hydra_run(argv: list[str]) -> None:

@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
@@ -23,7 +24,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_ext.platform.local_workers import LocalWorkers, register
+from megatron_ext.platform.local_workers import (
+    REFUSED_EXIT_CODE,
+    LaunchFailed,
+    LocalWorkers,
+    note_refusal,
+    note_stop_request,
+    register,
+)
 from megatron_ext.platform.signals import FORWARDED_BY_FORKSERVER, preemption_signals
 
 
@@ -179,10 +187,13 @@ def launch_local(
     master_port: int,
     max_restarts: int = 0,
     preempt_timeout_s: Optional[float] = None,
+    refusals: tuple[type[BaseException], ...] = (),
 ) -> dict[int, Any]:
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
-    `max_restarts` times; then LaunchFailed names the first worker that failed. With
+    `max_restarts` times, but not once the job was asked to stop; then LaunchFailed names the
+    first worker that failed. A worker that raises one of `refusals` (bad input) ends the
+    launch, never restarted: LaunchRefused, its one line. With
     `preempt_timeout_s` (workers that stop at a step boundary on a pre-emption signal), a
     signal to this process is forwarded to the workers (platform/local_workers.py); a second
     one, or no exit within `preempt_timeout_s` seconds (0: no deadline), raises LaunchAborted.
@@ -193,6 +204,8 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from megatron_ext.platform import no_restart_rendezvous as rendezvous
 
     interface_of(master_addr)  # refused here, before a worker starts
     limit_cpu_threads(nproc)
@@ -213,15 +226,18 @@ def launch_local(
             max_nodes=1,
             nproc_per_node=nproc,
             run_id=f"megatron_ext_{os.getpid()}",
-            rdzv_backend="c10d",
+            rdzv_backend=rendezvous.BACKEND,  # c10d's, refusing restarts of a job that must end
             rdzv_endpoint=f"{master_addr}:{port}",
+            rdzv_configs={rendezvous.FOLDER_KEY: workers.folder},
             max_restarts=max_restarts,
             monitor_interval=0.5,
             start_method=start_method,
             **_agent_signals(LaunchConfig, preemption),
         )
         listen_on = {LISTEN_ON_ENV: master_addr}
-        entry = _LocalWorker(worker, environ, listen_on, workers.folder, preemption, workers.worker_deadline_s)
+        entry = _LocalWorker(
+            worker, environ, listen_on, workers.folder, preemption, workers.worker_deadline_s, refusals
+        )
         try:
             with _worker_hosted_store():
                 return elastic_launch(config, entry)(*args)
@@ -229,7 +245,12 @@ def launch_local(
             if workers.aborted is None:
                 raise
             raise workers.aborted from None
-        except ChildFailedError as e:
+        except (ChildFailedError, rendezvous.RestartRefused) as e:
+            refused = workers.refusal()
+            if refused is not None:
+                raise refused from None
+            if isinstance(e, rendezvous.RestartRefused):
+                raise LaunchFailed(f"{workers.failure(e)}; {e}") from e
             raise workers.failure(e) from e
 
 
@@ -323,11 +344,12 @@ class _LocalWorker:
     """`worker` as a process of `launch_local` runs it: registered in the launch's folder
     (local_workers.py), with `extra_env`, without the handlers it inherits from the forkserver;
     with `preemption`, noting pre-emption signals from its start (with `deadline_s`;
-    platform/signals.py). Under a forkserver also in `environ`, the launcher's environment of
-    the moment of the launch, plus the variables the elastic agent set for the rank, as a
-    spawned worker sees them: a forkserver's children inherit the server's environment instead,
-    the launcher's at the server's start (Python hands them the launcher's working directory
-    and import path itself)."""
+    platform/signals.py); exiting on an exception of `refusals` with its line noted
+    (local_workers.py) rather than a traceback. Under a forkserver also in `environ`, the
+    launcher's environment of the moment of the launch, plus the variables the elastic agent
+    set for the rank, as a spawned worker sees them: a forkserver's children inherit the
+    server's environment instead, the launcher's at the server's start (Python hands them the
+    launcher's working directory and import path itself)."""
 
     def __init__(
         self,
@@ -337,17 +359,22 @@ class _LocalWorker:
         folder: str,
         preemption: bool,
         deadline_s: Optional[float],
+        refusals: tuple[type[BaseException], ...] = (),
     ) -> None:
         functools.update_wrapper(self, worker)  # the elastic agent names the job after it
         self.worker, self.environ, self.extra_env = worker, environ, extra_env
         self.folder, self.preemption, self.deadline_s = folder, preemption, deadline_s
+        self.refusals = refusals
 
     def __call__(self, *args: Any) -> Any:
         for signum in FORWARDED_BY_FORKSERVER:  # not to be chained to after a stop
             signal.signal(signum, signal.SIG_DFL)
         signals = contextlib.nullcontext()
         if self.preemption:
-            signals = preemption_signals(self.deadline_s, from_launcher=True)
+            # noted when the ranks agree to stop, not when a signal comes: torch's agent
+            # signals the workers too, to end them after a failure
+            noted = functools.partial(note_stop_request, self.folder)
+            signals = preemption_signals(self.deadline_s, from_launcher=True, on_stop=noted)
         with signals:
             if self.environ is not None:
                 from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
@@ -357,4 +384,8 @@ class _LocalWorker:
             if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP when the server loaded torch
                 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
             register(self.folder)
-            return self.worker(*args)
+            try:
+                return self.worker(*args)
+            except self.refusals as e:
+                note_refusal(self.folder, e)
+                sys.exit(REFUSED_EXIT_CODE)

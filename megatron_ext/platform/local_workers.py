@@ -8,7 +8,10 @@ aborts: the agent kills the workers (SIGKILL) and the launch raises LaunchAborte
 
 Failures: when a worker dies, the others fail on the connections to it soon after, and torch's
 agent reports whichever of them it looked at first. A watcher thread notes the order in which
-the workers end, so that the launch names the first that failed (LaunchFailed).
+the workers end, so that the launch names the first that failed (LaunchFailed). A worker that
+refuses its input (bad input only the ranks can see: a damaged checkpoint) notes its one line in
+the launch's folder and exits with REFUSED_EXIT_CODE; the launch then raises LaunchRefused, and
+torch's agent's report of the failure (its tracebacks and tables) is not printed.
 
 Each worker writes its pid to the launch's folder when it starts (`register`): the launcher's
 way to find its workers, which are the forkserver's children rather than its own.
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import _thread
 import dataclasses
+import logging
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -53,10 +58,47 @@ class LaunchFailed(RuntimeError):
     """A worker failed: the message names the first one."""
 
 
+class LaunchRefused(RuntimeError):
+    """A worker refused its input: the message is its one line."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+# A worker that refused its input exits with this code (the command line's for bad input).
+REFUSED_EXIT_CODE = 2
+_REGISTERED = re.compile(r"(\d+)_(\d+)")  # attempt_localrank: a worker's pid
+_REFUSED = re.compile(r"refused\.(\d+)")  # refused.rank: its one line
+_STOP_REQUESTED = "stop_requested"  # the launcher or a worker noted a pre-emption request
+
+
 def register(folder: str) -> None:
     """In a worker: record this process as the worker of its local rank in this attempt."""
     attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ["LOCAL_RANK"]
     Path(folder, f"{attempt}_{rank}").write_text(str(os.getpid()))
+
+
+def note_stop_request(folder: str) -> None:
+    """In the launcher (a signal) or a worker (the ranks agreed to stop): mark that the job was
+    asked to stop (it then ends rather than restart after a failure: no_restart_rendezvous.py)."""
+    Path(folder, _STOP_REQUESTED).touch()
+
+
+def why_not_restart(folder: str) -> Optional[str]:
+    """Why the job of the launch in `folder` must end rather than restart after a failure
+    (None: it may restart)."""
+    names = os.listdir(folder)
+    if _STOP_REQUESTED in names:
+        return "the job was asked to stop"
+    if any(_REFUSED.fullmatch(name) for name in names):
+        return "a worker refused its input"
+    return None
+
+
+def note_refusal(folder: str, error: BaseException) -> None:
+    """In a worker: record the first line of the input error it is about to exit on."""
+    Path(folder, f"refused.{os.environ['RANK']}").write_text(first_line(error))
 
 
 @dataclasses.dataclass
@@ -92,6 +134,9 @@ class LocalWorkers:
         self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
 
     def __enter__(self) -> "LocalWorkers":
+        self._quiet = _QuietAfterRefusal(self)
+        for logger in _elastic_loggers():
+            logger.addFilter(self._quiet)
         if threading.current_thread() is threading.main_thread():
             # torch's agent installs handlers of its own and leaves them: this process (a test,
             # a notebook) gets its own back at the end
@@ -103,6 +148,8 @@ class LocalWorkers:
         return self
 
     def __exit__(self, *exc) -> None:
+        for logger in _elastic_loggers():
+            logger.removeFilter(self._quiet)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._deadline is not None:
@@ -122,6 +169,7 @@ class LocalWorkers:
         if not first:
             return  # the first request again, by another path
         say(f"launcher: {signal_name(signum)}: forwarded to the workers, waiting for their checkpoint")
+        note_stop_request(self.folder)
         self._forward()
         if self.deadline_s:
             self._deadline = threading.Timer(self.deadline_s, self._expire)
@@ -159,11 +207,23 @@ class LocalWorkers:
         """(attempt, local rank) -> pid of every worker that started."""
         found = {}
         for path in Path(self.folder).iterdir():
-            attempt, rank = path.name.split("_")
-            text = path.read_text()
+            name = _REGISTERED.fullmatch(path.name)
+            text = path.read_text() if name else ""
             if text:
-                found[int(attempt), int(rank)] = int(text)
+                found[int(name.group(1)), int(name.group(2))] = int(text)
         return found
+
+    def refusal(self) -> Optional[LaunchRefused]:
+        """The refusal of the lowest rank that refused its input, if one did."""
+        refused = {
+            int(name.group(1)): path
+            for path in Path(self.folder).iterdir()
+            if (name := _REFUSED.fullmatch(path.name))
+        }
+        if not refused:
+            return None
+        rank = min(refused)
+        return LaunchRefused(refused[rank].read_text(), rank)
 
     def _watch(self) -> None:
         """Note the order in which the workers end. Their exit codes are read afterwards: the
@@ -192,8 +252,8 @@ class LocalWorkers:
             self._ended.extend(watched.pop(sentinel) for sentinel in ready)
 
     def failure(self, error: Exception) -> LaunchFailed:
-        """What failed, from torch's ChildFailedError: the first worker of the last attempt
-        that ended with an error, and what ended it."""
+        """What failed, from torch's ChildFailedError (or a refused restart): the first worker
+        of the last attempt that ended with an error, and what ended it."""
         self._done.set()
         self._watcher.join()
         last = max((e.attempt for e in self._ended), default=0)
@@ -205,6 +265,27 @@ class LocalWorkers:
                     "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
                 )
         return LaunchFailed(first_line(error))
+
+
+class _QuietAfterRefusal(logging.Filter):
+    """Drops the warnings and errors torch's agent logs once a worker refused its input: its
+    report of the failure, the tracebacks and the stopping of the other workers; the refusal's
+    one line says it all. (Its progress, logged at INFO when asked for, stays.)"""
+
+    def __init__(self, workers: LocalWorkers) -> None:
+        super().__init__()
+        self.workers = workers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        return not any(_REFUSED.fullmatch(name) for name in os.listdir(self.workers.folder))
+
+
+def _elastic_loggers() -> list[logging.Logger]:
+    """The loggers of torch's elastic agent (each filters only its own records)."""
+    loggers = logging.Logger.manager.loggerDict.items()
+    return [lg for name, lg in loggers if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger)]
 
 
 def _request_stop(pid: int) -> None:

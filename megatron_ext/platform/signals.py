@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # How launch_local's launcher passes a request on to its workers: a signal of its own, never
@@ -59,10 +59,15 @@ class SignalCount:
 class PreemptionSignals:
     """A worker's pre-emption requests: the first is noted (`signum`), a second one or no exit
     `deadline_s` after the first ends the process. `from_launcher`: also note FORWARDED_REQUEST
-    (a worker of launch_local)."""
+    (a worker of launch_local). `on_stop` is called when the ranks agreed to stop (`stopping`)."""
 
-    def __init__(self, deadline_s: Optional[float] = None, from_launcher: bool = False) -> None:
-        self.deadline_s = deadline_s
+    def __init__(
+        self,
+        deadline_s: Optional[float] = None,
+        from_launcher: bool = False,
+        on_stop: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.deadline_s, self.on_stop = deadline_s, on_stop
         self.signum: Optional[int] = None  # the first request's signal
         self._count = SignalCount()  # of the signals sent to this process itself
         self._deadline: Optional[threading.Timer] = None
@@ -76,8 +81,17 @@ class PreemptionSignals:
             _abort(f"a second {signal_name(signum)}", signum)
         if self.signum is not None:
             return
+        self._first(signum, "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum))
+
+    def request(self, what: str) -> None:
+        """Note a request that reached another process of the job (`what` says which), one
+        that cannot take part in the ranks' agreement itself, as a forwarded request. From any
+        thread."""
+        if self.signum is None:
+            self._first(FORWARDED_REQUEST, what)
+
+    def _first(self, signum: int, what: str) -> None:
         self.signum = signum
-        what = "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum)
         say(f"[pid {os.getpid()}] {what}: saving a checkpoint at the next step boundary, then stopping")
         if self.deadline_s:
             why = f"no exit {self.deadline_s:g} s after {what}"
@@ -85,6 +99,12 @@ class PreemptionSignals:
             self._deadline = threading.Timer(self.deadline_s, _abort, (why, code))
             self._deadline.daemon = True
             self._deadline.start()
+
+    def stopping(self) -> None:
+        """The ranks agreed to stop (all of them were alive then): call `on_stop`, once."""
+        on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            on_stop()
 
     def close(self) -> None:
         """Give the signals back to their previous handlers, then let a chained handler see a
@@ -104,14 +124,18 @@ _CURRENT: Optional[PreemptionSignals] = None
 
 
 @contextlib.contextmanager
-def preemption_signals(deadline_s: Optional[float] = None, from_launcher: bool = False) -> Iterator[PreemptionSignals]:
+def preemption_signals(
+    deadline_s: Optional[float] = None,
+    from_launcher: bool = False,
+    on_stop: Optional[Callable[[], None]] = None,
+) -> Iterator[PreemptionSignals]:
     """This process's PreemptionSignals: the one installed further out (a local worker's, from
     its start), or new ones for the duration of the block."""
     global _CURRENT
     if _CURRENT is not None:
         yield _CURRENT
         return
-    _CURRENT = signals = PreemptionSignals(deadline_s, from_launcher)
+    _CURRENT = signals = PreemptionSignals(deadline_s, from_launcher, on_stop)
     try:
         yield signals
     finally:

@@ -19,7 +19,10 @@ All launched processes form the pool; the first tp·pp·dp·cp of them form mega
    now and build their layout or trainer);
 4. the state moves over the pool's own gloo group, then leaving ranks go back to standby.
 
-When the job ends, pool rank 0 tells the standby ranks to exit. Failure policy: the old world's
+When the job ends, pool rank 0 tells the standby ranks to exit. A pre-emption signal to a standby
+worker (which is in no megatron world, so takes no part in the ranks' agreement on a stop) is
+passed on through the pool's store to pool rank 0, which notes it as its own: the active ranks
+stop at the next step with a checkpoint, then the standby ones exit. Failure policy: the old world's
 ranks keep their model and optimizer objects untouched until the move succeeded everywhere. An
 exception while building the new world ahead makes the move build it at the switch instead (every
 rank drops what it built: agreed on over the pool); one while building it at the switch or
@@ -38,7 +41,10 @@ import functools
 import importlib
 import logging
 import pickle
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as Pending
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -49,6 +55,7 @@ from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate_layout
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
 from megatron_ext.platform.device import current_device
+from megatron_ext.platform.signals import PreemptionSignals, preemption_signals
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, rounds
 from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
 from megatron_ext.reshard.layout import ParallelLayout
@@ -60,6 +67,10 @@ from megatron_ext.training.release import collection_deferred, describe, gc_paus
 
 # Standby workers wait for a command this long: the length of a job.
 STANDBY_TIMEOUT = timedelta(days=7)
+# A standby worker's pre-emption request, for pool rank 0 (the value: the worker's pool rank).
+STOP_KEY = "stop_request"
+# How often pool rank 0 looks for one, and a waiting standby worker for its own signals.
+STOP_POLL_S = 0.1
 
 _POOL: Optional["WorkerPool"] = None
 _log = logging.getLogger(__name__)
@@ -82,6 +93,8 @@ class WorkerPool:
             dist.PrefixStore("pool", self.store), self.rank, self.size, STANDBY_TIMEOUT
         )
         self.worlds = 0
+        self._relay: Optional[threading.Thread] = None
+        self._closing = threading.Event()
         _POOL = self
 
     # --- the megatron world --------------------------------------------------------------------
@@ -144,8 +157,41 @@ class WorkerPool:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.group.allreduce([tensor]).wait()
 
+    # --- pre-emption requests of standby workers ----------------------------------------------
+
+    def next_command(self, signals: PreemptionSignals) -> Any:
+        """On a standby worker: the next command of pool rank 0. A helper thread receives it, so
+        that this (main) thread runs the signal handlers meanwhile and passes a pre-emption
+        request on to pool rank 0."""
+        with ThreadPoolExecutor(1, thread_name_prefix="standby") as receiver:
+            command = receiver.submit(self.broadcast)
+            passed_on = False
+            while True:
+                try:
+                    return command.result(timeout=STOP_POLL_S)
+                except Pending:
+                    if signals.signum is not None and not passed_on:
+                        self.store.set(STOP_KEY, str(self.rank))
+                        passed_on = True
+
+    def relay_stop_requests(self, signals: PreemptionSignals) -> None:
+        """On pool rank 0, until `close`: note a standby worker's pre-emption request as this
+        rank's own (the active ranks agree on it at the next step)."""
+        self._relay = threading.Thread(target=self._relay_stop_request, args=(signals,), name="stop-relay", daemon=True)
+        self._relay.start()
+
+    def _relay_stop_request(self, signals: PreemptionSignals) -> None:
+        while not self._closing.wait(STOP_POLL_S):
+            if self.store.check([STOP_KEY]):
+                rank = self.store.get(STOP_KEY).decode()
+                signals.request(f"a request passed on by standby worker {rank}")
+                return
+
     def close(self) -> None:
         global _POOL
+        self._closing.set()
+        if self._relay is not None:
+            self._relay.join()
         self.group.barrier().wait()
         _POOL = None
 
@@ -447,10 +493,21 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     """One process of a pooled job: train while in the megatron world, wait on standby while
     not. Returns the run summary (complete on pool rank 0, which is in every world)."""
     from megatron_ext.platform.launch import prepare_process
+
+    pool = WorkerPool(*prepare_process(cfg.launcher.device), timedelta(seconds=timeout_s))
+    with preemption_signals() as signals:  # the rank's, from its start (train.worker)
+        summary = _serve(pool, cfg, signals)
+    pool.close()
+    return summary
+
+
+def _serve(pool: WorkerPool, cfg: Config, signals: PreemptionSignals) -> dict:
+    """Train while in the megatron world, wait on standby while not, until the job is over."""
     from megatron_ext.plugin import build_plugins
     from megatron_ext.training.trainer import Trainer
 
-    pool = WorkerPool(*prepare_process(cfg.launcher.device), timedelta(seconds=timeout_s))
+    if pool.rank == 0:
+        pool.relay_stop_requests(signals)
     trainer, summary, prepared = None, {}, None
     if pool.form_world(active_workers(cfg, pool.size)):
         trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
@@ -460,7 +517,7 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     while True:
         if trainer is None:  # standby
             with gc_paused():  # a Resize command starts the stall
-                command = pool.broadcast()
+                command = pool.next_command(signals)
             if prepared is not None and not isinstance(command, Resize):
                 prepared.discard()  # superseded by another, or the job is over
             if command is None:
@@ -480,5 +537,4 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
         dist.destroy_process_group()
         pool.broadcast(None)  # from pool rank 0: standby workers exit
         break
-    pool.close()
     return summary

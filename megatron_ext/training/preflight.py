@@ -16,12 +16,14 @@ import importlib.util
 import json
 import os
 import socket
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig
 from megatron_ext.config.validate import ConfigError
+from megatron_ext.platform.checkpoint_storage import UncheckedTorch, checkpoint_files
 from megatron_ext.training import tracker
 from megatron_ext.training.file_headers import check_gguf, check_safetensors
 
@@ -192,8 +194,8 @@ def _same_dir(a: str, b: Optional[str]) -> bool:
 def _check_checkpoint(
     field: str, root: str, step: Optional[int], model: ModelConfig, field_of_step: Optional[str] = None
 ) -> None:
-    """The checkpoint of `root` to be read (iteration `step`, else the tracker's) exists and
-    holds a model of `model`'s shape, read from its common state."""
+    """The checkpoint of `root` to be read (iteration `step`, else the tracker's) exists, holds a
+    model of `model`'s shape, read from its common state, and every shard it names is whole."""
     try:
         iteration = step or tracker.latest_iteration(root)
     except ValueError as e:
@@ -209,6 +211,7 @@ def _check_checkpoint(
     ]
     if differing:
         raise ConfigError(field, f"{folder} holds another model shape: {'; '.join(differing)}")
+    _check_shards(field, folder)
 
 
 def _shape_fields(model: ModelConfig, saved: dict[str, Any]) -> list[str]:
@@ -237,6 +240,36 @@ def _saved_model(field: str, root: str, iteration: int) -> dict[str, Any]:
     model = (common.get("config") or {}).get("model") or {}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return {k: v for k, v in model.items() if k in known}
+
+
+def _check_shards(field: str, folder: Path) -> None:
+    """Every file the checkpoint's metadata stores items in exists and reaches the end of its
+    last item (a copy cut short, a lost shard). Checkpoints of other formats than torch_dist
+    have no such metadata: their readers find damage."""
+    if _sharded_backend(folder) != "torch_dist":
+        return
+    try:
+        needed = checkpoint_files(folder)
+    except UncheckedTorch as e:
+        print(f"warning: {field}: the sizes of {folder}'s shards are not checked: {e}", file=sys.stderr)
+        return
+    except Exception as e:  # a missing or damaged .metadata, whatever unpickling raises for it
+        raise ConfigError(field, f"{folder} is not a readable checkpoint ({_one_line(e)})") from None
+    for name, size in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(field, f"shard {path} is missing (the checkpoint's metadata needs {size} bytes there)")
+        actual = path.stat().st_size
+        if actual < size:
+            raise ConfigError(field, f"shard {path} is cut short: {actual} bytes, the checkpoint's metadata needs {size}")
+
+
+def _sharded_backend(folder: Path) -> Optional[str]:
+    """The format of a megatron checkpoint's tensors, from its metadata.json (None: none)."""
+    try:
+        return json.loads((folder / "metadata.json").read_text()).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _one_line(e: BaseException) -> str:

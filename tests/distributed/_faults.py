@@ -1,14 +1,17 @@
 """A training run with a fault injected into the first live reshard, for test_reshard_live.py.
 
     python tests/distributed/_faults.py SUMMARY.json fault.kind=raise fault.rank=1 ...overrides
+    python tests/distributed/_faults.py - fault.kind=raise_in_stop_save ...overrides   # as the CLI
 
 The `fault` plugin makes rank `fault.rank` fail at its `fault.after_writes`-th write of a
 destination piece during a reshard: `raise` raises an exception there, `kill` ends the process
 on the spot; or, with `raise_in_setup`, raise in its first trainer's setup (on a standby
 worker: the trainer it builds ahead of joining); with `raise_ahead`, raise the first time it
-builds an optimizer in a background thread (the new layout built ahead). Only in the job's first attempt: a job the
-launcher restarts runs clean. The run's
-summary (losses and notes of the last attempt) is written to SUMMARY.json.
+builds an optimizer in a background thread (the new layout built ahead); with
+`raise_in_stop_save`, raise in the save of a pre-emption stop (the ranks agreed to stop). Only in the job's
+first attempt: a job the launcher restarts runs clean. The run's summary (losses and notes of
+the last attempt) is written to SUMMARY.json; with `-` instead, the run goes through
+`megatron_ext.train.main` (its exit codes and error lines).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from megatron_ext.plugin import Plugin, register_plugin
 
 @dataclass
 class FaultConfig:
-    kind: str = "raise"  # raise | kill | raise_in_setup | raise_ahead
+    kind: str = "raise"  # raise | kill | raise_in_setup | raise_ahead | raise_in_stop_save
     rank: int = 1
     after_writes: int = 3
 
@@ -56,6 +59,9 @@ class FaultPlugin(Plugin):
 
             trainer.build_optimizer = failing_build
             return
+        if self.cfg.kind == "raise_in_stop_save":
+            _fail_the_stops_save(trainer)
+            return
         if self.cfg.kind == "raise_in_setup":
             if not _FAILED_SETUP:
                 _FAILED_SETUP.append(True)
@@ -74,9 +80,29 @@ class FaultPlugin(Plugin):
         MegatronState.write = failing_write
 
 
-if __name__ == "__main__":
-    from megatron_ext.train import run_from_overrides
+def _fail_the_stops_save(trainer) -> None:
+    from megatron_ext.platform.signals import preemption_signals
 
+    with preemption_signals() as signals:  # the worker's own, from its start
+        stopping = signals.stopping
+
+    def failing_save(*args, **kwargs):
+        print("fault: raising in the save of the stop", file=sys.stderr, flush=True)  # for the test to see
+        raise RuntimeError("injected fault in the save of the stop")
+
+    def stop_then_fail_the_save() -> None:
+        stopping()
+        trainer.save = failing_save
+
+    signals.stopping = stop_then_fail_the_save
+
+
+if __name__ == "__main__":
+    from megatron_ext.train import main, run_from_overrides
+
+    if sys.argv[1] == "-":
+        main(sys.argv[2:])
+        sys.exit(0)
     summary = run_from_overrides(sys.argv[2:])
     with open(sys.argv[1], "w") as f:
         json.dump(summary, f)

@@ -33,10 +33,15 @@ _STEP = re.compile(r"^iter\s+(\d+)/")
 
 
 class Job:
-    def __init__(self, overrides: Sequence[str], timeout_s: float = 240) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """`python -m megatron_ext.train overrides` (or `python *entry overrides`), with `env` added
+    to this process's environment."""
+
+    def __init__(
+        self, overrides: Sequence[str], timeout_s: float = 240, entry: Sequence[str] = ("-m", "megatron_ext.train"), **env: str
+    ) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ext.train", *overrides],
+            [sys.executable, *entry, *overrides],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -114,13 +119,18 @@ class Job:
 
     def signal(self, target: str, signum: int) -> Optional[int]:
         """Send `signum` to `target`: group | launcher | forkserver | worker (rank 1's process,
-        by start order). Returns the pid signalled (the group's leader for group)."""
+        by start order) | last worker (the last rank's). Returns the pid signalled (the group's
+        leader for group)."""
         if target == "group":
             os.killpg(self.process.pid, signum)
             return self.process.pid
-        process = {"launcher": lambda: self.launcher, "forkserver": lambda: self.forkserver}.get(
-            target, lambda: sorted(self.workers, key=lambda p: p.create_time())[1]
-        )()
+        by_start = lambda: sorted(self.workers, key=lambda p: p.create_time())  # noqa: E731
+        process = {
+            "launcher": lambda: self.launcher,
+            "forkserver": lambda: self.forkserver,
+            "worker": lambda: by_start()[1],
+            "last worker": lambda: by_start()[-1],
+        }[target]()
         process.send_signal(signum)
         return process.pid
 

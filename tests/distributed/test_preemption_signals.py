@@ -1,8 +1,9 @@
 """Pre-emption as SLURM, torchrun and a terminal deliver it, to a job of 4 local workers
 (`python -m megatron_ext.train` in its own process group): whichever of its processes gets the
 signal, the job saves a complete checkpoint (a resume from it works) and exits 0, leaving no
-process behind; a second signal aborts and leaves the previous checkpoint the latest. Also: a
-killed worker is named, and a local job listens on 127.0.0.1 only."""
+process behind; a second signal aborts and leaves the previous checkpoint the latest; a worker
+that fails while the job stops ends the run, with no restart. Also: a killed worker is named,
+and a local job listens on 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.distributed
 DP4 = ["launcher.nproc=4", "parallel.dp=4"]
 # The default experiment's kind of job: a reshard worker pool at TP2 x PP2.
 POOL = ["launcher.nproc=4", "parallel.tp=2", "parallel.pp=2", "plugins=[reshard]"]
+# A pool whose layout uses 2 of its 3 workers: the last one waits on standby, in no world.
+POOL_WITH_STANDBY = ["launcher.nproc=3", "parallel.tp=2", "parallel.dp=1", "plugins=[reshard]"]
 
 # name: (job, the process signalled, the signal, when: while training, or as soon as the
 # workers exist: while they import and build their model)
@@ -31,6 +34,7 @@ CASES = {
     "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
     "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
     "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
+    "SIGTERM to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGTERM, "training"),
 }
 SLOW_CASES = {
     "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
@@ -39,6 +43,8 @@ SLOW_CASES = {
     "SIGINT to the launcher": (DP4, "launcher", signal.SIGINT, "training"),
     "SIGTERM to one worker in its setup": (DP4, "worker", signal.SIGTERM, "setup"),
     "SIGUSR1 to a worker pool's launcher": (POOL, "launcher", signal.SIGUSR1, "training"),
+    "SIGINT to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGINT, "training"),
+    "SIGUSR1 to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGUSR1, "training"),
 }
 
 
@@ -96,6 +102,33 @@ def test_abort_during_the_save_keeps_the_previous_checkpoint(dirs, settings, sec
     assert ckpt.latest_iteration(root) == previous
     assert not job.left_behind()
     _assert_resumes(root, paths, previous)
+
+
+FAULTS = Path(__file__).with_name("_faults.py")
+# What torch's elastic agent logs (at LOGLEVEL=INFO) each time it starts the workers.
+WORKERS_START = "Starting worker group"
+
+
+def test_a_worker_failing_during_the_stop_is_not_restarted(dirs):
+    root, paths = dirs
+    rc, output = run_job([*TINY, *DP4, *paths, "train.iters=2"])  # the last complete checkpoint
+    assert rc == 0 and ckpt.latest_iteration(root) == 2, output[-4000:]
+    fault = ["plugins=[fault]", "fault.kind=raise_in_stop_save", "fault.rank=1"]
+    settings = [*TINY, *DP4, *paths, *fault, f"checkpoint.load={root}", "launcher.max_restarts=2"]
+    job = Job(settings, entry=[str(FAULTS), "-"], LOGLEVEL="INFO")
+    job.wait_for_step(3)
+    job.signal("worker", signal.SIGTERM)  # rank 1 alone: the launcher learns of it from the worker
+    job.wait_until(lambda: job.process.poll() is not None or job.output.count(WORKERS_START) > 1, "the end or a restart")
+    starts = job.output.count(WORKERS_START)
+    if starts > 1:
+        job.kill()
+    assert starts == 1, "the workers were restarted after the stop request"
+    assert job.wait() == 1, job.output[-4000:]
+    assert "fault: raising in the save of the stop" in job.output
+    assert re.search(r"^error: rank 1 \(pid \d+\) failed first: exit code 1; .*; not restarted: the job was asked to stop$", job.output, re.M), job.output[-4000:]
+    assert not job.left_behind()
+    assert ckpt.latest_iteration(root) == 2
+    _assert_resumes(root, paths, 2)
 
 
 def test_killed_worker_is_named(dirs):

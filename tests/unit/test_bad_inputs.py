@@ -44,19 +44,30 @@ def cut(path: Path, drop: int) -> Path:
     return path
 
 
-def write_checkpoint(root: Path, model: ModelConfig, iteration: int = 3) -> Path:
-    """A checkpoint folder as the trainer writes it, holding only its common state (what the
-    preflight reads), written by megatron's dist_checkpointing."""
+def write_checkpoint(root: Path, model: ModelConfig, iteration: int = 3, tensors: bool = False) -> Path:
+    """A checkpoint folder as the trainer writes it, holding its common state (what the
+    preflight reads) and with `tensors` two sharded tensors (one shard file each), written by
+    megatron's dist_checkpointing."""
+    import torch
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
 
     from megatron_ext.training.checkpoint import TRACKER, iteration_dir
 
     folder = iteration_dir(root, iteration)
     folder.mkdir(parents=True)
-    common = {"iteration": iteration, "config": dataclasses.asdict(Config(model=model))}
-    dist_checkpointing.save({"common": common}, str(folder))
+    state = {"common": {"iteration": iteration, "config": dataclasses.asdict(Config(model=model))}}
+    if tensors:
+        state["w"] = ShardedTensor.from_rank_offsets("w", torch.arange(64.0).reshape(8, 8))
+        state["b"] = ShardedTensor.from_rank_offsets("b", torch.ones(8))
+    dist_checkpointing.save(state, str(folder))
     (root / TRACKER).write_text(f"{iteration}\n")
     return root
+
+
+def shard(root: Path, number: int) -> Path:
+    """Shard file `number` of iteration 3's checkpoint under `root`."""
+    return root / "iter_0000003" / f"__0_{number}.distcp"
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +96,16 @@ def inputs(tmp_path_factory):
     join_world("cpu")
     try:
         write_checkpoint(d / "small_ckpt", ModelConfig(num_layers=2, hidden_size=64))
+        for name in ("whole_shards", "cut_shard", "lost_shard"):
+            write_checkpoint(d / name, ModelConfig(num_layers=2, hidden_size=64), tensors=True)
     finally:
         dist.destroy_process_group()
+    cut(shard(d / "cut_shard", 1), 3)
+    shard(d / "lost_shard", 0).unlink()
     return d
 
+
+SMALL = ["model.num_layers=2", "model.hidden_size=64"]
 
 # id -> (overrides, with {d} the inputs folder; the field the line names; what else it says)
 CASES = {
@@ -116,6 +133,9 @@ CASES = {
     "load_step_missing": (["checkpoint.load={d}/small_ckpt", "checkpoint.step=7", "model.num_layers=2", "model.hidden_size=64"], "checkpoint.step", "{d}/small_ckpt/iter_0000007 is missing"),
     "load_other_shape": (["checkpoint.load={d}/small_ckpt"], "checkpoint.load", "model.num_layers=4 but the checkpoint has 2; model.hidden_size=128 but the checkpoint has 64"),
     "load_without_optimizer_state": (["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64"], "checkpoint.load", "{d}/small_ckpt/iter_0000003 holds no optimizer state (saved with --no-save-optim, checkpoint.save_optim=false): resume it with --no-load-optim"),
+    "load_cut_shard": (["checkpoint.load={d}/cut_shard", *SMALL], "checkpoint.load", "shard {d}/cut_shard/iter_0000003/__0_1.distcp is cut short: "),
+    "load_lost_shard": (["checkpoint.load={d}/lost_shard", *SMALL], "checkpoint.load", "shard {d}/lost_shard/iter_0000003/__0_0.distcp is missing"),
+    "pretrained_cut_shard": (["model.pretrained={d}/cut_shard", *SMALL], "model.pretrained", "shard {d}/cut_shard/iter_0000003/__0_1.distcp is cut short"),
     "pretrained_other_shape": (["model.pretrained={d}/small_ckpt"], "model.pretrained", "{d}/small_ckpt/iter_0000003 holds another model shape"),
     "save_not_creatable": (["checkpoint.save=/proc/self/ckpt"], "checkpoint.save", "/proc/self/ckpt is not writable"),
     "iters_not_int": (["train.iters=abc"], "train.iters", "expected int, got 'abc'"),
@@ -225,6 +245,7 @@ GOOD = {
     "same_shape_checkpoint": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64", "checkpoint.load_optim=false"],
     # MLA is off on both sides, so its ranks shape nothing (Megatron-LM's --kv-lora-rank default is 32).
     "unused_mla_rank_differs": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64", "checkpoint.load_optim=false", "model.kv_lora_rank=32"],
+    "whole_shards": ["checkpoint.load={d}/whole_shards", *SMALL, "checkpoint.load_optim=false"],
 }
 
 
@@ -234,6 +255,23 @@ def test_good_inputs_pass(overrides, inputs, tmp_path):
     from megatron_ext.train import preflight
 
     preflight(compose_config([*BASE, *(o.format(d=inputs, t=tmp_path) for o in overrides)]))
+
+
+def test_cut_shard_names_both_sizes(inputs, capsys):
+    """The sizes in the line: the whole file's (what its metadata needs) and what is left."""
+    whole = shard(inputs / "whole_shards", 1).stat().st_size
+    with pytest.raises(SystemExit):
+        main([*BASE, f"checkpoint.load={inputs}/cut_shard", *SMALL])
+    assert capsys.readouterr().err.strip().endswith(f"cut short: {whole - 3} bytes, the checkpoint's metadata needs {whole}")
+
+
+def test_checkpoint_files_refuses_an_unchecked_torch(inputs):
+    from megatron_ext.platform.checkpoint_storage import UncheckedTorch, checkpoint_files
+
+    folder = inputs / "whole_shards" / "iter_0000003"
+    assert checkpoint_files(folder, "2.13.0") == {p.name: p.stat().st_size for p in folder.glob("*.distcp")}
+    with pytest.raises(UncheckedTorch, match=r"^torch 2\.99\.0 is outside the versions .* \(2\.6 to 2\.13\)$"):
+        checkpoint_files(folder, "2.99.0")
 
 
 def test_whole_files_pass_the_header_checks(tmp_path):

@@ -1,0 +1,48 @@
+"""The files a checkpoint's tensors are stored in, read from its metadata.
+
+megatron's `torch_dist` checkpoints are torch.distributed.checkpoint folders: `.metadata` maps
+every stored item to its place, a file with an offset and a length (torch's private
+`_StorageInfo`). A shard cut short or lost is then found before any rank reads it. The layout of
+that record is torch's own: it is read only for the torch versions it was checked against.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import torch
+
+# The torch versions (major, minor; both included) whose `.metadata` records were checked to
+# hold `relative_path`, `offset` and `length` per item.
+CHECKED_TORCH = ((2, 6), (2, 13))
+
+
+class UncheckedTorch(RuntimeError):
+    """This torch's checkpoint metadata was not checked: its storage records are not read."""
+
+
+def checkpoint_files(folder: str | os.PathLike, torch_version: Optional[str] = None) -> dict[str, int]:
+    """Every file the checkpoint in `folder` stores items in (relative to `folder`) -> the bytes
+    it must hold at least: the end of its last item. Raises UncheckedTorch outside
+    CHECKED_TORCH, and what unpickling raises for a missing or damaged `.metadata`."""
+    _check_version(torch_version or torch.__version__)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    return needed
+
+
+def _check_version(version: str) -> None:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    major_minor = (int(found.group(1)), int(found.group(2))) if found else None
+    low, high = CHECKED_TORCH
+    if major_minor is None or not low <= major_minor <= high:
+        raise UncheckedTorch(
+            f"torch {version} is outside the versions whose checkpoint metadata is read here "
+            f"({low[0]}.{low[1]} to {high[0]}.{high[1]})"
+        )

@@ -93,23 +93,25 @@ def test_layout_pieces_cover_each_state_and_never_overlap_on_a_rank(case):
 
 def assert_exact_coverage(p) -> None:
     """Every element of every destination piece is written by exactly one op."""
-    received = [torch.zeros([b - a for a, b in t.box], dtype=torch.int32) for t in p.targets]
+    received = {t: torch.zeros([b - a for a, b in t.box], dtype=torch.int32) for t in p.targets}
     for op in p.ops:
-        target = p.targets[op.target]
+        target = op.target
         assert (op.dst, op.name, op.state) == (target.rank, target.name, target.state)
         assert contains(target.box, op.box)
         corner = [a for a, _ in target.box]
-        received[op.target][tuple(slice(a - c, b - c) for (a, b), c in zip(op.box, corner))] += 1
-    assert all(bool((r == 1).all()) for r in received)
+        received[target][tuple(slice(a - c, b - c) for (a, b), c in zip(op.box, corner))] += 1
+    assert len(received) == len(p.targets)  # each target piece once
+    assert all(bool((r == 1).all()) for r in received.values())
 
 
 def assert_sources_held(model, a, p) -> None:
     """Every op reads only what its source rank holds in layout A."""
     held = _held(layout_pieces(model, a))
+    sources = set(p.sources)
     for op in p.ops:
         assert bool((held[(op.src, op.name, op.state)][_slices(op.box)] > 0).all())
-        source = p.sources[op.source]
-        assert source.rank == op.src and contains(source.box, op.box)
+        source = op.source
+        assert source in sources and source.rank == op.src and contains(source.box, op.box)
 
 
 def assert_minimal(model, a, p) -> None:

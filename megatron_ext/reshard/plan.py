@@ -30,6 +30,7 @@ from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
 from megatron_ext.reshard.boxes import Box, intersect, numel, subtract
 from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.reshard.skeleton import standalone_world
 from megatron_ext.reshard.vps import (
     ModelKey,
     Piece,
@@ -167,15 +168,17 @@ def rank_plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout, rank: in
 def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
     model = ModelConfig(**dict(key))
     fills = _Fills(key, a, b)
-    ops = _in_plan_order([op for d in range(b.active) for op in fills.receives(d)])
-    sources, targets = layout_pieces(model, a), layout_pieces(model, b)
+    with standalone_world():  # one for every skeleton this plan builds
+        ops = _in_plan_order([op for d in range(b.active) for op in fills.receives(d)])
+        sources, targets = layout_pieces(model, a), layout_pieces(model, b)
     return TransferPlan(a, b, sources, targets, ops, fills.missing, plan_digest(key, a, b))
 
 
 @functools.lru_cache(maxsize=32)
 def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     fills = _Fills(key, a, b)
-    ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
+    with standalone_world():  # one for every skeleton this plan builds
+        ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
     return RankPlan(a, b, rank, ops, plan_digest(key, a, b))
 
 
@@ -200,18 +203,19 @@ class _Fills:
 
     def __init__(self, key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> None:
         self.key, self.a, self.b = key, a, b
+        self.model = ModelConfig(**dict(key))
         self.missing = 0
 
     def receives(self, rank: int) -> list[Op]:
         """Every op that fills `rank`'s pieces of B."""
-        return [op for t in rank_pieces(ModelConfig(**dict(self.key)), self.b, rank) for op in self.fill(t)]
+        return [op for t in rank_pieces(self.model, self.b, rank) for op in self.fill(t)]
 
     def sends(self, rank: int) -> list[Op]:
         """Every op by which `rank` sends another rank its pieces' boxes: the fills of the
         pieces of B that meet them (found per position, not per rank), kept where the sender
         picked is `rank`."""
         out, seen = [], set()
-        for p in rank_pieces(ModelConfig(**dict(self.key)), self.a, rank):
+        for p in rank_pieces(self.model, self.a, rank):
             for group in _holders(self.key, self.b, p.name, p.state, p.box):
                 for dst in group.ranks:
                     if dst == rank or (p.state == "step" and dst < self.a.active):

@@ -115,6 +115,11 @@ def _rank_pieces(key: ModelKey, layout: ParallelLayout, rank: int) -> tuple[Piec
     return tuple(pieces)
 
 
+@functools.lru_cache(maxsize=64)
+def _model(key: ModelKey) -> ModelConfig:
+    return ModelConfig(**dict(key))
+
+
 def step_piece(rank: int) -> Piece:
     return Piece(rank, STEP, "step", ((0, 1),), (1,), "float32", -1, "", 0)
 
@@ -234,6 +239,7 @@ def name_positions(key: ModelKey, layout: ParallelLayout, name: LogicalName) -> 
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=65536)
 def is_expert(key: ModelKey, layout: ParallelLayout, name: LogicalName) -> bool:
     """Whether `name` is an expert's tensor (its optimizer state is sharded over expert DP)."""
     positions = name_positions(key, layout, name)
@@ -273,7 +279,7 @@ def holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str
             if intersect(s.box, box) is None:
                 continue
             if state == "param":
-                dtype = _param_dtype(ModelConfig(**dict(key)))
+                dtype = _param_dtype(_model(key))
                 out.append(Holders(_piece(ranks[0], s, "param", s.box, dtype, s.start), ranks))
             elif s.owned is not None:
                 out += _optimizer_holders(layout, position, ranks, s, state, box)

@@ -170,10 +170,11 @@ def test_invalid_layouts_are_refused_before_planning():
         plan(TINY, L(tp=2), L(tp=8))
 
 
-def random_case(rng: random.Random):
-    """A small random model and two layouts valid for it (the runtime's rules decide)."""
+def random_case(rng: random.Random, model=None):
+    """A small random model (or `model`) and two layouts valid for it (the runtime's rules
+    decide)."""
     heads = rng.choice([2, 3, 4, 6])
-    model = dataclasses.replace(
+    model = model or dataclasses.replace(
         TINY,
         name="random",
         num_layers=rng.choice([2, 4]),
@@ -206,3 +207,55 @@ def test_random_models_and_layouts(seed):
     assert_exact_coverage(p)
     assert_sources_held(model, a, p)
     assert_minimal(model, a, p)
+
+
+# --- a rank's own plan -------------------------------------------------------------------------
+
+RANDOM_MODELS = 4
+LAYOUTS_PER_MODEL = 5
+
+
+def random_moves() -> list:
+    """Every move between LAYOUTS_PER_MODEL random layouts of each of RANDOM_MODELS random
+    models: about a hundred moves and five hundred ranks, at the cost of one skeleton per
+    (model, layout, stage)."""
+    rng = random.Random(27)
+    moves = []
+    for _ in range(RANDOM_MODELS):
+        model = random_case(rng)[0]
+        layouts = {layout for _ in range(LAYOUTS_PER_MODEL) for layout in random_case(rng, model)[1:]}
+        layouts = sorted(layouts, key=str)[:LAYOUTS_PER_MODEL]
+        moves += [(model, a, b) for a in layouts for b in layouts]
+    return moves
+
+
+def test_each_rank_plans_exactly_its_part_of_the_world_plan():
+    """For about a hundred random moves: rank_plan(r) is the world plan's ops of rank r, op for op
+    and in order (same pieces, boxes and bytes), and the ranks' ops together are the world's."""
+    from megatron_ext.reshard.plan import rank_plan
+    from megatron_ext.reshard.skeleton import standalone_world
+
+    with standalone_world():  # one for every skeleton of every move
+        check_rank_plans(random_moves(), rank_plan)
+
+
+def check_rank_plans(moves, rank_plan) -> None:
+    for model, a, b in moves:
+        p = plan(model, a, b)
+        union = set()
+        for rank in range(p.world):
+            mine = rank_plan(model, a, b, rank)
+            assert mine.ops == p.restricted(rank).ops, (model.name, str(a), str(b), rank)
+            assert mine.digest == p.digest
+            union.update(mine.ops)
+        assert union == set(p.ops) and len(p.ops) == len(set(p.ops))
+
+
+@pytest.mark.parametrize("name", ["tp2->pp2", "tp3->tp2 (6 heads)", "ep2->ep1 (moe)", "pp2->pp2vpp2"])
+def test_positions_derived_from_one_skeleton_per_stage_are_their_own_skeletons(name):
+    from megatron_ext.reshard.vps import built_position_shards, model_key, position_shards
+
+    model, a, b = PAIRS[name]
+    for layout in (a, b, L(tp=2, pp=2, dp=2, ep=2) if model.num_experts else L(tp=2, pp=2, vpp=2)):
+        built = built_position_shards(model, layout)
+        assert {p: position_shards(model_key(model), layout, p) for p in built} == built

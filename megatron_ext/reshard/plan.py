@@ -174,7 +174,7 @@ def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
     return TransferPlan(a, b, sources, targets, ops, fills.missing, plan_digest(key, a, b))
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=64)
 def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     fills = _Fills(key, a, b)
     with standalone_world():  # one for every skeleton this plan builds

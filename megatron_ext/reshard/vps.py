@@ -225,12 +225,19 @@ def stage_layers(key: ModelKey, layout: ParallelLayout) -> tuple[frozenset[int],
 
 @functools.lru_cache(maxsize=65536)
 def name_positions(key: ModelKey, layout: ParallelLayout, name: LogicalName) -> tuple[Position, ...]:
-    """The positions whose shards may hold `name`: the stage of its layer (the first and last
-    stage for the rest), every tp, and for an expert the ep that holds it."""
+    """The positions whose shards may hold `name`: the stage of its layer, every tp, and for an
+    expert the ep that holds it. The embedding is the first stage's, and the last stage's too
+    when the output layer shares it (megatron's tied copy has the embedding's key); the output
+    layer and final norm are the last stage's; anything else is looked for in both."""
+    last = layout.pp - 1
     if name.index:
         stages = [pp for pp, layers in enumerate(stage_layers(key, layout)) if name.index[0] in layers]
+    elif name.key.startswith("embedding."):
+        stages = sorted({0, last}) if _model(key).tie_embeddings else [0]
+    elif name.key.startswith(("output_layer.", "decoder.final_layernorm.")):
+        stages = [last]
     else:
-        stages = sorted({0, layout.pp - 1})
+        stages = sorted({0, last})
     out = []
     for pp in stages:
         stage = _stage(key, layout, pp)

@@ -176,11 +176,12 @@ def peak_bytes(plan, steps: list[Round]) -> dict[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """This rank's rounds of a move, padded to the count every rank runs, and the largest
-    staging any rank may need."""
+    """This rank's rounds of a move, padded to the count every rank runs, the largest staging
+    any rank may need, and the bytes every rank receives over the network, summed."""
 
     steps: list[Round]
     peak_bound: int
+    network_bytes: int
 
 
 def schedule(plan: RankPlan, budget_bytes: int, channel=None, group: Optional[dist.ProcessGroup] = None) -> Schedule:
@@ -202,7 +203,7 @@ def schedule(plan: RankPlan, budget_bytes: int, channel=None, group: Optional[di
     sizes[plan.rank] = torch.tensor([len(steps), max(peak_bytes(plan, steps)[plan.rank] if steps else 0, 0)])
     channel.all_reduce_sum(sizes)
     count, bound = int(sizes[:, 0].max()), int(sizes[:, 1].max())
-    return Schedule(steps + [Round(())] * (count - len(steps)), bound)
+    return Schedule(steps + [Round(())] * (count - len(steps)), bound, sum(t.received for t in everyone))
 
 
 def _split(op: Op, budget: int, itemsize: int) -> list[Op]:

@@ -69,7 +69,7 @@ class ReshardFailed(RuntimeError):
 class ReshardReport:
     source: str
     target: str
-    network_bytes: int  # what this rank received over the network: its minimum (see plan.py)
+    network_bytes: int  # summed over ranks: the minimum (see plan.py)
     rounds: int
     peak_bound_bytes: int  # the largest staging any rank may need, from the rounds
     peak_extra_bytes: int  # the staging this rank held at most, measured
@@ -118,6 +118,7 @@ class Move:
     build_failure: Optional[str] = None  # why building it beside the running one failed here
     steps: list[Round] = dataclasses.field(default_factory=list)  # this rank's rounds, once agreed
     peak_bound: int = 0  # the largest staging any rank may need in them
+    network_bytes: int = 0  # every rank's received bytes, summed
 
     def for_rank(self, rank: int) -> "Move":
         """The same move planned for `rank` (a worker that joins plans its own part)."""
@@ -132,7 +133,9 @@ class Move:
         the world) planned the very same move with the same budget: ValueError on every rank
         otherwise, before anything changes."""
         agreed = schedule(self.transfer, self.budget_bytes, channel)
-        return dataclasses.replace(self, steps=agreed.steps, peak_bound=agreed.peak_bound)
+        return dataclasses.replace(
+            self, steps=agreed.steps, peak_bound=agreed.peak_bound, network_bytes=agreed.network_bytes
+        )
 
     def discard(self) -> None:
         """Free what was built for this move (it will not be carried out)."""
@@ -146,7 +149,7 @@ class Move:
         return ReshardReport(
             source=str(self.transfer.a),
             target=str(self.transfer.b),
-            network_bytes=self.transfer.received(self.transfer.rank),
+            network_bytes=self.network_bytes,
             rounds=len(self.steps),
             peak_bound_bytes=self.peak_bound,
             peak_extra_bytes=executed.staged_bytes,

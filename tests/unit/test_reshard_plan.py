@@ -259,3 +259,16 @@ def test_positions_derived_from_one_skeleton_per_stage_are_their_own_skeletons(n
     for layout in (a, b, L(tp=2, pp=2, dp=2, ep=2) if model.num_experts else L(tp=2, pp=2, vpp=2)):
         built = built_position_shards(model, layout)
         assert {p: position_shards(model_key(model), layout, p) for p in built} == built
+
+
+@pytest.mark.parametrize("name", ["tp2pp2->pp2dp2", "dp2->dp4 (world grows)", "ep2->ep1 (moe)"])
+def test_bytes_and_balance_at_scale_without_the_world_plan_are_the_world_plans(name):
+    from megatron_ext.reshard.plan_scale import measure_rank_plan, moved_bytes, send_balance
+
+    model, a, b = PAIRS[name]
+    p = plan(model, a, b)
+    assert moved_bytes(model, a, b) == {"network_bytes": p.network_bytes, "min_bytes": p.min_bytes}
+    sent = [p.sent(r) for r in range(p.world)]
+    assert send_balance(model, a, b)["max_sent_bytes"] == max(sent)
+    measured = measure_rank_plan(model, a, b, ranks=[0, 1])
+    assert measured["network_bytes_of_rank"] == p.sent(measured["slowest_rank"]) + p.received(measured["slowest_rank"])

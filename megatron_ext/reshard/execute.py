@@ -91,8 +91,8 @@ def _pairs(plan, rank: int, mine: str, theirs: str) -> dict[int, tuple[int, int]
 
 
 def rank_rounds(plan: Union[RankPlan, TransferPlan], rank: int, budget_bytes: int, everyone: Sequence[Traffic]) -> list[Round]:
-    """`rank`'s ops of `plan` in rounds, from its own ops and every rank's Traffic (one small
-    all-gather: `schedule`).
+    """`rank`'s ops of `plan` in rounds, from its own ops and every rank's Traffic (gathered in
+    one small all-reduce: `schedule`).
 
     Each pair of ranks cuts its own stream (its ops in plan order, both ends list them alike)
     into rounds of at most the pair's capacity, by next-fit, an op larger than that as slabs.
@@ -126,8 +126,10 @@ def rank_rounds(plan: Union[RankPlan, TransferPlan], rank: int, budget_bytes: in
             while len(out) <= index:
                 out.append([])
             out[index].append((i, part))
+    if not any(out):
+        return []
     # sorted() is stable: an op's slabs keep their order.
-    return [Round(tuple(op for _, op in sorted(step, key=lambda x: x[0]))) for step in out if step]
+    return [Round(tuple(op for _, op in sorted(step, key=lambda x: x[0]))) for step in out]
 
 
 def _capacity(budget: int, ops: list[Op], src: Traffic, dst: Traffic) -> int:

@@ -28,7 +28,7 @@ import hashlib
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
-from megatron_ext.reshard.boxes import Box, intersect, numel, subtract
+from megatron_ext.reshard.boxes import Box, contains, intersect, numel, subtract
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import standalone_world
 from megatron_ext.reshard.vps import (
@@ -39,6 +39,7 @@ from megatron_ext.reshard.vps import (
     layout_pieces,
     model_key,
     rank_pieces,
+    replica_index,
 )
 
 # Changes whenever the same inputs could plan other ops (the sender rule, the order): ranks
@@ -221,10 +222,17 @@ class _Fills:
                     if dst == rank or (p.state == "step" and dst < self.a.active):
                         continue  # its own fill; a rank of A holds the step already
                     target = group.on(dst)
-                    if target not in seen:
+                    if target not in seen and not self._holds(target):
                         seen.add(target)
                         out += [op for op in self.fill(target) if op.src == rank]
         return out
+
+    def _holds(self, target: Piece) -> bool:
+        """Whether the target's rank holds all of it in A already (its fill is one local op)."""
+        return any(
+            target.rank in g.ranks and contains(g.piece.box, target.box)
+            for g in _holders(self.key, self.a, target.name, target.state, target.box)
+        )
 
     def fill(self, target: Piece) -> list[Op]:
         """The ops that fill `target`: from its own rank's pieces of A first, then each box
@@ -250,9 +258,8 @@ class _Fills:
     def _replica(self, target: Piece) -> int:
         """The destination's replica index for this tensor (expert DP for an expert's, DP·CP
         otherwise), offset by the tensor's layer and expert indices to spread small groups."""
-        coords = self.b.rank_coords(target.rank)
         expert = target.state != "step" and is_expert(self.key, self.b, target.name)
-        return coords["edp" if expert else "dp_cp"] + sum(target.name.index)
+        return replica_index(self.b, target.rank, expert) + sum(target.name.index)
 
 
 @functools.lru_cache(maxsize=65536)

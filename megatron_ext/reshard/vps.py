@@ -262,6 +262,14 @@ def position_ranks(layout: ParallelLayout, position: Position) -> range:
     return range(start, start + step * layout.edp, step)
 
 
+def replica_index(layout: ParallelLayout, rank: int, expert: bool) -> int:
+    """`rank`'s index among the replicas of its position: its expert DP index for an expert's
+    tensor, its dense DP·CP index otherwise (what rank_coords says as edp / dp_cp)."""
+    if expert:
+        return rank // (layout.tp * layout.ep) % layout.edp
+    return rank // layout.tp % (layout.cp * layout.dp)
+
+
 @dataclasses.dataclass(frozen=True)
 class Holders:
     """One piece that each of `ranks` holds alike (DP/CP replicas of a parameter; one rank for a
@@ -271,7 +279,8 @@ class Holders:
     ranks: range
 
     def on(self, rank: int) -> Piece:
-        return self.piece if rank == self.piece.rank else dataclasses.replace(self.piece, rank=rank)
+        p = self.piece
+        return p if rank == p.rank else Piece(rank, p.name, p.state, p.box, p.shape, p.dtype, p.chunk, p.param, p.offset)
 
 
 def holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str, box: Box) -> list[Holders]:

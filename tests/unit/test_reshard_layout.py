@@ -97,3 +97,17 @@ def test_coordinates_and_groups_are_megatrons_rank_generator(name):
         for ranks in generator.get_ranks(token):
             for index, rank in enumerate(sorted(ranks)):
                 assert layout.rank_coords(rank)[coord] == index, (coord, rank)
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+def test_replica_index_and_position_ranks_are_the_coordinates(name):
+    from megatron_ext.reshard.vps import position_ranks, replica_index
+
+    layout = GRIDS[name]
+    for rank in range(layout.active):
+        c = layout.rank_coords(rank)
+        assert replica_index(layout, rank, False) == c["dp_cp"]
+        assert replica_index(layout, rank, True) == c["edp"]
+        ranks = position_ranks(layout, (c["pp"], c["tp"], c["ep"]))
+        assert list(ranks) == layout.ranks_of(pp=c["pp"], tp=c["tp"], ep=c["ep"])
+        assert ranks.index(rank) == c["edp"]

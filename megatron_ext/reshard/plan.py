@@ -206,6 +206,10 @@ class _Fills:
         self.key, self.a, self.b = key, a, b
         self.model = ModelConfig(**dict(key))
         self.missing = 0
+        # Per move, not lru caches keyed by the model: hashing its hundred fields per lookup
+        # cost more than the lookups.
+        self._holders: dict[tuple, list] = {}
+        self._expert: dict[LogicalName, bool] = {}
 
     def receives(self, rank: int) -> list[Op]:
         """Every op that fills `rank`'s pieces of B."""
@@ -217,7 +221,7 @@ class _Fills:
         picked is `rank`."""
         out, seen = [], set()
         for p in rank_pieces(self.model, self.a, rank):
-            for group in _holders(self.key, self.b, p.name, p.state, p.box):
+            for group in self.holders(False, p.name, p.state, p.box):
                 for dst in group.ranks:
                     if dst == rank or (p.state == "step" and dst < self.a.active):
                         continue  # its own fill; a rank of A holds the step already
@@ -231,13 +235,20 @@ class _Fills:
         """Whether the target's rank holds all of it in A already (its fill is one local op)."""
         return any(
             target.rank in g.ranks and contains(g.piece.box, target.box)
-            for g in _holders(self.key, self.a, target.name, target.state, target.box)
+            for g in self.holders(True, target.name, target.state, target.box)
         )
+
+    def holders(self, source: bool, name: LogicalName, state: str, box: Box) -> list:
+        """The pieces of layout A (`source`) or B that meet `box`, grouped by replicas."""
+        key = (source, name, state, box)
+        if key not in self._holders:
+            self._holders[key] = holders(self.key, self.a if source else self.b, name, state, box)
+        return self._holders[key]
 
     def fill(self, target: Piece) -> list[Op]:
         """The ops that fill `target`: from its own rank's pieces of A first, then each box
         still missing from one holder, picked by the destination's replica index."""
-        groups = _holders(self.key, self.a, target.name, target.state, target.box)
+        groups = self.holders(True, target.name, target.state, target.box)
         ops: list[Op] = []
         need = [target.box]
         for g in groups:
@@ -258,13 +269,11 @@ class _Fills:
     def _replica(self, target: Piece) -> int:
         """The destination's replica index for this tensor (expert DP for an expert's, DP·CP
         otherwise), offset by the tensor's layer and expert indices to spread small groups."""
-        expert = target.state != "step" and is_expert(self.key, self.b, target.name)
-        return replica_index(self.b, target.rank, expert) + sum(target.name.index)
-
-
-@functools.lru_cache(maxsize=65536)
-def _holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str, box: Box):
-    return holders(key, layout, name, state, box)
+        if target.state == "step":
+            return replica_index(self.b, target.rank, False)
+        if target.name not in self._expert:
+            self._expert[target.name] = is_expert(self.key, self.b, target.name)
+        return replica_index(self.b, target.rank, self._expert[target.name]) + sum(target.name.index)
 
 
 def _take(need: list[Box], source: Piece, target: Piece, ops: list[Op]) -> list[Box]:

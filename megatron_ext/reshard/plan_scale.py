@@ -26,7 +26,7 @@ from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import standalone_world
 
 _CACHES = (
-    vps._stage, vps.position_shards, vps._shards_by_name, vps.name_positions, vps.is_expert,
+    vps._stage, vps.position_shards, vps.name_positions, vps.is_expert,
     vps.stage_layers, vps._rank_pieces, planner._rank_plan, planner._plan,
 )
 

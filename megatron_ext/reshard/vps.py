@@ -160,6 +160,7 @@ Position = tuple[int, int, int]
 @dataclasses.dataclass(frozen=True)
 class _Stage:
     shards: tuple[_Shard, ...]  # of position (pp, 0, 0)
+    by_name: dict[LogicalName, tuple[_Shard, ...]]
     expert_keys: frozenset[str]
     local_experts: int
 
@@ -169,8 +170,12 @@ def _stage(key: ModelKey, layout: ParallelLayout, pp: int) -> _Stage:
     model = ModelConfig(**dict(key))
     with standalone_world():  # the stage's rank with tp = cp = dp = 0, hence ep = 0
         shards = read_skeleton(build_skeleton(model, layout, pp * layout.tp * layout.cp * layout.dp))
+    by_name: dict[LogicalName, list[_Shard]] = {}
+    for s in shards:
+        by_name.setdefault(s.name, []).append(s)
     experts = frozenset(s.name.key for s in shards if s.expert)
-    return _Stage(shards, experts, (model.num_experts or 1) // layout.ep)
+    named = {n: tuple(v) for n, v in by_name.items()}
+    return _Stage(shards, named, experts, (model.num_experts or 1) // layout.ep)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -181,12 +186,16 @@ def position_shards(key: ModelKey, layout: ParallelLayout, position: Position) -
     return tuple(_moved(s, stage, tp, ep) for s in stage.shards)
 
 
-@functools.lru_cache(maxsize=4096)
-def _shards_by_name(key: ModelKey, layout: ParallelLayout, position: Position) -> dict[LogicalName, tuple[_Shard, ...]]:
-    by_name: dict[LogicalName, list[_Shard]] = {}
-    for s in position_shards(key, layout, position):
-        by_name.setdefault(s.name, []).append(s)
-    return {n: tuple(v) for n, v in by_name.items()}
+def _named_shards(key: ModelKey, layout: ParallelLayout, position: Position, name: LogicalName) -> list[_Shard]:
+    """The shards of `name` at `position`, derived from those of its stage's (pp, 0, 0) alone."""
+    pp, tp, ep = position
+    stage = _stage(key, layout, pp)
+    if name.key in stage.expert_keys:
+        layer, expert = name.index
+        if expert // stage.local_experts != ep:
+            return []
+        name = LogicalName(name.key, (layer, expert - ep * stage.local_experts))
+    return [_moved(s, stage, tp, ep) for s in stage.by_name.get(name, ())]
 
 
 def _moved(s: _Shard, stage: _Stage, tp: int, ep: int) -> _Shard:
@@ -291,7 +300,7 @@ def holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str
     out = []
     for position in name_positions(key, layout, name):
         ranks = position_ranks(layout, position)
-        for s in _shards_by_name(key, layout, position).get(name, ()):
+        for s in _named_shards(key, layout, position, name):
             if intersect(s.box, box) is None:
                 continue
             if state == "param":

@@ -298,11 +298,14 @@ def holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str
     if state == "step":
         return [Holders(step_piece(0), range(layout.active))] if layout.active else []
     out = []
+    meeting: dict[tuple[int, int], list[_Shard]] = {}  # a dense tensor's shards are every ep's
     for position in name_positions(key, layout, name):
+        pp, tp, ep = position
+        if (pp, tp) not in meeting or name.key in _stage(key, layout, pp).expert_keys:
+            shards = _named_shards(key, layout, position, name)
+            meeting[pp, tp] = [s for s in shards if intersect(s.box, box) is not None]
         ranks = position_ranks(layout, position)
-        for s in _named_shards(key, layout, position, name):
-            if intersect(s.box, box) is None:
-                continue
+        for s in meeting[pp, tp]:
             if state == "param":
                 dtype = _param_dtype(_model(key))
                 out.append(Holders(_piece(ranks[0], s, "param", s.box, dtype, s.start), ranks))

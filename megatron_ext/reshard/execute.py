@@ -278,7 +278,8 @@ def execute(
     this rank: plan rank r is rank r of `channel` (default: of `group`, default the world; the
     worker pool has its own channel, see pool.py). Between the processes of one host the
     messages go through shared memory when every rank can (`shared_memory`, host tensors only;
-    transport.py), else as point-to-point messages.
+    transport.py: collectives over the channel, so every rank of it must ask the same), else as
+    point-to-point messages.
 
     `read_local(source_piece, box)` returns this rank's values of `box` (⊆ the piece's box) in
     the source layout; `write_local(target_piece, box, values)` stores them in the destination

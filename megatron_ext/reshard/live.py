@@ -303,6 +303,7 @@ def _switch_and_move(
         move.discard()
         return errors, NOTHING_MOVED
     guarded = Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
+    shared_memory = shared_memory and move.network_bytes > 0  # the same on every rank
     executed = execute(move.transfer, move.steps, guarded.read, guarded.write, shared_memory=shared_memory)
     errors = _gather_errors(guarded.error)
     clock.lap("transfer")

@@ -348,7 +348,12 @@ def carry_out(
         target = MegatronState(new.model, new.optimizer) if new is not None else None
         guarded = Guarded(source.read if source else _holds_nothing, target.write if target else _holds_nothing)
         executed = execute(
-            move.transfer, move.steps, guarded.read, guarded.write, channel=pool, shared_memory=command.shared_memory
+            move.transfer,
+            move.steps,
+            guarded.read,
+            guarded.write,
+            channel=pool,
+            shared_memory=command.shared_memory and move.network_bytes > 0,  # the same on every rank
         )
         failures = pool.failures(guarded.error)
         clock.lap("transfer")
@@ -438,7 +443,8 @@ def _roll_back(pool: WorkerPool, command: Resize, old, new, source, failures: di
     old.switch_layout(command.cfg.parallel, new_world=True)
     ensure_optimizer_states(old.optimizer)
     stay = rank_plan(planner_model(old), a, a, pool.rank)  # local copies only: every rank holds its part
-    execute(stay, local_rounds(stay), source.read, MegatronState(old.model, old.optimizer).write, channel=pool)
+    write = MegatronState(old.model, old.optimizer).write
+    execute(stay, local_rounds(stay), source.read, write, channel=pool, shared_memory=False)  # the old world's ranks only
     raise ReshardFailed(f"reshard failed ({what}); rolled back to {a}, no state lost")
 
 

@@ -50,7 +50,7 @@ def test_rounds_carry_every_op_once_within_the_budget(case, budget):
     assert max(peaks.values()) <= 2 * budget
 
 
-@pytest.mark.parametrize("budget", BUDGETS[:3])
+@pytest.mark.parametrize("budget", BUDGETS[1:3])
 def test_both_ends_of_an_op_cut_the_same_round_from_their_own_plans(case, budget):
     """Each rank's rounds from its own rank_plan: an op (or slab) is in the same round at its
     source and at its destination, and the ranks' rounds together are the world's."""

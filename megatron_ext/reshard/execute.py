@@ -103,6 +103,11 @@ def rank_rounds(plan: Union[RankPlan, TransferPlan], rank: int, budget_bytes: in
     rounds, the lower bound. Both ends compute the same cut from the same numbers, so an op has
     one round without the world's plan. Local ops cost no staging: they run in the first round.
     Raises ValueError when the budget is below some rank's floor (every rank raises alike)."""
+    _check_budget(budget_bytes, everyone)
+    return _cut(plan, budget_bytes, everyone, lambda op: op.dst == rank or (not op.local and op.src == rank))
+
+
+def _check_budget(budget_bytes: int, everyone: Sequence[Traffic]) -> None:
     for r, t in enumerate(everyone):
         floor = max(t.send_floor, t.receive_floor)
         if budget_bytes < max(floor, 1):
@@ -110,15 +115,16 @@ def rank_rounds(plan: Union[RankPlan, TransferPlan], rank: int, budget_bytes: in
                 f"reshard: a memory budget of {budget_bytes} bytes is below the plan's minimum "
                 f"({floor} bytes, one element per peer of rank {r})"
             )
+
+
+def _cut(plan, budget_bytes: int, everyone: Sequence[Traffic], mine: Callable[[Op], bool]) -> list[Round]:
+    """The rounds of the plan's ops that `mine` selects, each pair's stream cut alone."""
     # Ops by pair, each with its place in the plan: a round lists its ops in plan order.
     streams: dict[tuple[int, int], list[tuple[int, Op]]] = defaultdict(list)
     local: list[tuple[int, Op]] = []
     for i, op in enumerate(plan.ops):
-        if op.local:
-            if op.dst == rank:
-                local.append((i, op))
-        elif rank in (op.src, op.dst):
-            streams[op.src, op.dst].append((i, op))
+        if mine(op):
+            (local if op.local else streams[op.src, op.dst]).append((i, op))
     out: list[list[tuple[int, Op]]] = [local]
     for (src, dst), ops in sorted(streams.items()):
         capacity = _capacity(budget_bytes, [op for _, op in ops], everyone[src], everyone[dst])
@@ -158,13 +164,8 @@ def rounds(plan: TransferPlan, budget_bytes: int) -> list[Round]:
     with every rank's Traffic taken from the plan). For tests, summaries and the simulator;
     a running move schedules each rank's own (`schedule`)."""
     everyone = [traffic(plan, r) for r in range(plan.world)]
-    merged: list[list[Op]] = []
-    for rank in range(plan.world):
-        for index, step in enumerate(rank_rounds(plan, rank, budget_bytes, everyone)):
-            while len(merged) <= index:
-                merged.append([])
-            merged[index] += [op for op in step.ops if op.dst == rank]  # each op once
-    return [Round(tuple(ops)) for ops in merged]
+    _check_budget(budget_bytes, everyone)
+    return _cut(plan, budget_bytes, everyone, lambda op: True)
 
 
 def peak_bytes(plan, steps: list[Round]) -> dict[int, int]:
@@ -216,20 +217,22 @@ def _split(op: Op, budget: int, itemsize: int) -> list[Op]:
     (lo, hi), rest = op.box[0], op.box[1:]
     row = numel(rest) * itemsize
     if row > budget:
-        rows = [dataclasses.replace(op, box=((i, i + 1),) + rest, nbytes=row) for i in range(lo, hi)]
+        rows = [_slab(op, ((i, i + 1),) + rest, row) for i in range(lo, hi)]
         return [part for r in rows for part in _split_inner(r, budget, itemsize)]
     per = budget // row
-    return [
-        dataclasses.replace(op, box=((i, min(i + per, hi)),) + rest, nbytes=(min(i + per, hi) - i) * row)
-        for i in range(lo, hi, per)
-    ]
+    return [_slab(op, ((i, min(i + per, hi)),) + rest, (min(i + per, hi) - i) * row) for i in range(lo, hi, per)]
+
+
+def _slab(op: Op, box: Box, nbytes: int) -> Op:
+    # dataclasses.replace costs several times this, and a small budget makes many slabs.
+    return Op(op.src, op.dst, op.name, op.state, box, op.source, op.target, nbytes)
 
 
 def _split_inner(row: Op, budget: int, itemsize: int) -> list[Op]:
     """A one-row op split along its remaining axes (the row index is kept)."""
     head, rest = row.box[0], row.box[1:]
-    inner = dataclasses.replace(row, box=rest)
-    return [dataclasses.replace(p, box=(head,) + p.box) for p in _split(inner, budget, itemsize)]
+    inner = _slab(row, rest, row.nbytes)
+    return [_slab(p, (head,) + p.box, p.nbytes) for p in _split(inner, budget, itemsize)]
 
 
 class GroupChannel:

@@ -90,7 +90,9 @@ def _pairs(plan, rank: int, mine: str, theirs: str) -> dict[int, tuple[int, int]
     return out
 
 
-def rank_rounds(plan: Union[RankPlan, TransferPlan], rank: int, budget_bytes: int, everyone: Sequence[Traffic]) -> list[Round]:
+def rank_rounds(
+    plan: Union[RankPlan, TransferPlan], rank: int, budget_bytes: int, everyone: Sequence[Traffic]
+) -> list[Round]:
     """`rank`'s ops of `plan` in rounds, from its own ops and every rank's Traffic (gathered in
     one small all-reduce: `schedule`).
 

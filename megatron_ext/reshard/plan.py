@@ -285,6 +285,7 @@ def _take(need: list[Box], source: Piece, target: Piece, ops: list[Op]) -> list[
         if common is None:
             rest.append(box)
             continue
-        ops.append(Op(source.rank, target.rank, target.name, target.state, common, source, target, numel(common) * itemsize))
+        nbytes = numel(common) * itemsize
+        ops.append(Op(source.rank, target.rank, target.name, target.state, common, source, target, nbytes))
         rest += subtract(box, common)
     return rest

@@ -108,7 +108,8 @@ def send_balance(model: ModelConfig, a: ParallelLayout, b: ParallelLayout) -> di
         sent = [sum(op.nbytes for op in fills.sends(r)) for r in range(a.active)]
     senders = [s for s in sent if s]
     mean = sum(senders) / len(senders) if senders else 0.0
-    return {"max_sent_bytes": max(sent, default=0), "mean_sent_bytes": mean, "max_over_mean": max(sent, default=0) / mean if mean else 1.0}
+    most = max(sent, default=0)
+    return {"max_sent_bytes": most, "mean_sent_bytes": mean, "max_over_mean": most / mean if mean else 1.0}
 
 
 def _reset_peak_rss() -> None:

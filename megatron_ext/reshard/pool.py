@@ -8,8 +8,8 @@ All launched processes form the pool; the first tp·pp·dp·cp of them form mega
 
 1. preparing, in the background while training goes on (`prepare_resize`): each rank of the
    old world plans its own part of the move over the pool (`rank_plan`, a pure function; ranks
-   past the old or new layout hold nothing there) and pool rank 0 tells the standby workers; every rank of the new world then builds it ahead
-   (future_world.py): the torch world under a new store prefix, and in it the new layout's
+   past the old or new layout hold nothing there) and pool rank 0 tells the standby workers;
+   every rank of the new world then builds it ahead (future_world.py): the torch world under a new store prefix, and in it the new layout's
    groups, model, optimizer and datasets (the ranks that stay, in a background thread), or a
    whole trainer from the job's common state (the ranks that join, while on standby);
 2. at the step: pool rank 0 sends the command (new layout, its part of the move, from which a
@@ -444,7 +444,8 @@ def _roll_back(pool: WorkerPool, command: Resize, old, new, source, failures: di
     ensure_optimizer_states(old.optimizer)
     stay = rank_plan(planner_model(old), a, a, pool.rank)  # local copies only: every rank holds its part
     write = MegatronState(old.model, old.optimizer).write
-    execute(stay, local_rounds(stay), source.read, write, channel=pool, shared_memory=False)  # the old world's ranks only
+    # Only the old world's ranks take part: no shared memory, whose set-up is collective.
+    execute(stay, local_rounds(stay), source.read, write, channel=pool, shared_memory=False)
     raise ReshardFailed(f"reshard failed ({what}); rolled back to {a}, no state lost")
 
 

@@ -289,7 +289,9 @@ class Holders:
 
     def on(self, rank: int) -> Piece:
         p = self.piece
-        return p if rank == p.rank else Piece(rank, p.name, p.state, p.box, p.shape, p.dtype, p.chunk, p.param, p.offset)
+        if rank == p.rank:
+            return p
+        return Piece(rank, p.name, p.state, p.box, p.shape, p.dtype, p.chunk, p.param, p.offset)
 
 
 def holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str, box: Box) -> list[Holders]:

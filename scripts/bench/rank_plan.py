@@ -126,7 +126,11 @@ def balance(old_root: str | None) -> dict:
     out = {"this checkout": balance_here()}
     if old_root:
         env = {**os.environ, "PYTHONPATH": old_root, "RANK_PLAN_ROOT": old_root, "OMP_NUM_THREADS": "1"}
-        script = f"import sys; sys.path.insert(0, {str(REPO / 'scripts/bench')!r}); import rank_plan, json; print(json.dumps(rank_plan.balance_here()))"
+        here = str(REPO / "scripts/bench")
+        script = (
+            f"import sys; sys.path.insert(0, {here!r}); import rank_plan, json; "
+            "print(json.dumps(rank_plan.balance_here()))"
+        )
         done = subprocess.run([sys.executable, "-c", script], cwd=old_root, env=env, capture_output=True, text=True)
         if done.returncode:
             sys.exit(done.stderr[-2000:])

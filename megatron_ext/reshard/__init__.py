@@ -4,10 +4,13 @@ job with every training state carried over.
     layout.py    ParallelLayout: a layout as a value, validated by the runtime's rules
     boxes.py     box geometry: intersection, subtraction, flat range -> contiguous boxes
     skeleton.py  megatron's model + DDP for any rank of any layout, on fake tensors and groups
-    vps.py       every rank's pieces of every training state, from megatron's own metadata
-    plan.py      plan(model, A, B): the minimal transfer plan by box intersection (pure, cached)
-    execute.py   rounds(plan, budget): memory-budgeted rounds; execute(): one packed message per
-                 peer per round
+    vps.py       every rank's pieces of every training state, from megatron's own metadata, one
+                 skeleton per pipeline stage; the holders of a box, by position and replica
+    plan.py      rank_plan(model, A, B, rank): a rank's own part of the minimal transfer plan by
+                 box intersection; plan(model, A, B): the world's, their union (pure, cached)
+    plan_scale.py  a rank plan's time and memory at cluster scale, bytes against the minimum
+    execute.py   schedule(rank plan, budget): agreement and this rank's memory-budgeted rounds;
+                 execute(): one packed message per peer per round
     transport.py how the messages travel: shared memory within a host, else point-to-point
     state_access.py  read/write a piece in megatron's params and distributed-optimizer states
     prebuild.py  the destination's groups, model, DDP and optimizer, built beside the running

@@ -2,29 +2,21 @@
 
 Two layouts must coexist during a live reshard (the running one and the destination), so a
 layout is a plain value rather than megatron's global parallel state. Which rank holds which
-coordinates comes from megatron's own `RankGenerator` (order "tp-cp-ep-dp-pp"), which is pure
-arithmetic and needs no process group; validity comes from the runtime's config rules.
+coordinates is megatron's `RankGenerator` numbering (order "tp-cp-ep-dp-pp"), mixed-radix
+arithmetic computed here per rank (the generator lists every group of the world: seconds at
+16,384 ranks; tests check the two agree); validity comes from the runtime's config rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Union
-
-from megatron.core.parallel_state import RankGenerator
 
 from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_ext.config.validate import ConfigError, resolve_dp, violations
 
 # megatron-core's default rank order: TP fastest, then CP, EP, DP, and PP slowest.
 ORDER = "tp-cp-ep-dp-pp"
-
-# Coordinates of a rank. Dense: tp, cp, dp, pp and dp_cp (the rank's index in the dense
-# distributed-optimizer group, DP and CP folded). Expert: ep, edp (expert tensor parallel is tp,
-# megatron's default, which the runtime keeps).
-DENSE_TOKENS = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "dp-cp"}
-EXPERT_TOKENS = {"ep": "ep", "edp": "dp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,21 +117,45 @@ class ParallelLayout:
             raise ConfigError(field, rule, others)
 
     def rank_coords(self, rank: int) -> dict[str, int]:
-        """Megatron's coordinates of `rank`: tp, cp, dp, pp, dp_cp, ep, edp. Standby: {}."""
-        return dict(_coords(self)[rank]) if rank < self.active else {}
+        """Megatron's coordinates of `rank`: tp, cp, dp, pp, dp_cp (the rank's index in the dense
+        distributed-optimizer group, DP and CP folded), ep, edp (expert tensor parallel is tp,
+        megatron's default, which the runtime keeps). Standby: {}."""
+        if rank >= self.active:
+            return {}
+        dense, expert = _digits(self, rank, False), _digits(self, rank, True)
+        return {
+            "tp": dense["tp"], "cp": dense["cp"], "dp": dense["dp"], "pp": dense["pp"],
+            "dp_cp": dense["cp"] + self.cp * dense["dp"], "ep": expert["ep"], "edp": expert["dp"],
+        }
 
     def ranks_of(self, **coords: int) -> list[int]:
         """The ranks whose coordinates include all of `coords`, ascending."""
-        table = [dict(c) for c in _coords(self)]
+        table = [self.rank_coords(r) for r in range(self.active)]
         return [r for r, c in enumerate(table) if all(c[k] == v for k, v in coords.items())]
 
     def group(self, rank: int, token: str, expert: bool = False) -> list[int]:
         """The ranks of `rank`'s megatron group `token` ("tp", "dp-cp", "tp-ep-pp", ...), sorted
         as torch.distributed numbers a group's members."""
-        for ranks in _generator(self, expert).get_ranks(token):
-            if rank in ranks:
-                return sorted(ranks)
-        raise ValueError(f"rank {rank} is not an active rank of {self}")
+        if not 0 <= rank < self.active:
+            raise ValueError(f"rank {rank} is not an active rank of {self}")
+        dims, digits = _dims(self, expert), _digits(self, rank, expert)
+        varying = token.split("-")
+        fixed = sum(digits[d] * stride for d, (_, stride) in dims.items() if d not in varying)
+        members = [fixed]
+        for d in varying:  # megatron's RankGenerator: rank = Σ digit · stride in ORDER
+            size, stride = dims[d]
+            members = [m + i * stride for i in range(size) for m in members]
+        return sorted(members)
+
+    def group_position(self, rank: int, token: str, expert: bool = False) -> tuple[int, int]:
+        """(`rank`'s index in its group `token`, the group's size), without listing the group:
+        sorted members are ordered by their digits, the largest stride first."""
+        dims, digits = _dims(self, expert), _digits(self, rank, expert)
+        index, size = 0, 1
+        for d in sorted(token.split("-"), key=lambda d: dims[d][1]):
+            index += digits[d] * size
+            size *= dims[d][0]
+        return index, size
 
     def __str__(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
@@ -155,22 +171,19 @@ class ParallelLayout:
         return "·".join(parts)
 
 
-@functools.lru_cache(maxsize=64)
-def _generator(layout: ParallelLayout, expert: bool) -> RankGenerator:
+def _dims(layout: ParallelLayout, expert: bool) -> dict[str, tuple[int, int]]:
+    """Dimension -> (size, stride) of the rank order, as megatron's RankGenerator numbers ranks
+    (ORDER, TP fastest); the expert generator has ep and the expert DP in place of cp and dp."""
     if expert:
-        return RankGenerator(
-            tp=layout.tp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order=ORDER
-        )
-    return RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=ORDER)
+        sizes = {"tp": layout.tp, "cp": 1, "ep": layout.ep, "dp": layout.edp, "pp": layout.pp}
+    else:
+        sizes = {"tp": layout.tp, "cp": layout.cp, "ep": 1, "dp": layout.dp, "pp": layout.pp}
+    dims, stride = {}, 1
+    for d in ORDER.split("-"):
+        dims[d] = (sizes[d], stride)
+        stride *= sizes[d]
+    return dims
 
 
-@functools.lru_cache(maxsize=64)
-def _coords(layout: ParallelLayout) -> tuple[tuple[tuple[str, int], ...], ...]:
-    """Every active rank's coordinates: its index in each of its (sorted) megatron groups."""
-    table: list[dict[str, int]] = [{} for _ in range(layout.active)]
-    for expert, tokens in ((False, DENSE_TOKENS), (True, EXPERT_TOKENS)):
-        for coord, token in tokens.items():
-            for ranks in _generator(layout, expert).get_ranks(token):
-                for index, rank in enumerate(sorted(ranks)):
-                    table[rank][coord] = index
-    return tuple(tuple(sorted(c.items())) for c in table)
+def _digits(layout: ParallelLayout, rank: int, expert: bool) -> dict[str, int]:
+    return {d: rank // stride % size for d, (size, stride) in _dims(layout, expert).items()}

@@ -7,11 +7,13 @@
     report = reshard(trainer, prepared.target, prepared=prepared)
 
 1. Check the new layout against the model (the runtime's rules) before anything changes.
-2. Prepare: plan the move (pure, identical on every rank) and cut it into memory-budgeted
-   rounds; then build the new layout's process groups, model, DDP and optimizer beside the
+2. Prepare: plan this rank's part of the move (`rank_plan`: pure, from the layouts alone); then
+   build the new layout's process groups, model, DDP and optimizer beside the
    running one (prebuild.py). `prepare` runs both in a background thread while the current
    layout keeps training.
-3. The stall: keep the old model and optimizer objects, switch to the new layout
+3. The stall: agree (one small all-reduce: every rank planned the same move with the same
+   budget, and the byte counts from which each rank cuts its own memory-budgeted rounds;
+   execute.py `schedule`), keep the old model and optimizer objects, switch to the new layout
    (`Trainer.switch_layout`: install what was prebuilt, or build it now; scheduler, counters
    and data position carried), and move every param, fp32 main param, Adam moment and the step
    from the old objects into the new ones with the point-to-point executor; then drop the old
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,9 +49,9 @@ from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate_layout
 from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.boxes import Box
-from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, peak_bytes, rounds
+from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, local_rounds, schedule
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.plan import TransferPlan, plan
+from megatron_ext.reshard.plan import RankPlan, rank_plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild_or_failure
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
@@ -68,9 +69,9 @@ class ReshardFailed(RuntimeError):
 class ReshardReport:
     source: str
     target: str
-    network_bytes: int  # the plan's, summed over ranks: the minimum (see plan.py)
+    network_bytes: int  # summed over ranks: the minimum (see plan.py)
     rounds: int
-    peak_bound_bytes: int  # the largest staging any rank may need, from the plan
+    peak_bound_bytes: int  # the largest staging any rank may need, from the rounds
     peak_extra_bytes: int  # the staging this rank held at most, measured
     transport: str  # how the state travelled: "shared memory" or "messages" (execute.py)
     prepare_seconds: float  # plan and rounds: before the stall, in the background if prepared
@@ -109,11 +110,32 @@ class Move:
     """A planned move of the trainer's state to `target`."""
 
     target: ParallelConfig
-    transfer: TransferPlan
-    steps: list[Round]
+    model: ModelConfig  # the planner's (the run's padded vocabulary)
+    transfer: RankPlan  # this rank's part
+    budget_bytes: int
     seconds: float  # planning (and prebuilding) time
     prebuilt: Optional[Prebuilt] = None  # the target layout, built beside the running one
     build_failure: Optional[str] = None  # why building it beside the running one failed here
+    steps: list[Round] = dataclasses.field(default_factory=list)  # this rank's rounds, once agreed
+    peak_bound: int = 0  # the largest staging any rank may need in them
+    network_bytes: int = 0  # every rank's received bytes, summed
+
+    def for_rank(self, rank: int) -> "Move":
+        """The same move planned for `rank` (a worker that joins plans its own part)."""
+        if rank == self.transfer.rank:
+            return self
+        start = time.perf_counter()
+        transfer = rank_plan(self.model, self.transfer.a, self.transfer.b, rank)
+        return Move(self.target, self.model, transfer, self.budget_bytes, time.perf_counter() - start)
+
+    def scheduled(self, channel=None) -> "Move":
+        """This move with its rounds, after checking that every rank of `channel` (default:
+        the world) planned the very same move with the same budget: ValueError on every rank
+        otherwise, before anything changes."""
+        agreed = schedule(self.transfer, self.budget_bytes, channel)
+        return dataclasses.replace(
+            self, steps=agreed.steps, peak_bound=agreed.peak_bound, network_bytes=agreed.network_bytes
+        )
 
     def discard(self) -> None:
         """Free what was built for this move (it will not be carried out)."""
@@ -127,9 +149,9 @@ class Move:
         return ReshardReport(
             source=str(self.transfer.a),
             target=str(self.transfer.b),
-            network_bytes=self.transfer.network_bytes,
+            network_bytes=self.network_bytes,
             rounds=len(self.steps),
-            peak_bound_bytes=max(peak_bytes(self.transfer, self.steps).values(), default=0),
+            peak_bound_bytes=self.peak_bound,
             peak_extra_bytes=executed.staged_bytes,
             transport=executed.transport,
             prepare_seconds=self.seconds,
@@ -140,12 +162,13 @@ class Move:
 
 
 def plan_move(trainer, target: ParallelConfig, budget_mb: float) -> Move:
-    """Check `target` and plan the move to it. Raises ValueError (a ConfigError for a layout the
-    model cannot run, or a budget below one element) before anything changes."""
+    """Check `target` and plan this rank's part of the move to it. Raises ValueError (a
+    ConfigError for a layout the model cannot run) before anything changes; a budget below one
+    element per peer is refused when the ranks agree (`Move.scheduled`), also before."""
     start = time.perf_counter()
     model, a, b = _layouts(trainer, target)
-    transfer = plan(model, a, b)
-    return Move(target, transfer, rounds(transfer, int(budget_mb * 2**20)), time.perf_counter() - start)
+    transfer = rank_plan(model, a, b, dist.get_rank())
+    return Move(target, model, transfer, int(budget_mb * 2**20), time.perf_counter() - start)
 
 
 # Every background preparation runs on this one thread, in the order asked: building a layout
@@ -227,20 +250,19 @@ def reshard(
 
 
 def _agree(move: Move) -> Move:
-    """`move`, after checking in one all-gather that every rank planned the very same move
-    (planning is pure and each rank plans on its own; the digest covers the whole plan and its
-    rounds: refused before anything changes otherwise) and whether building its layout ahead
-    failed anywhere: then every rank drops what it built, the log says why, and the same move
-    builds at the switch."""
-    cuts = [(len(r.ops), sum(op.nbytes for op in r.ops)) for r in move.steps]  # the budget cut them
-    digest = hashlib.sha256(repr((move.transfer.digest, cuts)).encode())
-    mine = torch.tensor([int(digest.hexdigest()[:15], 16), int(move.build_failure is not None)])  # 60 bits
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    if any(d[0] != mine[0] for d in everyone):
+    """`move` with its rounds, after checking that every rank planned the very same move (each
+    rank plans its own part; the digest of the inputs, the planner and the budget: refused
+    before anything changes otherwise), and whether building its layout ahead failed anywhere:
+    then every rank drops what it built, the log says why, and the same move builds at the
+    switch."""
+    try:
+        move = move.scheduled()
+    except ValueError:
         move.discard()
-        raise ValueError(f"reshard: the ranks planned different moves to {move.transfer.b}; nothing was moved")
-    if not any(d[1] for d in everyone):
+        raise
+    failed = torch.tensor([int(move.build_failure is not None)])
+    dist.all_reduce(failed)
+    if not failed.item():
         return move
     failures = _gather_errors(move.build_failure)
     _log.warning("reshard: building %s ahead failed (%s); building it at the switch", move.transfer.b, failures)
@@ -281,6 +303,7 @@ def _switch_and_move(
         move.discard()
         return errors, NOTHING_MOVED
     guarded = Guarded(source.read, MegatronState(trainer.model, trainer.optimizer).write)
+    shared_memory = shared_memory and move.network_bytes > 0  # the same on every rank
     executed = execute(move.transfer, move.steps, guarded.read, guarded.write, shared_memory=shared_memory)
     errors = _gather_errors(guarded.error)
     clock.lap("transfer")
@@ -290,9 +313,10 @@ def _switch_and_move(
 def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors: dict[int, str]) -> None:
     """Back to layout `parallel` from the untouched old objects, then raise ReshardFailed."""
     what = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(errors.items()))
-    a = _layout(parallel)
-    stay = plan(planner_model(trainer), a, a)  # local copies only: every rank holds its part
-    again, _ = _switch_and_move(trainer, Move(parallel, stay, rounds(stay, 1 << 62), 0.0), source)
+    a, model = _layout(parallel), planner_model(trainer)
+    stay = rank_plan(model, a, a, dist.get_rank())  # local copies only: every rank holds its part
+    back = Move(parallel, model, stay, 0, 0.0, steps=local_rounds(stay))
+    again, _ = _switch_and_move(trainer, back, source)
     if again:
         raise RuntimeError(
             f"reshard: moving back to {a} failed too ({again}) after: {what}; restart from the "

@@ -1,15 +1,23 @@
 """The reshard plan: which boxes move from which rank to which, by box intersection.
 
-    p = plan(model, ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, dp=2))
+    p = plan(model, ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, dp=2))   # the world's
     print(p.summary())
+    mine = rank_plan(model, a, b, rank)     # only what `rank` sends or receives
 
-A pure function of (model, layout A, layout B): every rank computes the same plan without
-talking to the others (the digest proves it), and it is cached. For each state of each logical
-tensor, each destination piece is first filled from what its own rank already holds in A
-(local ops, no network bytes); each element still missing is received exactly once, from a
-source chosen deterministically (least bytes sent so far, then nearest rank after the
-destination). So the bytes on the network are the minimum: the destination elements its rank
-does not hold in A.
+A pure function of (model, layout A, layout B), and each rank computes its own part alone:
+`rank_plan` is exactly the world plan's ops whose source or destination is that rank (tests
+check it op for op), found from the layouts' structure (vps.py: positions, replicas, DP index
+runs) without listing the other ranks' pieces. Ranks agree that they planned the same move by
+the digest of the inputs and PLANNER_VERSION (execute.py checks it before anything moves).
+
+Each destination piece is filled on its own (`fill`): first from what its own rank already
+holds in A (local ops, no network bytes); then each element still missing is received exactly
+once. So the bytes on the network are the minimum: the destination elements its rank does not
+hold in A. The sender of a missing box is a function of the destination alone, so both ends
+find it: among the source pieces that meet the box (in position, shard, rank order), the one
+picked by the destination's replica index plus the tensor's layer and expert indices; DP
+replicas of a destination therefore draw on different replicas of the source, and the sending
+spreads evenly over them (scripts/bench/rank_plan.py reports the balance).
 """
 
 from __future__ import annotations
@@ -17,13 +25,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections import defaultdict
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
-from megatron_ext.reshard.boxes import Box, intersect, numel, subtract
+from megatron_ext.reshard.boxes import Box, contains, intersect, numel, subtract
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.vps import ModelKey, Piece, layout_pieces, model_key
+from megatron_ext.reshard.skeleton import standalone_world
+from megatron_ext.reshard.vps import (
+    ModelKey,
+    Piece,
+    holders,
+    is_expert,
+    layout_pieces,
+    model_key,
+    rank_pieces,
+    replica_index,
+)
+
+# Changes whenever the same inputs could plan other ops (the sender rule, the order): ranks
+# running different planners must not agree.
+PLANNER_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +56,38 @@ class Op:
     name: LogicalName
     state: str
     box: Box
-    source: int  # index of the piece in TransferPlan.sources that holds the box on `src`
-    target: int  # index of the piece in TransferPlan.targets that receives it on `dst`
+    source: Piece  # the piece that holds the box on `src`
+    target: Piece  # the piece that receives it on `dst`
     nbytes: int
 
     @property
     def local(self) -> bool:
         return self.src == self.dst
+
+    @property
+    def itemsize(self) -> int:
+        return self.target.nbytes // numel(self.target.box)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """The ops one rank sends or receives (local copies included), in plan order."""
+
+    a: ParallelLayout
+    b: ParallelLayout
+    rank: int
+    ops: tuple[Op, ...]
+    digest: str  # of the inputs and the planner: equal on every rank that planned the same move
+
+    @property
+    def world(self) -> int:
+        return max(self.a.world, self.b.world)
+
+    def sent(self, rank: int) -> int:
+        return sum(op.nbytes for op in self.ops if op.src == rank and not op.local)
+
+    def received(self, rank: int) -> int:
+        return sum(op.nbytes for op in self.ops if op.dst == rank and not op.local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +98,7 @@ class TransferPlan:
     targets: tuple[Piece, ...]  # every piece of layout B
     ops: tuple[Op, ...]  # in plan order: tensors in model order, destinations by rank
     min_bytes: int  # bytes of destination elements whose rank does not hold them in A
-    digest: str  # sha256 of everything above: equal on every rank that planned the same move
+    digest: str  # of the inputs and the planner, as every RankPlan of the move has it
 
     @property
     def world(self) -> int:
@@ -70,6 +116,11 @@ class TransferPlan:
 
     def local_bytes(self, rank: int) -> int:
         return sum(op.nbytes for op in self.ops if op.dst == rank and op.local)
+
+    def restricted(self, rank: int) -> RankPlan:
+        """The ops `rank` sends or receives: what rank_plan computes alone."""
+        ops = tuple(op for op in self.ops if rank in (op.src, op.dst))
+        return RankPlan(self.a, self.b, rank, ops, self.digest)
 
     def summary(self) -> str:
         local = [op for op in self.ops if op.local]
@@ -91,8 +142,13 @@ def _mb(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
+def plan_digest(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> str:
+    return hashlib.sha256(repr((PLANNER_VERSION, key, a, b)).encode()).hexdigest()
+
+
 def plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
-    """The plan moving every training state of `model` from layout `a` to layout `b`.
+    """The plan moving every training state of `model` from layout `a` to layout `b`, for the
+    whole world: every destination rank's fills (for tests, summaries and the simulator).
 
     `model.vocab_size` is the run's padded vocabulary. Raises ConfigError, before anything is
     computed, when either layout is invalid for the model."""
@@ -101,16 +157,35 @@ def plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout) -> TransferPl
     return _plan(model_key(model), a, b)
 
 
+def rank_plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
+    """The ops `rank` sends or receives moving `model` from `a` to `b` (local copies
+    included): the world plan's ops of that rank, computed without the others'."""
+    a.check(model)
+    b.check(model)
+    return _rank_plan(model_key(model), a, b, rank)
+
+
 @functools.lru_cache(maxsize=32)
 def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
     model = ModelConfig(**dict(key))
-    sources, targets = layout_pieces(model, a), layout_pieces(model, b)
-    planner = _Planner(sources, max(a.world, b.world))
-    for t in sorted(range(len(targets)), key=lambda t: _order(targets[t])):
-        planner.fill(t, targets[t])
-    ops = tuple(planner.ops)
-    digest = hashlib.sha256(repr((key, a, b, sources, targets, ops, planner.min_bytes)).encode())
-    return TransferPlan(a, b, sources, targets, ops, planner.min_bytes, digest.hexdigest())
+    fills = _Fills(key, a, b)
+    with standalone_world():  # one for every skeleton this plan builds
+        ops = _in_plan_order([op for d in range(b.active) for op in fills.receives(d)])
+        sources, targets = layout_pieces(model, a), layout_pieces(model, b)
+    return TransferPlan(a, b, sources, targets, ops, fills.missing, plan_digest(key, a, b))
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
+    fills = _Fills(key, a, b)
+    with standalone_world():  # one for every skeleton this plan builds
+        ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
+    return RankPlan(a, b, rank, ops, plan_digest(key, a, b))
+
+
+def _in_plan_order(ops: list[Op]) -> tuple[Op, ...]:
+    # Stable: a target's ops keep their fill order.
+    return tuple(sorted(ops, key=lambda op: _order(op.target)))
 
 
 def _order(piece: Piece) -> tuple:
@@ -123,65 +198,94 @@ def _order(piece: Piece) -> tuple:
     return (group, name.index, name.key, piece.state, piece.rank, piece.box)
 
 
-def _itemsize(piece: Piece) -> int:
-    return piece.nbytes // numel(piece.box)
+class _Fills:
+    """Fills of destination pieces of one move; `missing` counts the network bytes of those
+    filled so far."""
 
+    def __init__(self, key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> None:
+        self.key, self.a, self.b = key, a, b
+        self.model = ModelConfig(**dict(key))
+        self.missing = 0
+        # Per move, not lru caches keyed by the model: hashing its hundred fields per lookup
+        # cost more than the lookups.
+        self._holders: dict[tuple, list] = {}
+        self._expert: dict[LogicalName, bool] = {}
 
-class _Planner:
-    """One plan being computed: the ops so far and the network bytes each rank sends so far."""
+    def receives(self, rank: int) -> list[Op]:
+        """Every op that fills `rank`'s pieces of B."""
+        return [op for t in rank_pieces(self.model, self.b, rank) for op in self.fill(t)]
 
-    def __init__(self, sources: tuple[Piece, ...], world: int) -> None:
-        self.sources, self.world = sources, world
-        self.by_tensor: dict[tuple[LogicalName, str], list[int]] = defaultdict(list)
-        for s, piece in enumerate(sources):
-            self.by_tensor[(piece.name, piece.state)].append(s)
-        self.ops: list[Op] = []
-        self.load = [0] * world
-        self.min_bytes = 0
+    def sends(self, rank: int) -> list[Op]:
+        """Every op by which `rank` sends another rank its pieces' boxes: the fills of the
+        pieces of B that meet them (found per position, not per rank), kept where the sender
+        picked is `rank`."""
+        out, seen = [], set()
+        for p in rank_pieces(self.model, self.a, rank):
+            for group in self.holders(False, p.name, p.state, p.box):
+                for dst in group.ranks:
+                    if dst == rank or (p.state == "step" and dst < self.a.active):
+                        continue  # its own fill; a rank of A holds the step already
+                    target = group.on(dst)
+                    if target not in seen and not self._holds(target):
+                        seen.add(target)
+                        out += [op for op in self.fill(target) if op.src == rank]
+        return out
 
-    def fill(self, t: int, target: Piece) -> None:
-        """Fill target piece `t`: first from its own rank's pieces (local copies), then each
-        missing box from the least-loaded holder (ties: the first rank after the target's), so
-        replicas share the sending; what that holder lacks goes round again."""
-        holders = [
-            s for s in self.by_tensor.get((target.name, target.state), ())
-            if intersect(self.sources[s].box, target.box)
-        ]
+    def _holds(self, target: Piece) -> bool:
+        """Whether the target's rank holds all of it in A already (its fill is one local op)."""
+        return any(
+            target.rank in g.ranks and contains(g.piece.box, target.box)
+            for g in self.holders(True, target.name, target.state, target.box)
+        )
+
+    def holders(self, source: bool, name: LogicalName, state: str, box: Box) -> list:
+        """The pieces of layout A (`source`) or B that meet `box`, grouped by replicas."""
+        key = (source, name, state, box)
+        if key not in self._holders:
+            self._holders[key] = holders(self.key, self.a if source else self.b, name, state, box)
+        return self._holders[key]
+
+    def fill(self, target: Piece) -> list[Op]:
+        """The ops that fill `target`: from its own rank's pieces of A first, then each box
+        still missing from one holder, picked by the destination's replica index."""
+        groups = self.holders(True, target.name, target.state, target.box)
+        ops: list[Op] = []
         need = [target.box]
-        for s in holders:
-            if self.sources[s].rank == target.rank:
-                need = self._take(need, s, t, target)
-        self.min_bytes += sum(numel(box) for box in need) * _itemsize(target)
-        remote = [s for s in holders if self.sources[s].rank != target.rank]
+        for g in groups:
+            if target.rank in g.ranks:
+                need = _take(need, g.on(target.rank), target, ops)
+        self.missing += sum(numel(box) for box in need) * (target.nbytes // numel(target.box))
+        pick = self._replica(target)
         while need:
-            s = self._choose(remote, need[0], target)
-            before = len(self.ops)
-            need = self._take(need, s, t, target)
-            self.load[self.sources[s].rank] += sum(op.nbytes for op in self.ops[before:])
+            candidates = [g for g in groups if intersect(g.piece.box, need[0])]
+            if not candidates:
+                raise RuntimeError(
+                    f"reshard: no rank of the source layout holds {target.name} {target.state} {need[0]}"
+                )
+            g = candidates[pick % len(candidates)]
+            need = _take(need, g.on(g.ranks[pick // len(candidates) % len(g.ranks)]), target, ops)
+        return ops
 
-    def _choose(self, remote: list[int], box: Box, target: Piece) -> int:
-        candidates = [s for s in remote if intersect(self.sources[s].box, box)]
-        if not candidates:
-            raise RuntimeError(
-                f"reshard: no rank of the source layout holds {target.name} {target.state} {box}"
-            )
+    def _replica(self, target: Piece) -> int:
+        """The destination's replica index for this tensor (expert DP for an expert's, DP·CP
+        otherwise), offset by the tensor's layer and expert indices to spread small groups."""
+        if target.state == "step":
+            return replica_index(self.b, target.rank, False)
+        if target.name not in self._expert:
+            self._expert[target.name] = is_expert(self.key, self.b, target.name)
+        return replica_index(self.b, target.rank, self._expert[target.name]) + sum(target.name.index)
 
-        def preference(s: int) -> tuple[int, int, int]:
-            rank = self.sources[s].rank
-            return (self.load[rank], (rank - target.rank) % self.world, s)
 
-        return min(candidates, key=preference)
-
-    def _take(self, need: list[Box], s: int, t: int, target: Piece) -> list[Box]:
-        """Emit ops copying source `s` ∩ each needed box; return what is still needed."""
-        source, rest = self.sources[s], []
-        for box in need:
-            common = intersect(box, source.box)
-            if common is None:
-                rest.append(box)
-                continue
-            nbytes = numel(common) * _itemsize(target)
-            op = Op(source.rank, target.rank, target.name, target.state, common, s, t, nbytes)
-            self.ops.append(op)
-            rest += subtract(box, common)
-        return rest
+def _take(need: list[Box], source: Piece, target: Piece, ops: list[Op]) -> list[Box]:
+    """Append ops copying `source` ∩ each needed box; return what is still needed."""
+    rest = []
+    itemsize = target.nbytes // numel(target.box)
+    for box in need:
+        common = intersect(box, source.box)
+        if common is None:
+            rest.append(box)
+            continue
+        nbytes = numel(common) * itemsize
+        ops.append(Op(source.rank, target.rank, target.name, target.state, common, source, target, nbytes))
+        rest += subtract(box, common)
+    return rest

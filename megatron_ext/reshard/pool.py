@@ -6,14 +6,16 @@
 All launched processes form the pool; the first tp·pp·dp·cp of them form megatron's world
 (torch's default group), the others wait on standby. When a reshard changes that number:
 
-1. preparing, in the background while training goes on (`prepare_resize`): pool rank 0 plans
-   the move over the pool (a pure function; ranks past the old or new layout hold nothing
-   there) and tells the standby workers; every rank of the new world then builds it ahead
-   (future_world.py): the torch world under a new store prefix, and in it the new layout's
+1. preparing, in the background while training goes on (`prepare_resize`): each rank of the
+   old world plans its own part of the move over the pool (`rank_plan`, a pure function; ranks
+   past the old or new layout hold nothing there) and pool rank 0 tells the standby workers;
+   every rank of the new world then builds it ahead (future_world.py): the torch world under a new store prefix, and in it the new layout's
    groups, model, optimizer and datasets (the ranks that stay, in a background thread), or a
    whole trainer from the job's common state (the ranks that join, while on standby);
-2. at the step: pool rank 0 sends the command (new layout, the plan, the run's config and
-   common state: counters, scheduler, plugin states) to every pool rank, standby ones included;
+2. at the step: pool rank 0 sends the command (new layout, its part of the move, from which a
+   joining worker plans its own, the run's config and common state: counters, scheduler,
+   plugin states) to every pool rank, standby ones included; the pool ranks agree that they
+   planned the same move and cut their rounds (execute.py `schedule`);
 3. the old world's ranks keep their model and optimizer objects as the source and leave the
    old world; the new world's ranks enter the one built ahead (or, when it was not, form it
    now and build their layout or trainer);
@@ -56,11 +58,11 @@ from megatron_ext.config.validate import resolve_dp, validate_layout
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.signals import PreemptionSignals, preemption_signals
-from megatron_ext.reshard.execute import NOTHING_MOVED, execute, rounds
+from megatron_ext.reshard.execute import NOTHING_MOVED, execute, local_rounds
 from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.live import Guarded, Move, Preparation, ReshardFailed, StallClock, planner_model
-from megatron_ext.reshard.plan import plan
+from megatron_ext.reshard.plan import rank_plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.training.release import collection_deferred, describe, gc_paused, release_in_background
@@ -206,7 +208,7 @@ class Resize:
     cfg: Config  # the run's config, in the layout being left
     target: ParallelConfig
     common: dict  # Trainer.common_state() of the old world
-    move: Move  # the plan over the pool, made on pool rank 0
+    move: Move  # pool rank 0's part of the move over the pool (the others plan their own)
     shared_memory: bool = True  # the executor's transport between processes of one host
     world: Optional[int] = None  # the number of the new world, if built ahead
 
@@ -268,12 +270,12 @@ def check_resize(trainer, target: ParallelConfig, pool: WorkerPool) -> None:
 
 
 def plan_resize(trainer, target: ParallelConfig, budget_mb: float) -> Move:
-    """Plan the move of `trainer`'s state to `target` over the whole pool."""
+    """Plan this pool rank's part of the move of `trainer`'s state to `target` over the pool."""
     start = time.perf_counter()
-    pool, cfg = current_pool(), trainer.cfg
+    pool, cfg, model = current_pool(), trainer.cfg, planner_model(trainer)
     a, b = pool_layout(cfg, cfg.parallel, pool.size), pool_layout(cfg, target, pool.size)
-    transfer = plan(planner_model(trainer), a, b)
-    return Move(target, transfer, rounds(transfer, int(budget_mb * 2**20)), time.perf_counter() - start)
+    transfer = rank_plan(model, a, b, pool.rank)
+    return Move(target, model, transfer, int(budget_mb * 2**20), time.perf_counter() - start)
 
 
 def prepare_resize(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: bool = True) -> Preparation:
@@ -302,9 +304,8 @@ def _prepare_resize(trainer, target, budget_mb: float, message: Optional[Prepare
             build = functools.partial(prebuild, trainer, target, device, future_world=True)
             prepared.built, prepared.error = prepared.world.build(build)
     building_s = time.perf_counter() - start
-    if pool.rank == 0:
-        move = plan_resize(trainer, target, budget_mb)
-        prepared.move = dataclasses.replace(move, seconds=move.seconds + building_s)
+    move = plan_resize(trainer, target, budget_mb)  # this rank's part; pool rank 0's is sent
+    prepared.move = dataclasses.replace(move, seconds=move.seconds + building_s)
     return prepared
 
 
@@ -368,7 +369,9 @@ def carry_out(
     on the old world's ranks; a rank that had joined returns (None, None) and goes back to
     standby)."""
     clock = clock or StallClock()
-    move = command.move
+    mine = prepared.move if prepared is not None and prepared.move is not None else command.move
+    move = (mine if mine.target == command.target else command.move).for_rank(pool.rank)
+    move = move.scheduled(channel=pool)  # every pool rank planned the same move, or none moves
     prepared = _agree_on_prepared(pool, command, prepared)
     clock.lap("agree")
     old, source = trainer, None
@@ -391,7 +394,12 @@ def carry_out(
         target = MegatronState(new.model, new.optimizer) if new is not None else None
         guarded = Guarded(source.read if source else _holds_nothing, target.write if target else _holds_nothing)
         executed = execute(
-            move.transfer, move.steps, guarded.read, guarded.write, channel=pool, shared_memory=command.shared_memory
+            move.transfer,
+            move.steps,
+            guarded.read,
+            guarded.write,
+            channel=pool,
+            shared_memory=command.shared_memory and move.network_bytes > 0,  # the same on every rank
         )
         failures = pool.failures(guarded.error)
         clock.lap("transfer")
@@ -480,8 +488,10 @@ def _roll_back(pool: WorkerPool, command: Resize, old, new, source, failures: di
     old.left = False
     old.switch_layout(command.cfg.parallel, new_world=True)
     ensure_optimizer_states(old.optimizer)
-    stay = plan(planner_model(old), a, a)  # local copies only: every rank holds its part
-    execute(stay, rounds(stay, 1 << 62), source.read, MegatronState(old.model, old.optimizer).write, channel=pool)
+    stay = rank_plan(planner_model(old), a, a, pool.rank)  # local copies only: every rank holds its part
+    write = MegatronState(old.model, old.optimizer).write
+    # Only the old world's ranks take part: no shared memory, whose set-up is collective.
+    execute(stay, local_rounds(stay), source.read, write, channel=pool, shared_memory=False)
     raise ReshardFailed(f"reshard failed ({what}); rolled back to {a}, no state lost")
 
 

@@ -77,7 +77,8 @@ def process_groups(layout: ParallelLayout, rank: int) -> ProcessGroupCollection:
     """Every group megatron's model and DDP ask for, as fakes positioned like `rank`'s."""
     groups = ProcessGroupCollection()
     for field, (token, expert) in GROUPS.items():
-        setattr(groups, field, fake_group(rank, layout.group(rank, token, expert)))
+        index, size = layout.group_position(rank, token, expert)
+        setattr(groups, field, FakeProcessGroup._create_internal(index, size))
     # Megatron asks torch which ranks the embedding group has, and torch only knows registered
     # groups. The group only keeps the tied output copy's values in sync; it places nothing.
     groups.embd = None

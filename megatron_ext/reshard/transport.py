@@ -20,7 +20,6 @@ collectives), so a worker killed during the transfer leaves nothing behind in /d
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -91,18 +90,25 @@ class Messages:
 
 
 class SharedMemory:
-    """Each rank's messages in its own shared-memory arena, read in place by its peers."""
+    """Each rank's messages in its own shared-memory arena, read in place by its peers. The
+    arena starts with a header: where this round's message to each rank begins (a receiver
+    knows only its own messages, not what its peer sends the others)."""
 
     name = "shared memory"
 
-    def __init__(self, channel, mine: torch.Tensor, peers: dict[int, torch.Tensor], offsets: dict) -> None:
+    def __init__(self, channel, mine: torch.Tensor, peers: dict[int, torch.Tensor], world: int) -> None:
         self.channel = channel
         self.mine, self.peers = mine, peers  # this rank's arena; those of the ranks it hears from
-        self._offsets = offsets  # (round, peer) -> where this rank's message starts in peer's arena
-        self.staged = mine.numel()
+        self.header = 8 * world
+        self.staged = mine.numel() - self.header
 
     def send_buffers(self, outgoing: ByPeer) -> dict[int, torch.Tensor]:
-        return slices(self.mine, outgoing)
+        starts = self.mine[: self.header].view(torch.int64)
+        offset = self.header
+        for peer, ops in outgoing.items():
+            starts[peer] = offset
+            offset += size(ops)
+        return slices(self.mine[self.header :], outgoing)
 
     def start(self, index: int, send: dict[int, torch.Tensor], incoming: ByPeer) -> Callable[[], dict]:
         """Nothing to post: the wait is for every rank to have packed (this rank's local copies
@@ -110,7 +116,8 @@ class SharedMemory:
 
         def received() -> dict[int, torch.Tensor]:
             _barrier(self.channel)
-            starts = {peer: self._offsets[index, peer] for peer in incoming}
+            rank = self.channel.rank
+            starts = {peer: int(self.peers[peer][: self.header].view(torch.int64)[rank]) for peer in incoming}
             return {peer: self.peers[peer][starts[peer] : starts[peer] + size(ops)] for peer, ops in incoming.items()}
 
         return received
@@ -122,52 +129,29 @@ class SharedMemory:
         self.mine, self.peers = None, {}
 
 
-def open_shared_memory(channel, steps_ops: list[tuple[Op, ...]], world: int) -> Optional[SharedMemory]:
-    """Shared-memory arenas for a transfer whose rounds hold `steps_ops` (every rank calls this
-    with the same plan); None, on every rank, when some rank cannot take part."""
+def open_shared_memory(channel, by_round: list[tuple[ByPeer, ByPeer]], world: int) -> Optional[SharedMemory]:
+    """Shared-memory arenas for a transfer whose rounds (this rank's messages by peer, out and
+    in; as many rounds on every rank) are `by_round`: every rank calls this; None, on every
+    rank, when some rank cannot take part."""
     rank = channel.rank
-    sizes = _arena_sizes(steps_ops, world)
+    header = 8 * world
     token = _common_token(channel)
     path = _arena_path(token, rank)
-    mine = _create(path, sizes[rank])
+    mine = _create(path, header + max((size_all(out) for out, _ in by_round), default=0))
     if _any_failed(channel, mine is None):
         _unlink(path)
         return None
-    senders = {op.src for ops in steps_ops for op in ops if op.dst == rank and not op.local}
-    peers = {src: _map(_arena_path(token, src), sizes[src]) for src in senders}
+    senders = {peer for _, incoming in by_round for peer in incoming}
+    peers = {src: _map(_arena_path(token, src)) for src in senders}
     failed = _any_failed(channel, any(p is None for p in peers.values()))
     _unlink(path)  # every peer has mapped it (or given up): the mapping outlives the name
     if failed:
         return None
-    return SharedMemory(channel, mine, peers, _offsets(steps_ops, rank))
+    return SharedMemory(channel, mine, peers, world)
 
 
 def _arena_path(token: int, rank: int) -> Path:
     return SHM_DIR / f"megatron_ext-reshard-{token:016x}-{rank}"
-
-
-def _arena_sizes(steps_ops: list[tuple[Op, ...]], world: int) -> list[int]:
-    """Each rank's largest round of sends: the size of its arena."""
-    sizes = [0] * world
-    for ops in steps_ops:
-        sent = defaultdict(int)
-        for op in ops:
-            if not op.local:
-                sent[op.src] += op.nbytes
-        for r, n in sent.items():
-            sizes[r] = max(sizes[r], n)
-    return sizes
-
-
-def _offsets(steps_ops: list[tuple[Op, ...]], rank: int) -> dict[tuple[int, int], int]:
-    """(round, src) -> where `rank`'s message starts in src's arena: src packs its messages in
-    peer order, so it is the size of src's messages to lower-numbered peers."""
-    out = {}
-    for index, ops in enumerate(steps_ops):
-        network = [op for op in ops if not op.local]
-        for src in {op.src for op in network if op.dst == rank}:
-            out[index, src] = sum(op.nbytes for op in network if op.src == src and op.dst < rank)
-    return out
 
 
 def _create(path: Path, nbytes: int) -> Optional[torch.Tensor]:
@@ -183,11 +167,9 @@ def _create(path: Path, nbytes: int) -> Optional[torch.Tensor]:
         return None
 
 
-def _map(path: Path, nbytes: int) -> Optional[torch.Tensor]:
+def _map(path: Path) -> Optional[torch.Tensor]:
     try:
-        if path.stat().st_size < nbytes:
-            return None
-        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        return torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
     except (OSError, RuntimeError):
         return None
 

@@ -19,8 +19,10 @@ skeleton (skeleton.py): boxes from `sharded_state_dict()`, bucket layout from
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 from types import SimpleNamespace
 
 import torch
@@ -30,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.gpt import DTYPES
 from megatron_ext.models.logical import LogicalName, local_box, local_shards
-from megatron_ext.reshard.boxes import Box, flat_range_boxes, numel
+from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, fake_group, standalone_world
 
@@ -102,16 +104,28 @@ def _rank_pieces(key: ModelKey, layout: ParallelLayout, rank: int) -> tuple[Piec
         return ()
     model = ModelConfig(**dict(key))
     coords = layout.rank_coords(rank)
-    position = (coords["pp"], coords["tp"], coords["ep"])
-    param_dtype = str(DTYPES[model.precision]).removeprefix("torch.")
+    param_dtype = _param_dtype(model)
     pieces = []
-    for s in _layout_shards(key, layout)[position]:
+    for s in position_shards(key, layout, (coords["pp"], coords["tp"], coords["ep"])):
         pieces.append(_piece(rank, s, "param", s.box, param_dtype, s.start))
         if s.owned is not None:
             dp_index = coords["edp"] if s.expert else coords["dp_cp"]
             pieces += _optimizer_pieces(rank, s, s.owned[dp_index], optimizer_states(model))
-    pieces.append(Piece(rank, STEP, "step", ((0, 1),), (1,), "float32", -1, "", 0))
+    pieces.append(step_piece(rank))
     return tuple(pieces)
+
+
+@functools.lru_cache(maxsize=64)
+def _model(key: ModelKey) -> ModelConfig:
+    return ModelConfig(**dict(key))
+
+
+def step_piece(rank: int) -> Piece:
+    return Piece(rank, STEP, "step", ((0, 1),), (1,), "float32", -1, "", 0)
+
+
+def _param_dtype(model: ModelConfig) -> str:
+    return str(DTYPES[model.precision]).removeprefix("torch.")
 
 
 def _piece(rank: int, s: _Shard, state: str, box: Box, dtype: str, offset: int) -> Piece:
@@ -132,11 +146,214 @@ def _optimizer_pieces(
     ]
 
 
-@functools.lru_cache(maxsize=64)
-def _layout_shards(key: ModelKey, layout: ParallelLayout) -> dict[tuple, tuple[_Shard, ...]]:
-    """(pp, tp, ep) position -> its shards, read from the fake skeleton of its first rank. DP and
-    CP replicas hold the same model shard; their optimizer ranges differ only by DP index."""
+# --- positions: (pp, tp, ep) ------------------------------------------------------------------
+#
+# DP and CP replicas of a position hold the same model shards (their optimizer ranges differ by
+# DP index only). The tp and ep positions of one pipeline stage differ only by where their
+# boxes lie (megatron offsets a TP shard by its TP rank times its extent) and by which experts
+# they hold (EP rank times the local experts): one skeleton per stage, at tp = ep = 0, answers
+# for all of them (tests compare every position with its own skeleton).
+
+Position = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    shards: tuple[_Shard, ...]  # of position (pp, 0, 0)
+    by_name: dict[LogicalName, tuple[_Shard, ...]]
+    expert_keys: frozenset[str]
+    local_experts: int
+
+
+@functools.lru_cache(maxsize=256)
+def _stage(key: ModelKey, layout: ParallelLayout, pp: int) -> _Stage:
     model = ModelConfig(**dict(key))
+    with standalone_world():  # the stage's rank with tp = cp = dp = 0, hence ep = 0
+        shards = read_skeleton(build_skeleton(model, layout, pp * layout.tp * layout.cp * layout.dp))
+    by_name: dict[LogicalName, list[_Shard]] = {}
+    for s in shards:
+        by_name.setdefault(s.name, []).append(s)
+    experts = frozenset(s.name.key for s in shards if s.expert)
+    named = {n: tuple(v) for n, v in by_name.items()}
+    return _Stage(shards, named, experts, (model.num_experts or 1) // layout.ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def position_shards(key: ModelKey, layout: ParallelLayout, position: Position) -> tuple[_Shard, ...]:
+    """The shards of every rank at (pp, tp, ep) of `layout`."""
+    pp, tp, ep = position
+    stage = _stage(key, layout, pp)
+    return tuple(_moved(s, stage, tp, ep) for s in stage.shards)
+
+
+def _named_shards(key: ModelKey, layout: ParallelLayout, position: Position, name: LogicalName) -> list[_Shard]:
+    """The shards of `name` at `position`, derived from those of its stage's (pp, 0, 0) alone."""
+    pp, tp, ep = position
+    stage = _stage(key, layout, pp)
+    if name.key in stage.expert_keys:
+        layer, expert = name.index
+        if expert // stage.local_experts != ep:
+            return []
+        name = LogicalName(name.key, (layer, expert - ep * stage.local_experts))
+    return [_moved(s, stage, tp, ep) for s in stage.by_name.get(name, ())]
+
+
+def _moved(s: _Shard, stage: _Stage, tp: int, ep: int) -> _Shard:
+    """Shard `s` of position (pp, 0, 0) as position (pp, tp, ep) holds it."""
+    box = tuple(
+        (lo + tp * (hi - lo), hi + tp * (hi - lo)) if hi - lo < n else (lo, hi)
+        for (lo, hi), n in zip(s.box, s.shape)
+    )
+    name = s.name
+    if s.expert and ep:
+        layer, expert = name.index
+        name = LogicalName(name.key, (layer, expert + ep * stage.local_experts))
+    return dataclasses.replace(s, box=box, name=name)
+
+
+@functools.lru_cache(maxsize=64)
+def stage_layers(key: ModelKey, layout: ParallelLayout) -> tuple[frozenset[int], ...]:
+    """The global layer indices each pipeline stage holds (all its virtual stages), by
+    megatron's own offsets."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_ext.models.gpt import transformer_config
+
+    config = transformer_config(ModelConfig(**dict(key)), layout.to_config(), True)
+    stages = []
+    for pp in range(layout.pp):
+        layers: set[int] = set()
+        for vp in range(layout.vpp or 1):
+            vp_stage = vp if layout.vpp else None
+            offset = get_transformer_layer_offset(config, vp_stage, pp)
+            layers.update(range(offset, offset + get_num_layers_to_build(config, vp_stage, pp)))
+        stages.append(frozenset(layers))
+    return tuple(stages)
+
+
+@functools.lru_cache(maxsize=65536)
+def name_positions(key: ModelKey, layout: ParallelLayout, name: LogicalName) -> tuple[Position, ...]:
+    """The positions whose shards may hold `name`: the stage of its layer, every tp, and for an
+    expert the ep that holds it. The embedding is the first stage's, and the last stage's too
+    when the output layer shares it (megatron's tied copy has the embedding's key); the output
+    layer and final norm are the last stage's; anything else is looked for in both."""
+    last = layout.pp - 1
+    if name.index:
+        stages = [pp for pp, layers in enumerate(stage_layers(key, layout)) if name.index[0] in layers]
+    elif name.key.startswith("embedding."):
+        stages = sorted({0, last}) if _model(key).tie_embeddings else [0]
+    elif name.key.startswith(("output_layer.", "decoder.final_layernorm.")):
+        stages = [last]
+    else:
+        stages = sorted({0, last})
+    out = []
+    for pp in stages:
+        stage = _stage(key, layout, pp)
+        eps = [name.index[1] // stage.local_experts] if name.key in stage.expert_keys else range(layout.ep)
+        out += [(pp, tp, ep) for tp in range(layout.tp) for ep in eps]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def is_expert(key: ModelKey, layout: ParallelLayout, name: LogicalName) -> bool:
+    """Whether `name` is an expert's tensor (its optimizer state is sharded over expert DP)."""
+    positions = name_positions(key, layout, name)
+    return bool(positions) and name.key in _stage(key, layout, positions[0][0]).expert_keys
+
+
+def position_ranks(layout: ParallelLayout, position: Position) -> range:
+    """The ranks at `position`, ascending; the j-th has expert DP index j and dense DP index
+    ep + EP·j (megatron's order: tp, cp, ep, dp, pp)."""
+    pp, tp, ep = position
+    step = layout.tp * layout.ep
+    start = tp + layout.tp * ep + step * layout.edp * pp
+    return range(start, start + step * layout.edp, step)
+
+
+def replica_index(layout: ParallelLayout, rank: int, expert: bool) -> int:
+    """`rank`'s index among the replicas of its position: its expert DP index for an expert's
+    tensor, its dense DP·CP index otherwise (what rank_coords says as edp / dp_cp)."""
+    if expert:
+        return rank // (layout.tp * layout.ep) % layout.edp
+    return rank // layout.tp % (layout.cp * layout.dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Holders:
+    """One piece that each of `ranks` holds alike (DP/CP replicas of a parameter; one rank for a
+    piece of an optimizer state)."""
+
+    piece: Piece  # as held by ranks[0]
+    ranks: range
+
+    def on(self, rank: int) -> Piece:
+        p = self.piece
+        if rank == p.rank:
+            return p
+        return Piece(rank, p.name, p.state, p.box, p.shape, p.dtype, p.chunk, p.param, p.offset)
+
+
+def holders(key: ModelKey, layout: ParallelLayout, name: LogicalName, state: str, box: Box) -> list[Holders]:
+    """Every piece of (name, state) in `layout` that meets `box`: by position, then shard, then
+    rank; without listing the other ranks' pieces."""
+    if state == "step":
+        return [Holders(step_piece(0), range(layout.active))] if layout.active else []
+    out = []
+    meeting: dict[tuple[int, int], list[_Shard]] = {}  # a dense tensor's shards are every ep's
+    for position in name_positions(key, layout, name):
+        pp, tp, ep = position
+        if (pp, tp) not in meeting or name.key in _stage(key, layout, pp).expert_keys:
+            shards = _named_shards(key, layout, position, name)
+            meeting[pp, tp] = [s for s in shards if intersect(s.box, box) is not None]
+        ranks = position_ranks(layout, position)
+        for s in meeting[pp, tp]:
+            if state == "param":
+                dtype = _param_dtype(_model(key))
+                out.append(Holders(_piece(ranks[0], s, "param", s.box, dtype, s.start), ranks))
+            elif s.owned is not None:
+                out += _optimizer_holders(layout, position, ranks, s, state, box)
+    return out
+
+
+def _optimizer_holders(
+    layout: ParallelLayout, position: Position, ranks: range, s: _Shard, state: str, box: Box
+) -> list[Holders]:
+    """The pieces of `state` of shard `s` that meet `box`, on the ranks of `position` whose DP
+    index owns part of it. The indices own consecutive runs of the parameter in index order, so
+    only those between the first and last element of s ∩ box can (bisect finds them)."""
+    common = intersect(s.box, box)
+    first = s.start + flat_index(s.box, tuple(lo for lo, _ in common))
+    last = s.start + flat_index(s.box, tuple(hi - 1 for _, hi in common))
+    index = (lambda j: j) if s.expert else (lambda j: position[2] + layout.ep * j)
+    # Indices that own none of it say (0, 0): the running maximum of the run ends ascends.
+    ends = list(itertools.accumulate((s.owned[index(j)][1] for j in range(len(ranks))), max))
+    out = []
+    for j in range(bisect.bisect_right(ends, first), len(ranks)):
+        a, b = s.owned[index(j)]
+        if a >= b:
+            continue
+        if a > last:
+            break
+        out += [
+            Holders(p, range(ranks[j], ranks[j] + 1))
+            for p in _optimizer_pieces(ranks[j], s, (a, b), (state,))
+            if intersect(p.box, box) is not None
+        ]
+    return out
+
+
+def flat_index(box: Box, point: tuple[int, ...]) -> int:
+    """Row-major position of `point` in `box`."""
+    index = 0
+    for (lo, hi), x in zip(box, point):
+        index = index * (hi - lo) + (x - lo)
+    return index
+
+
+def built_position_shards(model: ModelConfig, layout: ParallelLayout) -> dict[Position, tuple[_Shard, ...]]:
+    """Every position's shards, each read from the fake skeleton of its own first rank: what
+    `position_shards` derives from one skeleton per stage (for tests)."""
     shards = {}
     with standalone_world():
         for rank in range(layout.active):

@@ -62,3 +62,52 @@ def test_batch_rules_apply_when_the_run_config_is_given():
     assert ParallelLayout(dp=8).violations(SIX_HEADS) == []
     fields = [field for field, _ in ParallelLayout(dp=8).violations(cfg)]
     assert fields == ["train.global_batch_size"]
+
+
+GRIDS = {
+    "tp2·pp2·dp2": ParallelLayout(tp=2, pp=2, dp=2),
+    "tp2·cp2·dp3": ParallelLayout(tp=2, cp=2, dp=3),
+    "tp2·pp3·dp4·ep2": ParallelLayout(tp=2, pp=3, dp=4, ep=2),
+    "cp2·dp4·ep4": ParallelLayout(cp=2, dp=4, ep=4),
+    "tp4·pp2·dp2·cp2·ep2": ParallelLayout(tp=4, pp=2, dp=2, cp=2, ep=2),
+}
+TOKENS = ["tp", "pp", "cp", "dp", "dp-cp", "tp-pp", "tp-cp", "tp-dp-cp", "ep", "tp-ep", "tp-ep-pp"]
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+def test_coordinates_and_groups_are_megatrons_rank_generator(name):
+    """The arithmetic numbering against megatron's RankGenerator, which lists every group."""
+    from megatron.core.parallel_state import RankGenerator
+
+    layout = GRIDS[name]
+    dense = RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=layout.tp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
+    for is_expert, generator in ((False, dense), (True, expert)):
+        for token in TOKENS:
+            if ("ep" in token) != is_expert and token not in ("tp", "pp", "dp"):
+                continue
+            for ranks in generator.get_ranks(token):
+                members = sorted(ranks)
+                for index, rank in enumerate(members):
+                    assert layout.group(rank, token, is_expert) == members
+                    assert layout.group_position(rank, token, is_expert) == (index, len(members))
+    coords = {"tp": ("tp", dense), "cp": ("cp", dense), "dp": ("dp", dense), "pp": ("pp", dense),
+              "dp_cp": ("dp-cp", dense), "ep": ("ep", expert), "edp": ("dp", expert)}
+    for coord, (token, generator) in coords.items():
+        for ranks in generator.get_ranks(token):
+            for index, rank in enumerate(sorted(ranks)):
+                assert layout.rank_coords(rank)[coord] == index, (coord, rank)
+
+
+@pytest.mark.parametrize("name", list(GRIDS))
+def test_replica_index_and_position_ranks_are_the_coordinates(name):
+    from megatron_ext.reshard.vps import position_ranks, replica_index
+
+    layout = GRIDS[name]
+    for rank in range(layout.active):
+        c = layout.rank_coords(rank)
+        assert replica_index(layout, rank, False) == c["dp_cp"]
+        assert replica_index(layout, rank, True) == c["edp"]
+        ranks = position_ranks(layout, (c["pp"], c["tp"], c["ep"]))
+        assert list(ranks) == layout.ranks_of(pp=c["pp"], tp=c["tp"], ep=c["ep"])
+        assert ranks.index(rank) == c["edp"]

@@ -93,23 +93,25 @@ def test_layout_pieces_cover_each_state_and_never_overlap_on_a_rank(case):
 
 def assert_exact_coverage(p) -> None:
     """Every element of every destination piece is written by exactly one op."""
-    received = [torch.zeros([b - a for a, b in t.box], dtype=torch.int32) for t in p.targets]
+    received = {t: torch.zeros([b - a for a, b in t.box], dtype=torch.int32) for t in p.targets}
     for op in p.ops:
-        target = p.targets[op.target]
+        target = op.target
         assert (op.dst, op.name, op.state) == (target.rank, target.name, target.state)
         assert contains(target.box, op.box)
         corner = [a for a, _ in target.box]
-        received[op.target][tuple(slice(a - c, b - c) for (a, b), c in zip(op.box, corner))] += 1
-    assert all(bool((r == 1).all()) for r in received)
+        received[target][tuple(slice(a - c, b - c) for (a, b), c in zip(op.box, corner))] += 1
+    assert len(received) == len(p.targets)  # each target piece once
+    assert all(bool((r == 1).all()) for r in received.values())
 
 
 def assert_sources_held(model, a, p) -> None:
     """Every op reads only what its source rank holds in layout A."""
     held = _held(layout_pieces(model, a))
+    sources = set(p.sources)
     for op in p.ops:
         assert bool((held[(op.src, op.name, op.state)][_slices(op.box)] > 0).all())
-        source = p.sources[op.source]
-        assert source.rank == op.src and contains(source.box, op.box)
+        source = op.source
+        assert source in sources and source.rank == op.src and contains(source.box, op.box)
 
 
 def assert_minimal(model, a, p) -> None:
@@ -168,10 +170,11 @@ def test_invalid_layouts_are_refused_before_planning():
         plan(TINY, L(tp=2), L(tp=8))
 
 
-def random_case(rng: random.Random):
-    """A small random model and two layouts valid for it (the runtime's rules decide)."""
+def random_case(rng: random.Random, model=None):
+    """A small random model (or `model`) and two layouts valid for it (the runtime's rules
+    decide)."""
     heads = rng.choice([2, 3, 4, 6])
-    model = dataclasses.replace(
+    model = model or dataclasses.replace(
         TINY,
         name="random",
         num_layers=rng.choice([2, 4]),
@@ -204,3 +207,68 @@ def test_random_models_and_layouts(seed):
     assert_exact_coverage(p)
     assert_sources_held(model, a, p)
     assert_minimal(model, a, p)
+
+
+# --- a rank's own plan -------------------------------------------------------------------------
+
+RANDOM_MODELS = 4
+LAYOUTS_PER_MODEL = 5
+
+
+def random_moves() -> list:
+    """Every move between LAYOUTS_PER_MODEL random layouts of each of RANDOM_MODELS random
+    models: about a hundred moves and five hundred ranks, at the cost of one skeleton per
+    (model, layout, stage)."""
+    rng = random.Random(27)
+    moves = []
+    for _ in range(RANDOM_MODELS):
+        model = random_case(rng)[0]
+        layouts = {layout for _ in range(LAYOUTS_PER_MODEL) for layout in random_case(rng, model)[1:]}
+        layouts = sorted(layouts, key=str)[:LAYOUTS_PER_MODEL]
+        moves += [(model, a, b) for a in layouts for b in layouts]
+    return moves
+
+
+def test_each_rank_plans_exactly_its_part_of_the_world_plan():
+    """For about a hundred random moves: rank_plan(r) is the world plan's ops of rank r, op for op
+    and in order (same pieces, boxes and bytes), and the ranks' ops together are the world's."""
+    from megatron_ext.reshard.plan import rank_plan
+    from megatron_ext.reshard.skeleton import standalone_world
+
+    with standalone_world():  # one for every skeleton of every move
+        check_rank_plans(random_moves(), rank_plan)
+
+
+def check_rank_plans(moves, rank_plan) -> None:
+    for model, a, b in moves:
+        p = plan(model, a, b)
+        union = set()
+        for rank in range(p.world):
+            mine = rank_plan(model, a, b, rank)
+            assert mine.ops == p.restricted(rank).ops, (model.name, str(a), str(b), rank)
+            assert mine.digest == p.digest
+            union.update(mine.ops)
+        assert union == set(p.ops) and len(p.ops) == len(set(p.ops))
+
+
+@pytest.mark.parametrize("name", ["tp2->pp2", "tp3->tp2 (6 heads)", "ep2->ep1 (moe)", "pp2->pp2vpp2"])
+def test_positions_derived_from_one_skeleton_per_stage_are_their_own_skeletons(name):
+    from megatron_ext.reshard.vps import built_position_shards, model_key, position_shards
+
+    model, a, b = PAIRS[name]
+    for layout in (a, b, L(tp=2, pp=2, dp=2, ep=2) if model.num_experts else L(tp=2, pp=2, vpp=2)):
+        built = built_position_shards(model, layout)
+        assert {p: position_shards(model_key(model), layout, p) for p in built} == built
+
+
+@pytest.mark.parametrize("name", ["tp2pp2->pp2dp2", "dp2->dp4 (world grows)", "ep2->ep1 (moe)"])
+def test_bytes_and_balance_at_scale_without_the_world_plan_are_the_world_plans(name):
+    from megatron_ext.reshard.plan_scale import measure_rank_plan, moved_bytes, send_balance
+
+    model, a, b = PAIRS[name]
+    p = plan(model, a, b)
+    assert moved_bytes(model, a, b) == {"network_bytes": p.network_bytes, "min_bytes": p.min_bytes}
+    sent = [p.sent(r) for r in range(p.world)]
+    assert send_balance(model, a, b)["max_sent_bytes"] == max(sent)
+    measured = measure_rank_plan(model, a, b, ranks=[0, 1])
+    assert measured["network_bytes_of_rank"] == p.sent(measured["slowest_rank"]) + p.received(measured["slowest_rank"])

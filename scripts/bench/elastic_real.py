@@ -26,15 +26,21 @@ parent's, the exported 75 % and 50 % models' logits in `transformers` against th
 and a think-small / answer-large timing on a few instruction prompts (seed 0).
 
 Defaults and why: the whole table must take at most about 90 minutes on 2 quiet cores. Measured
-here (2 cores shared with other jobs): the elastic forward / backward with the teacher's forward
-runs at about 80 tokens/s at the full size with 2 threads, faster at the smaller budgets. Sequence
-length 256 (long enough for code context; shorter windows train little faster per token), 4
+on these machines: SmolLM2-135M's forward / backward at sequence length 256 runs at 110-126
+tokens/s on one thread when the machine is quiet, its forward alone at about 430 tokens/s, so the
+elastic step at the full size (student forward / backward and teacher forward) runs at about 95
+tokens/s, faster at the smaller budgets (with six other jobs on the 2 cores the same step ran at
+49 / 43 / 67 tokens/s at 100 / 75 / 50 %). The estimate assumes 80 tokens/s at the full size.
+Sequence length 256 (code needs context; shorter windows are barely faster per token), 4
 windows per step (2 micro-batches of 2: two budget draws per step), 64 steps: 65,536 tokens per
-arm; 2 seeds (the issue's minimum for a standard error). Per seed: one elastic run and two
-separate runs (75 %, 50 %) of 65,536 tokens each, 4 x 65K x 2 = 0.5M training tokens across the
-table counting the 100 % one the issue counts; held-out set 24 windows (6,144 tokens; its teacher
-logits are computed once and kept, about 1.2 GB). The plan and its time estimate are printed at
-the start, and again with the measured rate after the first elastic run.
+arm. 2 seeds (the least that gives a standard error). Per seed one elastic run and two separate
+runs (75 %, 50 %), so 2 x 3 x 65,536 = 393K training tokens in all (524K counting a distilled
+100 % arm, `--separate-full`, as the issue counts its 4 arms); about 68 minutes at the assumed
+rate, and less with 2 threads (`--threads`, default 2). Held-out set: 24 windows (6,144 tokens;
+the teacher's logits on it are computed once and kept, about 1.2 GB). Learning rate 1e-4 for
+both arms (Adam, falling linearly to zero): the 100 % budget, already the parent, drifts more
+the higher it is. The plan and its estimate are printed at the start, and again with the rate
+the first elastic run measured.
 """
 
 from __future__ import annotations

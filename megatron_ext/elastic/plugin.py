@@ -109,9 +109,9 @@ class ElasticConfig:
 def default_grid(space, choices: int) -> dict[str, list[int]]:
     """Per kind: about `choices` sizes from half to the full width, in steps of the kind's
     quantum (of 8 quanta on wide axes, so matmul shapes stay aligned). Where the parent's hidden
-    size is a multiple of its head count, every hidden size of the grid is a multiple of every
-    head count of the grid: a LLaMA config (transformers') refuses a hidden size that is not,
-    so otherwise an exported submodel would not load there."""
+    size is a multiple of every head count of the grid, so is every hidden size of the grid: a
+    LLaMA config (transformers') refuses a hidden size that is not a multiple of the heads, so
+    otherwise an exported submodel would not load there."""
     grid = {}
     for kind in space.kinds:
         full, q = space.full_of(kind), space.quantum_of(kind)
@@ -119,7 +119,7 @@ def default_grid(space, choices: int) -> dict[str, list[int]]:
         low = max(align, (full // 2) // align * align)
         step = max(align, ((full - low) // max(choices - 1, 1)) // align * align)
         grid[kind] = sorted({*range(low, full + 1, step), full})
-    if {"hidden", "heads"} <= set(grid) and space.full_of("hidden") % space.full_of("heads") == 0:
+    if {"hidden", "heads"} <= set(grid) and space.full_of("hidden") % math.lcm(*grid["heads"]) == 0:
         grid["hidden"] = _multiples_of(grid["hidden"], math.lcm(*grid["heads"]))
     return grid
 

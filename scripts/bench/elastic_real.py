@@ -374,7 +374,7 @@ def thinking(student, space, parent: Parent, choices: dict, think_tokens: int = 
     from megatron_ext.elastic.generate import generate_elastic
 
     tok = parent.tokenizer
-    end_turn = tok.tokenize("<|im_end|>")[-1]
+    end_turn = tok.vocab["<|im_end|>"]
     prompts = [tok.tokenize(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     pairs = {"think50-answer100": ("50", "100"), "think100-answer100": ("100", "100"), "think50-answer50": ("50", "50")}
     rows = []
@@ -489,6 +489,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     for field in ("seq", "micro_batch", "micro_batches", "steps", "heldout_windows", "threads"):
         if getattr(args, field) < 1:
             parser.error(f"--{field.replace('_', '-')}={getattr(args, field)}: must be at least 1")
+    if not args.lr > 0:
+        parser.error(f"--lr={args.lr}: must be positive")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds}: a seed occurs twice")
     plan = Plan(args.seq, args.micro_batch, args.micro_batches, args.steps, args.seeds, args.heldout_windows, args.lr,

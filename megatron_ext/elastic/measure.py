@@ -3,15 +3,15 @@
 `heldout_losses`: next-token cross entropy and KD loss to the teacher per loss-mask token of
 held-out batches. `distil_alone`: the baseline, one pruned submodel distilled by itself (forward
 KL to the teacher, torch's Adam, the learning rate optionally falling linearly to zero), as the
-elastic run distils all its budgets at once. `forward_latency`: the median wall time of one
-forward.
+elastic run distils all its budgets at once. `forward_latencies`: the median wall time of one
+forward of each of several models, taken in turns (`forward_latency`: of one).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -72,15 +72,25 @@ def distil_alone(
     return losses
 
 
-@torch.no_grad()
 def forward_latency(model: nn.Module, tokens: torch.Tensor, repeats: int = 20, warmup: int = 3) -> float:
     """Median seconds of one forward of `tokens` ([batch, seq]) after `warmup` untimed ones."""
-    model.eval()
+    return forward_latencies({"model": model}, tokens, repeats, warmup)["model"]
+
+
+@torch.no_grad()
+def forward_latencies(
+    models: Mapping[str, nn.Module], tokens: torch.Tensor, repeats: int = 20, warmup: int = 3
+) -> dict[str, float]:
+    """Median seconds of one forward of `tokens` per model, the models taking turns (one forward
+    each per round), so a change in the machine's load falls on all of them alike."""
     positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for model in models.values():
+        model.eval()
     for i in range(warmup + repeats):
-        start = time.perf_counter()
-        model(tokens, positions, None)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, model in models.items():
+            start = time.perf_counter()
+            model(tokens, positions, None)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

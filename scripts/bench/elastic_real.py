@@ -390,13 +390,14 @@ def thinking(student, space, parent: Parent, choices: dict, think_tokens: int = 
                 counts[phase] += out.phases[phase].new_tokens
             sample = sample or tok.detokenize(out.trace + out.answer)
         rows.append({"pair": pair, "seconds_per_prompt": sum(seconds.values()) / len(prompts),
+                     "tokens_per_s": sum(counts.values()) / sum(seconds.values()),
                      "seconds": seconds, "new_tokens": counts, "first_answer": sample})
     return rows
 
 
 def run(plan: Plan) -> dict:
     from megatron_ext.elastic import slicing
-    from megatron_ext.elastic.measure import forward_latency, heldout_losses
+    from megatron_ext.elastic.measure import forward_latencies, heldout_losses
 
     t0 = time.perf_counter()
     print(plan.describe(), file=sys.stderr, flush=True)
@@ -423,7 +424,7 @@ def run(plan: Plan) -> dict:
     subs = {k: slicing.export_submodel(student, parent.cfg, space, s, parent.padded, k)[0] for k, s in choices.items()}
     plain_parent = parent.pruned(full_sizes(parent), "parent")
     tokens = corpus.heldout[0]["tokens"]
-    latency = {k: forward_latency(m, tokens, repeats=10) for k, m in {"parent": plain_parent, **subs}.items()}
+    latency = forward_latencies({"parent": plain_parent, **subs}, tokens, repeats=10)
     rows = [budget_row(b, seeds, parent_losses, plan, subs, latency) for b in BUDGETS]
     return {
         "parent": f"SmolLM2-135M-Instruct ({SOURCE}), {slicing.param_count(plain_parent)} parameters",
@@ -434,7 +435,7 @@ def run(plan: Plan) -> dict:
         "sizes_equal_over_seeds": all(s.choices == seeds[0].choices for s in seeds),
         "notes": "ppl_* / kd_*: held-out perplexity and KD loss to the parent, mean over seeds (_se: standard error, "
         "_seeds: per seed); ppl_pruned is where both trained arms start; sizes, params, latency (median of 10 "
-        "forwards of one held-out window) and thinking: seed 0. tokens_separate 0: the 100 % budget is the parent.",
+        "forwards of one held-out window, the models in turns) and thinking: seed 0. tokens_separate 0: the 100 % budget is the parent.",
         "budgets": rows,
         "targets": targets(rows),
         "hf_export": export_check(student, space, parent, choices, corpus.heldout[0]),
@@ -464,8 +465,8 @@ def plot(result: dict, path: str) -> None:
     ax1.set_yscale("log")
     ax1.legend()
     thinking = result["thinking"]
-    ax2.bar([t["pair"] for t in thinking], [t["seconds_per_prompt"] for t in thinking])
-    ax2.set_ylabel("seconds per prompt (think + answer)")
+    ax2.bar([t["pair"] for t in thinking], [t["tokens_per_s"] for t in thinking])
+    ax2.set_ylabel("generated tokens/s (think + answer)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

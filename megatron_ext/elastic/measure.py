@@ -4,14 +4,16 @@
 held-out batches. `distil_alone`: the baseline, one pruned submodel distilled by itself (forward
 KL to the teacher, torch's Adam, the learning rate optionally falling linearly to zero), as the
 elastic run distils all its budgets at once. `forward_latencies`: the median wall time of one
-forward of each of several models, taken in turns (`forward_latency`: of one).
+forward of each of several models, taken in turns (`forward_latency`: of one). `seed_stats`: a
+measurement over seeds as its mean, standard error and values.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -94,3 +96,15 @@ def forward_latencies(
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def mean_se(values: list[float]) -> tuple[float, Optional[float]]:
+    """Mean and its standard error (None from one value)."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return statistics.fmean(values), se
+
+
+def seed_stats(key: str, values: list[float]) -> dict:
+    """{key: mean, key_se: its standard error, key_seeds: the values}."""
+    mean, se = mean_se(values)
+    return {key: mean, f"{key}_se": se, f"{key}_seeds": values}

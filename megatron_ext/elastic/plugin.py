@@ -58,6 +58,7 @@ one window over all the rank's chunks), not at every read of the weight.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -107,7 +108,10 @@ class ElasticConfig:
 
 def default_grid(space, choices: int) -> dict[str, list[int]]:
     """Per kind: about `choices` sizes from half to the full width, in steps of the kind's
-    quantum (of 8 quanta on wide axes, so matmul shapes stay aligned)."""
+    quantum (of 8 quanta on wide axes, so matmul shapes stay aligned). Where the parent's hidden
+    size is a multiple of every head count of the grid, so is every hidden size of the grid: a
+    LLaMA config (transformers') refuses a hidden size that is not a multiple of the heads, so
+    otherwise an exported submodel would not load there."""
     grid = {}
     for kind in space.kinds:
         full, q = space.full_of(kind), space.quantum_of(kind)
@@ -115,7 +119,14 @@ def default_grid(space, choices: int) -> dict[str, list[int]]:
         low = max(align, (full // 2) // align * align)
         step = max(align, ((full - low) // max(choices - 1, 1)) // align * align)
         grid[kind] = sorted({*range(low, full + 1, step), full})
+    if {"hidden", "heads"} <= set(grid) and space.full_of("hidden") % math.lcm(*grid["heads"]) == 0:
+        grid["hidden"] = _multiples_of(grid["hidden"], math.lcm(*grid["heads"]))
     return grid
+
+
+def _multiples_of(sizes: list[int], unit: int) -> list[int]:
+    """`sizes` moved down to multiples of `unit` (the largest, a multiple already, stays)."""
+    return sorted({max(unit, s // unit * unit) for s in sizes})
 
 
 # A live move carries the trainer's model and optimizer only.

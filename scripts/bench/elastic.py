@@ -4,6 +4,7 @@ size separately, and think-small / answer-large generation.
     python scripts/bench/elastic.py --json OUT.json [--plot OUT.png]            # hybrid parent
     python scripts/bench/elastic.py --parent gpt --parent-steps 1000 --steps 200 --json OUT.json
     python scripts/bench/elastic.py --seeds 0 1 2 3 --budget-draw sample --json OUT.json     # 4 seeds
+    python scripts/bench/elastic.py --parent smollm2_135m --json OUT.json --plot OUT.png   # real model and text
     python scripts/bench/elastic.py --seeds 0 1 2 --json A.json &  python scripts/bench/elastic.py \
         --seeds 3 4 5 --json B.json; wait; python scripts/bench/elastic.py --merge A.json B.json --json OUT.json
 
@@ -37,14 +38,14 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
+from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
 
 END_THINK, THINK, PLUS, EQUALS, SEP, EOS, PAD = 13, 12, 10, 11, 14, 15, 16
@@ -95,18 +96,9 @@ def heldout_set(samples: int) -> list[dict]:
 
 def heldout(model, held: list[dict], teacher_logits: list[torch.Tensor]) -> tuple[float, float]:
     """(next-token CE, KD to the teacher) per loss-mask token of `model` on the held-out batches."""
-    from megatron_ext.elastic.distill import kd_per_token
+    from megatron_ext.elastic.measure import heldout_losses
 
-    ce_sum = kd_sum = count = 0.0
-    with torch.no_grad():
-        for b, t in zip(held, teacher_logits):
-            logits = model.eval()(b["tokens"], b["position_ids"], None)
-            mask = b["loss_mask"]
-            ce = torch.nn.functional.cross_entropy(logits[..., :VOCAB].flatten(0, 1), b["labels"].flatten(), reduction="none")
-            ce_sum += float((ce * mask.flatten()).sum())
-            kd_sum += float((kd_per_token(logits, t, 1.0, VOCAB) * mask).sum())
-            count += float(mask.sum())
-    return ce_sum / count, kd_sum / count
+    return heldout_losses(model, held, teacher_logits, VOCAB)
 
 
 def train_ce(model, steps: int, batch_size: int, lr: float) -> None:
@@ -125,36 +117,16 @@ def train_ce(model, steps: int, batch_size: int, lr: float) -> None:
 def train_kd(model, teacher, steps: int, batch_size: int, lr: float, seed: int, decay: bool) -> None:
     """The baseline: one pruned model distilled alone (forward KL, same data, steps and learning
     rates as the elastic run)."""
-    from megatron_ext.elastic.distill import kd_per_token
+    from megatron_ext.elastic.measure import distil_alone
 
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for step in range(steps):
-        if decay:
-            opt.param_groups[0]["lr"] = lr * (1 - step / steps)
-        b = train_batch(seed, step, batch_size)
-        with torch.no_grad():
-            t = teacher(b["tokens"], b["position_ids"], None)
-        kd = kd_per_token(model(b["tokens"], b["position_ids"], None), t, 1.0, VOCAB)
-        loss = (kd * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    distil_alone(model, teacher, lambda step: [train_batch(seed, step, batch_size)], steps, lr, VOCAB, decay)
 
 
 def latency(model, repeats: int = 20) -> float:
+    from megatron_ext.elastic.measure import forward_latency
+
     tokens = torch.randint(0, VOCAB, (8, 256), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(256)[None].expand(8, -1)
-    times = []
-    with torch.no_grad():
-        model.eval()
-        for i in range(repeats + 3):
-            start = time.perf_counter()
-            model(tokens, positions, None)
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return forward_latency(model, tokens, repeats)
 
 
 def thinking_curve(model, space, sizes: dict, prompts: int, think_budgets: list[int]) -> list[dict]:
@@ -338,17 +310,6 @@ def replicate(parent: Parent, seed: int, held: list[dict], teacher_logits: list,
     return Replicate(seed, student, space, distiller, choices, subs, kd_before, elastic, baseline)
 
 
-def mean_se(values: list[float]) -> tuple[float, Optional[float]]:
-    """Mean and its standard error (None from one value)."""
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-    return statistics.fmean(values), se
-
-
-def seed_stats(key: str, values: list[float]) -> dict:
-    mean, se = mean_se(values)
-    return {key: mean, f"{key}_se": se, f"{key}_seeds": values}
-
-
 def budget_row(budget: float, reps: list[Replicate], full_params: int, tokens: int) -> dict:
     """A budget's record: sizes, parameters and latency of seed 0, losses over the seeds."""
     from megatron_ext.elastic import slicing
@@ -486,6 +447,13 @@ def plot(result: dict, path: str) -> None:
 
 
 def main() -> None:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--parent")
+    if mode.parse_known_args()[0].parent == "smollm2_135m":  # the real-model mode has its own options
+        import elastic_real
+
+        elastic_real.main(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot")
@@ -495,7 +463,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parent", choices=("gpt", "hybrid"), default="hybrid")
+    parser.add_argument("--parent", choices=("gpt", "hybrid", "smollm2_135m"), default="hybrid",
+                        help="smollm2_135m: the real-model mode (scripts/bench/elastic_real.py, its own options)")
     parser.add_argument("--budget-draw", choices=("micro_batch", "sample"), default="micro_batch")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds of both arms' distillation (budget draws, router noise, batch order); the parent is --seed's")

@@ -364,9 +364,22 @@ def _reshaped(problem: Problem, packs: Sequence[Sequence[str]]) -> Optional[Plan
         shapes = [s for s in problem.shapes if problem.fits(jobs, 1, s)]
         if not shapes:
             return None
-        options.append([(*_best_pack(problem, names, s), s) for s in shapes])
+        options.append(_undominated([(*_best_pack(problem, names, s), s) for s in shapes]))
     return min((_greedy_placed(problem.hardware.devices, options), _allotted(problem.hardware.devices, options)),
                key=lambda c: c[0])[1]
+
+
+def _undominated(options: list[Option]) -> list[Option]:
+    """The options no other beats on both time and devices (and ties on neither): neither
+    construction ever picks one that another beats (both prefer less time, then fewer devices)."""
+    def beaten(o: Option) -> bool:
+        return any(b[0] <= o[0] and _size(b) <= _size(o) and (b[0] < o[0] or _size(b) < _size(o)) for b in options)
+
+    return [o for o in options if not beaten(o)]
+
+
+def _size(option: Option) -> int:
+    return option[3][0] * option[3][1]
 
 
 def _greedy_placed(devices: int, options: Sequence[Sequence[Option]]) -> tuple[float, Plan]:
@@ -407,12 +420,16 @@ class _Free:
 def _list_placed(devices: int, chosen: Sequence[Option], order: Sequence[int]) -> tuple[list[float], Plan]:
     """Packs of fixed shapes placed in `order`, each on the devices that free up first; the end
     of each pack (in `chosen` order) and the plan."""
-    free = _Free(devices)
+    free = [(0.0, d) for d in range(devices)]  # a heap of (free at, device)
     placed, ends = [], [0.0] * len(chosen)
     for i in order:
         seconds, queue, slots, (tp, dp) = chosen[i]
-        ends[i] = free.ready(tp * dp) + seconds
-        placed.append(Pack(queue, tp, dp, slots, free.take(tp * dp, ends[i])))
+        picked = [heapq.heappop(free) for _ in range(tp * dp)]
+        ends[i] = picked[-1][0] + seconds
+        on = tuple(sorted(d for _, d in picked))
+        for d in on:
+            heapq.heappush(free, (ends[i], d))
+        placed.append(Pack(queue, tp, dp, slots, on))
     return ends, Plan("planner", tuple(placed))
 
 

@@ -1,7 +1,8 @@
 """The PLoRA heuristic's search shortcuts change how fast it plans, never what it plans: on a
 table of small sweeps its plan equals the plan of the same heuristic with its local search
 trying every neighbour and its list scheduling scanning every device for each pack
-(references written here from their definitions), and the shortcuts time fewer groups."""
+and every device group shape a pack could run on kept as an option (references written here
+from their definitions), and the shortcuts time fewer groups."""
 
 from __future__ import annotations
 
@@ -96,8 +97,12 @@ def allotted_rescanning(devices: int, options):
         current[last] = min(shorter[last], key=lambda o: (planner._area(o), o[0]))
 
 
+def every_option(options):
+    return options
+
+
 REFERENCES = {"_improve": improve_trying_every_neighbour, "_greedy_placed": greedy_scanning,
-              "_list_placed": list_scanning, "_allotted": allotted_rescanning}
+              "_list_placed": list_scanning, "_allotted": allotted_rescanning, "_undominated": every_option}
 
 CASES = {**{name: (*sweep, "linear") for name, sweep in SWEEPS.items()},
          **{f"{name}, roofline": (*sweep, "roofline") for name, sweep in SWEEPS.items()},

@@ -241,6 +241,11 @@ def _best_pack(problem: Problem, names: Sequence[str], shape: Shape) -> tuple[fl
 
 # Shapes whose best balanced plan the local search improves (it dominates the planner's time).
 IMPROVED_SHAPES = 3
+# Above this many jobs, only the RESHAPED_SHAPES best shapes' balanced plans are rescheduled on
+# mixed shapes (each costs a pack-level schedule per shape of each of its packs: at 256 jobs on
+# 256 devices, 30 shapes' plans took most of a minute).
+RESHAPED_ALL_JOBS = 64
+RESHAPED_SHAPES = 4
 # Up to this many jobs, the pack-level local search runs too (it is quadratic per round).
 REPACKED_JOBS = 12
 # The local search moves and swaps the worst group's jobs with at most this many other groups
@@ -494,7 +499,8 @@ def _repacked(problem: Problem, plan: Plan, rounds: int) -> Plan:
 def heuristic(problem: Problem, rounds: int = 30) -> Plan:
     """For each shape, the best balanced split of the jobs over equal groups (over the packing
     the balance expects); the IMPROVED_SHAPES best of those locally improved; the packs of
-    all of them (and every job alone) also rescheduled on mixed shapes; the best."""
+    all of them (on large sweeps, of the RESHAPED_SHAPES best) and every job alone also
+    rescheduled on mixed shapes; the best."""
 
     def makespan(p: Optional[Plan]) -> float:
         return float("inf") if p is None else simulate(p, problem.jobs, problem.hardware.devices, None, problem).makespan
@@ -511,9 +517,12 @@ def heuristic(problem: Problem, rounds: int = 30) -> Plan:
                 break
     leading = sorted(best_per_shape.values(), key=lambda c: c[0])[:IMPROVED_SHAPES]
     plans = [_improve(problem, groups, rounds).plan(problem) for _, groups in leading]
-    # Pack sets to reschedule on mixed shapes: those plans', every shape's balanced plan's,
-    # and every job alone; on small sweeps the best of them repacked by local search.
-    sources = plans + [groups.plan(problem) for _, groups in best_per_shape.values()]
+    # Pack sets to reschedule on mixed shapes: those plans', the balanced plans', and every
+    # job alone; on small sweeps the best of them repacked by local search.
+    balanced = list(best_per_shape.values())
+    if len(problem.jobs) > RESHAPED_ALL_JOBS:
+        balanced = sorted(balanced, key=lambda c: c[0])[:RESHAPED_SHAPES]
+    sources = plans + [groups.plan(problem) for _, groups in balanced]
     reshaped = [_reshaped(problem, [p.jobs for p in s.packs]) for s in sources]
     reshaped.append(_reshaped(problem, [(j.name,) for j in problem.jobs]))
     reshaped = [p for p in reshaped if p is not None]

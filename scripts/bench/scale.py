@@ -19,8 +19,9 @@ Rows (each plugin's rows come from its own function; `main` concatenates them):
   within 60 s and never be worse than a baseline.
 
 Times: `planner_wall_s` is this machine's wall clock (2 shared cores: other work counts),
-`planner_cpu_s` the process's CPU time (the planner's own cost, whatever else runs); `met` judges
-the wall time, `met_cpu` the CPU time. `peak_rss_bytes` is the peak resident set of a fresh
+`planner_cpu_s` the process's CPU time (the planner's own cost, whatever else runs;
+`load_average_1min` says how busy the machine was); `met` judges the wall time, `met_cpu` the CPU
+time. `peak_rss_bytes` is the peak resident set of a fresh
 process that ran only that case (`resource.getrusage`).
 """
 
@@ -32,6 +33,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import os
 import random
 import resource
 import statistics
@@ -93,8 +95,9 @@ def measured(fn: Callable, *args: Any, fresh: bool = True) -> tuple[Any, int]:
         return pool.apply(_call_and_measure, (fn, args))
 
 
-def _rss(value: int) -> dict:
-    return {"peak_rss_bytes": value}
+def _measures(rss: int) -> dict:
+    """The row's memory, and the machine's load when its case ended (wall times count it)."""
+    return {"peak_rss_bytes": rss, "load_average_1min": os.getloadavg()[0]}
 
 
 # --- dpp ---------------------------------------------------------------------------------------
@@ -207,7 +210,7 @@ def dpp_rows(cases: Sequence[DppCase] = DPP_CASES, fresh: bool = True) -> list[d
         rows.append({
             "plugin": "dpp", "case": case.name,
             "planner_wall_s": max(wall), "planner_wall_s_median": statistics.median(wall),
-            "planner_cpu_s": max(b["planner_cpu_s"] for b in batches), **_rss(rss),
+            "planner_cpu_s": max(b["planner_cpu_s"] for b in batches), **_measures(rss),
             "simulated": {"iter_s": min(iters), "iter_s_median": statistics.median(iters),
                           "planner_over_iter_max": max(w / i for w, i in zip(wall, iters))},
             "target": "planner time < the simulated iteration it plans, every batch",
@@ -312,7 +315,7 @@ def lora_rows(cases: Sequence[LoraCase] = LORA_CASES, fresh: bool = True) -> lis
         worse = [k for k, v in r["baselines"].items() if v is not None and r["makespan_s"] > v]
         rows.append({
             "plugin": "lora", "case": case.name,
-            "planner_wall_s": r["wall_s"], "planner_cpu_s": r["cpu_s"], **_rss(rss),
+            "planner_wall_s": r["wall_s"], "planner_cpu_s": r["cpu_s"], **_measures(rss),
             "simulated": {"makespan_s": r["makespan_s"], "baseline_makespan_s": r["baselines"],
                           "baseline_over_planner": ratios, "lower_bound_s": r["lower_bound_s"],
                           "strategy": r["strategy"], "packs": r["packs"], "peak_bytes_per_gpu": r["peak_bytes"]},

@@ -85,8 +85,8 @@ def test_a_fresh_process_measures_its_own_peak_memory(scale):
 
 def test_the_plot_draws_the_rows(scale, tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [{"plugin": "dpp", "case": "a, b", "planner_wall_s": 1.0, "simulated": {"iter_s": 10.0}},
-            {"plugin": "lora", "case": "c", "planner_wall_s": 5.0,
+    rows = [{"plugin": "dpp", "case": "a, b", "planner_wall_s": 1.0, "planner_cpu_s": 0.5, "simulated": {"iter_s": 10.0}},
+            {"plugin": "lora", "case": "c", "planner_wall_s": 5.0, "planner_cpu_s": 4.0,
              "simulated": {"baseline_over_planner": {"sequential": 3.0, "pack_all": None}}}]
     scale.plot(rows, str(tmp_path / "scale.png"))
     assert (tmp_path / "scale.png").stat().st_size > 0

@@ -46,17 +46,21 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# The cluster every simulated figure is priced on (datasheet numbers of an H100-SXM5-80GB node;
-# the efficiencies are assumptions, named with them).
+from megatron_ext.reshard.simulate import H100_CLASS  # noqa: E402
+
+# The cluster every simulated figure is priced on: the reshard simulator's H100-class cluster
+# (its links, node size and HBM) and the GPU's compute and memory (H100-SXM5-80GB datasheet);
+# the efficiencies are assumptions, named with them.
 CLUSTER = {
-    "name": "H100-class",
+    "name": H100_CLASS.name,
     "gpu": "H100-SXM5-80GB",
-    "gpus_per_node": 8,
+    "gpus_per_node": H100_CLASS.gpus_per_node,
     "gpu_memory_bytes": 80 * 10**9,
     "peak_bf16_flops": 989e12,  # dense
-    "hbm_bytes_per_s": 3.35e12,
-    "nvlink_bytes_per_s": 450e9,  # one direction per GPU (900 GB/s both ways)
-    "ib_bytes_per_s": 50e9,  # 400 Gb/s per GPU
+    "hbm_bytes_per_s": 2 * H100_CLASS.copy_bandwidth,  # the simulator's copies move each byte twice
+    "nvlink_bytes_per_s": H100_CLASS.intra.bandwidth,  # one direction per GPU
+    "ib_bytes_per_s": H100_CLASS.inter.bandwidth,  # one direction per GPU
+    "sources": dict(H100_CLASS.sources),
     # dpp: the fraction of peak a large chunk's layers reach (half of it at `dpp_t0_tokens`)
     "dpp_mfu": 0.45,
     "dpp_t0_tokens": 1024,

@@ -108,11 +108,9 @@ CASES = {**{name: (*sweep, "linear") for name, sweep in SWEEPS.items()},
          **{f"{name}, roofline": (*sweep, "roofline") for name, sweep in SWEEPS.items()},
          "sixteen devices, twenty jobs": (mixed(20), 16, 2, "linear"),
          "sixteen devices, twenty jobs, roofline": (mixed(20), 16, 2, "roofline")}
-# a minute each with the references
-SLOW = {"sixteen devices, twenty jobs", "sixteen devices, twenty jobs, roofline"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CASES)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_the_heuristic_plans_as_with_every_neighbour_tried_and_every_device_scanned(name, monkeypatch):
     jobs, devices, room, cost = CASES[name]
     fast = problem(jobs, devices, room, cost)

@@ -386,7 +386,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.update and Path(args.json).exists():
         kept = [r for r in json.loads(Path(args.json).read_text())["rows"] if r["plugin"] not in args.plugins]
         rows = sorted(kept + rows, key=lambda r: list(ROWS).index(r["plugin"]) if r["plugin"] in ROWS else len(ROWS))
-    out = {"cluster": CLUSTER, "machine": "2 shared CPU cores (other work running)", "rows": rows}
+    out = {"cluster": CLUSTER, "machine": "2 CPU cores shared with other work (each row has the load average)", "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if args.plot:

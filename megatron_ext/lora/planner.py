@@ -21,6 +21,7 @@ small sweeps; the heuristic's queues can beat it, never the lower bound.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 from dataclasses import dataclass
@@ -240,8 +241,16 @@ def _best_pack(problem: Problem, names: Sequence[str], shape: Shape) -> tuple[fl
 
 # Shapes whose best balanced plan the local search improves (it dominates the planner's time).
 IMPROVED_SHAPES = 3
+# Above this many jobs, only the RESHAPED_SHAPES best shapes' balanced plans are rescheduled on
+# mixed shapes (each costs a pack-level schedule per shape of each of its packs: at 256 jobs on
+# 256 devices, 30 shapes' plans took most of a minute).
+RESHAPED_ALL_JOBS = 64
+RESHAPED_SHAPES = 4
 # Up to this many jobs, the pack-level local search runs too (it is quadratic per round).
 REPACKED_JOBS = 12
+# The local search moves and swaps the worst group's jobs with at most this many other groups
+# (those that end first).
+IMPROVE_TARGETS = 16
 # Below this many jobs a group's packs may split anywhere in its length-sorted order; above,
 # only between sequence lengths (the split search is quadratic in the split points).
 FINE_SPLIT_JOBS = 8
@@ -301,37 +310,44 @@ def _makespan(problem: Problem, groups: _Groups) -> float:
 def _improve(problem: Problem, groups: _Groups, rounds: int) -> _Groups:
     """Move or swap a job off the group that ends last while that lowers the makespan."""
     shape = groups.shape
-    ends = [_group_end(problem, names, shape) for names in groups.jobs]
+    jobs = [list(q) for q in groups.jobs]
+    ends = [_group_end(problem, names, shape) for names in jobs]
     for _ in range(rounds):
         worst = max(range(len(ends)), key=ends.__getitem__)
-        best: Optional[tuple[float, list[list[str]], list[float]]] = None
-        for jobs, touched in _neighbours(groups.jobs, worst):
-            new_ends = list(ends)
-            for g in touched:
-                new_ends[g] = _group_end(problem, jobs[g], shape)
-            if max(new_ends) < max(ends) * (1 - 1e-9) and (best is None or max(new_ends) < best[0]):
-                best = (max(new_ends), jobs, new_ends)
+        # A neighbour changes two groups; the ends of the others bound its makespan from below,
+        # so one that cannot beat the best found so far is passed over before it is timed.
+        leading = sorted(range(len(ends)), key=lambda g: -ends[g])[:3]
+        limit = max(ends) * (1 - 1e-9)
+        best: Optional[tuple[float, int, list[str], list[str], float, float]] = None
+        # On many groups only those that end first take the worst group's jobs: each other
+        # group costs a timing per move and swap, and a busy one rarely takes a job.
+        targets = heapq.nsmallest(IMPROVE_TARGETS, (g for g in range(len(jobs)) if g != worst), key=lambda g: (ends[g], g))
+        for other, new_worst, new_other in _neighbours(jobs, worst, sorted(targets)):
+            bar = limit if best is None else min(limit, best[0])
+            rest = max((ends[g] for g in leading if g != worst and g != other), default=0.0)
+            if rest >= bar:
+                continue
+            worst_end = _group_end(problem, new_worst, shape)
+            if worst_end >= bar:
+                continue
+            other_end = _group_end(problem, new_other, shape)
+            if max(rest, worst_end, other_end) < bar:
+                best = (max(rest, worst_end, other_end), other, new_worst, new_other, worst_end, other_end)
         if best is None:
             break
-        _, jobs, ends = best
-        groups = _Groups(shape, jobs, groups.leftovers)
-    return groups
+        _, other, jobs[worst], jobs[other], ends[worst], ends[other] = best
+    return _Groups(shape, jobs, groups.leftovers)
 
 
-def _neighbours(jobs: list[list[str]], worst: int):
+def _neighbours(jobs: list[list[str]], worst: int, others: Sequence[int]):
+    """(other group, the worst group's jobs, the other's) after each move of a job off the
+    worst group to one of `others` and each swap of one of its jobs with theirs."""
     for name in jobs[worst]:
-        for other in range(len(jobs)):
-            if other == worst:
-                continue
-            moved = [list(q) for q in jobs]
-            moved[worst].remove(name)
-            moved[other].append(name)
-            yield moved, (worst, other)
+        for other in others:
+            yield other, [n for n in jobs[worst] if n != name], jobs[other] + [name]
             for partner in jobs[other]:
-                swapped = [list(q) for q in jobs]
-                swapped[worst][swapped[worst].index(name)] = partner
-                swapped[other][swapped[other].index(partner)] = name
-                yield swapped, (worst, other)
+                yield (other, [partner if n == name else n for n in jobs[worst]],
+                       [name if n == partner else n for n in jobs[other]])
 
 
 # One way to run a pack: (seconds, queue, slots, shape).
@@ -353,41 +369,72 @@ def _reshaped(problem: Problem, packs: Sequence[Sequence[str]]) -> Optional[Plan
         shapes = [s for s in problem.shapes if problem.fits(jobs, 1, s)]
         if not shapes:
             return None
-        options.append([(*_best_pack(problem, names, s), s) for s in shapes])
+        options.append(_undominated([(*_best_pack(problem, names, s), s) for s in shapes]))
     return min((_greedy_placed(problem.hardware.devices, options), _allotted(problem.hardware.devices, options)),
                key=lambda c: c[0])[1]
 
 
+def _undominated(options: list[Option]) -> list[Option]:
+    """The options no other beats on both time and devices (and ties on neither): neither
+    construction ever picks one that another beats (both prefer less time, then fewer devices)."""
+    def beaten(o: Option) -> bool:
+        return any(b[0] <= o[0] and _size(b) <= _size(o) and (b[0] < o[0] or _size(b) < _size(o)) for b in options)
+
+    return [o for o in options if not beaten(o)]
+
+
+def _size(option: Option) -> int:
+    return option[3][0] * option[3][1]
+
+
 def _greedy_placed(devices: int, options: Sequence[Sequence[Option]]) -> tuple[float, Plan]:
     """Longest first, each pack on the option that ends it soonest; the makespan and the plan."""
-    free_at = [(0.0, d) for d in range(devices)]
+    free = _Free(devices)
     placed, makespan = [], 0.0
     for choices in sorted(options, key=lambda o: -min(c[0] for c in o)):
         best = None
         for seconds, queue, slots, (tp, dp) in choices:
-            chosen = heapq.nsmallest(tp * dp, free_at)
-            end = max(t for t, _ in chosen) + seconds
+            end = free.ready(tp * dp) + seconds
             if best is None or (end, tp * dp) < (best[0], best[1].size):
-                best = (end, Pack(queue, tp, dp, slots, tuple(sorted(d for _, d in chosen))))
+                best = (end, Pack(queue, tp, dp, slots, ()))
         end, pack = best
-        free_at = [f for f in free_at if f[1] not in pack.devices] + [(end, d) for d in pack.devices]
+        pack = dataclasses.replace(pack, devices=free.take(pack.size, end))
         placed.append(pack)
         makespan = max(makespan, end)
     return makespan, Plan("planner", tuple(placed))
 
 
+class _Free:
+    """When each device frees up, kept sorted by (time, device): the `n` that free up first are
+    the first `n` (what `heapq.nsmallest(n, ...)` would pick), without a scan per pack."""
+
+    def __init__(self, devices: int) -> None:
+        self.order = [(0.0, d) for d in range(devices)]
+
+    def ready(self, n: int) -> float:
+        """When the `n` devices that free up first are all free."""
+        return self.order[n - 1][0]
+
+    def take(self, n: int, until: float) -> tuple[int, ...]:
+        """Those `n` devices, busy until `until`, in device order."""
+        chosen = tuple(sorted(d for _, d in self.order[:n]))
+        self.order = sorted(self.order[n:] + [(until, d) for d in chosen])
+        return chosen
+
+
 def _list_placed(devices: int, chosen: Sequence[Option], order: Sequence[int]) -> tuple[list[float], Plan]:
     """Packs of fixed shapes placed in `order`, each on the devices that free up first; the end
     of each pack (in `chosen` order) and the plan."""
-    free_at = [(0.0, d) for d in range(devices)]
+    free = [(0.0, d) for d in range(devices)]  # a heap of (free at, device)
     placed, ends = [], [0.0] * len(chosen)
     for i in order:
         seconds, queue, slots, (tp, dp) = chosen[i]
-        picked = heapq.nsmallest(tp * dp, free_at)
-        ends[i] = max(t for t, _ in picked) + seconds
-        pack = Pack(queue, tp, dp, slots, tuple(sorted(d for _, d in picked)))
-        free_at = [f for f in free_at if f[1] not in pack.devices] + [(ends[i], d) for d in pack.devices]
-        placed.append(pack)
+        picked = [heapq.heappop(free) for _ in range(tp * dp)]
+        ends[i] = picked[-1][0] + seconds
+        on = tuple(sorted(d for _, d in picked))
+        for d in on:
+            heapq.heappush(free, (ends[i], d))
+        placed.append(Pack(queue, tp, dp, slots, on))
     return ends, Plan("planner", tuple(placed))
 
 
@@ -403,6 +450,7 @@ def _allotted(devices: int, options: Sequence[Sequence[Option]]) -> tuple[float,
     efficient such shape, and all are placed anew, longest first and (a wide long pack
     first lets the narrow ones fill in after it) largest area first. The best placement seen."""
     current = [min(choices, key=lambda o: (_area(o), o[0])) for choices in options]
+    fastest = [min(o[0] for o in choices) for choices in options]
     best: Optional[tuple[float, Plan]] = None
     while True:
         ends, placed = min(
@@ -412,12 +460,11 @@ def _allotted(devices: int, options: Sequence[Sequence[Option]]) -> tuple[float,
         )
         if best is None or max(ends) < best[0]:
             best = (max(ends), placed)
-        shorter = {k: [o for o in options[k] if o[0] < current[k][0]] for k in range(len(current))}
-        movable = [k for k in shorter if shorter[k]]
+        movable = [k for k in range(len(current)) if current[k][0] > fastest[k]]
         if not movable:
             return best
         last = max(movable, key=lambda k: (ends[k], current[k][0]))
-        current[last] = min(shorter[last], key=lambda o: (_area(o), o[0]))
+        current[last] = min((o for o in options[last] if o[0] < current[last][0]), key=lambda o: (_area(o), o[0]))
 
 
 def _repacked(problem: Problem, plan: Plan, rounds: int) -> Plan:
@@ -452,7 +499,8 @@ def _repacked(problem: Problem, plan: Plan, rounds: int) -> Plan:
 def heuristic(problem: Problem, rounds: int = 30) -> Plan:
     """For each shape, the best balanced split of the jobs over equal groups (over the packing
     the balance expects); the IMPROVED_SHAPES best of those locally improved; the packs of
-    all of them (and every job alone) also rescheduled on mixed shapes; the best."""
+    all of them (on large sweeps, of the RESHAPED_SHAPES best) and every job alone also
+    rescheduled on mixed shapes; the best."""
 
     def makespan(p: Optional[Plan]) -> float:
         return float("inf") if p is None else simulate(p, problem.jobs, problem.hardware.devices, None, problem).makespan
@@ -469,9 +517,12 @@ def heuristic(problem: Problem, rounds: int = 30) -> Plan:
                 break
     leading = sorted(best_per_shape.values(), key=lambda c: c[0])[:IMPROVED_SHAPES]
     plans = [_improve(problem, groups, rounds).plan(problem) for _, groups in leading]
-    # Pack sets to reschedule on mixed shapes: those plans', every shape's balanced plan's,
-    # and every job alone; on small sweeps the best of them repacked by local search.
-    sources = plans + [groups.plan(problem) for _, groups in best_per_shape.values()]
+    # Pack sets to reschedule on mixed shapes: those plans', the balanced plans', and every
+    # job alone; on small sweeps the best of them repacked by local search.
+    balanced = list(best_per_shape.values())
+    if len(problem.jobs) > RESHAPED_ALL_JOBS:
+        balanced = sorted(balanced, key=lambda c: c[0])[:RESHAPED_SHAPES]
+    sources = plans + [groups.plan(problem) for _, groups in balanced]
     reshaped = [_reshaped(problem, [p.jobs for p in s.packs]) for s in sources]
     reshaped.append(_reshaped(problem, [(j.name,) for j in problem.jobs]))
     reshaped = [p for p in reshaped if p is not None]

@@ -1,0 +1,92 @@
+"""scripts/bench/scale.py's row functions on tiny cases (seconds), so the cluster-scale table
+keeps running: each row names its plugin and case, the measured planner time and memory, the
+simulated figure and the paper's; the dpp batches are what the case asks for; the lora row's
+planner is never worse than a baseline."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = str(Path(__file__).parents[2] / "scripts" / "bench")
+
+
+@pytest.fixture(scope="module")
+def scale():
+    # imported by name from its folder, so that a spawned process (`measured`) finds it too
+    sys.path.insert(0, BENCH)
+    try:
+        yield importlib.import_module("scale")
+    finally:
+        sys.path.remove(BENCH)
+
+
+def common_fields(row: dict, plugin: str) -> None:
+    assert row["plugin"] == plugin and row["case"]
+    assert row["planner_wall_s"] > 0 and row["planner_cpu_s"] > 0 and row["peak_rss_bytes"] > 2**20
+    assert isinstance(row["met"], bool) and isinstance(row["met_cpu"], bool)
+    assert row["paper"]["source"]
+    json.dumps(row)  # the row goes into the JSON as it is
+
+
+def test_dpp_rows_plan_each_replicas_share_of_batches_within_the_token_and_length_limits(scale):
+    case = scale.DppCase("llama3-8b", tp=4, pp=4, dp=2, batch_tokens=2**15, max_len=2**13, batches=2)
+    (row,) = scale.dpp_rows([case], fresh=False)
+    common_fields(row, "dpp")
+    assert len(row["batches"]) == 2
+    for batch in row["batches"]:
+        assert batch["tokens"] <= case.batch_tokens and batch["longest"] <= case.max_len
+        # the replicas' shares make up the batch, and the row keeps the slowest of them
+        assert sum(r["tokens"] for r in batch["replicas"]) == batch["tokens"]
+        assert batch["iter_s"] == max(r["iter_s"] for r in batch["replicas"])
+        assert all(r["peak_bytes"] <= scale.CLUSTER["gpu_memory_bytes"] for r in batch["replicas"])
+    assert row["simulated"]["iter_s"] == min(b["iter_s"] for b in row["batches"])
+    assert row["setup"]["gpus"] == 4 * 4 * 2
+
+
+def test_the_dpp_stage_holds_one_gpus_share_of_korthikanti_activations(scale):
+    shape = scale.dpp_models()["llama3-70b"]
+    cost = scale.dpp_stage_cost(shape, tp=8, dp=4)
+    # sequence parallelism splits the 34 s b h bytes of a layer's activations over TP
+    assert cost.act_bytes_token == pytest.approx(34 * shape.hidden / 8)
+    # 8 TP ranks at the cluster's peak and efficiency
+    flops = 8 * scale.CLUSTER["peak_bf16_flops"] * scale.CLUSTER["dpp_mfu"]
+    assert cost.alpha == pytest.approx(2 * shape.layer_params / flops)
+
+
+def test_lora_rows_report_the_planner_against_every_baseline(scale):
+    case = scale.LoraCase(jobs=8, devices=4, samples=40)
+    (row,) = scale.lora_rows([case], fresh=False)
+    common_fields(row, "lora")
+    sim = row["simulated"]
+    assert set(sim["baseline_makespan_s"]) == {"sequential", "per_job", "pack_all"}
+    for name, makespan in sim["baseline_makespan_s"].items():
+        if makespan is not None:
+            assert sim["makespan_s"] <= makespan
+            assert sim["baseline_over_planner"][name] == pytest.approx(makespan / sim["makespan_s"])
+    assert sim["makespan_s"] >= sim["lower_bound_s"]
+
+
+def test_the_lora_grid_gives_distinct_jobs_and_refuses_more_than_it_holds(scale):
+    jobs = scale.lora_jobs(scale.LoraCase(jobs=50))
+    assert len({j.name for j in jobs}) == 50
+    with pytest.raises(ValueError, match="grid has 320 points"):
+        scale.lora_jobs(scale.LoraCase(jobs=321))
+
+
+def test_a_fresh_process_measures_its_own_peak_memory(scale):
+    result, rss = scale.measured(sum, [1, 2, 3])
+    assert result == 6 and rss > 2**20
+
+
+def test_the_plot_draws_the_rows(scale, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"plugin": "dpp", "case": "a, b", "planner_wall_s": 1.0, "planner_cpu_s": 0.5, "simulated": {"iter_s": 10.0}},
+            {"plugin": "lora", "case": "c", "planner_wall_s": 5.0, "planner_cpu_s": 4.0,
+             "simulated": {"baseline_over_planner": {"sequential": 3.0, "pack_all": None}}}]
+    scale.plot(rows, str(tmp_path / "scale.png"))
+    assert (tmp_path / "scale.png").stat().st_size > 0

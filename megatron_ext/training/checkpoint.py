@@ -244,7 +244,13 @@ def held_states(root: str | os.PathLike, iteration: int, field: str = "checkpoin
         metadata = FileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # missing or damaged: whatever torch raises for it
         raise ConfigError(field, f"{folder} cannot be loaded: {_cause(e)}") from e
-    return frozenset(re.split(r"[./]", key, maxsplit=1)[0] for key in metadata.state_dict_metadata)
+    return frozenset(_held(re.split(r"[./]", key, maxsplit=1)[0]) for key in metadata.state_dict_metadata)
+
+
+def _held(top: str) -> str:
+    # megatron's ChainedOptimizer (one optimizer per param kind, e.g. dense and expert params)
+    # prefixes each one's keys with chained_<i> in place of "optimizer".
+    return OPTIMIZER_KEY if re.fullmatch(r"chained_\d+", top) else top
 
 
 def check_holds_optimizer(

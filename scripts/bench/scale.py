@@ -17,6 +17,12 @@ Rows (each plugin's rows come from its own function; `main` concatenates them):
   on 256 GPUs, against the baselines of `lora.planner.BASELINES`, all timed by the GPU
   roofline (`lora.costmodel.GpuCostModel`) with `CLUSTER`'s GPU. The planner must finish
   within 60 s and never be worse than a baseline.
+- `reshard`: a rank's own reshard plan (`reshard.plan_scale.measure_rank_plan`, the slowest of
+  the sampled ranks) for rank_plan.py's three SCALE targets (70B at 1,024 ranks, 405B at
+  16,384, the Qwen3-235B-A22B MoE EP8 -> EP16 at 1,024) and DynaTrain's two claims (70B on 64
+  GPUs, the 235B MoE on 128), bytes moved against the minimum, the live stall and the
+  checkpoint route on `H100_CLASS` (`reshard.simulate`), beside DynaTrain's figure. The stall
+  is fed from the ranks' own rounds (`rank_traffic`), never the world plan.
 
 Times: `planner_wall_s` is this machine's wall clock (2 shared cores: other work counts),
 `planner_cpu_s` the process's CPU time (the planner's own cost, whatever else runs;
@@ -385,9 +391,9 @@ def reshard_cases() -> tuple[ReshardCase, ...]:
            for (name, (model, a, b, target)), paper in zip(scale_cases, papers)]
     out.append(ReshardCase("DynaTrain 70B: tp8·pp8 -> tp8·pp4·dp2 (64 ranks)", LLAMA_70B, L(tp=8, pp=8),
                            L(tp=8, pp=4, dp=2), None, "70b", stall_ranks="all"))
-    out.append(ReshardCase("DynaTrain 235B MoE: tp4·pp8·dp4 ep8 -> ep16 (128 ranks)", QWEN3_235B,
-                           L(tp=4, pp=8, dp=4, ep=8, first_stage_layers=11, last_stage_layers=11),
-                           L(tp=4, pp=8, dp=4, ep=16, first_stage_layers=11, last_stage_layers=11), None, "235b_moe",
+    out.append(ReshardCase("DynaTrain 235B MoE: pp8·dp16 ep8 -> ep16 (128 ranks)", QWEN3_235B,
+                           L(pp=8, dp=16, ep=8, first_stage_layers=11, last_stage_layers=11),
+                           L(pp=8, dp=16, ep=16, first_stage_layers=11, last_stage_layers=11), None, "235b_moe",
                            stall_ranks="all"))
     return tuple(out)
 

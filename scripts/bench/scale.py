@@ -435,23 +435,24 @@ def rank_traffic(model, a, b, ranks: Sequence[int], budget: int) -> tuple[list, 
 
 def held_and_state(model, layout) -> tuple[dict[int, int], int]:
     """Bytes each rank holds in `layout`, and the whole training state's bytes (each element
-    once), rank by rank so that no world of pieces is kept."""
-    import math as _math
-
+    once, `simulate.state_bytes`), rank by rank so that no world of pieces is kept."""
     from megatron_ext.reshard import vps
+    from megatron_ext.reshard.simulate import state_bytes
     from megatron_ext.reshard.skeleton import standalone_world
 
     key = vps.model_key(model)
     held: dict[int, int] = {}
-    tensors: dict = {}
-    with standalone_world():
+
+    def pieces():
         for rank in range(layout.active):
-            pieces = vps._rank_pieces(key, layout, rank)
-            held[rank] = sum(p.nbytes for p in pieces)
-            for p in pieces:
-                tensors[p.name, p.state] = _math.prod(p.shape) * p.nbytes // _math.prod(hi - lo for lo, hi in p.box)
+            mine = vps._rank_pieces(key, layout, rank)
+            held[rank] = sum(p.nbytes for p in mine)
+            yield from mine
+
+    with standalone_world():
+        state = state_bytes(pieces())
     vps._rank_pieces.cache_clear()
-    return held, sum(tensors.values())
+    return held, state
 
 
 def _reshard_case(case: ReshardCase) -> dict:

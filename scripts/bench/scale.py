@@ -17,6 +17,12 @@ Rows (each plugin's rows come from its own function; `main` concatenates them):
   on 256 GPUs, against the baselines of `lora.planner.BASELINES`, all timed by the GPU
   roofline (`lora.costmodel.GpuCostModel`) with `CLUSTER`'s GPU. The planner must finish
   within 60 s and never be worse than a baseline.
+- `reshard`: a rank's own reshard plan (`reshard.plan_scale.measure_rank_plan`, the slowest of
+  the sampled ranks) for rank_plan.py's three SCALE targets (70B at 1,024 ranks, 405B at
+  16,384, the Qwen3-235B-A22B MoE EP8 -> EP16 at 1,024) and DynaTrain's two claims (70B on 64
+  GPUs, the 235B MoE on 128), bytes moved against the minimum, the live stall and the
+  checkpoint route on `H100_CLASS` (`reshard.simulate`), beside DynaTrain's figure. The stall
+  is fed from the ranks' own rounds (`rank_traffic`), never the world plan.
 
 Times: `planner_wall_s` is this machine's wall clock (2 shared cores: other work counts),
 `planner_cpu_s` the process's CPU time (the planner's own cost, whatever else runs;
@@ -35,6 +41,7 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import resource
 import statistics
 import sys
@@ -339,14 +346,220 @@ def lora_rows(cases: Sequence[LoraCase] = LORA_CASES, fresh: bool = True) -> lis
     return rows
 
 
+# --- reshard -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardCase:
+    name: str
+    model: Any  # ModelConfig
+    a: Any  # ParallelLayout
+    b: Any
+    target_s: Optional[float]  # per-rank plan time target (issue 27), None where none is set
+    paper: Optional[str]  # a key of RESHARD_PAPER: DynaTrain's figure for this model
+    stall_ranks: str = "ends"  # "ends": the first and last rank and the slowest planner; "all": every rank
+    exact_bytes: bool = True  # moved_bytes over every destination rank (34 s at 70B x 1,024 ranks, 308 s for
+    # the 235B MoE, about an hour at 405B x 16,384)
+
+
+RESHARD_BUDGET_BYTES = 1 << 30  # a rank's staging budget per round on an 80 GB GPU: assumption
+RESHARD_RSS_TARGET_MB = 300
+RESHARD_PAPER = {
+    "70b": {"figure": "a 70B dense model reconfigured end to end in under 2 s (DynaTrain abstract; its GPUs and "
+                      "layouts are not given)", "stall_s": 2.0,
+            "source": "/work/shared/seeds/000_e9d28edf31e35b50.txt (abstract); /work/shared/reference/dynatrain.md "
+                      "lines 17, 44, 126"},
+    "235b_moe": {"figure": "a 235B MoE model reconfigured in 4.36 s (DynaTrain abstract; its GPUs and layouts are not "
+                           "given)", "stall_s": 4.36,
+                 "source": "/work/shared/seeds/000_e9d28edf31e35b50.txt (abstract); /work/shared/reference/dynatrain.md "
+                           "lines 17, 44, 126"},
+}
+
+
+def reshard_cases() -> tuple[ReshardCase, ...]:
+    """rank_plan.py's three SCALE targets (the stall from three ranks' own rounds; bytes checked
+    for 70B only: moved_bytes takes 308 s for the MoE at 1,024 ranks and about an hour for 405B),
+    and DynaTrain's two claims as moves on 64 and 128 GPUs (the paper names neither its GPUs
+    nor its layouts: these are small worlds that hold the training state in 80 GB GPUs), with
+    every rank's rounds and the bytes checked."""
+    from megatron_ext.reshard.layout import ParallelLayout as L
+    from rank_plan import LLAMA_70B, QWEN3_235B, SCALE
+
+    scale_cases = list(SCALE.items())[:3]
+    papers = ("70b", None, "235b_moe")
+    out = [ReshardCase(name, model, a, b, target, paper, exact_bytes="70B" in name)
+           for (name, (model, a, b, target)), paper in zip(scale_cases, papers)]
+    out.append(ReshardCase("DynaTrain 70B: tp8·pp8 -> tp8·pp4·dp2 (64 ranks)", LLAMA_70B, L(tp=8, pp=8),
+                           L(tp=8, pp=4, dp=2), None, "70b", stall_ranks="all"))
+    out.append(ReshardCase("DynaTrain 235B MoE: pp8·dp16 ep8 -> ep16 (128 ranks)", QWEN3_235B,
+                           L(pp=8, dp=16, ep=8, first_stage_layers=11, last_stage_layers=11),
+                           L(pp=8, dp=16, ep=16, first_stage_layers=11, last_stage_layers=11), None, "235b_moe",
+                           stall_ranks="all"))
+    return tuple(out)
+
+
+def rank_traffic(model, a, b, ranks: Sequence[int], budget: int) -> tuple[list, dict]:
+    """The simulator's rounds, from the ranks' own plans only (no world plan): each of `ranks`
+    plans itself (`plan.rank_plan`) and cuts its own rounds (`execute.rank_rounds`), which need
+    the Traffic of that rank and of its peers only (a pair's capacity is a share of its two
+    ends' budgets), so each peer's Traffic comes from that peer's own plan too. Round k of the
+    result holds the k-th round of every one of `ranks` (a transfer between two of them once).
+    A round's simulated time is its slowest rank's work, and a rank's work depends only on its
+    own sends and receives in that round, so with every rank this is the world simulation; with
+    a sample it is a lower bound, exact when each round's slowest rank is in the sample."""
+    from megatron_ext.reshard.execute import Traffic, rank_rounds, traffic
+    from megatron_ext.reshard.plan import rank_plan
+    from megatron_ext.reshard.simulate import traffic_from_rounds
+
+    plans: dict[int, Any] = {}
+
+    def plan_of(rank: int):
+        if rank not in plans:
+            plans[rank] = rank_plan(model, a, b, rank)
+        return plans[rank]
+
+    world = max(a.world, b.world)
+    everyone = [Traffic(0, 0, 0, 0)] * world  # zero floors pass the budget check; only peers are read
+    for peer in sorted({end for rank in ranks for op in plan_of(rank).ops for end in (op.src, op.dst)}):
+        everyone[peer] = traffic(plan_of(peer), peer)
+    merged: list[dict] = []
+    for rank in ranks:
+        for k, step in enumerate(traffic_from_rounds(rank_rounds(plans[rank], rank, budget, everyone))):
+            while len(merged) <= k:
+                merged.append({})
+            for t in step:
+                merged[k][t.src, t.dst] = t
+    peers = len(plans) - len(ranks)
+    return [tuple(r.values()) for r in merged], {"ranks_simulated": len(ranks), "peers_planned_for_traffic": peers}
+
+
+def held_and_state(model, layout) -> tuple[dict[int, int], int]:
+    """Bytes each rank holds in `layout`, and the whole training state's bytes (each element
+    once, `simulate.state_bytes`), rank by rank so that no world of pieces is kept."""
+    from megatron_ext.reshard import vps
+    from megatron_ext.reshard.simulate import state_bytes
+    from megatron_ext.reshard.skeleton import standalone_world
+
+    key = vps.model_key(model)
+    held: dict[int, int] = {}
+
+    def pieces():
+        for rank in range(layout.active):
+            mine = vps._rank_pieces(key, layout, rank)
+            held[rank] = sum(p.nbytes for p in mine)
+            yield from mine
+
+    with standalone_world():
+        state = state_bytes(pieces())
+    vps._rank_pieces.cache_clear()
+    return held, state
+
+
+def _reshard_case(case: ReshardCase) -> dict:
+    from megatron_ext.reshard.plan_scale import measure_rank_plan, moved_bytes
+    from megatron_ext.reshard.simulate import H100_CLASS, checkpoint_route, stall
+
+    timing = measure_rank_plan(case.model, case.a, case.b)
+    cpu = time.process_time()
+    world = max(case.a.world, case.b.world)
+    # A peer's Traffic costs a plan of its own (about 1 s at 405B x 16,384, 25 peers a rank), so
+    # at scale the stall is priced from the ranks holding the embedding and the output layer and
+    # the slowest planner.
+    ends = {0, case.a.active - 1, case.b.active - 1, timing["slowest_rank"]}
+    ranks = range(world) if case.stall_ranks == "all" else sorted(ends)
+    steps, coverage = rank_traffic(case.model, case.a, case.b, list(ranks), RESHARD_BUDGET_BYTES)
+    live = stall(steps, H100_CLASS, world=world)
+    held_a, state = held_and_state(case.model, case.a)
+    held_b, _ = held_and_state(case.model, case.b)
+    route = checkpoint_route(held_a, held_b, state, H100_CLASS)
+    sim_s = time.process_time() - cpu
+    moved = None
+    if case.exact_bytes:
+        cpu = time.process_time()
+        moved = {**moved_bytes(case.model, case.a, case.b), "cpu_s": time.process_time() - cpu}
+    return {"timing": timing, "stall": dataclasses.asdict(live), "stall_total_s": live.total, "rounds": len(steps),
+            "coverage": coverage, "route": dataclasses.asdict(route), "route_total_s": route.total,
+            "state_bytes": state, "max_held_a": max(held_a.values()), "max_held_b": max(held_b.values()),
+            "simulate_cpu_s": sim_s, "moved": moved}
+
+
+def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = True) -> list[dict]:
+    """Per move: the slowest sampled rank's own plan (`plan_scale.measure_rank_plan`: seconds
+    and peak RSS, skeleton builds of B included), bytes moved against the minimum
+    (`plan_scale.moved_bytes`, every destination rank's fills; not checked where a case says
+    so), the live stall on `H100_CLASS` from the ranks' own rounds (`rank_traffic`) and the
+    checkpoint route's, with the layout built ahead (the switch installs it)."""
+    from megatron_ext.reshard.simulate import H100_CLASS, describe
+
+    rows = []
+    for case in cases if cases is not None else reshard_cases():
+        r, rss = measured(_reshard_case, case, fresh=fresh)
+        t = r["timing"]
+        moved = r["moved"]
+        met_time = case.target_s is None or t["seconds"] <= case.target_s
+        met_bytes = moved is None or moved["network_bytes"] == moved["min_bytes"]
+        rows.append({
+            "plugin": "reshard", "case": case.name,
+            # measure_rank_plan times the wall clock only: the CPU figure repeats it (load counts in both)
+            "planner_wall_s": t["seconds"], "planner_cpu_s": t["seconds"],
+            "planner_peak_rss_mb": t["peak_rss_mb"], "import_rss_mb": t["import_rss_mb"],
+            "slowest_rank": t["slowest_rank"], "ranks_timed": len(t["ranks"]), **_measures(rss),
+            "bytes": {"network_bytes": None if moved is None else moved["network_bytes"],
+                      "min_bytes": None if moved is None else moved["min_bytes"],
+                      "equal_min": None if moved is None else moved["network_bytes"] == moved["min_bytes"],
+                      "how": ("plan_scale.moved_bytes: every destination rank's fills, exact"
+                              f" ({moved['cpu_s']:.0f} s CPU)") if moved else
+                             "not checked here: moved_bytes takes 308 s for the MoE at 1,024 ranks (its "
+                             "DynaTrain row checks the same model's move at 128) and about an hour for 405B"},
+            "simulated": {
+                "cluster": H100_CLASS.name, "budget_bytes_per_round": RESHARD_BUDGET_BYTES,
+                "stall": r["stall"], "stall_s": r["stall_total_s"], "rounds": r["rounds"],
+                "ranks": ("every rank" if case.stall_ranks == "all" else
+                          "the first and last rank of A and B and the slowest planner, with their peers' Traffic: "
+                          "a lower bound of the world's transfer"), **r["coverage"],
+                "checkpoint_route": r["route"], "checkpoint_route_s": r["route_total_s"],
+                "route_over_stall": r["route_total_s"] / r["stall_total_s"],
+                "state_bytes": r["state_bytes"], "max_held_bytes_a": r["max_held_a"],
+                "max_held_bytes_b": r["max_held_b"], "simulate_cpu_s": r["simulate_cpu_s"],
+            },
+            "target": (f"slowest rank's plan <= {case.target_s:g} s and <= {RESHARD_RSS_TARGET_MB} MB, bytes = minimum"
+                       if case.target_s is not None else "bytes = minimum; the simulated stall beside the paper's"),
+            "met": met_time and met_bytes and (case.target_s is None or t["peak_rss_mb"] <= RESHARD_RSS_TARGET_MB),
+            "met_cpu": met_time and met_bytes,
+            "paper": RESHARD_PAPER[case.paper] if case.paper else
+                     {"figure": None, "source": "/work/notes/issue27.md (target only; DynaTrain gives no 405B figure)"},
+            "setup": {"a": str(case.a), "b": str(case.b), "world": max(case.a.world, case.b.world),
+                      "model": case.model.name, "cluster": describe(H100_CLASS)},
+        })
+        row = rows[-1]
+        checked = "not checked" if moved is None else "= min" if met_bytes else "!= min"
+        print(f"reshard {case.name}: plan {t['seconds']:.2f} s, {t['peak_rss_mb']:.0f} MB, bytes {checked} "
+              f"({row['bytes']['network_bytes']}), stall {r['stall_total_s']:.2f} s "
+              f"({r['rounds']} rounds), checkpoint route {r['route_total_s']:.1f} s "
+              f"({row['simulated']['route_over_stall']:.0f}x)", flush=True)
+    return rows
+
+
 # --- the table ---------------------------------------------------------------------------------
 
-ROWS: dict[str, Callable[[], list[dict]]] = {"dpp": dpp_rows, "lora": lora_rows}
+ROWS: dict[str, Callable[[], list[dict]]] = {"dpp": dpp_rows, "lora": lora_rows, "reshard": reshard_rows}
+
+
+def _limit(row: dict) -> float:
+    """The time a row's planner must stay under, for the plot."""
+    if row["plugin"] == "dpp":
+        return row["simulated"]["iter_s"]
+    if row["plugin"] == "reshard":
+        target = re.match(r"slowest rank's plan <= ([0-9.]+) s", row["target"])
+        return float(target.group(1)) if target else row["paper"]["stall_s"]
+    return 60.0
 
 
 def plot(rows: Sequence[dict], path: str) -> None:
     """Per row, the planner's wall and CPU time beside the time it must stay under (dpp: the
-    simulated iteration; lora: the 60 s limit), on a log scale."""
+    simulated iteration; lora: the 60 s limit; reshard: the plan time target, or where there is
+    none the paper's stall, with the simulated stall and checkpoint route written above), on a
+    log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -354,15 +567,20 @@ def plot(rows: Sequence[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4))
     x = range(len(rows))
-    limits = [r["simulated"]["iter_s"] if r["plugin"] == "dpp" else 60.0 for r in rows]
+    limits = [_limit(r) for r in rows]
     ax.bar([i - 0.27 for i in x], [r["planner_wall_s"] for r in rows], 0.27, label="planner wall time (this machine)")
     ax.bar(list(x), [r["planner_cpu_s"] for r in rows], 0.27, color="tab:green", label="planner CPU time")
-    ax.bar([i + 0.27 for i in x], limits, 0.27, color="tab:gray", label="dpp: simulated iteration; lora: 60 s limit")
+    ax.bar([i + 0.27 for i in x], limits, 0.27, color="tab:gray",
+           label="dpp: simulated iteration; lora: 60 s limit; reshard: plan target (or the paper's stall)")
     for i, r in enumerate(rows):
         if r["plugin"] == "lora":
             ratios = [v for v in r["simulated"]["baseline_over_planner"].values() if v is not None]
             ax.annotate(f"best baseline's makespan:\n{min(ratios):.2f}x the planner's", (i, limits[i]), ha="center",
                         va="bottom", fontsize=7)
+        if r["plugin"] == "reshard":
+            sim = r["simulated"]
+            ax.annotate(f"stall {sim['stall_s']:.2f} s\nckpt {sim['checkpoint_route_s']:.0f} s", (i, limits[i]),
+                        ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("seconds")
     ax.set_xticks(list(x))

@@ -5,6 +5,7 @@ planner is never worse than a baseline."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -90,3 +91,40 @@ def test_the_plot_draws_the_rows(scale, tmp_path):
              "simulated": {"baseline_over_planner": {"sequential": 3.0, "pack_all": None}}}]
     scale.plot(rows, str(tmp_path / "scale.png"))
     assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_reshard_rows_check_bytes_against_the_minimum_and_price_the_move_and_the_checkpoint_route(scale):
+    from megatron_ext.config.store import MODEL_PRESETS
+    from megatron_ext.reshard.layout import ParallelLayout as L
+
+    model = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)
+    case = scale.ReshardCase("tiny tp2·pp2·dp2 -> tp4·dp2", model, L(tp=2, pp=2, dp=2), L(tp=4, dp=2), 60.0, "70b",
+                             stall_ranks="all")
+    (row,) = scale.reshard_rows([case], fresh=False)
+    common_fields(row, "reshard")
+    assert row["bytes"]["network_bytes"] == row["bytes"]["min_bytes"] > 0 and row["bytes"]["equal_min"]
+    sim = row["simulated"]
+    assert sim["stall_s"] == pytest.approx(sum(sim["stall"].values()))
+    assert sim["checkpoint_route_s"] == pytest.approx(sum(sim["checkpoint_route"].values()))
+    assert sim["route_over_stall"] == pytest.approx(sim["checkpoint_route_s"] / sim["stall_s"])
+    assert sim["ranks_simulated"] == 8 and sim["state_bytes"] > 0
+    assert row["paper"]["stall_s"] == 2.0
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 4096], ids=["one_round", "many_rounds"])
+def test_the_ranks_own_rounds_give_the_world_plans_simulated_transfer(scale, budget):
+    from megatron_ext.config.store import MODEL_PRESETS
+    from megatron_ext.reshard.execute import rounds
+    from megatron_ext.reshard.layout import ParallelLayout as L
+    from megatron_ext.reshard.plan import plan
+    from megatron_ext.reshard.simulate import H100_CLASS, traffic_from_rounds, transfer_seconds
+
+    model = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)
+    a, b = L(tp=2, pp=2, dp=2), L(tp=4, dp=2)
+    world = transfer_seconds(traffic_from_rounds(rounds(plan(model, a, b), budget)), H100_CLASS, 8)
+    everyone, _ = scale.rank_traffic(model, a, b, list(range(8)), budget)
+    assert transfer_seconds(everyone, H100_CLASS, 8) == pytest.approx(world, rel=1e-12)
+    # a sample of ranks (with their peers' Traffic) never prices the move above the world
+    sample, info = scale.rank_traffic(model, a, b, [0, 7], budget)
+    assert transfer_seconds(sample, H100_CLASS, 8) <= world * (1 + 1e-12)
+    assert info["ranks_simulated"] == 2

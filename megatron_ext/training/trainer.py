@@ -47,7 +47,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_ext.config.schema import Config, ParallelConfig
-from megatron_ext.config.validate import resolve_dp
+from megatron_ext.config.validate import ConfigError, resolve_dp
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.data.datasets import split_has_documents
 from megatron_ext.data.mock import build_mock_datasets
@@ -265,6 +265,11 @@ class Trainer:
                 )
             return saved
         vocab = self.cfg.model.vocab_size or self.tokenizer.vocab_size
+        if vocab < self.tokenizer.vocab_size:  # its ids would index past the embedding
+            raise ConfigError(
+                "model.vocab_size", f"{vocab} is below the tokenizer's {self.tokenizer.vocab_size} ids: "
+                f"give at least {self.tokenizer.vocab_size}, or leave it unset"
+            )
         return padded_vocab_size(vocab, self.cfg.model, self.cfg.parallel.tp)
 
     def build_model(

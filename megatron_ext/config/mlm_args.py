@@ -17,8 +17,8 @@ notice, or refused. Decisions a Megatron-LM user should know:
 - Every unknown or refused flag of a command line is reported at once, one line each.
 - Tokenizers: the ones that read a Hugging Face tokenizer (HuggingFaceTokenizer, GPT2BPE,
   Llama2/SentencePiece and SFT tokenizers) take --tokenizer-model <tokenizer.json or folder>,
-  which becomes data.tokenizer; NullTokenizer means "ids are already tokens" and maps to our
-  byte tokenizer, with --vocab-size setting the embedding size.
+  which becomes data.tokenizer; NullTokenizer means "ids are already tokens" and becomes
+  data.tokenizer=null:<--vocab-size>, whose end of document is one id past them.
 """
 
 from __future__ import annotations
@@ -327,9 +327,7 @@ def _schedule(b: _Builder) -> None:
 def _tokenizer(b: _Builder) -> None:
     kind, model = b.get("--tokenizer-type"), b.get("--tokenizer-model")
     if kind == "NullTokenizer":
-        if model is not None:
-            b.problem("--tokenizer-model", "does not go with --tokenizer-type NullTokenizer")
-        b.set("data.tokenizer", "byte", "--tokenizer-type")
+        _null_tokenizer(b, model)
         return
     if kind is not None and kind not in _HF_TOKENIZERS:
         b.problem("--tokenizer-type", "use HuggingFaceTokenizer with --tokenizer-model "
@@ -350,6 +348,21 @@ def _tokenizer(b: _Builder) -> None:
     if kind == "SFTTokenizer":
         b.notice("--tokenizer-type", "the chat prompt format is not applied: pretraining text")
     b.set("data.tokenizer", model, "--tokenizer-model")
+
+
+def _null_tokenizer(b: _Builder, model: Optional[str]) -> None:
+    """Megatron-LM's NullTokenizer reads ids, not text: --vocab-size V is its size (ids 0..V-1,
+    the end of document V), and the embedding is padded from V + 1 as Megatron-LM pads it."""
+    from megatron_ext.data.tokenizers import null_tokenizer_spec  # the spec's form is the data layer's
+
+    if model is not None:
+        b.problem("--tokenizer-model", "does not go with --tokenizer-type NullTokenizer")
+    size = b.get("--vocab-size")
+    if size is None:
+        b.problem("--tokenizer-type", "NullTokenizer needs --vocab-size (its number of token ids)")
+        return
+    b.set("data.tokenizer", null_tokenizer_spec(size), "--tokenizer-type", "--vocab-size")
+    b.values.pop("model.vocab_size", None)  # derived from the tokenizer, not --vocab-size itself
 
 
 def _gpt2_files(b: _Builder, kind: Optional[str], vocab: Optional[str], merges: Optional[str]) -> None:

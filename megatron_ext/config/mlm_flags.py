@@ -1322,7 +1322,10 @@ FLAGS: tuple[Flag, ...] = (
     # tokenizer
     *group(
         'tokenizer',
-        mapped('--vocab-size', 'int', 'model.vocab_size'),
+        mapped(
+            '--vocab-size', 'int', 'model.vocab_size',
+            note="NullTokenizer's number of ids (the embedding is padded from one more); with other tokenizers the embedding size",
+        ),
         refused(
             '--padded-vocab-size', 'int',
             'the padded size is derived: --vocab-size and --make-vocab-size-divisible-by',
@@ -1347,7 +1350,7 @@ FLAGS: tuple[Flag, ...] = (
             '--tokenizer-type', 'str', 'data.tokenizer',
             choices=('BertWordPieceLowerCase', 'BertWordPieceCase', 'GPT2BPETokenizer', 'SentencePieceTokenizer', 'GPTSentencePieceTokenizer', 'HuggingFaceTokenizer', 'Llama2Tokenizer', 'TikTokenizer', 'MultimodalTokenizer', 'NullTokenizer', 'NullMultimodalTokenizer', 'SFTTokenizer'),
             derived=True,
-            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); GPT2BPETokenizer also reads --vocab-file and --merge-file (GPT-2 BPE files); NullTokenizer is the byte tokenizer with --vocab-size; other types are refused',
+            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); GPT2BPETokenizer also reads --vocab-file and --merge-file (GPT-2 BPE files); NullTokenizer reads token ids (--mock-data or preprocessed --data-path) with --vocab-size ids and one more for the end of document; other types are refused',
         ),
         mapped(
             '--tokenizer-model', 'str', 'data.tokenizer', derived=True,

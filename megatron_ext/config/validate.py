@@ -497,6 +497,17 @@ def one_data_source(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+def null_tokenizer_reads_ids(cfg: Config, world: int, device: str) -> Optional[str]:
+    # data.tokenizer=null:<V> is Megatron-LM's NullTokenizer: its text is ids, so a text corpus
+    # would fail at its first word.
+    if cfg.data.tokenizer.startswith("null:") and not (cfg.data.mock or cfg.data.data_path):
+        return (
+            f"{cfg.data.tokenizer} (NullTokenizer) reads token ids, not text: give data.mock=true "
+            "(--mock-data) or data.data_path (--data-path) of preprocessed ids"
+        )
+    return None
+
+
 def one_of(path: str, allowed: Sequence[str]) -> Rule:
     def rule(cfg: Config, world: int, device: str) -> Optional[str]:
         value = _get(cfg, path)
@@ -864,6 +875,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("optim.lr_warmup_init", warmup_init_within_lr),
     ("checkpoint.async_save", async_save_needs_save_dir),
     ("data.mock", one_data_source),
+    ("data.tokenizer", null_tokenizer_reads_ids),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
     ("model.spec", te_spec_available),

@@ -2,7 +2,7 @@
 
 GPTDatasetConfig is typed on `megatron.core.tokenizers.MegatronTokenizerBase` and reads `eod`,
 `pad`, `vocab_size` and `unique_identifiers` (the latter goes into the hash that names the
-dataset index caches), so both tokenizers subclass that base and provide those members.
+dataset index caches), so each tokenizer subclasses that base and provide those members.
 """
 
 import hashlib
@@ -69,6 +69,52 @@ class ByteTokenizer(MegatronTokenizerBase):
 
     def apply_chat_template(self, *args, **kwargs) -> None:
         raise NotImplementedError("ByteTokenizer has no chat template")
+
+
+class NullTokenizer(MegatronTokenizerBase):
+    """Megatron-LM's NullTokenizer: the data are token ids already. Ids 0..V-1 are tokens and V
+    is the end of document, so the vocabulary is V + 1 (the embedding is padded from there, as
+    Megatron-LM pads it); text is ids written in decimal, separated by spaces."""
+
+    def __init__(self, size: int) -> None:
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as Ids
+
+        super().__init__(path=f"{NULL_PREFIX}{size}", config={})
+        self._ids = Ids(size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._ids.text_to_ids(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._ids.ids_to_text([int(i) for i in ids])
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(self.vocab_size)}
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: str(i) for i in range(self.vocab_size)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._ids.vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._ids.eod
+
+    @property
+    def pad(self) -> int:
+        # Megatron-LM's default --null-tokenizer-pad-id: no padding id.
+        return -1
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([("class", f"{__name__}.NullTokenizer"), ("vocab_size", self.vocab_size)])
+
+    def apply_chat_template(self, *args, **kwargs) -> None:
+        raise NotImplementedError("NullTokenizer has no chat template")
 
 
 class HFTokenizer(MegatronTokenizerBase):
@@ -196,25 +242,35 @@ class GPT2BPETokenizer(HFTokenizer):
 
 # data.tokenizer's form for GPT-2 files: gpt2:<vocab.json>:<merges.txt>
 GPT2_FILES_PREFIX = "gpt2:"
+NULL_PREFIX = "null:"
 
 
 def gpt2_files_spec(vocab_file: str, merges_file: str) -> str:
     return f"{GPT2_FILES_PREFIX}{vocab_file}:{merges_file}"
 
 
-Tokenizer = Union[ByteTokenizer, HFTokenizer]
+def null_tokenizer_spec(size: int) -> str:
+    return f"{NULL_PREFIX}{size}"
+
+
+Tokenizer = Union[ByteTokenizer, NullTokenizer, HFTokenizer]
 
 
 def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
     """Build the tokenizer named by the `data.tokenizer` setting.
 
-    spec: "byte", a path to a Hugging Face tokenizer.json (or a folder holding one), a GGUF
-    file whose vocabulary defines the tokenizer, or GPT-2's files as
-    gpt2:<vocab.json>:<merges.txt>.
+    spec: "byte", null:<V> (ids are tokens: Megatron-LM's NullTokenizer), a path to a Hugging
+    Face tokenizer.json (or a folder holding one), a GGUF file whose vocabulary defines the
+    tokenizer, or GPT-2's files as gpt2:<vocab.json>:<merges.txt>.
     eod_token: for tokenizer.json only; defaults to `<|endoftext|>` or `</s>`.
     """
     if spec == "byte":
         return ByteTokenizer()
+    if spec.startswith(NULL_PREFIX):
+        size = spec[len(NULL_PREFIX):]
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(f"data.tokenizer={spec!r}: use null:<V>, V the number of token ids")
+        return NullTokenizer(int(size))
     if spec.startswith(GPT2_FILES_PREFIX):
         vocab_file, sep, merges_file = spec[len(GPT2_FILES_PREFIX):].rpartition(":")
         if not sep:
@@ -230,6 +286,6 @@ def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
     if os.path.isfile(path) and path.endswith(".json"):
         return HFTokenizer(path, eod_token=eod_token)
     raise ValueError(
-        f"data.tokenizer={spec!r} is not a tokenizer: use 'byte', the path to a Hugging Face "
+        f"data.tokenizer={spec!r} is not a tokenizer: use 'byte', null:<V>, the path to a Hugging Face "
         "tokenizer.json (or a folder holding one), a .gguf file, or gpt2:<vocab.json>:<merges.txt>"
     )

@@ -120,6 +120,7 @@ CASES = {
     "empty_bin": (["data.data_path=[{d}/empty]"], "data.data_path", "{d}/empty.bin is empty"),
     "empty_idx": (["data.data_path=[{d}/noidx]"], "data.data_path", "{d}/noidx.idx is empty"),
     "empty_in_blend": (["data.data_path=[0.3,{d}/noidx,0.7,{d}/missing]"], "data.data_path", "{d}/noidx.idx"),
+    "null_tokenizer_on_text": (["data.tokenizer=null:128"], "data.tokenizer", "null:128 (NullTokenizer) reads token ids, not text"),
     "corpus_missing": (["data.corpus={d}/no_such_text"], "data.corpus", "{d}/no_such_text does not exist"),
     "pretrained_missing": (["model.pretrained={d}/missing.gguf"], "model.pretrained", "{d}/missing.gguf does not exist"),
     "pretrained_not_gguf": (["model.pretrained={d}/not.gguf"], "model.pretrained", "{d}/not.gguf is not a GGUF file"),

@@ -96,9 +96,22 @@ def test_hf_identity_is_the_file_content(tmp_path):
     assert first.unique_identifiers != other.unique_identifiers
 
 
+def test_null_tokenizer_is_megatron_lms():
+    # Megatron-LM's NullTokenizer(V): ids are tokens, the end of document is V, the vocabulary
+    # V + 1; its text is the ids in decimal.
+    tok = build_tokenizer("null:128")
+    assert isinstance(tok, MegatronTokenizerBase)
+    assert (tok.vocab_size, tok.eod) == (129, 128)
+    assert tok.tokenize("5 0 127") == [5, 0, 127]
+    assert tok.detokenize([5, 0, 127]) == "5 0 127"
+    assert tok.unique_identifiers != build_tokenizer("null:256").unique_identifiers
+
+
 def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         build_tokenizer(str(tmp_path / "model.gguf"))
+    with pytest.raises(ValueError, match="use null:<V>"):
+        build_tokenizer("null:0")
     with pytest.raises(ValueError, match="data.tokenizer.*'byte'.*tokenizer.json"):
         build_tokenizer("gpt2")
 

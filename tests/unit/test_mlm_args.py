@@ -163,8 +163,8 @@ CASES = [
     (
         "null_tokenizer_mock_data",
         "--tokenizer-type NullTokenizer --vocab-size 512 --mock-data",
-        {"data.tokenizer": "byte", "model.vocab_size": "512", "data.mock": "true"},
-        {"data.tokenizer": "byte", "model.vocab_size": 512, "data.mock": True},
+        {"data.tokenizer": "null:512", "data.mock": "true"},
+        {"data.tokenizer": "null:512", "model.vocab_size": None, "data.mock": True},
     ),
     (
         "checkpoint_logging",
@@ -413,6 +413,7 @@ BAD = [
     ("sentencepiece_model_file", "--tokenizer-type Llama2Tokenizer --tokenizer-model t.model",
      "a SentencePiece .model file is not read here"),
     ("hf_without_model", "--tokenizer-type HuggingFaceTokenizer", "needs --tokenizer-model"),
+    ("null_without_size", "--tokenizer-type NullTokenizer --mock-data", "NullTokenizer needs --vocab-size"),
     ("impl", "--transformer-impl inference_optimized", "use local or transformer_engine"),
 ]
 

@@ -120,9 +120,9 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_wor
     if device.type == "cuda":
         torch.cuda.set_device(device)
     state = initialize(parallel)
-    groups = process_groups(state)
-    model, config = trainer.build_model(parallel, groups=groups, initialise=False)
     with contextlib.nullcontext() if future_world else _own_world_group():
+        groups = process_groups(state)
+        model, config = trainer.build_model(parallel, groups=groups, initialise=False)
         optimizer = trainer.build_optimizer(model, config, parallel, groups=groups)
     ensure_optimizer_states(optimizer)
     _fault_in(model, optimizer)
@@ -150,8 +150,13 @@ def _own_world_group() -> Iterator[None]:
     private copy of the world group. Megatron's optimizer factory agrees on its param groups by
     an `all_gather_object` over the default group, which the running layout uses in the main
     thread meanwhile; two threads' collectives on one group may pair up differently on each
-    rank. Other threads keep calling torch's function unchanged."""
+    rank. Other threads keep calling torch's function unchanged.
+
+    Entering it ends the build's group creation on every rank: a rank whose build fails later
+    destroys its groups, and a peer still connecting one of them (torch does not wait for all
+    ranks at `new_group`) would retry the connection until the group timeout."""
     world = dist.new_group(list(range(dist.get_world_size())))  # collective: in the same order
+    dist.barrier(group=world)
     original, here = dist.all_gather_object, threading.get_ident()
 
     def all_gather_object(object_list, obj, group=None):

@@ -186,13 +186,10 @@ def test_poisoned_request_files_are_refused_renamed_and_a_valid_one_still_applie
 
 
 BUILD_AHEAD_FAULTS = [
-    # TP2×PP2 -> TP1×PP2×DP2: rank 1's optimizer of the new layout, in the background thread.
-    # Outside the default suite while a known race stands: with each rank planning its own part,
-    # ranks reach the build at different times, and a rank that creates a build-ahead group
-    # after rank 1 failed and destroyed its groups waits for it until the group timeout (seen
-    # once in two suite runs: its prepare thread in _own_world_group's new_group).
+    # TP2×PP2 -> TP1×PP2×DP2: rank 1's optimizer of the new layout, in the background thread
+    # (ranks reach the build at different times: each plans its own part of the move first).
     pytest.param(["parallel.tp=2", "parallel.pp=2", SWITCH_AT_5, "fault.kind=raise_ahead", "fault.rank=1"],
-                 (5, "tp1·pp2·dp2"), id="same_workers", marks=pytest.mark.slow),
+                 (5, "tp1·pp2·dp2"), id="same_workers"),
     # 2 -> 4 workers: standby rank 3's trainer, while it builds it ahead of joining.
     pytest.param(["parallel.dp=2", "reshard.schedule=[{step: 3, layout: {dp: 4}}]", "fault.kind=raise_in_setup",
                   "fault.rank=3"], (3, "tp1·pp1·dp4"), id="joining_worker"),

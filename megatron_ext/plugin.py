@@ -15,8 +15,9 @@ reach into each other.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from megatron_ext.training.trainer import Trainer
 
 HOOKS = (
+    "multirun",
+    "runner",
     "check",
     "check_layout",
     "setup",
@@ -38,6 +41,18 @@ HOOKS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """What each worker of a run does, when a plugin owns the run rather than the Trainer's
+    loop (a packed LoRA sweep, a worker pool whose size changes)."""
+
+    run: Callable[[Any], dict]  # the run's config -> its summary
+    # Whether a pre-emption signal stops it at a step boundary with a checkpoint (the launcher
+    # then waits up to launcher.preempt_timeout_s for the workers); False: the workers end on
+    # the signal as any process does.
+    stops_at_a_step: bool = True
+
+
 class Plugin:
     """Base class with no-op hooks; override the ones you need."""
 
@@ -50,6 +65,18 @@ class Plugin:
     def __init__(self, cfg: Any = None) -> None:
         # The plugin's own config section (an instance of `config_class`), or None.
         self.cfg = cfg
+
+    @classmethod
+    def multirun(cls, argv: Sequence[str]) -> Optional[tuple[Any, Callable[[], Any]]]:
+        """A Hydra multirun (`-m` and sweep overrides `argv`) this plugin runs as one run of its
+        own: (the first combination's config, for the preflight; what runs them all), or None
+        to leave the multirun to Hydra. Raise ValueError for a sweep it refuses."""
+        return None
+
+    def runner(self) -> Optional[Runner]:
+        """Own the run: every worker runs the returned Runner instead of the Trainer's loop.
+        A run may list one plugin that does."""
+        return None
 
     def check(self, cfg: Any, world_size: int) -> None:
         """Before any process starts (in the launching process): raise a ConfigError or

@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 8 -m megatron_ext.train parallel.tp=8   # launched from outside
     python -m megatron_ext.train -m hydra/launcher=slurm ...          # Hydra multirun / SLURM
     python -m megatron_ext.train -m experiment=lora_sweep lora.rank=8,16 optim.lr=1e-4,3e-4
-                                         # a LoRA sweep: ONE packed run of all combinations
+                                         # a multirun a plugin owns (`Plugin.multirun`): here
+                                         # ONE packed run of all LoRA combinations
 
 A plain run composes the config with Hydra's compose API, so every bad input (an unknown key, a
 wrong type, a broken rule between fields) ends as one `error: ...` line and exit code 2 before
@@ -16,7 +17,7 @@ anything is written. Runs with Hydra's own flags (`-m`, `--cfg`, `--help`, ...) 
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig
@@ -25,7 +26,7 @@ from megatron_ext.config import Config, compose_config, register_configs, to_obj
 from megatron_ext.config.validate import ConfigError, validate, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
 from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed, LaunchRefused
-from megatron_ext.plugin import build_plugins
+from megatron_ext.plugin import Runner, build_plugins, registered_plugins
 from megatron_ext.training.preflight import check_inputs
 
 register_configs()
@@ -47,6 +48,7 @@ def run(cfg: Config) -> Optional[dict]:
     """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
     run summary (from rank 0, the reporting rank, when workers were started here)."""
     preflight(cfg)
+    runner = runner_of(cfg)
     if detect_launch() is None and cfg.launcher.nproc > 1:
         launcher = cfg.launcher
         results = launch_local(
@@ -56,43 +58,40 @@ def run(cfg: Config) -> Optional[dict]:
             launcher.master_addr,
             launcher.master_port,
             launcher.max_restarts,
-            launcher.preempt_timeout_s if _stops_at_a_step(cfg) else None,
+            launcher.preempt_timeout_s if runner.stops_at_a_step else None,
             refusals=(ConfigError,),  # input only the ranks read: a damaged checkpoint
         )
         return results[0]
     return worker(cfg)
 
 
-def _stops_at_a_step(cfg: Config) -> bool:
-    """Whether the run's loop stops at a step boundary on a pre-emption signal: the Trainer's
-    does; a LoRA sweep's own loop does not, and ends on the signal as any process does."""
-    return "lora" not in cfg.plugins
+def runner_of(cfg: Config) -> Runner:
+    """What each worker runs: the run's plugin that owns the run (`Plugin.runner`), else the
+    Trainer's loop."""
+    owners = [(p.name, r) for p in build_plugins(cfg.plugins, cfg) if (r := p.runner()) is not None]
+    if len(owners) > 1:
+        raise ConfigError("plugins", f"{[name for name, _ in owners]} each run the whole run: list one of them")
+    return owners[0][1] if owners else Runner(train_one_world)
 
 
 def worker(cfg: Config) -> dict:
-    """One rank: join the world, train, leave. With the reshard plugin the job's processes form
-    a worker pool, so that the number of workers can change while it trains. A pre-emption
-    signal from the rank's start on stops it at a step boundary, with a checkpoint
-    (training/preemption.py)."""
+    """One rank: run the run's Runner. Where it stops at a step boundary, a pre-emption signal
+    from the rank's start on stops it there, with a checkpoint (training/preemption.py)."""
     from megatron_ext.training.preemption import stop_request
 
-    if not _stops_at_a_step(cfg):  # many jobs packed on one base: the lora plugin's own loop
-        from megatron_ext.lora.sweep import jobs_of, run_sweep
-
-        return run_sweep(cfg, jobs_of(cfg))
+    runner = runner_of(cfg)
+    if not runner.stops_at_a_step:
+        return runner.run(cfg)
     with stop_request(cfg.launcher.preempt_timeout_s):
-        return _train(cfg)
+        return runner.run(cfg)
 
 
-def _train(cfg: Config) -> dict:
+def train_one_world(cfg: Config) -> dict:
+    """The Trainer's run: join the world, train, leave."""
     import torch.distributed as dist
 
     from megatron_ext.training.trainer import Trainer
 
-    if "reshard" in cfg.plugins:
-        from megatron_ext.reshard.pool import pooled_worker
-
-        return pooled_worker(cfg)
     join_world(cfg.launcher.device)
     trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
     try:
@@ -137,17 +136,12 @@ def _fail(message: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-m" in argv or "--multirun" in argv:
-        # A sweep of LoRA jobs is one packed execution, not one run per combination.
-        from megatron_ext.lora.sweep import multirun_jobs, run_sweep
-
-        try:
-            lora = multirun_jobs(argv)
-        except Exception as e:  # Hydra/OmegaConf or a job's rules: an unknown key, a bad value
-            _fail(_first_line(e))
-        if lora is not None:
+        owned = _multirun_of_a_plugin(argv)
+        if owned is not None:
+            cfg, run_all = owned
             try:
-                preflight(lora[0])
-                run_sweep(*lora)
+                preflight(cfg)
+                run_all()
             except (ConfigError, ValueError) as e:  # refused before training
                 _fail(_first_line(e))
             return
@@ -161,6 +155,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except Exception as e:  # Hydra/OmegaConf: unknown key, wrong type, missing preset
         _fail(_first_line(e))
     _run_or_exit(cfg)
+
+
+def _multirun_of_a_plugin(argv: list[str]) -> Optional[tuple[Config, Callable[[], Any]]]:
+    """A multirun a plugin runs as one run of its own (`Plugin.multirun`), or None for Hydra."""
+    for plugin in registered_plugins().values():
+        try:
+            owned = plugin.multirun(argv)
+        except Exception as e:  # Hydra/OmegaConf or the plugin's rules: an unknown key, a bad value
+            _fail(_first_line(e))
+        if owned is not None:
+            return owned
+    return None
 
 
 def _check_overrides_of_hydra_run(argv: list[str]) -> None:

@@ -14,10 +14,10 @@ from `train` / `model.seq_length`, its steps from `train.iters`. The run is swee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_ext.lora.job import TARGET_MODULES
-from megatron_ext.plugin import Plugin, register_plugin
+from megatron_ext.plugin import Plugin, Runner, register_plugin
 
 
 @dataclass
@@ -80,6 +80,24 @@ class LoraPlugin(Plugin):
 
     name = "lora"
     config_class = LoraConfig
+
+    @classmethod
+    def multirun(cls, argv: Sequence[str]) -> Optional[tuple[Any, Callable[[], Any]]]:
+        # A sweep of LoRA jobs is one packed execution, not one run per combination.
+        from megatron_ext.lora.sweep import multirun_jobs, run_sweep
+
+        sweep = multirun_jobs(argv)
+        if sweep is None:
+            return None
+        cfg, jobs = sweep
+        return cfg, lambda: run_sweep(cfg, jobs)
+
+    def runner(self) -> Runner:
+        # The sweep's own loop ends on a pre-emption signal as any process does (it has no
+        # step boundary shared by the jobs).
+        from megatron_ext.lora.sweep import jobs_of, run_sweep
+
+        return Runner(lambda cfg: run_sweep(cfg, jobs_of(cfg)), stops_at_a_step=False)
 
     def check(self, cfg, world_size: int) -> None:
         from megatron_ext.config.validate import ConfigError

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_ext.plugin import Plugin, build_plugins, register_plugin
+from megatron_ext.plugin import Plugin, Runner, build_plugins, register_plugin
 from megatron_ext.reshard.request import SIZES, RequestError, read_request, retire
 
 if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
@@ -83,6 +83,13 @@ class _Planned:
 class ReshardPlugin(Plugin):
     name = "reshard"
     config_class = ReshardConfig
+
+    def runner(self) -> Runner:
+        # The job's processes form a worker pool, so that the number of workers can change
+        # while it trains.
+        from megatron_ext.reshard.pool import pooled_worker
+
+        return Runner(pooled_worker)
 
     def check(self, cfg, world_size: int) -> None:
         """Settings or a scheduled layout that cannot work are a config error: refuse them

@@ -313,7 +313,7 @@ def interleaved_micro_batches(cfg: Config, world: int, device: str) -> Optional[
     # virtual stage (microbatch_group_size_per_vp_stage defaults to pp) and raises a ValueError
     # inside every worker when the count is not a multiple of pp.
     # A global batch of None (one micro-batch) is not checked: layouts are also checked for a
-    # model alone, without a run's batch (see reshard/layout.py).
+    # model alone, without a run's batch (see parallel/layout.py).
     p, t, dp = cfg.parallel, cfg.train, _dp_or_none(cfg, world)
     if p.vpp is None or dp is None or t.global_batch_size is None:
         return None

@@ -1,7 +1,6 @@
 """Live reshard (DynaTrain's Virtual Parameter Space): change TP / PP / DP / EP / CP of a running
 job with every training state carried over.
 
-    layout.py    ParallelLayout: a layout as a value, validated by the runtime's rules
     boxes.py     box geometry: intersection, subtraction, flat range -> contiguous boxes
     skeleton.py  megatron's model + DDP for any rank of any layout, on fake tensors and groups
     vps.py       every rank's pieces of every training state, from megatron's own metadata, one
@@ -20,9 +19,13 @@ job with every training state carried over.
     pool.py      the worker pool: moves to another number of workers (standby workers join,
                  leaving workers hand over their state and wait)
     request.py   a request file read and checked for its shape; renamed .done or .rejected
-    plugin.py    `plugins=[reshard]`: a schedule, a polled request file
+    plugin.py    `plugins=[reshard]`: a schedule, a polled request file; reshard_to(trainer,
+                 layout) from Python
 
-    from megatron_ext.reshard.layout import ParallelLayout
+    from megatron_ext.parallel.layout import ParallelLayout
     from megatron_ext.reshard.plan import plan
     print(plan(model, ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, dp=2)).summary())
+
+The layouts themselves (megatron_ext/parallel/) are the core's: a move changes the Trainer's
+layout with `Trainer.install`.
 """

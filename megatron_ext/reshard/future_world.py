@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from megatron_ext.training.release import built_or_failure
+from megatron_ext.parallel.release import built_or_failure
 
 # Group names of the n-th future world start at n * _NAME_BLOCK.
 _NAME_BLOCK = 1 << 20

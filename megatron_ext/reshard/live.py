@@ -50,12 +50,12 @@ from megatron_ext.config.validate import validate_layout
 from megatron_ext.platform.device import current_device
 from megatron_ext.reshard.boxes import Box
 from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, local_rounds, schedule
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.plan import RankPlan, rank_plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild_or_failure
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
-from megatron_ext.training.release import collection_deferred, describe, release_in_background
+from megatron_ext.parallel.release import collection_deferred, describe, release_in_background
 
 
 _log = logging.getLogger(__name__)

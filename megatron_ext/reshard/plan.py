@@ -29,7 +29,7 @@ import hashlib
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
 from megatron_ext.reshard.boxes import Box, contains, intersect, numel, subtract
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import standalone_world
 from megatron_ext.reshard.vps import (
     ModelKey,

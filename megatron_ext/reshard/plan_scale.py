@@ -22,7 +22,7 @@ from typing import Optional
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.reshard import plan as planner
 from megatron_ext.reshard import vps
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import standalone_world
 
 _CACHES = (

@@ -6,7 +6,7 @@ Triggers, checked before every step:
                                 {"layout": {"pp": 2, "dp": 2}}; it is renamed to *.done once
                                 taken, so a cluster scheduler or a person can ask again, or to
                                 *.rejected (one log line says why) when it cannot be taken
-  - Python:                     trainer.reshard({"tp": 1, "dp": 4}) (e.g. RLHF phase switches)
+  - Python:                     reshard_to(trainer, {"tp": 1, "dp": 4}) (e.g. RLHF phase switches)
 A layout names the sizes that change; the others keep the run's values (dp is derived when
 left out and tp/pp/cp change).
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ext.plugin import Plugin, Runner, build_plugins, register_plugin
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.request import SIZES, RequestError, read_request, retire
 
 if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
@@ -290,18 +291,16 @@ def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):
 def _changes_world(trainer, target) -> bool:
     """Whether `target` needs another number of workers than the current world has."""
     p = target
-    return p.dp is not None and p.tp * p.pp * p.dp * p.cp != trainer.world_size
+    return p.dp is not None and p.tp * p.pp * p.dp * p.cp != trainer.layout.world
 
 
 def _same_layout(trainer, target) -> bool:
     """Whether `target` is the layout the trainer runs now (dp derived where not named)."""
-    from megatron_ext.config.validate import resolve_dp
-
     try:
-        dp = resolve_dp(dataclasses.replace(trainer.cfg, parallel=target), trainer.world_size)
+        layout = ParallelLayout.from_config(target, trainer.layout.world)
     except ValueError:  # not the current world's: another layout
         return False
-    return dataclasses.replace(target, dp=dp) == dataclasses.replace(trainer.cfg.parallel, dp=trainer.dp)
+    return dataclasses.replace(target, dp=layout.dp) == dataclasses.replace(trainer.cfg.parallel, dp=trainer.layout.dp)
 
 
 def _identity(path: str) -> Optional[tuple]:

@@ -60,12 +60,12 @@ from megatron_ext.platform.device import current_device
 from megatron_ext.platform.signals import PreemptionSignals, preemption_signals
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, local_rounds
 from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.live import Guarded, Move, Preparation, ReshardFailed, StallClock, planner_model
 from megatron_ext.reshard.plan import rank_plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
-from megatron_ext.training.release import collection_deferred, describe, gc_paused, release_in_background
+from megatron_ext.parallel.release import collection_deferred, describe, gc_paused, release_in_background
 
 # Standby workers wait for a command this long: the length of a job.
 STANDBY_TIMEOUT = timedelta(days=7)

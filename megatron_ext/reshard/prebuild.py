@@ -37,8 +37,9 @@ from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
-from megatron_ext.training.release import built_or_failure, release_in_background
-from megatron_ext.training.trainer import destroy_groups, parallel_state_sizes, unlink_optimizer
+from megatron_ext.parallel.release import built_or_failure, release_in_background
+from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
+from megatron_ext.training.trainer import unlink_optimizer
 
 # parallel_state's state: every module global named like _TENSOR_MODEL_PARALLEL_GROUP, and the
 # list of groups it created (which Trainer.close destroys).

@@ -34,7 +34,7 @@ from megatron_ext.models.gpt import (
 )
 from megatron_ext.platform import cpu_compat
 from megatron_ext.platform.device import current_device
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.training.trainer import ddp_config
 
 # ProcessGroupCollection field -> (megatron group token, from the expert rank generator?).

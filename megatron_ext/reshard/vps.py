@@ -33,7 +33,7 @@ from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.gpt import DTYPES
 from megatron_ext.models.logical import LogicalName, local_box, local_shards
 from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, fake_group, standalone_world
 
 STEP = LogicalName("optimizer.step")

@@ -14,7 +14,7 @@ import gc
 from typing import Iterator
 
 from megatron_ext.config.schema import TrainConfig
-from megatron_ext.training.release import gc_paused
+from megatron_ext.parallel.release import gc_paused
 
 
 class ManualGC:

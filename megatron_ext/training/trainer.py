@@ -47,7 +47,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_ext.config.schema import Config, ParallelConfig
-from megatron_ext.config.validate import ConfigError, resolve_dp
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.data.datasets import split_has_documents
 from megatron_ext.data.mock import build_mock_datasets
@@ -56,6 +56,8 @@ from megatron_ext.models.arch import architecture
 from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.models import pretrained
 from megatron_ext.models.init import init_weights_layout_independent
+from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
+from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
@@ -66,7 +68,6 @@ from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
-from megatron_ext.training.release import release_in_background
 from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
 from megatron_ext.training.skipped_steps import SkippedSteps
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
@@ -82,34 +83,11 @@ def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
     )
 
 
-def parallel_state_sizes(parallel: ParallelConfig) -> dict[str, Any]:
-    """megatron's `initialize_model_parallel` arguments for a layout."""
-    return dict(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-    )
-
-
 def unlink_optimizer(model_config: TransformerConfig) -> None:
     """Drop the model config's link to its optimizer (loss scaling). The optimizer's fp32 shards
     are views with autograd history, which hides DDP's hook cycle from Python's garbage
     collector: with the link, a layout left behind would never be freed."""
     model_config.grad_scale_func = None
-
-
-def destroy_groups(groups: list, in_background: bool = False) -> None:
-    """Destroy the process groups megatron created (`_global_process_group_list`). Megatron
-    only forgets most of its groups, and each keeps its threads and sockets: a job that changes
-    layout many times would pile them up. `in_background`: torch forgets them here, and a
-    background thread drops the objects (their destructors take tens of ms each, release.py)."""
-    for group in groups:
-        if group is not None and group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo ones
-            dist.destroy_process_group(group)
-    if in_background:
-        release_in_background(groups)
 
 
 def _leave_as_allocated(weight: torch.Tensor) -> None:
@@ -130,8 +108,8 @@ class Trainer:
         self.plugins = list(plugins)
         self.state = TrainState()
         self.on_cpu = current_device().type == "cpu"
-        self.world_size = dist.get_world_size()
-        self.dp = resolve_dp(cfg, self.world_size)
+        # The running layout, dp resolved for this world (None once the trainer left it).
+        self.layout: Optional[ParallelLayout] = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
         self.batches = self._batch_schedule()
         if cfg.train.train_samples is not None:
             # A sample-based run trains the iterations its samples fill; everything reads them
@@ -214,14 +192,14 @@ class Trainer:
             None,
             self.batches.at(self.state.consumed_samples),
             self.cfg.train.micro_batch_size,
-            self.dp,
+            self.layout.dp,
         )
 
     def _global_batch_size(self, dp: Optional[int] = None) -> int:
         """Megatron-LM's args.global_batch_size: the batch of every step, or the last one of a
         ramp or step schedule."""
         t = self.cfg.train
-        return t.global_batch_size or t.micro_batch_size * (dp or self.dp)
+        return t.global_batch_size or t.micro_batch_size * (dp or self.layout.dp)
 
     def _batch_schedule(self) -> BatchSchedule:
         return BatchSchedule.of(self.cfg.train, self.cfg.model.seq_length, self._global_batch_size())
@@ -232,7 +210,7 @@ class Trainer:
         batch = self.batches.at(self.state.consumed_samples)
         if batch != get_current_global_batch_size():
             reconfigure_num_microbatches_calculator(
-                dist.get_rank(), None, batch, self.cfg.train.micro_batch_size, self.dp
+                dist.get_rank(), None, batch, self.cfg.train.micro_batch_size, self.layout.dp
             )
         return batch
 
@@ -509,7 +487,7 @@ class Trainer:
         return forward_only_loss(
             self.model,
             self._iterator(dataset, 0),
-            self._global_batch_size() // (self.cfg.train.micro_batch_size * self.dp) * self.cfg.train.eval_iters,
+            self._global_batch_size() // (self.cfg.train.micro_batch_size * self.layout.dp) * self.cfg.train.eval_iters,
             self.cfg.model.seq_length,
             self.cfg.train.micro_batch_size,
             self.forward_backward_func(),
@@ -523,7 +501,7 @@ class Trainer:
             cfg.train.iters,
             self.state.iteration,
             dist.get_rank() == 0,
-            self.world_size,
+            self.layout.world,
         )
         self._note_restart()
         stop_at = cfg.train.iters
@@ -699,13 +677,6 @@ class Trainer:
 
     # --- a new layout ---------------------------------------------------------------------------
 
-    def reshard(self, layout: dict, budget_mb: float = 64.0):
-        """Change the parallel layout now, between two steps, every training state carried over
-        (`layout`: the sizes that change, e.g. {"tp": 1, "dp": 4}). See megatron_ext/reshard."""
-        from megatron_ext.reshard.plugin import reshard_to
-
-        return reshard_to(self, layout, budget_mb)
-
     def switch_layout(self, parallel: ParallelConfig, new_world: bool = False, prebuilt=None) -> None:
         """Leave this layout and build `parallel`'s: process groups, model, DDP, optimizer; the
         scheduler, counters and data position carry over. The new model's weights (left
@@ -718,8 +689,7 @@ class Trainer:
         self._finalize_saves()  # in the world and groups that started them
         scheduler_state = self.scheduler.state_dict()
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
-        self.world_size = dist.get_world_size()  # a worker pool may have formed a new world
-        self.dp = resolve_dp(self.cfg, self.world_size)
+        self.layout = ParallelLayout.from_config(parallel, dist.get_world_size())  # a pool may have formed a new world
         self.close(in_background=True)
         if prebuilt is not None:
             prebuilt.install()

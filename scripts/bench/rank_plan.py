@@ -32,7 +32,7 @@ if ROOT not in sys.path:
 
 from megatron_ext.config.schema import ModelConfig  # noqa: E402
 from megatron_ext.config.store import MODEL_PRESETS  # noqa: E402
-from megatron_ext.reshard.layout import ParallelLayout as L  # noqa: E402
+from megatron_ext.parallel.layout import ParallelLayout as L  # noqa: E402
 
 LLAMA_70B = ModelConfig(
     name="llama3_70b", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,

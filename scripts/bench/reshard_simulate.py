@@ -289,7 +289,7 @@ def _trainer(model: str, sizes: dict, world: int):
 def _layout(parallel):
     import torch.distributed as dist
 
-    from megatron_ext.reshard.layout import ParallelLayout
+    from megatron_ext.parallel.layout import ParallelLayout
 
     return ParallelLayout.from_config(parallel, dist.get_world_size())
 
@@ -469,7 +469,7 @@ def cases_of(source: str, world: int, budget_mb: float, transitions: list[dict])
 
 def layout_of(label: str, world: int):
     """'TP2×PP2' -> ParallelLayout(tp=2, pp=2, dp=world / 4)."""
-    from megatron_ext.reshard.layout import ParallelLayout
+    from megatron_ext.parallel.layout import ParallelLayout
 
     sizes = {k.lower(): int(v) for k, v in re.findall(r"(TP|PP|DP|EP|CP)(\d+)", label)}
     sizes.setdefault("dp", world // (sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)))

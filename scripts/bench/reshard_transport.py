@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def layout_of(text: str, world: int):
     """'tp2,pp2' -> ParallelLayout(tp=2, pp=2, dp=world / 4)."""
-    from megatron_ext.reshard.layout import ParallelLayout
+    from megatron_ext.parallel.layout import ParallelLayout
 
     sizes = {part[:2]: int(part[2:]) for part in text.split(",") if part}
     model_parallel = sizes.get("tp", 1) * sizes.get("pp", 1)

@@ -382,7 +382,7 @@ def reshard_cases() -> tuple[ReshardCase, ...]:
     and DynaTrain's two claims as moves on 64 and 128 GPUs (the paper names neither its GPUs
     nor its layouts: these are small worlds that hold the training state in 80 GB GPUs), with
     every rank's rounds and the bytes checked."""
-    from megatron_ext.reshard.layout import ParallelLayout as L
+    from megatron_ext.parallel.layout import ParallelLayout as L
     from rank_plan import LLAMA_70B, QWEN3_235B, SCALE
 
     scale_cases = list(SCALE.items())[:3]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.reshard.layout import ParallelLayout as L
+from megatron_ext.parallel.layout import ParallelLayout as L
 
 WORLD = 4
 SMALL_BUDGET = 16 << 10

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config.store import MODEL_PRESETS
-from megatron_ext.reshard.layout import ParallelLayout as L
+from megatron_ext.parallel.layout import ParallelLayout as L
 from megatron_ext.reshard.vps import rank_pieces
 
 WORLD = 4

@@ -95,7 +95,7 @@ def test_the_plot_draws_the_rows(scale, tmp_path):
 
 def test_reshard_rows_check_bytes_against_the_minimum_and_price_the_move_and_the_checkpoint_route(scale):
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.reshard.layout import ParallelLayout as L
+    from megatron_ext.parallel.layout import ParallelLayout as L
 
     model = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)
     case = scale.ReshardCase("tiny tp2·pp2·dp2 -> tp4·dp2", model, L(tp=2, pp=2, dp=2), L(tp=4, dp=2), 60.0, "70b",
@@ -115,7 +115,7 @@ def test_reshard_rows_check_bytes_against_the_minimum_and_price_the_move_and_the
 def test_the_ranks_own_rounds_give_the_world_plans_simulated_transfer(scale, budget):
     from megatron_ext.config.store import MODEL_PRESETS
     from megatron_ext.reshard.execute import rounds
-    from megatron_ext.reshard.layout import ParallelLayout as L
+    from megatron_ext.parallel.layout import ParallelLayout as L
     from megatron_ext.reshard.plan import plan
     from megatron_ext.reshard.simulate import H100_CLASS, traffic_from_rounds, transfer_seconds
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 
-from megatron_ext.training.release import collection_deferred, gc_paused, release_in_background, wait_released
+from megatron_ext.parallel.release import collection_deferred, gc_paused, release_in_background, wait_released
 
 
 class Recorder:

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_ext.config.validate import ConfigError
-from megatron_ext.reshard.layout import ParallelLayout
+from megatron_ext.parallel.layout import ParallelLayout
 
 SIX_HEADS = ModelConfig(num_attention_heads=6, hidden_size=192, ffn_hidden_size=384, vocab_size=384)
 

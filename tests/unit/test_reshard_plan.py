@@ -23,7 +23,7 @@ import torch
 from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.reshard.boxes import contains, numel
-from megatron_ext.reshard.layout import ParallelLayout as L
+from megatron_ext.parallel.layout import ParallelLayout as L
 from megatron_ext.reshard.plan import _plan, plan
 from megatron_ext.reshard.vps import layout_pieces, model_key
 

@@ -11,7 +11,7 @@ import pytest
 from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.reshard import simulate as sim
 from megatron_ext.reshard.execute import rounds
-from megatron_ext.reshard.layout import ParallelLayout as L
+from megatron_ext.parallel.layout import ParallelLayout as L
 from megatron_ext.reshard.plan import plan
 from megatron_ext.reshard.simulate import Transfer as T
 from megatron_ext.reshard.vps import layout_pieces

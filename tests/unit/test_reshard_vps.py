@@ -9,7 +9,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.reshard.boxes import numel
-from megatron_ext.reshard.layout import ParallelLayout as L
+from megatron_ext.parallel.layout import ParallelLayout as L
 from megatron_ext.reshard.vps import STEP, layout_pieces, rank_pieces
 
 TINY = dataclasses.replace(MODEL_PRESETS["llama_tiny"], vocab_size=256)

@@ -1,0 +1,11 @@
+"""The parallel layout as a core value.
+
+    layout.py   ParallelLayout: how a world's ranks are cut (tp, pp, dp, ep, cp), dp resolved
+                once; megatron's rank order; validity by the runtime's rules
+    groups.py   a layout's megatron process groups: creating and destroying them
+    release.py  a left layout's objects dropped off the training thread, after the stall
+"""
+
+from megatron_ext.parallel.layout import ParallelLayout
+
+__all__ = ["ParallelLayout"]

@@ -14,7 +14,7 @@
 3. The stall: agree (one small all-reduce: every rank planned the same move with the same
    budget, and the byte counts from which each rank cuts its own memory-budgeted rounds;
    execute.py `schedule`), keep the old model and optimizer objects, switch to the new layout
-   (`Trainer.switch_layout`: install what was prebuilt, or build it now; scheduler, counters
+   (`Trainer.install`: install what was prebuilt, or build it now; scheduler, counters
    and data position carried), and move every param, fp32 main param, Adam moment and the step
    from the old objects into the new ones with the point-to-point executor; then drop the old
    ones.
@@ -292,7 +292,7 @@ def _switch_and_move(
     every rank returns the same failures."""
     clock = clock or StallClock()
     try:
-        trainer.switch_layout(move.target, prebuilt=move.prebuilt)
+        trainer.install(move.transfer.b, move.prebuilt)
         ensure_optimizer_states(trainer.optimizer)
         error = None
     except Exception as e:  # noqa: BLE001 - reported to every rank, then rolled back

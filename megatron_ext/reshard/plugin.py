@@ -133,7 +133,7 @@ class ReshardPlugin(Plugin):
                 self._apply(trainer, step, planned)
         else:
             self._poll(trainer, step)
-        if not trainer.left:
+        if trainer.layout is not None:  # still in the job's world
             self._prepare_next(trainer, step)
 
     def _prepare_next(self, trainer, step: int) -> None:
@@ -225,7 +225,7 @@ class ReshardPlugin(Plugin):
         import torch.distributed as dist
 
         # Rank 0 is in every world; a rank that just left the world has no rank.
-        if self.cfg.report_file and not trainer.left and dist.get_rank() == 0:
+        if self.cfg.report_file and trainer.layout is not None and dist.get_rank() == 0:
             with open(self.cfg.report_file, "a") as f:
                 f.write(json.dumps({"step": step, **dataclasses.asdict(report)}) + "\n")
 

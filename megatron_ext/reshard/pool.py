@@ -405,8 +405,6 @@ def carry_out(
         clock.lap("transfer")
     if failures:
         return _roll_back(pool, command, old, new, source, failures)
-    if old is not None and new is None:
-        old.left = True
     release_in_background(source)  # the left layout's model and optimizer
     del source
     pool.group.barrier().wait()
@@ -450,11 +448,11 @@ def _enter(command: Resize, old, plugins, prepared: Optional[PreparedResize]):
     joins (built ahead, or now, from the job's common state); its weights and states are
     placeholders until the move."""
     if old is not None:
-        old.switch_layout(command.target, new_world=True, prebuilt=prepared.built if prepared else None)
+        old.install(command.move.transfer.b, prepared.built if prepared else None)
         trainer = old
     elif prepared is not None:
         trainer = prepared.trainer
-        trainer.rejoin(command.common)
+        trainer.load_common_state(command.common)
     else:
         trainer = _joined(dataclasses.replace(command.cfg, parallel=command.target), plugins, command.common)
     ensure_optimizer_states(trainer.optimizer)
@@ -467,7 +465,7 @@ def _joined(cfg: Config, plugins, common: dict):
 
     trainer = Trainer(cfg, list(plugins))
     try:
-        trainer.setup(joining=common)
+        trainer.setup(from_state=common)
     except Exception:
         trainer.close()  # megatron's state of the half-built layout: this rank may join again
         raise
@@ -485,8 +483,7 @@ def _roll_back(pool: WorkerPool, command: Resize, old, new, source, failures: di
     a = command.move.transfer.a
     if not pool.form_world(a.active):
         return None, None
-    old.left = False
-    old.switch_layout(command.cfg.parallel, new_world=True)
+    old.install(a)
     ensure_optimizer_states(old.optimizer)
     stay = rank_plan(planner_model(old), a, a, pool.rank)  # local copies only: every rank holds its part
     write = MegatronState(old.model, old.optimizer).write
@@ -540,7 +537,7 @@ def _serve(pool: WorkerPool, cfg: Config, signals: PreemptionSignals) -> dict:
                 prepared = None
             continue
         summary = trainer.train()
-        if trainer.left:
+        if trainer.layout is None:  # left the job's world: standby
             trainer = None
             continue
         trainer.close()

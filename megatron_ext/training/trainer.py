@@ -110,6 +110,7 @@ class Trainer:
         self.on_cpu = current_device().type == "cpu"
         # The running layout, dp resolved for this world (None once the trainer left it).
         self.layout: Optional[ParallelLayout] = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
+        self._world = dist.group.WORLD  # the torch world the layout's groups are in
         self.batches = self._batch_schedule()
         if cfg.train.train_samples is not None:
             # A sample-based run trains the iterations its samples fill; everything reads them
@@ -124,11 +125,9 @@ class Trainer:
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
         self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
-        # The indexed datasets' prefixes, resolved once per run: a layout switch and a worker
-        # joining a running job reuse them (resolving the default corpus walks its files).
+        # The indexed datasets' prefixes, resolved once per run: a new layout and a trainer set
+        # up from a running job's state reuse them (resolving the default corpus walks its files).
         self.data_path: Optional[list[str]] = None
-        # Set when a shrinking reshard leaves this rank out of the new world: train() returns.
-        self.left = False
         self.skipped_steps = SkippedSteps()
         self.timers = Timers()
         # Megatron's queue of background checkpoint writes (checkpoint.async_save).
@@ -136,10 +135,11 @@ class Trainer:
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def setup(self, joining: Optional[dict] = None) -> None:
-        """Build everything. `joining`: the common state (`common_state()`) of a running job
-        this rank joins; its weights and optimizer states are then left for the caller to fill
-        (the reshard worker pool moves them in)."""
+    def setup(self, from_state: Optional[dict] = None) -> None:
+        """Build everything. `from_state`: start from a running job's common state
+        (`common_state()`, e.g. of the job this rank joins) instead of checkpoint.load; the
+        weights and optimizer states are then left for the caller to fill (the reshard worker
+        pool moves them in)."""
         # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user: a
         # backward outside megatron's schedules earlier in this process leaves a shape the
         # schedules then cannot copy into.
@@ -150,23 +150,23 @@ class Trainer:
             p.setup(self)
         self.tokenizer_spec = self._tokenizer_spec()
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
-        resume = self._resume_point() if joining is None else None
+        resume = self._resume_point() if from_state is None else None
         self.resumed_from = resume[1] if resume is not None else None
-        if joining is not None:
-            self.vocab_size = joining["padded_vocab_size"]
-            self.data_path = joining["data_path"]
+        if from_state is not None:
+            self.vocab_size = from_state["padded_vocab_size"]
+            self.data_path = from_state["data_path"]
         else:
             self.vocab_size = self._vocab_size(resume)
-        fresh = resume is None and joining is None
+        fresh = resume is None and from_state is None
         self.model, self.model_config = self.build_model(
-            self.cfg.parallel, initialise=joining is None, load_pretrained=fresh
+            self.cfg.parallel, initialise=from_state is None, load_pretrained=fresh
         )
         self.optimizer = self.build_optimizer(self.model, self.model_config, self.cfg.parallel)
         self.scheduler = self._build_scheduler()
         if resume is not None:
             self._load(*resume)
-        if joining is not None:
-            self._restore_common(joining)
+        if from_state is not None:
+            self._restore_common(from_state)
         self._follow_schedule()
         self._build_data()
 
@@ -514,7 +514,7 @@ class Trainer:
                 self._save_before_batch_change()
                 for p in self.plugins:
                     p.on_step_begin(self, self.state.iteration + 1)
-                if self.left:
+                if self.layout is None:  # a hook moved the job to a layout without this rank
                     return {}
                 start = time.perf_counter()
                 metrics = self.train_step()
@@ -677,39 +677,42 @@ class Trainer:
 
     # --- a new layout ---------------------------------------------------------------------------
 
-    def switch_layout(self, parallel: ParallelConfig, new_world: bool = False, prebuilt=None) -> None:
-        """Leave this layout and build `parallel`'s: process groups, model, DDP, optimizer; the
-        scheduler, counters and data position carry over. The new model's weights (left
-        uninitialised) and optimizer states are placeholders until the caller fills them (the
-        reshard plugin moves them from the old layout, whose objects it holds on to). Only at a
-        step boundary: the grad buffers are built anew, so no gradient may be mid-accumulation.
-        `new_world`: torch's world was formed anew (a worker pool changed the number of
-        workers). `prebuilt`: `parallel`'s groups, model and optimizer, built beforehand beside
-        this layout (megatron_ext/reshard/prebuild.py); only installed here."""
+    def install(self, layout: ParallelLayout, built=None) -> None:
+        """Leave the running layout and enter `layout`: process groups, model, DDP, optimizer;
+        the scheduler, counters and data position carry over. `built`: `layout`'s groups, model
+        and optimizer made beforehand beside the running layout (megatron_ext/reshard/
+        prebuild.py's Prebuilt), installed here; without it they are built now. The new model's
+        weights (left uninitialised) and optimizer states are placeholders until the caller
+        fills them (the reshard plugin moves them from the old layout, whose objects it holds
+        on to). Only at a step boundary: the grad buffers are built anew, so no gradient may be
+        mid-accumulation. When torch's world was formed anew meanwhile (a worker pool changed
+        the number of workers), the datasets are opened in it."""
         self._finalize_saves()  # in the world and groups that started them
         scheduler_state = self.scheduler.state_dict()
+        parallel = layout.to_config(self.cfg.parallel)
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
-        self.layout = ParallelLayout.from_config(parallel, dist.get_world_size())  # a pool may have formed a new world
         self.close(in_background=True)
-        if prebuilt is not None:
-            prebuilt.install()
+        self.layout = ParallelLayout.from_config(parallel, dist.get_world_size())  # its ranks in this world
+        if built is not None:
+            built.install()
             self._seed_and_batches()
-            self.model, self.model_config, self.optimizer = prebuilt.model, prebuilt.model_config, prebuilt.optimizer
+            self.model, self.model_config, self.optimizer = built.model, built.model_config, built.optimizer
         else:
             self._init_layout()
             self.model, self.model_config = self.build_model(parallel, initialise=False)
             self.optimizer = self.build_optimizer(self.model, self.model_config, parallel)
         self.scheduler = self._build_scheduler()
         self.scheduler.load_state_dict(scheduler_state)
-        if prebuilt is not None and prebuilt.datasets is not None:  # opened in the world entered
-            self.train_ds, self.valid_ds = prebuilt.datasets
-        elif new_world:  # opening the datasets is collective: with the ranks that join
+        if built is not None and built.datasets is not None:  # opened in the world entered
+            self.train_ds, self.valid_ds = built.datasets
+        elif dist.group.WORLD is not self._world:  # opening them is collective: with the ranks that join
             self.train_ds, self.valid_ds = self.open_datasets()
+        self._world = dist.group.WORLD
         self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
-    def rejoin(self, common: dict) -> None:
-        """Bring a trainer built ahead for a running job (`setup(joining=...)` with the common
-        state of then) to `common`, the job's state at the step it joins."""
+    def load_common_state(self, common: dict) -> None:
+        """Bring the counters, lr schedule, plugin states and data position to `common`
+        (`common_state()` of this run, e.g. the running job's when this rank joins it)."""
         self.scheduler = self._build_scheduler()  # megatron's load_state_dict adds the steps loaded
         self._restore_common(common)
         self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
@@ -723,3 +726,4 @@ class Trainer:
         destroy_num_microbatches_calculator()
         parallel_state.destroy_model_parallel()
         destroy_groups(groups, in_background)
+        self.layout = None

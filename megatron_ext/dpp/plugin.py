@@ -254,12 +254,9 @@ def open_documents(trainer: Trainer):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
-    from megatron_ext.data import default_corpus_prefix
     from megatron_ext.dpp.blend import DocumentBlend
 
-    if not trainer.cfg.data.data_path:
-        return IndexedDataset(default_corpus_prefix(trainer._cache_dir(), trainer.cfg.data.corpus, trainer.tokenizer_spec))
-    prefixes, weights = get_blend_from_list(list(trainer.cfg.data.data_path))
+    prefixes, weights = get_blend_from_list(trainer.data_prefixes())
     if len(prefixes) == 1:
         return IndexedDataset(prefixes[0])
     return DocumentBlend([IndexedDataset(p) for p in prefixes], weights, seed=trainer.cfg.train.seed)

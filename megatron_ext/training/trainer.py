@@ -392,12 +392,8 @@ class Trainer:
             return build_mock_datasets(
                 self.tokenizer, cfg.model.seq_length, num_samples, cfg.train.seed, self._index_cache_dir()
             )
-        if self.data_path is None:
-            self.data_path = list(cfg.data.data_path) or [
-                default_corpus_prefix(self._cache_dir(), cfg.data.corpus, self.tokenizer_spec)
-            ]
         return build_gpt_datasets(
-            self.data_path,
+            self.data_prefixes(),
             self.tokenizer,
             cfg.model.seq_length,
             cfg.data.split,
@@ -405,6 +401,15 @@ class Trainer:
             cfg.train.seed,
             self._index_cache_dir(),
         )
+
+    def data_prefixes(self) -> list[str]:
+        """The run's indexed datasets: data.data_path (a blend, weights included), or the
+        default corpus, tokenized into the cache on first use."""
+        if self.data_path is None:
+            self.data_path = list(self.cfg.data.data_path) or [
+                default_corpus_prefix(self._cache_dir(), self.cfg.data.corpus, self.tokenizer_spec)
+            ]
+        return self.data_path
 
     def _cache_dir(self) -> str:
         return os.path.expanduser(self.cfg.data.cache_dir)

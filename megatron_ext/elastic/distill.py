@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from torch import nn
 
@@ -252,6 +253,24 @@ class Distiller:
         finally:
             self.router.cfg.anneal_steps = anneal
             self.begin_step(0)
+
+    def start_router_at(self, targets: list[dict[str, int]], steps: int) -> None:
+        """Fit the router so that each budget selects its `targets` sizes (e.g. chosen by
+        quality, size_search.py), with a cross-entropy on each key's logits."""
+        optimizer = torch.optim.Adam(self.router.parameters(), lr=self.router.cfg.lr)
+        indices = [
+            {k: torch.tensor(self.router.choices(k).int().tolist().index(t[k])) for k in self.router.keys}
+            for t in targets
+        ]
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = sum(
+                F.cross_entropy(logits, index[k])
+                for budget, index in enumerate(indices)
+                for k, logits in self.router.logits(budget).items()
+            )
+            loss.backward()
+            optimizer.step()
 
     @torch.no_grad()
     def heldout_kd(self, model: nn.Module, batches: list[dict], sizes: dict) -> float:

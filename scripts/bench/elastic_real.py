@@ -137,7 +137,8 @@ def windows_to_batch(windows: torch.Tensor) -> dict:
 class Corpus:
     train: torch.Tensor  # [windows, seq + 1]: the training windows, one epoch of every arm
     heldout: list[dict]
-    calibration: list[torch.Tensor]
+    calibration: list[torch.Tensor]  # token windows [1, seq] for the importance estimates
+    calibration_batch: dict  # the same windows as one batch, for the size search
     train_files: int
     heldout_files: int
 
@@ -165,7 +166,8 @@ def load_corpus(tokenizer, plan: Plan, calibration_windows: int = 4) -> Corpus:
     # The calibration windows come after the training ones: calibration sees no training token.
     return Corpus(
         train[: needed - calibration_windows], [windows_to_batch(held[i : i + 1]) for i in range(len(held))],
-        [w[None, :-1] for w in train[needed - calibration_windows :]], len(train_files), len(held_files),
+        [w[None, :-1] for w in train[needed - calibration_windows :]],
+        windows_to_batch(train[needed - calibration_windows :]), len(train_files), len(held_files),
     )
 
 
@@ -181,6 +183,7 @@ class Parent:
     space: object  # the teacher's: slices the pruned submodels
     grid: dict
     tokenizer: object
+    sizes_by_quality: list = dataclasses.field(default_factory=list)  # per budget (`sizes_by_quality`)
 
     def pruned(self, sizes: dict, tag: str) -> torch.nn.Module:
         """The reordered parent sliced at `sizes` (a standalone model)."""
@@ -194,6 +197,24 @@ class Parent:
         (model,) = build_model(self.cfg, self.padded)
         model.load_state_dict(self.state, strict=False)
         return model
+
+
+def sizes_by_quality(parent: Parent, corpus: Corpus) -> list[dict]:
+    """Each budget's sizes: of the grid's submodels within 5 % of its cost, the one whose KD loss
+    to the parent on the calibration windows is lowest, pruned, before any training
+    (size_search.py). Every seed's elastic run starts its router there."""
+    from megatron_ext.elastic.measure import heldout_losses
+    from megatron_ext.elastic.size_search import best_sizes
+
+    batch = corpus.calibration_batch
+    with torch.no_grad():
+        logits = [parent.teacher(batch["tokens"], batch["position_ids"], None)]
+
+    def kd(sizes: dict) -> float:
+        with torch.no_grad(), parent.space.at(sizes):
+            return heldout_losses(parent.teacher, [batch], logits, parent.vocab)[1]
+
+    return best_sizes(parent.space, parent.grid, BUDGETS, 0.05, kd)
 
 
 def load_parent(corpus_calibration: list[torch.Tensor], seq: int) -> Parent:
@@ -229,7 +250,7 @@ def elastic_run(parent: Parent, plan: Plan, corpus: Corpus, seed: int):
     router = BudgetRouter(BUDGETS, parent.grid, RouterConfig(anneal_steps=plan.steps, lr=3e-2))
     curriculum = CurriculumConfig(budgets=BUDGETS, uniform_steps=plan.steps // 2, seed=seed)
     distiller = Distiller(space, parent.teacher, router, curriculum, parent.vocab)
-    distiller.warm_up_router(plan.router_warmup)
+    distiller.start_router_at(parent.sizes_by_quality, plan.router_warmup)
     losses = train_plain(distiller, student, corpus.batches(plan, seed), plan.steps, plan.lr, decay=True)
     choices = {name(b): router.select(i) for i, b in enumerate(BUDGETS)}
     return student, space, choices, losses
@@ -395,8 +416,9 @@ def run(plan: Plan) -> dict:
 
     corpus = load_corpus(build_tokenizer(tokenizer_spec(SOURCE)), plan)
     parent = load_parent(corpus.calibration, plan.seq)
-    log(f"parent calibrated and reordered; grid {parent.grid}; {corpus.train_files} training files, "
-        f"{corpus.heldout_files} held-out files", t0)
+    parent.sizes_by_quality = sizes_by_quality(parent, corpus)
+    log(f"parent calibrated and reordered; grid {parent.grid}; sizes by quality {parent.sizes_by_quality}; "
+        f"{corpus.train_files} training files, {corpus.heldout_files} held-out files", t0)
     with torch.no_grad():
         teacher_logits = [parent.teacher(b["tokens"], b["position_ids"], None) for b in corpus.heldout]
     parent_losses = heldout_losses(parent.teacher, corpus.heldout, teacher_logits, parent.vocab)

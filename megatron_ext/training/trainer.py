@@ -59,6 +59,7 @@ from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.platform.device import current_device
+from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.batch_schedule import BatchSchedule
@@ -725,7 +726,7 @@ class Trainer:
     def close(self, in_background: bool = False) -> None:
         """Leave this layout: megatron's globals and the process groups it created (their
         objects dropped by a background thread with `in_background`, see destroy_groups)."""
-        groups = list(parallel_state._global_process_group_list or ())
+        groups = created_groups()
         if self.model_config is not None:
             unlink_optimizer(self.model_config)
         destroy_num_microbatches_calculator()

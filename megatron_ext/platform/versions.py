@@ -46,6 +46,7 @@ CHECKED: dict[str, Checked] = {
     "grouped_mm": Checked(TORCH, "2.13", "2.13"),  # torch._grouped_mm
     "fake_build": Checked(TORCH, "2.13", "2.13"),  # FakeProcessGroup._create_internal, FakeTensorMode
     "dynamo_preload": Checked(TORCH, "2.13", "2.13"),  # torch._dynamo, which torch's optimizers import
+    "moe_aux_loss_scale": Checked(MEGATRON, "0.16", "0.16"),  # MoEAuxLossAutoScaler's class-level scale
     "blended_dataset_rank": Checked(MEGATRON, "0.16", "0.16"),  # BlendedDataset's unguarded get_rank()
     "distributed_optimizer_internals": Checked(MEGATRON, "0.16", "0.16"),  # DistributedOptimizer's private methods
     "distributed_optimizer_mixed_groups": Checked(MEGATRON, "0.16", "0.16"),  # DistributedOptimizer.__init__

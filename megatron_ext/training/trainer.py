@@ -44,7 +44,6 @@ from megatron.core.pipeline_parallel.utils import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import ConfigError
@@ -60,6 +59,7 @@ from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.megatron_parallel_state import created_groups
+from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.batch_schedule import BatchSchedule
@@ -144,7 +144,7 @@ class Trainer:
         # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user: a
         # backward outside megatron's schedules earlier in this process leaves a shape the
         # schedules then cannot copy into.
-        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        set_aux_loss_scale(None)
         reset_mtp_tracker()
         self._init_layout()
         for p in self.plugins:

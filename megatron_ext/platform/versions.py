@@ -4,9 +4,9 @@ megatron_ext reaches into torch's and megatron-core's internals only from `platf
 per use. A private name can change in any release, and then the first sign would be an
 AttributeError deep inside a run. So every such module has a row in `CHECKED` with the releases
 (major.minor, both ends included) it was checked against, and `import megatron_ext` refuses an
-installed torch or megatron-core outside any row's range with one line naming the package, its
-version and the range (`require_checked_versions`). The versions are read from the installed
-packages' metadata: the check imports neither torch nor megatron.
+installed torch or megatron-core outside the releases all its rows cover, with one line naming
+the package, its version and that range (`require_checked_versions`). The versions are read
+from the installed packages' metadata: the check imports neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -65,15 +65,25 @@ def installed_version(package: str) -> Optional[str]:
         return None
 
 
+def supported(package: str) -> Checked:
+    """The releases of `package` that every use of its internals was checked against."""
+    rows = [c for c in CHECKED.values() if c.package == package]
+    first = max((c.first for c in rows), key=_major_minor)
+    last = min((c.last for c in rows), key=_major_minor)
+    return Checked(package, first, last)
+
+
 def require_checked_versions() -> None:
-    """Raise UnsupportedVersion (one line) for the first installed package outside the range of
-    a use of its internals. A package that is not installed is left to fail where it is imported."""
-    for use, checked in CHECKED.items():
-        version = installed_version(checked.package)
+    """Raise UnsupportedVersion (one line) for an installed torch or megatron-core outside the
+    releases its internals were checked with. A package that is not installed is left to fail
+    where it is imported."""
+    for package in dict.fromkeys(c.package for c in CHECKED.values()):
+        version = installed_version(package)
+        checked = supported(package)
         if version is not None and not checked.covers(version):
             raise UnsupportedVersion(
-                f"{checked.package} {version} is not supported: megatron_ext uses its internals "
-                f"(platform/{use}.py) as checked with {checked.package} {checked.describe()}"
+                f"{package} {version} is not supported: megatron_ext's uses of its internals "
+                f"(megatron_ext/platform/) were checked with {package} {checked.describe()}"
             )
 
 

@@ -11,8 +11,9 @@ function's code rebound (`__code__` / `__globals__`) and a module executed again
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 
@@ -144,18 +145,20 @@ def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def private_uses_outside_platform() -> Iterator[tuple[str, int, str, str]]:
+@functools.lru_cache(maxsize=1)
+def private_uses_outside_platform() -> tuple[tuple[str, int, str, str], ...]:
     """(file, line, function, what) of every private-API use outside platform/."""
     files = _sources()
     own_private = _defined_private_names(files)
+    uses = []
     for path in files:
         relative = path.relative_to(PACKAGE).as_posix()
         if relative.startswith("platform/"):
             continue
         finder = _Finder(own_private)
         finder.visit(ast.parse(path.read_text()))
-        for line, function, what in finder.found:
-            yield relative, line, function, what
+        uses += [(relative, line, function, what) for line, function, what in finder.found]
+    return tuple(uses)
 
 
 def test_private_torch_and_megatron_apis_are_used_in_platform_only():

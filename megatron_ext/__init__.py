@@ -16,6 +16,10 @@ for _message in (
 ):
     warnings.filterwarnings("ignore", message=_message)
 
+from megatron_ext.platform.versions import require_checked_versions  # noqa: E402
+
+require_checked_versions()  # torch and megatron-core within what platform/ was checked against
+
 from megatron_ext.platform.eager_fusions import install as _install_eager_fusions  # noqa: E402
 
 _install_eager_fusions()

@@ -1,9 +1,7 @@
 """GPT datasets from Megatron indexed datasets, and the resumable per-rank batch iterator."""
 
-import contextlib
 import os
 from typing import Callable, Iterator, Optional, Sequence
-from unittest import mock
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -18,24 +16,13 @@ from megatron.core.datasets.utils import Split, get_blend_from_list
 from megatron_ext.data.cache_files import drop_truncated_indices, full_disk_named
 from megatron_ext.data.tokenizers import Tokenizer
 from megatron_ext.platform.atomic_index_writes import make_index_writes_atomic
+from megatron_ext.platform.blended_dataset_rank import single_process_is_rank_zero
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def _always() -> bool:
     return True
-
-
-@contextlib.contextmanager
-def _single_process_is_rank_zero() -> Iterator[None]:
-    # megatron-core 0.16's BlendedDataset._build_indices calls torch.distributed.get_rank() on a
-    # cache miss without checking is_initialized() (GPTDataset does check), so a weighted blend
-    # crashes in a plain single process. There the only rank is 0; say so for this build only.
-    if torch.distributed.is_initialized():
-        yield
-        return
-    with mock.patch.object(torch.distributed, "get_rank", lambda group=None: 0):
-        yield
 
 
 def _documents_in_split(bounds: Optional[tuple[float, float]], num_documents: int) -> int:
@@ -124,7 +111,7 @@ def build_gpt_datasets(
     if os.path.isdir(cache_dir) and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         drop_truncated_indices(cache_dir)  # the others read the caches after rank 0 has built them
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, config)
-    with _single_process_is_rank_zero(), full_disk_named(cache_dir):
+    with single_process_is_rank_zero(), full_disk_named(cache_dir):
         train, valid, test = builder.build()
     return train, valid, test
 

@@ -154,12 +154,12 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     import numpy as np
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
     from megatron_ext.dpp.batch import chunk_inputs
     from megatron_ext.dpp.plan import Chunk, Segment
     from megatron_ext.platform.device import current_device
+    from megatron_ext.platform.moe_aux_loss_scale import aux_loss_scale, set_aux_loss_scale
     from megatron_ext.training.step import forward_step
 
     if not tokens or any(int(t) < 1 for t in tokens):
@@ -188,7 +188,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     recompute_before = config.recompute_num_layers
     # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user; a backward
     # here (outside its schedules) would leave a shape the schedules cannot copy into.
-    aux_scale_before = MoEAuxLossAutoScaler.main_loss_backward_scale
+    aux_scale_before = aux_loss_scale()
     try:  # the model leaves as it came, even when a forward raises: no input, recompute, grads
         for n_tokens in tokens:
             for recompute in sorted({0, 1, layers}):
@@ -216,7 +216,7 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
         context.leave()
         set_input([None])
         config.recompute_num_layers = recompute_before
-        MoEAuxLossAutoScaler.main_loss_backward_scale = aux_scale_before
+        set_aux_loss_scale(aux_scale_before)
         for m in model_chunks:
             m.zero_grad_buffer()
     gathered = [None] * dist.get_world_size()

@@ -35,6 +35,7 @@ from torch import nn
 
 from megatron_ext.elastic.modules import full_tensor, set_transform, sliced
 from megatron_ext.elastic.pipeline import chunks_of
+from megatron_ext.platform.module_class_swap import is_registered
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -46,7 +47,9 @@ def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
     return {
         f"decoder.{name}": m
         for name, m in model.decoder.named_modules()
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m._parameters.get("weight") is not None
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+        and is_registered(m, "weight")
+        and full_tensor(m, "weight") is not None
     }
 
 

@@ -21,6 +21,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from megatron_ext.platform.module_class_swap import is_registered, mix_in, registered_tensor
+
 # What a rule says for the current sizes: None (keep the whole dimension), n (its prefix of
 # length n) or an index tensor (these positions, in this order).
 Cut = Union[None, int, torch.Tensor]
@@ -36,7 +38,7 @@ class SliceRule:
 
 
 class ElasticMixin:
-    """Swapped in as the first base of an elastic module's class (see `make_elastic`)."""
+    """Mixed into an elastic module's class as its first base (see `make_elastic`)."""
 
     _elastic_rules: dict[str, list[SliceRule]]
 
@@ -76,25 +78,17 @@ def sliced(tensor: torch.Tensor, rules: list[SliceRule]) -> torch.Tensor:
     return out
 
 
-_ELASTIC_CLASSES: dict[type, type] = {}
-
-
 def make_elastic(module: nn.Module) -> nn.Module:
     """Make `module` elastic in place (idempotent): its class becomes a subclass that slices
     parameter reads by the rules added with `add_rule`."""
-    cls = type(module)
-    if issubclass(cls, ElasticMixin):
-        return module
-    if cls not in _ELASTIC_CLASSES:
-        _ELASTIC_CLASSES[cls] = type(f"Elastic{cls.__name__}", (ElasticMixin, cls), {})
-    module.__class__ = _ELASTIC_CLASSES[cls]
+    mix_in(module, ElasticMixin)
     module.__dict__.setdefault("_elastic_rules", {})
     return module
 
 
 def add_rule(module: nn.Module, param: str, rule: SliceRule) -> None:
     """Slice `module.<param>` by `rule` (after the rules added before it)."""
-    if param not in module._parameters and param not in module._buffers:
+    if not is_registered(module, param):
         raise ValueError(f"{type(module).__name__} has no parameter or buffer {param!r}")
     make_elastic(module)
     module._elastic_rules.setdefault(param, []).append(rule)
@@ -113,6 +107,4 @@ def set_transform(module: nn.Module, param: str, transform: Optional[Callable[[t
 
 def full_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The registered (unsliced) parameter or buffer."""
-    if name in module._parameters:
-        return module._parameters[name]
-    return module._buffers[name]
+    return registered_tensor(module, name)

@@ -57,6 +57,7 @@ from megatron_ext.elastic.axes import (
 from megatron_ext.elastic import modules
 from megatron_ext.elastic.dense_axes import FfnAxis
 from megatron_ext.elastic.modules import ElasticMixin, SliceRule, add_rule, full_tensor
+from megatron_ext.platform.module_class_swap import set_mixed_class
 
 
 def _router_getattr(self, name: str):
@@ -68,8 +69,8 @@ def _router_getattr(self, name: str):
 # megatron's TopKRouter derives from abc.ABC before nn.Module, and Python refuses to swap its
 # class to one with ElasticMixin as first base ("object layout differs"). With the mixin last
 # the layout matches; the read-through-rules lookup is then given to the class directly.
-modules._ELASTIC_CLASSES.setdefault(
-    TopKRouter, type("ElasticTopKRouter", (TopKRouter, ElasticMixin), {"__getattr__": _router_getattr})
+set_mixed_class(
+    TopKRouter, ElasticMixin, type("ElasticTopKRouter", (TopKRouter, ElasticMixin), {"__getattr__": _router_getattr})
 )
 
 

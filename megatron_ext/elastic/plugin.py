@@ -249,6 +249,11 @@ class ElasticPlugin(Plugin):
             # rebuilds its teacher from it.
             self.orders = merge_stages(reorder(self.space.axes))
         teacher = self._build_teacher(trainer)
+        # Megatron's schedules call the config's end-of-step hook after every training step (not
+        # in forward-only runs); set once, it first brings the model back to its full size.
+        config = self.space.model.config
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func = self._at_full_size(config.finalize_model_grads_func)
         if self.cfg.fp8:
             from megatron_ext.elastic import fp8
 
@@ -406,14 +411,9 @@ class ElasticPlugin(Plugin):
                     return inner(forward_step_func=forward_step_func, forward_only=True, **kwargs)
             if stages() > 1:
                 kwargs["data_iterator"] = self._teacher_pass(kwargs)
-            config = self.space.model.config
-            finalize = config.finalize_model_grads_func
-            if finalize is not None:
-                config.finalize_model_grads_func = self._at_full_size(finalize)
             try:
                 return inner(forward_step_func=self.distiller.forward_step, forward_only=False, **kwargs)
             finally:
-                config.finalize_model_grads_func = finalize
                 self.distiller.teacher_logits = None
                 self._full_size()
 

@@ -31,9 +31,9 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
-from torch.distributed import distributed_c10d
 
 from megatron_ext.lora.plan import Pack, Plan
+from megatron_ext.platform.torch_worlds import default_group_as
 
 Ranks = tuple[int, ...]
 
@@ -105,10 +105,5 @@ def as_world(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
     if group is None:
         yield
         return
-    world = distributed_c10d._get_default_group()
-    # torch's own setter of the default group (init_process_group's); its C++ rank is for logs.
-    distributed_c10d._update_default_pg(group)
-    try:
+    with default_group_as(group):
         yield
-    finally:
-        distributed_c10d._update_default_pg(world)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.parallel.release import release_in_background
+from megatron_ext.platform.torch_worlds import live_groups
 
 
 def parallel_state_sizes(parallel: ParallelConfig) -> dict[str, Any]:
@@ -31,8 +32,9 @@ def destroy_groups(groups: list, in_background: bool = False) -> None:
     only forgets most of its groups, and each keeps its threads and sockets: a job that changes
     layout many times would pile them up. `in_background`: torch forgets them here, and a
     background thread drops the objects (their destructors take tens of ms each, release.py)."""
+    live = set(live_groups())
     for group in groups:
-        if group is not None and group in dist.distributed_c10d._world.pg_map:  # megatron destroys its gloo ones
+        if group is not None and group in live:  # megatron destroys its gloo ones
             dist.destroy_process_group(group)
     if in_background:
         release_in_background(groups)

@@ -9,14 +9,15 @@ that record is torch's own: it is read only for the torch versions it was checke
 from __future__ import annotations
 
 import os
-import re
 from typing import Optional
 
 import torch
 
-# The torch versions (major, minor; both included) whose `.metadata` records were checked to
-# hold `relative_path`, `offset` and `length` per item.
-CHECKED_TORCH = ((2, 6), (2, 13))
+from megatron_ext.platform.versions import CHECKED
+
+# The torch versions whose `.metadata` records were checked to hold `relative_path`, `offset`
+# and `length` per item.
+CHECKED_TORCH = CHECKED["checkpoint_storage"]
 
 
 class UncheckedTorch(RuntimeError):
@@ -38,11 +39,8 @@ def checkpoint_files(folder: str | os.PathLike, torch_version: Optional[str] = N
 
 
 def _check_version(version: str) -> None:
-    found = re.match(r"(\d+)\.(\d+)", version)
-    major_minor = (int(found.group(1)), int(found.group(2))) if found else None
-    low, high = CHECKED_TORCH
-    if major_minor is None or not low <= major_minor <= high:
+    if not CHECKED_TORCH.covers(version):
         raise UncheckedTorch(
             f"torch {version} is outside the versions whose checkpoint metadata is read here "
-            f"({low[0]}.{low[1]} to {high[0]}.{high[1]})"
+            f"({CHECKED_TORCH.describe()})"
         )

@@ -18,16 +18,16 @@ from __future__ import annotations
 import functools
 import importlib
 
-from packaging.version import Version
+from megatron_ext.platform.versions import CHECKED
 
 # Checked against megatron-core 0.16; upstream's order is unchanged in later sources.
-CHECKED = (Version("0.16.0"), Version("0.17.0"))
+CHECKED_MEGATRON = CHECKED["distributed_optimizer_mixed_groups"]
 
 
 def fix_distributed_optimizer_mixed_groups() -> None:
     import megatron.core
 
-    if not CHECKED[0] <= Version(megatron.core.__version__) < CHECKED[1]:
+    if not CHECKED_MEGATRON.covers(megatron.core.__version__):
         return
     cls = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
     if getattr(cls.__init__, "__mixed_groups_fix__", False):

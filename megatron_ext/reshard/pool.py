@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import logging
 import pickle
 import threading
@@ -57,6 +56,7 @@ from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate_layout
 from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
 from megatron_ext.platform.device import current_device
+from megatron_ext.platform.dynamo_preload import preload_dynamo
 from megatron_ext.platform.signals import PreemptionSignals, preemption_signals
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, local_rounds
 from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
@@ -520,7 +520,7 @@ def _serve(pool: WorkerPool, cfg: Config, signals: PreemptionSignals) -> dict:
         trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
         trainer.setup()
     else:  # on standby: the first optimizer built imports TorchDynamo (about 1 s), not in the stall
-        importlib.import_module("torch._dynamo")
+        preload_dynamo()
     while True:
         if trainer is None:  # standby
             with gc_paused():  # a Resize command starts the stall

@@ -22,30 +22,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
-import re
 import threading
 import types
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.config.validate import resolve_dp
+from megatron_ext.platform.megatron_parallel_state import created_groups, install, private_parallel_state, process_groups
+from megatron_ext.platform.torch_worlds import live_groups
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
 from megatron_ext.parallel.release import built_or_failure, release_in_background
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.training.trainer import unlink_optimizer
-
-# parallel_state's state: every module global named like _TENSOR_MODEL_PARALLEL_GROUP, and the
-# list of groups it created (which Trainer.close destroys).
-_STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
-_GROUP_LIST = "_global_process_group_list"
-
 
 @dataclasses.dataclass
 class Prebuilt:
@@ -63,14 +55,7 @@ class Prebuilt:
     def install(self) -> None:
         """Make this layout megatron's current one. Call after the running layout was left
         (megatron's state is empty then)."""
-        if parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("reshard: leave the running layout before installing another")
-        replaced = []  # megatron leaves some of the left layout's groups in its globals
-        for name, value in vars(self.state).items():
-            if _STATE_NAME.match(name) or name == _GROUP_LIST:
-                replaced.append(getattr(parallel_state, name, None))
-                setattr(parallel_state, name, value)
-        release_in_background(replaced)
+        release_in_background(install(self.state))
         self.installed = True
 
     def discard(self) -> None:
@@ -79,16 +64,8 @@ class Prebuilt:
         if self.installed:
             return  # megatron's now: leaving it is the trainer's business
         unlink_optimizer(self.model_config)
-        destroy_groups(getattr(self.state, _GROUP_LIST) or [])
+        destroy_groups(created_groups(self.state))
         self.model = self.optimizer = None
-
-
-def private_parallel_state() -> types.ModuleType:
-    """A fresh copy of megatron's parallel_state module, with globals of its own."""
-    spec = importlib.util.find_spec(parallel_state.__name__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def initialize(parallel: ParallelConfig) -> types.ModuleType:
@@ -97,17 +74,6 @@ def initialize(parallel: ParallelConfig) -> types.ModuleType:
     state = private_parallel_state()
     state.initialize_model_parallel(**parallel_state_sizes(parallel))
     return state
-
-
-def process_groups(state: types.ModuleType) -> ProcessGroupCollection:
-    """Megatron's ProcessGroupCollection of the layout in `state`. Megatron's own
-    `use_mpu_process_groups` maps each field to its parallel_state getter; it is run here
-    against the private module instead of the global one."""
-    method = ProcessGroupCollection.use_mpu_process_groups.__func__
-    rebound = types.FunctionType(
-        method.__code__, {**method.__globals__, "parallel_state": state}, method.__name__, method.__defaults__
-    )
-    return rebound(ProcessGroupCollection)
 
 
 def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_world: bool = False) -> Prebuilt:
@@ -137,10 +103,10 @@ def prebuild_or_failure(trainer, parallel: ParallelConfig, device: torch.device)
     """(`prebuild(...)`, None) in the running world, or (None, what failed), the failed build's
     process groups destroyed at once (`built_or_failure`): the other ranks' collectives in them
     fail too rather than wait for this rank until the timeout."""
-    before = set(dist.distributed_c10d._world.pg_map)
+    before = set(live_groups())
 
     def destroy_new_groups() -> None:
-        destroy_groups([g for g in dist.distributed_c10d._world.pg_map if g not in before])
+        destroy_groups([g for g in live_groups() if g not in before])
 
     return built_or_failure(lambda: prebuild(trainer, parallel, device), destroy_new_groups)
 

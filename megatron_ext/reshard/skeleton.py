@@ -7,7 +7,7 @@ padding), inside that rank's process groups. So that any rank can know every ran
 any layout without those processes existing, the real classes are built here with
   - FakeTensorMode: tensors carry shape, stride and storage offset but no memory, so the
     8-layer, 50M-parameter model costs what a 1-parameter one does;
-  - FakeProcessGroup groups (torch's no-op backend) that answer rank()/size() for the rank's
+  - fake process groups (torch's no-op backend, platform/fake_build.py) that answer rank()/size() for the rank's
     position, taken from megatron's RankGenerator (see layout.py).
 """
 
@@ -22,8 +22,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from torch._C._distributed_c10d import FakeProcessGroup
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.gpt import (
@@ -35,6 +33,7 @@ from megatron_ext.models.gpt import (
 from megatron_ext.platform import cpu_compat
 from megatron_ext.platform.device import current_device
 from megatron_ext.parallel.layout import ParallelLayout
+from megatron_ext.platform.fake_build import FakeTensorMode, fake_group, fake_tensor_mode
 from megatron_ext.training.trainer import ddp_config
 
 # ProcessGroupCollection field -> (megatron group token, from the expert rank generator?).
@@ -68,17 +67,12 @@ class Skeleton:
     fake_mode: FakeTensorMode
 
 
-def fake_group(rank: int, members: list[int]) -> FakeProcessGroup:
-    """torch's no-op group, answering rank() and size() as `rank`'s group of `members` would."""
-    return FakeProcessGroup._create_internal(members.index(rank), len(members))
-
-
 def process_groups(layout: ParallelLayout, rank: int) -> ProcessGroupCollection:
     """Every group megatron's model and DDP ask for, as fakes positioned like `rank`'s."""
     groups = ProcessGroupCollection()
     for field, (token, expert) in GROUPS.items():
         index, size = layout.group_position(rank, token, expert)
-        setattr(groups, field, FakeProcessGroup._create_internal(index, size))
+        setattr(groups, field, fake_group(index, size))
     # Megatron asks torch which ranks the embedding group has, and torch only knows registered
     # groups. The group only keeps the tied output copy's values in sync; it places nothing.
     groups.embd = None
@@ -128,7 +122,7 @@ def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Ske
     config.perform_initialization = False  # values are not needed, only where they live
     spec = layer_spec(model, use_transformer_engine(model, on_cpu))
     pp_rank, pp, vpp = groups.pp.rank(), layout.pp, layout.vpp or 1
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fake_tensor_mode()
     with fake_mode:
         chunks = [
             build_gpt_model(

@@ -18,6 +18,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron_ext.platform.cpu_compat import materialise_initial_adam_state
+from megatron_ext.platform.distributed_optimizer_internals import main_param_and_states
 from megatron_ext.reshard.boxes import Box, box_shape, numel
 from megatron_ext.reshard.vps import Piece
 
@@ -63,7 +64,7 @@ class MegatronState:
     def _optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
         for opt in self.optimizers:
             if param in opt.model_param_gbuf_map:
-                return opt._get_main_param_and_optimizer_states(param)[key]
+                return main_param_and_states(opt, param)[key]
         raise KeyError("reshard: no optimizer of this rank updates the parameter of a piece")
 
     def _steps(self) -> list[torch.Tensor]:

@@ -14,7 +14,8 @@ tensor's logical shape. A layout is then a map from ranks to pieces:
 
 Everything comes from megatron's own code, run for each (pp, tp, ep) position on a fake
 skeleton (skeleton.py): boxes from `sharded_state_dict()`, bucket layout from
-`DistributedDataParallel`, owned ranges from `DistributedOptimizer._build_model_gbuf_range`.
+`DistributedDataParallel`, owned ranges from `DistributedOptimizer`
+(platform/distributed_optimizer_internals.py).
 """
 
 from __future__ import annotations
@@ -23,18 +24,17 @@ import bisect
 import dataclasses
 import functools
 import itertools
-from types import SimpleNamespace
 
 import torch
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.gpt import DTYPES
 from megatron_ext.models.logical import LogicalName, local_box, local_shards
+from megatron_ext.platform.distributed_optimizer_internals import dp_param_ranges
 from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
 from megatron_ext.parallel.layout import ParallelLayout
-from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, fake_group, standalone_world
+from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, standalone_world
 
 STEP = LogicalName("optimizer.step")
 ModelKey = tuple[tuple[str, object], ...]
@@ -415,7 +415,7 @@ def owned_ranges(ddp) -> dict[torch.Tensor, tuple[bool, tuple[tuple[int, int], .
         for buffer in buffers:
             size = buffer.data_parallel_world_size
             if ddp.ddp_config.use_distributed_optimizer:
-                per_index = [_dp_param_ranges(buffer, d) for d in range(size)]
+                per_index = [dp_param_ranges(buffer, d) for d in range(size)]
                 for param in buffer.param_index_map:
                     ranges = tuple(by_param.get(param, (0, 0)) for by_param in per_index)
                     owned[param] = (expert, ranges)
@@ -423,18 +423,3 @@ def owned_ranges(ddp) -> dict[torch.Tensor, tuple[bool, tuple[tuple[int, int], .
                 for param in buffer.param_index_map:
                     owned[param] = (expert, ((0, param.numel()),) * size)
     return owned
-
-
-def _dp_param_ranges(buffer, dp_index: int) -> dict[torch.Tensor, tuple[int, int]]:
-    """Megatron's own answer to "which part of each parameter does DP index d update", asked of
-    the buffer as DP rank d would see it."""
-    as_seen_by = SimpleNamespace(
-        data_parallel_group=fake_group(dp_index, list(range(buffer.data_parallel_world_size))),
-        buckets=buffer.buckets,
-        param_index_map=buffer.param_index_map,
-    )
-    ranges = {}
-    for bucket in range(len(buffer.buckets)):
-        param_map = DistributedOptimizer._build_model_gbuf_range(as_seen_by, bucket)["param_map"]
-        ranges.update({p: (r["param"].start, r["param"].end) for p, r in param_map.items()})
-    return ranges

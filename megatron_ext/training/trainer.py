@@ -44,7 +44,6 @@ from megatron.core.pipeline_parallel.utils import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import ConfigError
@@ -59,6 +58,8 @@ from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.platform.device import current_device
+from megatron_ext.platform.megatron_parallel_state import created_groups
+from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.training.batch_schedule import BatchSchedule
@@ -143,7 +144,7 @@ class Trainer:
         # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user: a
         # backward outside megatron's schedules earlier in this process leaves a shape the
         # schedules then cannot copy into.
-        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        set_aux_loss_scale(None)
         reset_mtp_tracker()
         self._init_layout()
         for p in self.plugins:
@@ -725,7 +726,7 @@ class Trainer:
     def close(self, in_background: bool = False) -> None:
         """Leave this layout: megatron's globals and the process groups it created (their
         objects dropped by a background thread with `in_background`, see destroy_groups)."""
-        groups = list(parallel_state._global_process_group_list or ())
+        groups = created_groups()
         if self.model_config is not None:
             unlink_optimizer(self.model_config)
         destroy_num_microbatches_calculator()

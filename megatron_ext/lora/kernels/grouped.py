@@ -1,4 +1,4 @@
-"""One grouped GEMM per phase for all adapter segments (`torch._grouped_mm`).
+"""One grouped GEMM per phase for all adapter segments (platform/grouped_mm.py).
 
 Ranks differ per adapter: A and B are zero-padded to the largest rank inside the call, so the
 padded rank columns of S are exactly zero and contribute nothing to Y; autograd routes gradients
@@ -11,9 +11,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.platform.grouped_mm import available, grouped_mm
 
-def available() -> bool:
-    return hasattr(torch, "_grouped_mm")
+__all__ = ["available", "expand", "shrink"]
 
 
 def _padded_rank(ranks) -> int:
@@ -29,7 +29,7 @@ def shrink(xs: Sequence[torch.Tensor], a: Sequence[torch.Tensor]) -> list[torch.
     r_max = _padded_rank(w.shape[0] for w in a)
     stacked = torch.stack([F.pad(w, (0, 0, 0, r_max - w.shape[0])).t() for w in a])  # [K, in, r_max]
     rows = [x.shape[0] for x in xs]
-    out = torch._grouped_mm(torch.cat(list(xs)).contiguous(), stacked, offs=_offsets(rows, stacked.device))
+    out = grouped_mm(torch.cat(list(xs)).contiguous(), stacked, _offsets(rows, stacked.device))
     return [s[:, : w.shape[0]] for s, w in zip(out.split(rows), a)]
 
 
@@ -38,5 +38,5 @@ def expand(ss: Sequence[torch.Tensor], b: Sequence[torch.Tensor], scales: Sequen
     stacked = torch.stack([(F.pad(w, (0, r_max - w.shape[1])) * scale).t() for w, scale in zip(b, scales)])
     padded = torch.cat([F.pad(s, (0, r_max - s.shape[1])) for s in ss]).contiguous()
     rows = [s.shape[0] for s in ss]
-    out = torch._grouped_mm(padded, stacked, offs=_offsets(rows, stacked.device))
+    out = grouped_mm(padded, stacked, _offsets(rows, stacked.device))
     return list(out.split(rows))

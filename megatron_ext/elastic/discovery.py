@@ -69,7 +69,12 @@ def discover(model: Union[nn.Module, Sequence[nn.Module]]) -> list[Axis]:
     vocab = next((c.embedding.word_embeddings.weight.shape[0] for c in chunks if hasattr(c, "embedding")), 0)
     first = chunks[0]
     hidden = HiddenAxis(
-        first.config.hidden_size, touches, norms, vocab, first.share_embeddings_and_output_weights, first.config.sequence_parallel
+        first.config.hidden_size,
+        touches,
+        norms,
+        vocab,
+        first.share_embeddings_and_output_weights,
+        first.config.sequence_parallel,
     )
     axes = [hidden] + per_layer
     for axis in axes:

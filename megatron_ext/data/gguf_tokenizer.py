@@ -22,7 +22,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from megatron_ext.data.chat_template import ChatTemplate
-from megatron_ext.data.tokenizers import _HF_EOD_CANDIDATES, HFTokenizer
+from megatron_ext.data.hf_tokenizer import EOD_CANDIDATES, HFTokenizer
 
 # llama.cpp's token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are
 # added tokens that are matched whole but are not special.
@@ -122,10 +122,10 @@ class GGUFTokenizer(HFTokenizer):
 
     def _default_eod(self) -> str:
         try:
-            return self._first_present(_HF_EOD_CANDIDATES, "eod")
+            return self._first_present(EOD_CANDIDATES, "eod")
         except ValueError:
             if self.gguf_vocab.eos_id is None:
-                raise ValueError(f"{self.path} has no eos token and none of {list(_HF_EOD_CANDIDATES)}") from None
+                raise ValueError(f"{self.path} has no eos token and none of {list(EOD_CANDIDATES)}") from None
             return self.gguf_vocab.tokens[self.gguf_vocab.eos_id]
 
     def _token(self, token_id: Optional[int]) -> Optional[str]:

@@ -5,17 +5,13 @@ GPTDatasetConfig is typed on `megatron.core.tokenizers.MegatronTokenizerBase` an
 dataset index caches), so each tokenizer subclasses that base and provide those members.
 """
 
-import hashlib
 import os
 from collections import OrderedDict
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_ext.data.chat_template import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate, read_chat_template
-
-_HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>")
-_HF_PAD_CANDIDATES = ("<pad>", "<|padding|>", "[PAD]")
+from megatron_ext.data.hf_tokenizer import HFTokenizer
 
 
 class ByteTokenizer(MegatronTokenizerBase):
@@ -117,104 +113,6 @@ class NullTokenizer(MegatronTokenizerBase):
         raise NotImplementedError("NullTokenizer has no chat template")
 
 
-class HFTokenizer(MegatronTokenizerBase):
-    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file, with the chat
-    template its folder keeps (chat_template.py)."""
-
-    def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
-        super().__init__(path=path, config={})
-        self._tokenizer = self._read()
-        # The content, not the path, identifies the tokenizer: a retrained tokenizer.json at
-        # the same path must not reuse token ids cached for the old one.
-        digest = hashlib.sha256()
-        for file in self._files():
-            with open(file, "rb") as f:
-                digest.update(f.read())
-        self._sha256 = digest.hexdigest()
-        self._eod_token = eod_token or self._first_present(_HF_EOD_CANDIDATES, "eod")
-        self._eod = self._token_id(self._eod_token)
-        self._chat: Optional[ChatTemplate] = read_chat_template(os.path.dirname(os.path.abspath(path)))
-
-    def _read(self):
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(self.path)
-
-    def _files(self) -> tuple[str, ...]:
-        """The files that define the tokenizer."""
-        return (self.path,)
-
-    def _first_present(self, candidates: tuple[str, ...], role: str) -> str:
-        for token in candidates:
-            if self._tokenizer.token_to_id(token) is not None:
-                return token
-        raise ValueError(
-            f"{self.path} has none of the {role} tokens {list(candidates)}; "
-            f"name the {role} token explicitly"
-        )
-
-    def _token_id(self, token: str) -> int:
-        token_id = self._tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"token {token!r} is not in the vocabulary of {self.path}")
-        return token_id
-
-    def tokenize(self, text: str) -> list[int]:
-        # No post-processor specials (BOS etc.): documents are separated by eod alone.
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tokenizer.decode([int(i) for i in ids])
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._tokenizer.get_vocab(with_added_tokens=True)
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return {i: t for t, i in self.vocab.items()}
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        # AttributeError, not a made-up id: megatron's datasets then fall back to a pad id that
-        # cannot occur in the data, and getattr(tokenizer, "pad", None) works for callers.
-        for token in _HF_PAD_CANDIDATES:
-            token_id = self._tokenizer.token_to_id(token)
-            if token_id is not None:
-                return token_id
-        raise AttributeError(f"{self.path} has none of the pad tokens {list(_HF_PAD_CANDIDATES)}")
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(
-            [
-                ("class", f"{__name__}.HFTokenizer"),
-                ("sha256", self._sha256),
-                ("eod_token", self._eod_token),
-            ]
-        )
-
-    @property
-    def chat_template(self) -> Optional[str]:
-        return self._chat.template if self._chat else None
-
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text of a conversation, rendered with the tokenizer's chat template as
-        Hugging Face renders it."""
-        if self._chat is None:
-            folder = os.path.dirname(os.path.abspath(self.path))
-            raise ValueError(f"{folder} has no chat template (no {TEMPLATE_FILE}, no chat_template in {CONFIG_FILE})")
-        return self._chat.render(messages, add_generation_prompt, **kwargs)
-
-
 class GPT2BPETokenizer(HFTokenizer):
     """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from its vocab.json and merges.txt
     (Megatron-LM's --vocab-file / --merge-file), built with `tokenizers`; eod is
@@ -278,7 +176,7 @@ def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
         return GPT2BPETokenizer(os.path.expanduser(vocab_file), os.path.expanduser(merges_file), eod_token)
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
-        from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
+        from megatron_ext.data.gguf_tokenizer import GGUFTokenizer  # gguf and `tokenizers` (~0.3 s): GGUF only
 
         return GGUFTokenizer(path, eod_token=eod_token)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):

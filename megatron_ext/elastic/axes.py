@@ -33,10 +33,10 @@ Interface for a new axis (subclass `Axis`):
     export_fields(size) -> dict # the model-config fields this axis sets in an exported submodel
 
 `sizes` maps axis names (`axis.name`) to sizes (ints or 0-d tensors). A model's axes come from
-`discover(model)`: the model-wide hidden axis plus, for each decoder layer, what the first
-registered layer adapter that recognises it returns (`register_layer_adapter`): the axes of that
-layer and the tensors in it that read or write the residual stream (`Touch`es of the hidden
-axis). The dense adapter (attention + SwiGLU MLP) lives in `dense_axes.py`.
+`discover(model)` (`discovery.py`): the model-wide hidden axis plus, for each decoder layer, what
+the first registered layer adapter that recognises it returns (`register_layer_adapter`): the
+axes of that layer and the tensors in it that read or write the residual stream (`Touch`es of
+the hidden axis). The dense adapter (attention + SwiGLU MLP) lives in `dense_axes.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_ext.elastic.modules import SliceRule, add_rule, full_tensor
-from megatron_ext.elastic.pipeline import chunks_of
 
 Size = Union[int, torch.Tensor]
 
@@ -294,75 +293,13 @@ def register_layer_adapter(adapter: LayerAdapter) -> LayerAdapter:
     return adapter
 
 
-def _layer_axes(layer: nn.Module) -> LayerAxes:
-    import megatron_ext.elastic.dense_axes  # noqa: F401  (registers the dense adapter)
-    import megatron_ext.elastic.hybrid_axes  # noqa: F401  (Mamba, MoE and single-sublayer layers)
-
+def layer_axes(layer: nn.Module) -> LayerAxes:
+    """The axes of a decoder layer, from the first registered adapter that recognises it."""
     for adapter in _LAYER_ADAPTERS:
         found = adapter(layer)
         if found is not None:
             return found
     raise ValueError(f"elastic: no axis adapter recognises the decoder layer {type(layer).__name__}")
-
-
-def _model_touches(model: nn.Module) -> tuple[list[Touch], list[nn.Module]]:
-    """The embedding, the final norm and the output layer of a megatron LanguageModule."""
-    touches, norms = [], []
-    output = getattr(model, "output_layer", None) if getattr(model, "post_process", True) else None
-
-    def resize_output(_: nn.Module, size: int) -> None:
-        # ColumnParallelLinear checks a passed-in (tied) weight against `input_size`.
-        output.input_size = size
-
-    tied_output = output is not None and output.weight is None
-    if getattr(model, "pre_process", True):
-        touches.append(
-            Touch(
-                model.embedding.word_embeddings,
-                "weight",
-                1,
-                resize_output if tied_output else None,
-                owned=True,
-                tp_sharded=True,
-                logits=tied_output,
-            )
-        )
-    final = getattr(model.decoder, "final_layernorm", None) or getattr(model.decoder, "final_norm", None)
-    if final is not None:
-        touches.append(Touch(final, "weight", 0, resize_norm, owned=True))
-        norms.append(final)
-    if output is not None and not tied_output:
-        # Under pipeline parallelism a tied output layer is a copy of the first stage's embedding
-        # on the last: cut and permuted alike, counted once (by the embedding).
-        owned = not model.share_embeddings_and_output_weights
-        touches.append(Touch(output, "weight", 1, resize_output, owned=owned, tp_sharded=True, logits=True))
-    return touches, norms
-
-
-def discover(model: Union[nn.Module, Sequence[nn.Module]]) -> list[Axis]:
-    """Every axis of an (unwrapped) megatron GPTModel / MambaModel, hidden first, attached:
-    reads of the touched tensors now follow the axes' active sizes (all full). `model` may be a
-    rank's model chunks (virtual pipeline stages): one hidden axis runs through all of them."""
-    chunks = chunks_of(model)
-    touches, norms, per_layer = [], [], []
-    for chunk in chunks:
-        found_touches, found_norms = _model_touches(chunk)
-        touches += found_touches
-        norms += found_norms
-        for layer in chunk.decoder.layers:
-            found = _layer_axes(layer)
-            per_layer += found.axes
-            touches += found.hidden
-            norms += found.norms
-    vocab = next((c.embedding.word_embeddings.weight.shape[0] for c in chunks if hasattr(c, "embedding")), 0)
-    first = chunks[0]
-    hidden = HiddenAxis(
-        first.config.hidden_size, touches, norms, vocab, first.share_embeddings_and_output_weights, first.config.sequence_parallel
-    )
-    axes = [hidden] + per_layer
-    for axis in axes:
-        axis.attach()
-    return axes
 
 
 def reduce_scores(axes: list[Axis], group=None) -> None:

@@ -28,7 +28,7 @@ sends the full hidden size, zero-padded, without `variable_seq_lengths` (`groupe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 from torch import nn
 
-if TYPE_CHECKING:  # axes.py imports this module (`chunks_of`)
-    from megatron_ext.elastic.axes import Size
+from megatron_ext.elastic.axes import Size
 
 
 def stages() -> int:

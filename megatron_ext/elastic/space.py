@@ -13,7 +13,8 @@ from typing import Iterator, Mapping, Sequence, Union
 
 from torch import nn
 
-from megatron_ext.elastic.axes import Axis, Size, discover
+from megatron_ext.elastic.axes import Axis, Size
+from megatron_ext.elastic.discovery import discover
 from megatron_ext.elastic.pipeline import chunks_of, merge_stages
 
 

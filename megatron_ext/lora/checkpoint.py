@@ -16,18 +16,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_ext.lora.active_job import ActiveJob
 from megatron_ext.lora.export import Weights, load_megatron_state, save_megatron, sharded_weights, weights_from
 from megatron_ext.lora.groups import as_world
 from megatron_ext.lora.job import LoraJob
-
-if TYPE_CHECKING:  # runtime.py imports this module
-    from megatron_ext.lora.layers import MultiLoraLinear
-    from megatron_ext.lora.runtime import ActiveJob
+from megatron_ext.lora.layers import MultiLoraLinear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -42,7 +40,7 @@ class JobState:
 
 
 def save_job(
-    folder: Path, active: "ActiveJob", wrappers: dict[tuple[int, str], "MultiLoraLinear"], group: Optional[dist.ProcessGroup] = None
+    folder: Path, active: ActiveJob, wrappers: dict[tuple[int, str], MultiLoraLinear], group: Optional[dist.ProcessGroup] = None
 ) -> None:
     """Write `active`'s state to `folder` (collective over `group`, default the world: the
     ranks that train the job)."""
@@ -87,7 +85,7 @@ def load_job(folder: Path, job: LoraJob, group: Optional[dist.ProcessGroup] = No
     )
 
 
-def restore(wrappers: dict[tuple[int, str], "MultiLoraLinear"], active: "ActiveJob", state: JobState) -> None:
+def restore(wrappers: dict[tuple[int, str], MultiLoraLinear], active: ActiveJob, state: JobState) -> None:
     """Give the job just installed in `active.slot` (from `state.weights`) the rest of its state."""
     adam = active.optimizer.optimizer.state
     for key, wrapper in wrappers.items():

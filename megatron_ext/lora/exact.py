@@ -21,7 +21,7 @@ import itertools
 from typing import Iterator, Optional, Sequence
 
 from megatron_ext.lora.plan import Pack, Plan
-from megatron_ext.lora.planner import Problem, Shape
+from megatron_ext.lora.problem import Problem, Shape
 
 # CP-SAT works on integers: durations are rounded up to this fraction of the horizon (the jobs
 # one after another, at most jobs x makespan), so its plan is optimal to within

@@ -29,15 +29,15 @@ import json
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_ext.lora import checkpoint
+from megatron_ext.lora.active_job import ActiveJob, JobResult
 from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.lora.batching import JobData, MicroBatch, pack
 from megatron_ext.lora.job import LoraJob
@@ -46,32 +46,6 @@ from megatron_ext.lora.optim import JobOptimizer
 from megatron_ext.lora.workload import split_passes
 
 Wrappers = dict[tuple[int, str], MultiLoraLinear]
-
-
-@dataclass
-class JobResult:
-    name: str
-    status: str = "queued"  # queued | running | done | diverged | failed (could not start)
-    steps: int = 0
-    losses: list[float] = field(default_factory=list)  # per optimizer step
-    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss
-    tokens: int = 0  # trained tokens (loss-counted or not; padding not)
-    started_s: Optional[float] = None
-    finished_s: Optional[float] = None
-    error: Optional[str] = None  # why a failed job could not start
-
-
-@dataclass
-class ActiveJob:
-    job: LoraJob
-    slot: int
-    optimizer: JobOptimizer
-    data: Iterator[MicroBatch]
-    eval_data: list[MicroBatch]
-    result: JobResult
-    micro: int = 0  # micro-batches (over all DP ranks) accumulated towards the next optimizer step
-    step_loss: float = 0.0
-    consumed: int = 0  # micro-batches of the job's stream trained on, over all DP ranks
 
 
 def token_losses(model: torch.nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

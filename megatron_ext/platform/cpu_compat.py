@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from megatron_ext.platform.adam_initial_state import materialise_initial_adam_state
 from megatron_ext.platform.distributed_optimizer_mixed_groups import fix_distributed_optimizer_mixed_groups
 from megatron_ext.platform.float16_optimizer_checkpoint import fix_float16_optimizer_checkpoint
 
@@ -399,19 +400,6 @@ def _fix_torch_adam_checkpointing() -> None:
     cls.state_dict = state_dict
     cls.load_state_dict = load_state_dict
     cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
-
-
-def materialise_initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter without state torch's own initial Adam state (step 0, zero
-    moments), which torch would create lazily in the first step: the next step is unchanged."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if len(optimizer.state[p]) == 0:
-                optimizer.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
 
 
 def _fix_alltoall_split_sizes() -> None:

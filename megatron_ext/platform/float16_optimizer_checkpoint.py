@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 from packaging.version import Version
 
+from megatron_ext.platform.adam_initial_state import materialise_initial_adam_state
+
 FIXED_IN = Version("0.20.0")
 MAIN_PARAMS = "fp32_from_fp16_params"  # megatron's key of the fp32 main copies
 
@@ -54,8 +56,6 @@ def fix_float16_optimizer_checkpoint() -> None:
         elif isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             # Before the first update (fp16's first steps are skipped) torch's Adam has no state,
             # and a resume template (`init_state_fn`) asks for moments the checkpoint lacks.
-            from megatron_ext.platform.cpu_compat import materialise_initial_adam_state  # imports this module
-
             materialise_initial_adam_state(self.optimizer)
         return _sharded_state(self, self.state_dict(), model_sharded_state_dict)
 

@@ -30,7 +30,8 @@ from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, pub
 from megatron_ext.models.convert.hf_config import hf_config_from_model
 from megatron_ext.models.convert.llama import logical_to_hf
 from megatron_ext.models.convert.load import gather_logical, load_pretrained
-from megatron_ext.models.convert.source import Pretrained, open_pretrained
+from megatron_ext.models.convert.pretrained_model import Pretrained
+from megatron_ext.models.convert.source import open_pretrained
 from megatron_ext.models.convert.world import build_model, model_parallel_world
 from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.platform.launch import launch_local

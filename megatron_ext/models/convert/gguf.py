@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.convert import llama
-from megatron_ext.models.convert.source import LazyTensors, Pretrained
+from megatron_ext.models.convert.pretrained_model import LazyTensors, Pretrained
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from megatron_ext.models.convert import llama
 from megatron_ext.models.convert.hf_config import model_config_from_hf
-from megatron_ext.models.convert.source import LazyTensors, Pretrained
+from megatron_ext.models.convert.pretrained_model import LazyTensors, Pretrained
 
 # Files of a Hugging Face tokenizer that travel with a converted model.
 TOKENIZER_FILES = (

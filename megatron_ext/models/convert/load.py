@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_ext.models.convert.llama import HFAsLogical
-from megatron_ext.models.convert.source import Pretrained
+from megatron_ext.models.convert.pretrained_model import Pretrained
 from megatron_ext.models.logical import LogicalName, fill_from_logical, local_box, local_shards
 
 

@@ -11,7 +11,8 @@ setup(
     install_requires=[
         "megatron-core>=0.16.1,<0.17",
         # CPU machines: install torch==2.13.0 first (the README does); GPU machines get CUDA torch.
-        "torch>=2.6",
+        # The release platform/'s uses of torch internals were checked with (platform/versions.py).
+        "torch>=2.13,<2.14",
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3",
         "numpy",

@@ -8,7 +8,8 @@ from megatron_ext.data.datasets import (
     build_gpt_datasets,
 )
 from megatron_ext.data.preprocess import build_indexed_dataset, default_corpus_prefix
-from megatron_ext.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
+from megatron_ext.data.hf_tokenizer import HFTokenizer
+from megatron_ext.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "BATCH_KEYS",

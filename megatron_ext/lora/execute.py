@@ -29,7 +29,8 @@ from megatron_ext.lora.groups import PackGroups, as_world, pack_groups
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.layers import Routing, logical_weights
 from megatron_ext.lora.plan import Plan
-from megatron_ext.lora.runtime import JobResult, PackedTrainer
+from megatron_ext.lora.active_job import JobResult
+from megatron_ext.lora.runtime import PackedTrainer
 from megatron_ext.models.gpt import padded_vocab_size
 
 

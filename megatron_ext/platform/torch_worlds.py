@@ -40,6 +40,25 @@ def default_group_as(group: dist.ProcessGroup) -> Iterator[None]:
         c10d._update_default_pg(world)
 
 
+@contextlib.contextmanager
+def thread_gathers_over(world: dist.ProcessGroup) -> Iterator[None]:
+    """Inside, this thread's `dist.all_gather_object` calls without a group go over `world`;
+    other threads keep calling torch's function unchanged. (Rebinds torch's module function:
+    code that took it by name before keeps the original.)"""
+    original, here = dist.all_gather_object, threading.get_ident()
+
+    def all_gather_object(object_list, obj, group=None):
+        if group is None and threading.get_ident() == here:
+            group = world
+        return original(object_list, obj, group=group)
+
+    dist.all_gather_object = all_gather_object
+    try:
+        yield
+    finally:
+        dist.all_gather_object = original
+
+
 class Registration:
     """One world's registration: what torch's `_World` holds. `group_count` numbers the names
     of the groups created in it."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import types
 from typing import Any, Iterator, Optional
 
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.config.validate import resolve_dp
 from megatron_ext.platform.megatron_parallel_state import created_groups, install, private_parallel_state, process_groups
-from megatron_ext.platform.torch_worlds import live_groups
+from megatron_ext.platform.torch_worlds import live_groups, thread_gathers_over
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
 from megatron_ext.parallel.release import built_or_failure, release_in_background
@@ -124,18 +123,10 @@ def _own_world_group() -> Iterator[None]:
     ranks at `new_group`) would retry the connection until the group timeout."""
     world = dist.new_group(list(range(dist.get_world_size())))  # collective: in the same order
     dist.barrier(group=world)
-    original, here = dist.all_gather_object, threading.get_ident()
-
-    def all_gather_object(object_list, obj, group=None):
-        if group is None and threading.get_ident() == here:
-            group = world
-        return original(object_list, obj, group=group)
-
-    dist.all_gather_object = all_gather_object
     try:
-        yield
+        with thread_gathers_over(world):
+            yield
     finally:
-        dist.all_gather_object = original
         dist.destroy_process_group(world)
 
 

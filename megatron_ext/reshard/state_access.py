@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from megatron.core.utils import unwrap_model
 
-from megatron_ext.platform.cpu_compat import materialise_initial_adam_state
+from megatron_ext.platform.adam_initial_state import materialise_initial_adam_state
 from megatron_ext.platform.distributed_optimizer_internals import main_param_and_states
 from megatron_ext.reshard.boxes import Box, box_shape, numel
 from megatron_ext.reshard.vps import Piece

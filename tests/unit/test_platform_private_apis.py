@@ -22,12 +22,6 @@ UPSTREAM = ("torch", "megatron")
 # Dunder-free private names of Python's own that are public by convention (namedtuple's API).
 PYTHON_CONVENTIONS = {"_replace", "_asdict", "_fields", "_make"}
 
-# (file, function) -> why it may stay outside platform/ for now. An entry without a finding fails.
-ALLOWED = {
-    ("reshard/prebuild.py", "_own_world_group"): "torch's all_gather_object rebound per thread; being reworked by the lead",
-}
-
-
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.endswith("__")
 
@@ -162,15 +156,10 @@ def private_uses_outside_platform() -> tuple[tuple[str, int, str, str], ...]:
 
 
 def test_private_torch_and_megatron_apis_are_used_in_platform_only():
-    found = [use for use in private_uses_outside_platform() if (use[0], use[2]) not in ALLOWED]
+    found = private_uses_outside_platform()
     assert not found, "private torch/megatron API outside megatron_ext/platform/ (move it there, with its versions):\n" + "\n".join(
         f"  megatron_ext/{file}:{line} ({function or 'module'}): {what}" for file, line, function, what in found
     )
-
-
-def test_every_allowance_is_still_needed():
-    used = {(file, function) for file, _, function, _ in private_uses_outside_platform()}
-    assert not set(ALLOWED) - used, f"no private use left there: drop from ALLOWED: {set(ALLOWED) - used}"
 
 
 def _finds(source: str) -> list[str]:

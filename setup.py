@@ -59,6 +59,8 @@ setup(
         "console_scripts": [
             "megatron-ext-train=megatron_ext.train:main",
             "megatron-ext-pretrain-gpt=megatron_ext.pretrain_gpt:main",
+            "megatron-ext-generate=megatron_ext.generation.cli:main",
+            "megatron-ext-evaluate=megatron_ext.evaluation.cli:main",
         ]
     },
 )

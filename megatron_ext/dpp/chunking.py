@@ -1,4 +1,4 @@
-"""Workload-balanced sequence chunking (reference dpp.md §1.3, the paper's Alg. 1).
+"""Workload-balanced sequence chunking (InfiniPipe's Alg. 1).
 
 The longest sequence of the batch is cut into K slices of equal forward time (later slices are
 shorter: they attend to a longer prefix). Those boundaries, the mesh, are applied to every

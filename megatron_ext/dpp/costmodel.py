@@ -1,4 +1,4 @@
-"""Time and memory of a chunk on a pipeline stage (reference dpp.md §1.4).
+"""Time and memory of a chunk on a pipeline stage (InfiniPipe's §III-A gives none: this is a working model).
 
 Time of one layer's forward over a chunk whose segments have q_i new tokens and a KV prefix p_i:
 

@@ -1,7 +1,7 @@
 """Sequence-length distributions for planning and benchmarks, and a global-batch sampler.
 
 Two kinds: lognormal fits of the GitHub and CommonCrawl distributions of the InfiniPipe paper
-(reference dpp.md §5.a, fitted there to the paper's anchors), and frozen histograms measured
+(fitted to the paper's reported length statistics), and frozen histograms measured
 from text on this machine by `scripts/measure_lengths.py` (JSON under `dpp/data/`).
 """
 

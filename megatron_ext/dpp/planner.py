@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from megatron_ext.dpp import checkpointing
-from megatron_ext.dpp.checkpointing import BudgetTooSmall, Mode
+from megatron_ext.dpp import recompute
+from megatron_ext.dpp.recompute import BudgetTooSmall, Mode
 from megatron_ext.dpp.chunking import chunk_batch, chunk_on_mesh
 from megatron_ext.dpp.costmodel import CostModel, budget_for, stage_layers, usable_budget
 from megatron_ext.dpp.plan import Chunk, Group, Segment, StepPlan, padded
@@ -109,14 +109,14 @@ def _plan_chunks(chunks: tuple[Chunk, ...], lengths: Sequence[int], cost: CostMo
     """Group the units of `chunks` into 1F1B pipelines and choose recompute counts (Eq. 14)."""
     unit_list = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))
     classes = _classes(unit_list)
-    solved: dict[tuple[int, int, bool], tuple[Group, checkpointing.Checkpointing | None]] = {}
+    solved: dict[tuple[int, int, bool], tuple[Group, recompute.RecomputePlan | None]] = {}
 
     def group_of(i: int, j: int, exact: bool = False):
         # The grouping DP compares ranges by the LP relaxation's recompute cost; only the
         # chosen ranges are solved as integer programs.
         if (i, j, exact) not in solved:
             grp = one_f_one_b([u for cl in classes[i:j] for u in cl], pp)
-            sol = checkpointing.solve(grp, chunks, lengths, cost, layers, budget, mode, gap, relax=not exact)
+            sol = recompute.solve(grp, chunks, lengths, cost, layers, budget, mode, gap, relax=not exact)
             stats.solves += 1
             if sol is not None:
                 stats.solve_s += sol.solve_s
@@ -144,7 +144,7 @@ def _plan_chunks(chunks: tuple[Chunk, ...], lengths: Sequence[int], cost: CostMo
     groups = []
     for i, j in ranges:
         grp, sol = group_of(i, j, True)
-        rec = checkpointing.trim(grp, chunks, lengths, cost, layers, budget, sol.recompute) if mode == "ilp" else sol.recompute
+        rec = recompute.trim(grp, chunks, lengths, cost, layers, budget, sol.recompute) if mode == "ilp" else sol.recompute
         groups.append(with_recompute(grp, rec))
     return _renumber(chunks, groups, pp, lengths)
 

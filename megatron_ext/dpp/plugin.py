@@ -342,7 +342,7 @@ class StepPlanner:
         return PlannedBatch(box[0], tuple(batch[i] for i in mine))
 
     def _plan(self, lengths: list[int]):
-        from megatron_ext.dpp.checkpointing import BudgetTooSmall
+        from megatron_ext.dpp.recompute import BudgetTooSmall
         from megatron_ext.dpp.planner import STATIC_POLICIES, plan_step_info, tune_static
 
         budget = self.cfg.memory_budget_mb * 2**20

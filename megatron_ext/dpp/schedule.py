@@ -1,4 +1,4 @@
-"""Plan-driven non-interleaved 1F1B over chunks of unequal size (reference dpp.md §1.5).
+"""Plan-driven non-interleaved 1F1B over chunks of unequal size (InfiniPipe §III-C1/C2).
 
 A unit is a set of chunks chained by sequences they share (the slices of one long sequence,
 its hybrid tail included; a packed chunk alone). Units run longest first (most chunks), so the

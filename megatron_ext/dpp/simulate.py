@@ -1,4 +1,4 @@
-"""Discrete-event execution of a StepPlan under a cost model (reference dpp.md §5.a.4).
+"""Discrete-event execution of a StepPlan under a cost model.
 
 Each stage runs its ops in plan order; a forward waits for the previous stage's forward of the
 chunk (plus the p2p time), a backward for the next stage's backward. Memory is counted per stage

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_ext.dpp.checkpointing import BudgetTooSmall  # noqa: E402
+from megatron_ext.dpp.recompute import BudgetTooSmall  # noqa: E402
 from megatron_ext.dpp.costmodel import MODEL_SHAPES, analytic_gpu  # noqa: E402
 from megatron_ext.dpp.lengths import get_distribution, sample_batch  # noqa: E402
 from megatron_ext.dpp.planner import POLICIES, STATIC_POLICIES, plan_step_info, tune_static  # noqa: E402

@@ -131,7 +131,7 @@ def latency(model, repeats: int = 20) -> float:
 
 def thinking_curve(model, space, sizes: dict, prompts: int, think_budgets: list[int]) -> list[dict]:
     """Answer accuracy / loss and wall time per thinking budget, for three (think, answer) pairs."""
-    from megatron_ext.elastic.generate import generate_elastic
+    from megatron_ext.elastic.think_then_answer import generate_elastic
 
     pairs = {"think50-answer100": ("50", "100"), "think100-answer100": ("100", "100"), "think50-answer50": ("50", "50")}
     rows = []

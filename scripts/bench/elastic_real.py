@@ -381,7 +381,7 @@ def thinking(student, space, parent: Parent, choices: dict, think_tokens: int = 
     """Think-small / answer-large on instruction prompts: seconds per prompt and tokens of each
     phase for three (think, answer) pairs. The thought is the assistant's draft up to
     `think_tokens` tokens or its end-of-turn token; the answer model continues after it."""
-    from megatron_ext.elastic.generate import generate_elastic
+    from megatron_ext.elastic.think_then_answer import generate_elastic
 
     tok = parent.tokenizer
     end_turn = tok.vocab["<|im_end|>"]

@@ -106,7 +106,7 @@ def test_a_template_in_chat_template_jinja_is_read_as_transformers_reads_it(fold
 
 @pytest.mark.parametrize("source", ["hf", "export", "converted"])
 def test_generate_chat_runs_on_a_folder_and_a_converted_checkpoint(folders, source):
-    from megatron_ext.generate import Request, run
+    from megatron_ext.generation.cli import Request, run
     from megatron_ext.generation import SamplingConfig
 
     request = Request(str(folders[source]), ("hello ?",), chat=True, sampling=SamplingConfig(max_new_tokens=3), tp=1)

@@ -1,4 +1,4 @@
-"""`python -m megatron_ext.evaluate`: perplexity of a text file, the same in any layout."""
+"""`python -m megatron_ext.evaluation`: perplexity of a text file, the same in any layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_ext.evaluate import text_perplexity
+from megatron_ext.evaluation.cli import text_perplexity
 from megatron_ext.train import run_from_overrides
 
 pytestmark = pytest.mark.distributed
@@ -44,7 +44,7 @@ def test_pipelined_perplexity_equals_single_rank(trained):
 def test_cli(trained, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    cmd = [sys.executable, "-m", "megatron_ext.evaluate", "--model", trained, "--text", str(text), "--seq-length", "32"]
+    cmd = [sys.executable, "-m", "megatron_ext.evaluation", "--model", trained, "--text", str(text), "--seq-length", "32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     ppl = float(out.stdout.split("perplexity ")[1].split()[0])

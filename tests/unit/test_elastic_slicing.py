@@ -166,7 +166,7 @@ def test_bad_sizes_are_refused_before_anything_changes(elastic, sizes, message):
 def test_think_small_answer_large_equals_the_two_exported_models(elastic, think_budget):
     """The elastic phases on shared weights produce what the standalone small model thinks and
     the standalone large model answers after prefilling prompt + that trace."""
-    from megatron_ext.elastic.generate import generate_elastic
+    from megatron_ext.elastic.think_then_answer import generate_elastic
     from megatron_ext.generation.generate import SamplingConfig, generate
 
     model, space, _ = elastic

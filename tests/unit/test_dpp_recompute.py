@@ -10,8 +10,8 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_ext.dpp import checkpointing
-from megatron_ext.dpp.checkpointing import BudgetTooSmall
+from megatron_ext.dpp import recompute
+from megatron_ext.dpp.recompute import BudgetTooSmall
 from megatron_ext.dpp.chunking import chunk_batch
 from megatron_ext.dpp.plan import StepPlan
 from megatron_ext.dpp.planner import plan_step, plan_step_info
@@ -65,7 +65,7 @@ def test_ilp_is_optimal_against_brute_force(name):
         cost = sum(w * x for w, x in zip(weight, C))
         if cost < best and _peak(chunks, lengths, group, {x: C[diag[x]] for x in cells}, layers) <= budget:
             best = cost
-    sol = checkpointing.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0)
+    sol = recompute.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0)
     assert sol is not None
     assert sol.cost_s == pytest.approx(best, rel=1e-9)
     assert _peak(chunks, lengths, group, sol.recompute, layers) <= budget
@@ -110,8 +110,8 @@ def test_model_states_alone_over_budget_is_refused_before_planning():
 @pytest.mark.parametrize("name", CASES)
 def test_trim_leaves_each_stage_the_least_recompute_its_memory_needs(name):
     lengths, pp, _, chunks, group, layers, cells, budget = _case(name)
-    ilp = checkpointing.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0).recompute
-    trimmed = checkpointing.trim(group, chunks, lengths, TOY, layers, budget, ilp)
+    ilp = recompute.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0).recompute
+    trimmed = recompute.trim(group, chunks, lengths, TOY, layers, budget, ilp)
     assert all(trimmed[x] <= ilp[x] for x in cells)
 
     def peaks(rec):
@@ -130,8 +130,8 @@ def test_trim_spares_the_last_stage_what_only_the_first_needs():
     # The diagonal ILP gives the last stage the first stage's counts, though it holds one chunk
     # fewer in flight; here it needs none at all.
     lengths, pp, _, chunks, group, layers, cells, budget = _case("pp2, three layers, loose")
-    ilp = checkpointing.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0).recompute
-    trimmed = checkpointing.trim(group, chunks, lengths, TOY, layers, budget, ilp)
+    ilp = recompute.solve(group, chunks, lengths, TOY, layers, budget, mip_rel_gap=0.0).recompute
+    trimmed = recompute.trim(group, chunks, lengths, TOY, layers, budget, ilp)
     assert sum(ilp[(pp - 1, c)] for c in range(len(chunks))) > 0
     assert all(trimmed[(pp - 1, c)] == 0 for c in range(len(chunks)))
     assert [trimmed[(0, c)] for c in range(len(chunks))] == [ilp[(0, c)] for c in range(len(chunks))]

@@ -1,4 +1,4 @@
-"""Stage-aware, chunk-level adaptive checkpointing (reference dpp.md §1.6, the paper's Eq. 20).
+"""Stage-aware, chunk-level activation recomputation (the paper's checkpointing: InfiniPipe §III-C3, Eq. 20).
 
 c(p, k), the layers of chunk k recomputed on stage p, is an integer in 0..L_p. Recomputing on one
 stage delays the stages after it by the same amount, so chunks on one diagonal of the backward
@@ -48,7 +48,7 @@ class BudgetTooSmall(ValueError):
 
 
 @dataclass(frozen=True)
-class Checkpointing:
+class RecomputePlan:
     recompute: dict[tuple[int, int], int]  # (stage, chunk) -> layers recomputed
     cost_s: float  # recompute time on the critical path (sum over diagonals)
     solve_s: float  # CPU seconds
@@ -131,7 +131,7 @@ def _min_budget(prob: _Problem, budget_bytes: float) -> float:
 
 def solve(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cost: CostModel,
           layers: Sequence[int], budget_bytes: float, mode: Mode = "ilp", mip_rel_gap: float = 0.02,
-          time_limit_s: float = 2.0, relax: bool = False) -> Checkpointing | None:
+          time_limit_s: float = 2.0, relax: bool = False) -> RecomputePlan | None:
     """Recompute counts of one 1F1B group, or None if no choice fits the budget. Past
     `time_limit_s` the best integer solution found so far is used. `relax` solves the LP
     relaxation instead: its cost is a lower bound, for comparing groupings cheaply; its
@@ -141,9 +141,9 @@ def solve(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cos
     n = len(prob.upper)
     min_budget = _min_budget(prob, budget_bytes)
 
-    def done(C: np.ndarray) -> Checkpointing:
+    def done(C: np.ndarray) -> RecomputePlan:
         rec = {k: int(C[j]) for k, j in prob.var.items()}
-        return Checkpointing(rec, float(prob.weight @ C), time.process_time() - t, min_budget)
+        return RecomputePlan(rec, float(prob.weight @ C), time.process_time() - t, min_budget)
 
     zero, full = np.zeros(n), prob.upper.copy()
     if mode == "full":
@@ -182,7 +182,7 @@ def solve(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cos
 
     x = run(integer=not relax)
     if relax:
-        return None if x is None else Checkpointing({}, float(prob.weight @ x[:n]), time.process_time() - t, min_budget)
+        return None if x is None else RecomputePlan({}, float(prob.weight @ x[:n]), time.process_time() - t, min_budget)
     if x is None:  # no integer solution within the time limit: round the relaxation up
         x = run(integer=False)
         x = full if x is None else np.ceil(x[:n] - 1e-9)

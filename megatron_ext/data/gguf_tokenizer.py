@@ -73,7 +73,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
     if pre not in ("default", "gpt2"):
-        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known here; splitting text as GPT-2 does")
+        warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known here; splitting text as GPT-2 does", stacklevel=2)
     return gpt2
 
 

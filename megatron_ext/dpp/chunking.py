@@ -83,7 +83,7 @@ def _pack(tails: list[Segment], shorts: list[Segment], cost: CostModel, time_tar
     shorts = sorted(shorts, key=lambda s: (-cost.segment_work(s.length, 0), s.seq))
     for s in shorts:
         work = cost.segment_work(s.length, 0)
-        time_of = lambda b: cost.time_from_work(b.work + work, b.tokens + s.length)  # noqa: E731
+        time_of = lambda b: cost.time_from_work(b.work + work, b.tokens + s.length)  # noqa: E731, B023 (used in this iteration)
         if not buckets or min(b.tokens for b in buckets) + s.length > token_target:
             b = _Bucket()
             b.add(s, work)

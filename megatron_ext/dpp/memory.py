@@ -247,14 +247,14 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     # stage (counted apart) and this. The least over stages, lengths and layers, so that no
     # stage's transient is underestimated.
     plain = {key: drop for key, drop in drops.items() if key[2] == 0}
-    released = min(drop[l] / t - (layers - 1 - l) * kept - (head if 0 < s == last_stage else 0.0)
-                   for (s, t, _), drop in plain.items() for l in range(layers))
+    released = min(drop[i] / t - (layers - 1 - i) * kept - (head if 0 < s == last_stage else 0.0)
+                   for (s, t, _), drop in plain.items() for i in range(layers))
     # Of a recomputed layer's kept input, what its replay saves again as the very same storage
     # (nearly all of it in fp32; in half precision the norm saves an fp32 copy instead): a
     # recomputed layer's drop, less the one without recompute, is that shared part less a
     # whole layer, less what the recomputed layers above it keep less than whole ones.
-    shared = min((drop[l] - plain[s, t, 0][l]) / t + kept + (r - l - 1) * (kept - recomputed)
-                  for (s, t, r), drop in drops.items() for l in range(r))
+    shared = min((drop[i] - plain[s, t, 0][i]) / t + kept + (r - i - 1) * (kept - recomputed)
+                  for (s, t, r), drop in drops.items() for i in range(r))
     pair, key, query = attention_backward_bytes(heads, groups, config.kv_channels, config.params_dtype)
     fitted = dataclasses.replace(
         cost,

@@ -178,7 +178,7 @@ def synthetic_plans(cost: CostModel, layers: int, seq_len: int, docs: int, seed:
     plans = []
     for mesh, k in shapes:
         chunks = shape_chunks(lengths, cost, mesh, k, seq_len)
-        order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))
+        order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))  # noqa: B023 (called here)
         for recompute in (0, layers):
             rec = {(p, c.id): recompute for p in range(2) for c in chunks}
             plans.append(_renumber(chunks, [one_f_one_b(order, 2, rec)], 2, lengths))

@@ -167,7 +167,7 @@ def _search_meshes(lengths, cost, pp, budget, layers, policy, k_candidates, max_
             if k > 1 and longest / k < MIN_SLICE_TOKENS:
                 break
             chunks = padded(chunk_batch(lengths, cost, k, balanced), multiple)
-            order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))
+            order = longest_first(units(chunks), lambda c: cost.layer_forward_s(chunks[c]))  # noqa: B023 (called here)
             bound = simulate(_renumber(chunks, [one_f_one_b(order, pp)], pp, lengths), cost, layers, check=False).iter_s
             bounded.append((bound, k, -float(balanced), chunks))
     for bound, k, _, chunks in sorted(bounded, key=lambda x: x[:3]):

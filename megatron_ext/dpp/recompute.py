@@ -217,9 +217,9 @@ def trim(group: Group, chunks: Sequence[Chunk], seq_lengths: Sequence[int], cost
         for j, c in chunk_of.items():
             x[j] = out[(p, c)]
 
-        def fits() -> bool:
-            used = const + per_layer @ x + transient @ (x == layers[p])
-            return bool(np.all(used <= prob.room[p] * (1 + 1e-12)))
+        def fits() -> bool:  # called within this stage's iteration only
+            used = const + per_layer @ x + transient @ (x == layers[p])  # noqa: B023
+            return bool(np.all(used <= prob.room[p] * (1 + 1e-12)))  # noqa: B023
 
         order = sorted(chunk_of, key=lambda j: -cost.layer_forward_s(chunks[chunk_of[j]]))
         changed = True

@@ -67,7 +67,7 @@ def cpsat(problem: Problem, max_jobs: int = 8, time_limit_s: float = 60.0) -> Pl
     model = cp_model.CpModel()
     chosen, starts, intervals, sizes = [], [], [], []
     makespan = model.NewIntVar(0, horizon, "makespan")
-    for i, (_, (tp, dp), seconds) in enumerate(candidates):
+    for i, (_, _, seconds) in enumerate(candidates):
         size = -int(-seconds // unit)  # rounded up: the integer schedule stays feasible in seconds
         x = model.NewBoolVar(f"x{i}")
         start = model.NewIntVar(0, horizon, f"s{i}")

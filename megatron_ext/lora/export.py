@@ -119,7 +119,8 @@ def peft_base_model(pretrained: Optional[str], given: Optional[str] = None) -> O
         return str(path.resolve())
     warnings.warn(
         f"lora: model.pretrained={pretrained!r} is not a Hugging Face folder, so the PEFT adapter names no base "
-        "model; set lora.peft_base_model to the path or hub id of its Hugging Face export"
+        "model; set lora.peft_base_model to the path or hub id of its Hugging Face export",
+        stacklevel=2,
     )
     return None
 

@@ -98,7 +98,7 @@ class _PerThreadWorld(c10d._World):
     """torch's world registry, per thread: a thread inside `building_in(registration)` sees that
     registration, every other thread the running world's."""
 
-    def __init__(self, running: Registration) -> None:  # noqa: super().__init__ keeps state we delegate
+    def __init__(self, running: Registration) -> None:  # not super().__init__: it would keep state we delegate
         self.running = running
         self._local = threading.local()
 

@@ -115,7 +115,7 @@ def small_instance_gaps(instances: int, seed: int = 0) -> dict:
     shapes = shapes_of(LLAMA3_8B)
     memory, cost = MemoryModel(shapes, BF16), GpuCostModel(shapes, A100_80GB)
     gaps = []
-    for i in range(instances):
+    for _ in range(instances):
         k, devices = rng.randint(3, 6), rng.choice((1, 2, 4))
         jobs = tuple(
             LoraJob(f"j{n}", rank=rng.choice((8, 16, 32, 64)), micro_batch_size=(b := rng.choice((1, 2, 4))),

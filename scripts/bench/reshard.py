@@ -799,7 +799,7 @@ def aggregate(hop: Hop) -> dict:
         "state_equal": all(t["state_equal"] for t in trials),
         "gather_state_equal": all(t["gather_state_equal"] for t in trials),
         "round_trip_equal": hop.round_trip_equal,
-        "parts": {part: med(lambda t: t[part]) for part in PARTS},
+        "parts": {part: med(lambda t: t[part]) for part in PARTS},  # noqa: B023 (called here)
     }
     for name in ("ckpt_tmpfs", "ckpt_disk", "restart", "gather"):
         out[f"ratio_{name}_over_stall"] = out[f"baseline_{name}_s"] / out["stall_s"]

@@ -141,7 +141,7 @@ class Job:
             self.process.wait(self.timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"the job did not end within {self.timeout_s} s:\n{self.output[-4000:]}")
+            raise AssertionError(f"the job did not end within {self.timeout_s} s:\n{self.output[-4000:]}") from None
         self._reader.join(10)
         return self.process.returncode
 

@@ -5,7 +5,6 @@ ranks saved on the requeue's SIGTERM and ends with the bits of a run never inter
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest

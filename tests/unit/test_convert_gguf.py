@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def write_gguf(
     hf: dict[str, torch.Tensor],
     cfg: ModelConfig = CFG,
     arch: str = "llama",
-    types: dict[str, Q] = {},
+    types: Optional[dict[str, Q]] = None,
 ) -> Path:
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_layers)
@@ -57,7 +58,7 @@ def write_gguf(
         if ".attn_q." in gguf_name or ".attn_k." in gguf_name:
             heads = cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_query_groups
             tensor = llama_cpp_rope_order(tensor, heads)
-        qtype = types.get(gguf_name, Q.F32)
+        qtype = (types or {}).get(gguf_name, Q.F32)
         if qtype == Q.F32:
             writer.add_tensor(gguf_name, tensor.numpy())
         else:

@@ -79,7 +79,7 @@ def test_hf_eod_fallback_explicit_and_missing(tmp_path):
     assert tok.eod == reference.token_to_id("</s>")
     assert HFTokenizer(str(path), eod_token="<unk>").eod == reference.token_to_id("<unk>")
     with pytest.raises(AttributeError, match="pad"):
-        tok.pad
+        _ = tok.pad
     (tmp_path / "bare").mkdir()
     bare = _train_bpe(tmp_path / "bare", special_tokens=("<unk>",))
     with pytest.raises(ValueError, match=r"<\|endoftext\|>.*</s>"):

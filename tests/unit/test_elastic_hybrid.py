@@ -110,7 +110,7 @@ def test_a_cut_expert_count_routes_tokens_to_the_kept_experts_only(parent):
         space = ElasticSpace(model)
         tokens_per_expert = []
         experts = space.by_name["moe_experts/5"].moe.experts
-        handle = experts.register_forward_pre_hook(lambda m, args: tokens_per_expert.append(args[1].tolist()))
+        handle = experts.register_forward_pre_hook(lambda m, args: tokens_per_expert.append(args[1].tolist()))  # noqa: B023 (removed below)
         with space.at(BUDGETS["50"]):
             out[name] = logits(model)
         handle.remove()

@@ -61,7 +61,7 @@ def test_smollm2_slices_exports_and_distils(world, tmp_path):  # noqa: F811
 
     router = BudgetRouter([1.0, 0.6], {k: [v, space.full_of(k)] for k, v in SIZES.items()}, RouterConfig(lr=0.0))
     with torch.no_grad():  # pin the router's choices: budget 0 -> full, budget 1 -> SIZES
-        for key, net in router.nets.items():
+        for net in router.nets.values():
             net[-1].weight.zero_()
             net[-1].bias.zero_()
             net[0].weight.copy_(torch.tensor([[0.0, 1.0], [1.0, 0.0]]).repeat(net[0].weight.shape[0] // 2, 1))

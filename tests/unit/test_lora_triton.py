@@ -65,7 +65,7 @@ def check_forward_and_gradients(module, dtype, tol):
     for name, got, want in zip(names, out + grads, ref_out + ref_grads, strict=True):
         assert got is not None and got.shape == want.shape, name
         scale = max([1.0, *want.abs().flatten().tolist()])
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{name} ({dtype}): {m}")
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{name} ({dtype}): {m}")  # noqa: B023 (called here)
 
 
 def check_all_segments_empty(module):

@@ -10,6 +10,7 @@ what the presets were built for.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import pytest
 import torch
@@ -27,8 +28,8 @@ from megatron_ext.models.moe_layers import moe_layer_pattern
 VOCAB = 256
 
 
-def build(model: ModelConfig, parallel: ParallelConfig = ParallelConfig()) -> GPTModel:
-    config = transformer_config(model, parallel, on_cpu=True)
+def build(model: ModelConfig, parallel: Optional[ParallelConfig] = None) -> GPTModel:
+    config = transformer_config(model, parallel or ParallelConfig(), on_cpu=True)
     return build_gpt_model(model, config, layer_spec(model, use_te=False), VOCAB, True, True)
 
 
@@ -78,7 +79,7 @@ def test_gpt3_preset_module_tree(one_rank_world):
     gpt3 = MODEL_PRESETS["gpt3_tiny"]
     model = build(gpt3)
     h, layers = gpt3.hidden_size, model.decoder.layers
-    norms = [model.decoder.final_layernorm] + [n for l in layers for n in (l.input_layernorm, l.pre_mlp_layernorm)]
+    norms = [model.decoder.final_layernorm] + [n for layer in layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)]
     assert all(type(n) is torch.nn.LayerNorm and n.bias is not None for n in norms)
     for layer in layers:
         assert layer.mlp.linear_fc1.weight.shape == (4 * h, h) and layer.mlp.linear_fc2.weight.shape == (h, 4 * h)
@@ -116,7 +117,7 @@ def test_llama_default_is_unchanged(one_rank_world):
     model = build(llama)
     h, ffn = llama.hidden_size, llama.ffn_hidden_size
     norms = [model.decoder.final_layernorm] + [
-        n for l in model.decoder.layers for n in (l.input_layernorm, l.pre_mlp_layernorm)
+        n for layer in model.decoder.layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)
     ]
     assert all(type(n) is torch.nn.RMSNorm for n in norms)
     assert model.config.activation_func is F.silu and model.config.gated_linear_unit
@@ -172,11 +173,11 @@ OPTIONS = {
     ),
     "moe_every_second_layer": (
         dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq="2"),
-        lambda m: [type(l.mlp).__name__ for l in m.decoder.layers] == ["MoELayer", "MLP", "MoELayer", "MLP"],
+        lambda m: [type(layer.mlp).__name__ for layer in m.decoder.layers] == ["MoELayer", "MLP", "MoELayer", "MLP"],
     ),
     "moe_pattern": (
         dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq="[0]*3+[1]"),
-        lambda m: [type(l.mlp).__name__ for l in m.decoder.layers] == ["MLP", "MLP", "MLP", "MoELayer"],
+        lambda m: [type(layer.mlp).__name__ for layer in m.decoder.layers] == ["MLP", "MLP", "MLP", "MoELayer"],
     ),
     "moe_expert_bias": (
         dict(

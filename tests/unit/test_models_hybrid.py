@@ -164,7 +164,9 @@ def test_hybrid_decode_equals_full_forward(one_rank_world):
     with torch.no_grad():
         full = model(tokens, positions, None, runtime_gather_output=True)
         context = StaticInferenceContext(1, length)
-        run = lambda a, b: model(tokens[:, a:b], positions[:, a:b], None, inference_context=context, runtime_gather_output=True)
+        def run(a, b):
+            return model(tokens[:, a:b], positions[:, a:b], None, inference_context=context, runtime_gather_output=True)
+
         steps = [run(0, prefill)]
         context.increment_sequence_len_offset(prefill)
         context.enable_decode_mode()

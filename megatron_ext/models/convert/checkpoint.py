@@ -101,7 +101,7 @@ def _write_tokenizer(pretrained: Pretrained, folder: Path) -> None:
     try:
         GGUFTokenizer(pretrained.path).save_pretrained(str(folder))
     except ValueError as e:  # e.g. a sentencepiece vocabulary: the weights still convert
-        warnings.warn(f"no tokenizer exported: {e}")
+        warnings.warn(f"no tokenizer exported: {e}", stacklevel=2)
 
 
 def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> Path:

@@ -59,6 +59,7 @@ FEATURE_SHAPE_FIELDS = {
 def check_inputs(cfg: Config) -> None:
     """Raise ConfigError for the first input or output of `cfg` that cannot work."""
     check_data(cfg.data)
+    check_vocabulary(cfg)
     if cfg.model.pretrained:
         check_pretrained(cfg.model)
     check_load(cfg.checkpoint, cfg.model)
@@ -67,6 +68,21 @@ def check_inputs(cfg: Config) -> None:
 
 
 # --- data -------------------------------------------------------------------------------------
+
+
+def check_vocabulary(cfg: Config) -> None:
+    """A model.vocab_size below the tokenizer's ids would index past the embedding at the first
+    step. Checked here where the tokenizer is named (data.tokenizer, or the byte tokenizer of a
+    run without a pretrained model) and no checkpoint decides the vocabulary; otherwise the
+    Trainer checks it once it holds the tokenizer."""
+    from megatron_ext.data.tokenizers import build_tokenizer  # imports megatron: only when asked
+
+    vocab, spec = cfg.model.vocab_size, cfg.data.tokenizer
+    if vocab is None or cfg.checkpoint.load or (spec == "auto" and cfg.model.pretrained):
+        return
+    ids = build_tokenizer("byte" if spec == "auto" else spec).vocab_size
+    if vocab < ids:
+        raise ConfigError("model.vocab_size", f"{vocab} is below the tokenizer's {ids} ids: give at least {ids}, or leave it unset")
 
 
 def data_prefixes(data_path: list[str]) -> list[str]:

@@ -175,8 +175,7 @@ def test_bad_input_is_one_line_exit_2(overrides, field, says, inputs, tmp_path, 
 
 
 def test_a_vocabulary_below_the_tokenizers_is_one_line(tmp_path, monkeypatch, capsys):
-    # Found by the worker once it has the tokenizer (the save folder exists by then), not by the
-    # preflight: the ids past the embedding would fail the first step with an IndexError.
+    # The ids past the embedding would fail the first step with an IndexError.
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         main(["model.vocab_size=128", f"checkpoint.save={tmp_path}/save", *BASE])
@@ -184,6 +183,7 @@ def test_a_vocabulary_below_the_tokenizers_is_one_line(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: model.vocab_size: 128 is below the tokenizer's 258 ids: give at least 258, or leave it unset"
     ]
+    assert files_under(tmp_path) == set()  # refused before launch: no save folder
 
 
 @pytest.fixture

@@ -11,13 +11,22 @@ reach into each other.
         config_class = MyConfig
 
         def on_step_end(self, trainer, step, metrics): ...
+
+The configuration knows a plugin by its section (config/plugin_sections.py): its config class
+and the checks `check` / `check_layout`, which need nothing but the config. A plugin that keeps
+them in a torch-free module (as each builtin one does in its `config.py`) names that module's
+section as its `section`, and takes its name, config class and checks from it; then composing
+and validating a config never imports the plugin's own module.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, no_check, register_section
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -61,6 +70,14 @@ class Plugin:
     # Whether the plugin runs the training step (its `forward_backward_func` returns one): a
     # run may list one such plugin.
     runs_step: bool = False
+    # The plugin's config section and checks, kept in a torch-free module: `name`,
+    # `config_class`, `runs_step` and the checks are then the section's.
+    section: Optional[PluginSection] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "section" in vars(cls):
+            cls.name, cls.config_class, cls.runs_step = cls.section.name, cls.section.config_class, cls.section.runs_step
 
     def __init__(self, cfg: Any = None) -> None:
         # The plugin's own config section (an instance of `config_class`), or None.
@@ -82,12 +99,20 @@ class Plugin:
         """Before any process starts (in the launching process): raise a ConfigError or
         ValueError for a setting that cannot work with the run's config `cfg` on `world_size`
         processes, so that bad input stops the run before anything is launched or written."""
+        if self.section is not None:
+            self.section.check(self._own(), cfg, world_size)
 
     def check_layout(self, cfg: Any, world_size: int) -> None:
         """Raise a ConfigError or ValueError for a parallel layout or model (`cfg.parallel`,
         `cfg.model`) this plugin cannot train: called for the run's first layout before any
         process starts, for each layout a reshard schedule names, and before a live reshard
         moves the run (a request refused this way leaves the run where it is)."""
+        if self.section is not None:
+            self.section.check_layout(self._own(), cfg, world_size)
+
+    def _own(self) -> Any:
+        """The plugin's config section: the one it was built with, else its defaults."""
+        return self.cfg if self.cfg is not None else self.section.own(None)
 
     def setup(self, trainer: Trainer) -> None:
         """After the world exists, before the model is built."""
@@ -123,23 +148,48 @@ class Plugin:
 
 
 _REGISTRY: dict[str, type[Plugin]] = {}
-# The plugins that ship with megatron_ext, registered on first use of the registry.
-BUILTIN = ("megatron_ext.reshard.plugin", "megatron_ext.dpp.plugin", "megatron_ext.elastic.plugin", "megatron_ext.lora.plugin")
 
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
     """Class decorator: make a plugin selectable with `plugins=[<cls.name>]`."""
     if not cls.name:
         raise ValueError(f"plugin class {cls.__qualname__} has no `name`")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+    if _REGISTRY.get(cls.name) is cls:
+        return cls
+    if cls.name in _REGISTRY:
         raise ValueError(f"two plugins are named {cls.name!r}: {_REGISTRY[cls.name]} and {cls}")
+    register_section(cls.section or section_of(cls))
     _REGISTRY[cls.name] = cls
     return cls
 
 
+def section_of(cls: type[Plugin]) -> PluginSection:
+    """The section of a plugin class that has no torch-free one: its checks run on an instance
+    of the class, built with the run's section of the config."""
+    return PluginSection(
+        cls.name,
+        cls.config_class,
+        check=_instance_hook(cls, "check"),
+        check_layout=_instance_hook(cls, "check_layout"),
+        runs_step=cls.runs_step,
+    )
+
+
+def _instance_hook(cls: type[Plugin], hook: str):
+    if getattr(cls, hook) is getattr(Plugin, hook):
+        return no_check  # not overridden: no instance needed
+    return functools.partial(_call_instance_hook, cls, hook)
+
+
+def _call_instance_hook(cls: type[Plugin], hook: str, own: Any, cfg: Any, world_size: int) -> None:
+    getattr(cls(own), hook)(cfg, world_size)
+
+
 def registered_plugins() -> dict[str, type[Plugin]]:
-    for module in BUILTIN:
-        importlib.import_module(module)
+    """Every plugin class by name: the builtin ones (importing their modules, and with them
+    torch) and those registered."""
+    for name in BUILTIN:
+        importlib.import_module(f"megatron_ext.{name}.plugin")
     return dict(_REGISTRY)
 
 

@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
-from megatron_ext.config.validate import ConfigError, validate, world_size_of
+from megatron_ext.config.validate import ConfigError, validate_run, world_size_of
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local
 from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed, LaunchRefused
 from megatron_ext.plugin import Runner, build_plugins, registered_plugins
@@ -34,13 +34,9 @@ register_configs()
 
 def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
-    config/validate.py, each plugin's own `check` and `check_layout`, then the files the run
+    config/validate.py with each plugin's own `check` and `check_layout`, then the files the run
     reads and the checkpoint directory it writes (training/preflight.py)."""
-    world = world_size_of(cfg)
-    validate(cfg, world)
-    for plugin in build_plugins(cfg.plugins, cfg):
-        plugin.check(cfg, world)
-        plugin.check_layout(cfg, world)
+    validate_run(cfg, world_size_of(cfg))
     check_inputs(cfg)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
+from megatron_ext.platform import optional
 
 
 class MlmArgsError(ValueError):
@@ -387,12 +388,8 @@ def _implementation(b: _Builder) -> None:
         b.problem("--transformer-impl", "use local or transformer_engine")
         return
     b.set("model.spec", _TRANSFORMER_IMPL[impl], "--transformer-impl")
-    if impl == "transformer_engine":
-        from megatron_ext.platform import optional
-
-        if not optional.HAVE_TE:
-            b.notice("--transformer-impl", "Transformer Engine is not installed: the local "
-                     "layers run")
+    if impl == "transformer_engine" and not optional.HAVE_TE:
+        b.notice("--transformer-impl", "Transformer Engine is not installed: the local layers run")
 
 
 def _checkpoint_format(b: _Builder) -> None:

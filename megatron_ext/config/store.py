@@ -16,12 +16,15 @@ import functools
 from pathlib import Path
 from typing import Sequence
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_ext.config.explain import composition_error, unknown_keys
+from megatron_ext.config.plugin_sections import plugin_sections
 from megatron_ext.config.schema import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
-from megatron_ext.plugin import registered_plugins
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -170,11 +173,12 @@ OPTIM_PRESETS = {
 
 @functools.cache
 def config_schema() -> type:
-    """`Config` plus one top-level section per registered plugin that has a config class."""
+    """`Config` plus one top-level section per plugin that has a config class (the plugins'
+    config modules are imported, not the plugins themselves)."""
     extra = [
-        (name, cls.config_class, dataclasses.field(default_factory=cls.config_class))
-        for name, cls in sorted(registered_plugins().items())
-        if cls.config_class is not None
+        (name, section.config_class, dataclasses.field(default_factory=section.config_class))
+        for name, section in sorted(plugin_sections().items())
+        if section.config_class is not None
     ]
     if not extra:
         return Config
@@ -203,10 +207,6 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
 
     Used by entrypoints that do not go through `@hydra.main` (pretrain_gpt, tests, notebooks).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:

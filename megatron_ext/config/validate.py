@@ -8,23 +8,25 @@ crashed N-process launch into one line that names the field to change:
 
 Every rule is a small function `(cfg, world_size, device) -> None | str | list[str]` returning the
 broken rule's text; `RULES` below lists them all with the field each one blames.
+Each plugin the run lists adds its own checks (config/plugin_sections.py), read from its
+config module without importing the plugin: `validate_run` and `validate_layout` run them.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Union
 
-from megatron_ext.config.schema import Config
-from megatron_ext.models.moe_layers import moe_layer_pattern
-from megatron_ext.platform import optional
-from megatron_ext.plugin import registered_plugins
-from megatron_ext.training.batch_schedule import (
-    BatchSchedule,
+from megatron_ext.config.batch_sizes import (
     parse_step_schedule,
     rampup_problems,
     schedule_key,
+    scheduled_batch_sizes,
     step_schedule_problems,
 )
+from megatron_ext.config.moe_pattern import moe_layer_pattern
+from megatron_ext.config.plugin_sections import plugin_sections
+from megatron_ext.config.schema import Config
+from megatron_ext.platform import optional
 
 
 class ConfigError(ValueError):
@@ -240,18 +242,24 @@ def vpp_needs_pipeline(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+def _standby_workers(cfg: Config) -> bool:
+    """Whether a plugin of the run lets its layout use a part of the world (the other workers
+    wait on standby for the layout to grow)."""
+    sections = plugin_sections()
+    return any(sections[name].standby_workers for name in cfg.plugins if name in sections)
+
+
 def _layout_fits(cfg: Config, world: int) -> bool:
-    """An explicit layout uses the whole world, or, with the reshard plugin, a part of it: the
-    other workers wait on standby for the layout to grow."""
+    """An explicit layout uses the whole world, or a part of it where a plugin allows it."""
     p = cfg.parallel
     active = p.tp * p.pp * p.dp * p.cp
-    return active == world or ("reshard" in cfg.plugins and active < world)
+    return active == world or (_standby_workers(cfg) and active < world)
 
 
 def world_matches_layout(cfg: Config, world: int, device: str) -> Optional[str]:
     p = cfg.parallel
     if p.dp is not None and not _layout_fits(cfg, world):
-        relation = "be at most" if "reshard" in cfg.plugins else "equal"
+        relation = "be at most" if _standby_workers(cfg) else "equal"
         return (
             f"tp * pp * dp * cp ({p.tp} * {p.pp} * {p.dp} * {p.cp} = {p.tp * p.pp * p.dp * p.cp}) "
             f"must {relation} the world size ({world})"
@@ -456,7 +464,7 @@ def scheduled_batches_divisible(path: str) -> Rule:
         if rampup_fits(cfg, world, device) or step_schedule_fits(cfg, world, device):
             return None  # the schedule itself is reported
         per_step = t.micro_batch_size * dp * (p.pp if p.vpp else 1)
-        bad = sorted({size for size in BatchSchedule.of(t, cfg.model.seq_length, gbs).sizes() if size % per_step})
+        bad = sorted({size for size in scheduled_batch_sizes(t, cfg.model.seq_length, gbs) if size % per_step})
         if not bad:
             return None
         factors = f"train.micro_batch_size * dp ({t.micro_batch_size} * {dp}"
@@ -527,7 +535,7 @@ def not_negative(path: str) -> Rule:
 
 
 def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
-    known = registered_plugins()
+    known = plugin_sections()
     return [
         f"unknown plugin {name!r}; registered: {', '.join(sorted(known)) or 'none'}"
         for name in cfg.plugins
@@ -537,7 +545,7 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
 
 def one_step_plugin(cfg: Config, world: int, device: str) -> Optional[str]:
     """The Trainer runs the first plugin's step function; a second one would be ignored."""
-    known = registered_plugins()
+    known = plugin_sections()
     own_step = [n for n in dict.fromkeys(cfg.plugins) if n in known and known[n].runs_step]
     if len(own_step) > 1:
         return f"{' and '.join(own_step)} each run the training step (forward_backward_func); a run can use one of them"
@@ -1045,11 +1053,24 @@ def validate(cfg: Config, world_size: int, device: Optional[str] = None) -> None
         raise ConfigError(field, rule, others)
 
 
-def validate_layout(cfg: Config, world_size: int, plugins: Sequence = ()) -> None:
-    """`validate`, then each plugin's `check_layout`: for a layout the run starts on or moves to."""
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """`validate`, then the `check_layout` of each plugin the run lists: for a layout the run
+    starts on or moves to."""
     validate(cfg, world_size)
-    for plugin in plugins:
-        plugin.check_layout(cfg, world_size)
+    sections = plugin_sections()
+    for name in cfg.plugins:
+        sections[name].check_layout(sections[name].own(cfg), cfg, world_size)
+
+
+def validate_run(cfg: Config, world_size: int, device: Optional[str] = None) -> None:
+    """Everything a config is checked for before launch: `validate`, then the `check` and
+    `check_layout` of each plugin the run lists, in its order."""
+    validate(cfg, world_size, device)
+    sections = plugin_sections()
+    for name in cfg.plugins:
+        section = sections[name]
+        section.check(section.own(cfg), cfg, world_size)
+        section.check_layout(section.own(cfg), cfg, world_size)
 
 
 def resolve_dp(cfg: Config, world_size: int) -> int:

@@ -13,60 +13,25 @@ the layer spec and a module swap after the model is built.
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
+from megatron_ext.dpp.config import SECTION, DppConfig, check_settings, refuse_cost_model, refuse_layout
 from megatron_ext.plugin import Plugin, register_plugin
 
-if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
+if TYPE_CHECKING:  # annotations only
     from megatron_ext.training.trainer import Trainer
-
-@dataclass
-class DppConfig:
-    # The longest sequence a step trains on, in tokens; longer documents follow `too_long`.
-    max_seq_len: int = 1024
-    # truncate | reject: what happens to a longer document (the counts are logged after the
-    # first batch and at the end of training).
-    too_long: str = "truncate"
-    # Whole documents per global batch, over all data-parallel replicas.
-    docs_per_batch: int = 16
-    # Memory per pipeline stage the plan must fit: model states (the stage's parameters, their
-    # fp32 gradients and optimizer state, counted on the run's model) plus activations. A
-    # budget no plan can meet is refused before the first step, naming the smallest feasible one.
-    memory_budget_mb: float = 1024.0
-    # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
-    policy: str = "dpp"
-    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: a missing
-    # one is refused before the run starts. Its activation terms are refitted to the run.
-    cost_model: Optional[str] = None
-    # Plan the next global batch in a background thread while the current one trains (the
-    # plans are the same either way; false plans each batch at its own step).
-    plan_ahead: bool = True
-
-
-def _check(cfg: DppConfig) -> None:
-    from megatron_ext.dpp.lengths import check_overflow
-    from megatron_ext.dpp.planner import POLICIES
-
-    check_overflow(cfg.too_long, "dpp.too_long")
-    if cfg.policy not in POLICIES:
-        raise ValueError(f"dpp.policy: expected one of {POLICIES}, got {cfg.policy!r}")
-    if cfg.max_seq_len < 2 or cfg.docs_per_batch < 1 or cfg.memory_budget_mb <= 0:
-        raise ValueError("dpp: max_seq_len >= 2, docs_per_batch >= 1 and memory_budget_mb > 0 are required")
 
 
 @register_plugin
 class DppPlugin(Plugin):
-    name = "dpp"
-    config_class = DppConfig
-    runs_step = True
+    section = SECTION
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else DppConfig())
-        _check(self.cfg)
+        check_settings(self.cfg)
         from megatron_ext.dpp.attention import ChunkContext
         from megatron_ext.dpp.runtime import DppStep
 
@@ -79,21 +44,6 @@ class DppPlugin(Plugin):
         self._step_began = 0.0
         self.tokens_total, self.train_seconds = 0, 0.0
         self.planning_s = self.waited_s = 0.0  # of the streams closed so far (one per layout)
-
-    def check(self, cfg, world_size: int) -> None:
-        from megatron_ext.config.validate import ConfigError
-        from megatron_ext.training.batch_schedule import schedule_key
-
-        if schedule_key(cfg.train):  # dpp's global batches are dpp.docs_per_batch documents
-            raise ConfigError(schedule_key(cfg.train), "dpp plans its own global batches of whole documents: "
-                                                       "a batch-size schedule is not supported")
-
-    def check_layout(self, cfg, world_size: int) -> None:
-        """Before the run starts and before a live reshard moves it: a layout or model DPP
-        cannot train, or a cost model that is missing or was calibrated for another layer
-        shape or tensor parallelism, is refused."""
-        refuse_layout(cfg)
-        refuse_cost_model(self.cfg.cost_model, cfg)
 
     def setup(self, trainer: Trainer) -> None:
         # A Trainer built without train.run() has not been through preflight. Its cost model
@@ -181,71 +131,6 @@ class DppPlugin(Plugin):
         self.planning_s += self._stream.planning_s
         self.waited_s += self._stream.waited_s
         self._stream = None
-
-
-def refuse_layout(cfg) -> None:
-    """Raise a ConfigError for a parallel layout or model (`cfg`'s) that DPP cannot train."""
-    from megatron_ext.config.validate import ConfigError
-
-    p, model = cfg.parallel, cfg.model
-    if p.vpp:
-        raise ConfigError("parallel.vpp", "dpp runs a non-interleaved pipeline; leave parallel.vpp unset")
-    if p.cp > 1:
-        raise ConfigError("parallel.cp", "dpp does not support context parallelism (it splits long sequences itself)")
-    if model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
-        raise ConfigError("model.arch", f"dpp supports model.arch=gpt only, not {model.arch!r}")
-    if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_aux_loss_coeff > 0:
-        # Chunks are padded to multiples of tp, and megatron routes padding like any token.
-        raise ConfigError("model.moe_aux_loss_coeff", "dpp with sequence parallelism does not support an MoE "
-                          "auxiliary loss: the padding of chunks would enter the load-balancing loss")
-    if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_router_enable_expert_bias:
-        raise ConfigError("model.moe_router_enable_expert_bias", "dpp with sequence parallelism does not support "
-                          "the expert bias: the padding of chunks would enter its expert counts")
-    refuse_model_space(model)
-    if p.ep > 1:
-        # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
-        # their MoE layers' token exchanges would not pair up chunk by chunk.
-        raise ConfigError("parallel.ep", "dpp does not support expert parallelism; MoE models run with parallel.ep=1")
-
-
-def refuse_model_space(model) -> None:
-    """What dpp's chunk attention and chunk positions (attention.py) are not written for."""
-    from megatron_ext.config.validate import ConfigError
-
-    if model.multi_latent_attention:
-        raise ConfigError("model.multi_latent_attention", "dpp's chunk attention takes one head size for queries, "
-                          "keys and values: multi-latent attention is not supported")
-    if model.position_embedding_type != "rope":
-        raise ConfigError("model.position_embedding_type", "dpp places the tokens of packed and split sequences "
-                          f"through RoPE: position_embedding_type={model.position_embedding_type} is not supported")
-    if model.attention_dropout > 0:
-        raise ConfigError("model.attention_dropout", "dpp's chunk attention has no attention dropout; set it to 0")
-    if model.window_size is not None:
-        raise ConfigError("model.window_size", "dpp's chunk attention is full causal attention within each sequence: "
-                          "sliding windows are not supported")
-    if model.softmax_type != "vanilla":
-        raise ConfigError("model.softmax_type", f"dpp's chunk attention computes a plain softmax: softmax offsets "
-                          f"(softmax_type={model.softmax_type}) are not supported")
-    if model.mtp_num_layers is not None:
-        raise ConfigError("model.mtp_num_layers", "dpp packs several sequences into one chunk: multi-token "
-                          "prediction's shifted tokens would cross from one sequence into the next")
-    if model.num_experts and model.moe_router_load_balancing_type == "seq_aux_loss":
-        raise ConfigError("model.moe_router_load_balancing_type", "dpp packs several sequences into one chunk: "
-                          "the sequence-level aux loss (seq_aux_loss) would see chunks, not sequences")
-
-
-def refuse_cost_model(path: Optional[str], cfg) -> None:
-    """Raise a ConfigError for a `dpp.cost_model` that is missing or was calibrated for
-    another layer shape or tensor parallelism than `cfg`'s model and layout."""
-    from megatron_ext.config.validate import ConfigError
-    from megatron_ext.dpp.calibrate import check_calibrated_for
-
-    how = "python -m megatron_ext.dpp.calibrate writes one"
-    if path is None:
-        raise ConfigError("dpp.cost_model", f"give a cost model fitted on this machine ({how})")
-    if not os.path.isfile(path):
-        raise ConfigError("dpp.cost_model", f"{path} is not a file ({how})")
-    check_calibrated_for(path, cfg.model, cfg.parallel)
 
 
 def open_documents(trainer: Trainer):

@@ -13,63 +13,10 @@ from `train` / `model.seq_length`, its steps from `train.iters`. The run is swee
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_ext.lora.job import TARGET_MODULES
+from megatron_ext.lora.config import SECTION
 from megatron_ext.plugin import Plugin, Runner, register_plugin
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
-    # "task:<docstring|module|reverse|upper>" (tasks.py, from the standard library) or
-    # "synthetic" (seeded random tokens).
-    dataset: str = "task:docstring"
-    # A job's sample length (None: model.seq_length).
-    seq_length: Optional[int] = None
-    eval_iters: int = 4
-    # Evaluate every N optimizer steps (0: at the end only).
-    eval_interval: int = 0
-    # A plain multi-job config: entries (dicts of LoraJob fields, with a unique `name`) that
-    # override the job this config describes; or the same list under `jobs:` in a YAML file.
-    jobs: list[Any] = field(default_factory=list)
-    jobs_file: Optional[str] = None
-    # Adapters trained at once (None: the planner decides within `memory_gb`).
-    slots: Optional[int] = None
-    # Memory of one device (a rank) the planner may fill. parallel.tp is the largest TP a pack
-    # may use: the planner picks each pack's TP, a power of two up to it.
-    memory_gb: float = 16.0
-    # The most padded tokens (samples x length) of one forward/backward: a packed step over
-    # more splits into passes of whole micro-batches, in slot order, whose gradients add up
-    # (each adapter's gradient is the same; activations are one pass's, not every job's; a
-    # micro-batch over the cap runs alone). The planner's memory and time count the passes.
-    # "auto": the pass size past which this device runs barely faster per token (pass_size.py:
-    # the cost-model file's, else 1024 on a CPU, else no cap); null: one pass per packed step.
-    max_pass_tokens: Any = "auto"
-    # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
-    # uncalibrated CPU_COEFFICIENTS.
-    cost_model: Optional[str] = None
-    # reference | grouped | triton | auto (grouped GEMM for bf16 on CUDA, else reference; triton
-    # only by name until it has run on a GPU)
-    kernel: str = "auto"
-    # Per job: log, metrics, PEFT adapter and megatron checkpoint under <output_dir>/<job>/.
-    output_dir: str = "runs/lora_sweep"
-    # The base model each PEFT adapter names (adapter_config.json's base_model_name_or_path):
-    # a path or hub id transformers opens. None: model.pretrained when it is a Hugging Face
-    # folder, else no name.
-    peft_base_model: Optional[str] = None
-    # Checkpoint each pack every N packed steps under <output_dir>/checkpoints/ (resume.py);
-    # None: only when the pack ends.
-    save_interval: Optional[int] = None
-    # Continue the sweep checkpointed under <output_dir>/checkpoints/ (the same jobs).
-    resume: bool = False
-    # Stop this launch after N packed steps (with a checkpoint), counted on each rank over the
-    # packs it runs; None: run to the end.
-    stop_after: Optional[int] = None
 
 
 @register_plugin
@@ -78,8 +25,7 @@ class LoraPlugin(Plugin):
     Trainer's single job: many jobs, each with its own optimizer and lifetime, share one base
     pass, which the Trainer's one-model/one-optimizer loop does not express."""
 
-    name = "lora"
-    config_class = LoraConfig
+    section = SECTION
 
     @classmethod
     def multirun(cls, argv: Sequence[str]) -> Optional[tuple[Any, Callable[[], Any]]]:
@@ -98,31 +44,3 @@ class LoraPlugin(Plugin):
         from megatron_ext.lora.sweep import jobs_of, run_sweep
 
         return Runner(lambda cfg: run_sweep(cfg, jobs_of(cfg)), stops_at_a_step=False)
-
-    def check(self, cfg, world_size: int) -> None:
-        from megatron_ext.config.validate import ConfigError
-
-        # The adapters wrap linear_qkv / linear_proj and a dense MLP's linear_fc1 / linear_fc2.
-        if cfg.model.multi_latent_attention:
-            raise ConfigError("model.multi_latent_attention", "lora adapts linear_qkv, which multi-latent attention has not")
-        if cfg.model.num_experts is not None:
-            raise ConfigError("model.num_experts", "lora adapts dense MLPs (linear_fc1/linear_fc2), not MoE experts")
-        from megatron_ext.training.batch_schedule import schedule_key
-
-        if schedule_key(cfg.train):
-            raise ConfigError(schedule_key(cfg.train), "lora trains each job at one global batch (train.global_batch_size): "
-                                                       "a batch-size schedule is not supported")
-        if cfg.model.mtp_num_layers is not None:
-            raise ConfigError("model.mtp_num_layers", "lora trains each packed job on its own next-token loss: "
-                                                      "multi-token prediction's loss is one over the whole pack")
-        # Each job's adapter is written for a Hugging Face base (PEFT), whose families have neither.
-        peft = "lora writes each job's adapter for a Hugging Face base (PEFT), which has no"
-        if cfg.model.window_size is not None:
-            raise ConfigError("model.window_size", f"{peft} sliding window: the adapter would meet another network")
-        if cfg.model.softmax_type != "vanilla":
-            raise ConfigError("model.softmax_type", f"{peft} softmax offsets (softmax_type={cfg.model.softmax_type}): "
-                                                    "the adapter would meet another network")
-        others = [name for name in cfg.plugins if name != self.name]
-        if others:  # they hook into the Trainer, which a sweep does not run
-            raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "
-                                         "run them without lora")

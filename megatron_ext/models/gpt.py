@@ -37,10 +37,11 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import get_pg_rank
 
+from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.context_parallel import ContextParallelAttention
 from megatron_ext.models.mla import MLACoreAttention
-from megatron_ext.models.moe_layers import megatron_moe_layer_freq, moe_layer_pattern
+from megatron_ext.models.moe_layers import megatron_moe_layer_freq
 from megatron_ext.models.norm import LocalNorm
 from megatron_ext.platform import optional
 

@@ -272,7 +272,7 @@ def _agree(move: Move) -> Move:
 
 def _layouts(trainer, target: ParallelConfig) -> tuple[ModelConfig, ParallelLayout, ParallelLayout]:
     """(the planner's model, the layout now, the layout `target`), after checking `target`."""
-    validate_layout(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size(), trainer.plugins)
+    validate_layout(dataclasses.replace(trainer.cfg, parallel=target), dist.get_world_size())
     return planner_model(trainer), _layout(trainer.cfg.parallel), _layout(target)
 
 

@@ -25,48 +25,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_ext.plugin import Plugin, Runner, build_plugins, register_plugin
 from megatron_ext.parallel.layout import ParallelLayout
-from megatron_ext.reshard.request import SIZES, RequestError, read_request, retire
+from megatron_ext.plugin import Plugin, Runner, register_plugin
+from megatron_ext.reshard.config import SECTION, check_schedule, target_config
+from megatron_ext.reshard.request import RequestError, read_request, retire
 
-if TYPE_CHECKING:  # the plugin is registered when configs are composed: no torch import then
+if TYPE_CHECKING:  # annotations only
     from megatron_ext.reshard.live import Preparation
-
-
-@dataclass
-class ReshardConfig:
-    # [{step: N, layout: {tp: .., pp: .., dp: .., ep: .., cp: .., vpp: ..}}, ...]: reshard
-    # before step N runs.
-    schedule: list[Any] = field(default_factory=list)
-    # A JSON file {"layout": {...}} polled between steps (None: no polling).
-    request_file: Optional[str] = None
-    # Staging memory per rank per transfer round, for what a rank sends and, separately, for
-    # what it receives: the staging peak is at most twice this (printed in the reshard line).
-    memory_budget_mb: float = 64.0
-    # Rank 0 appends one JSON line per move here (its ReshardReport and the step); None: none.
-    report_file: Optional[str] = None
-    # Build the new layout (groups, model, optimizer; for another number of workers the new
-    # torch world and the joining workers' trainers too) in the background before the switch.
-    # It then holds its memory from the end of preparing on, beside the running layout's.
-    prebuild: bool = True
-    # Start preparing a scheduled move this many steps before it.
-    prepare_steps_ahead: int = 20
-    # Between the processes of one host, move the state through shared memory (/dev/shm)
-    # rather than as gloo messages; falls back to messages by itself where it cannot.
-    shared_memory: bool = True
-
-
-def target_config(current, layout: dict):
-    """The run's ParallelConfig with the sizes `layout` names changed."""
-    unknown = set(layout) - set(SIZES)
-    if unknown:
-        raise ValueError(f"reshard layout: unknown size(s) {sorted(unknown)}; use {list(SIZES)}")
-    changes = dict(layout)
-    changes.setdefault("dp", None)  # derived from the world unless named
-    return dataclasses.replace(current, **changes)
 
 
 @dataclass(frozen=True)
@@ -82,8 +50,7 @@ class _Planned:
 
 @register_plugin
 class ReshardPlugin(Plugin):
-    name = "reshard"
-    config_class = ReshardConfig
+    section = SECTION
 
     def runner(self) -> Runner:
         # The job's processes form a worker pool, so that the number of workers can change
@@ -91,21 +58,6 @@ class ReshardPlugin(Plugin):
         from megatron_ext.reshard.pool import pooled_worker
 
         return Runner(pooled_worker)
-
-    def check(self, cfg, world_size: int) -> None:
-        """Settings or a scheduled layout that cannot work are a config error: refuse them
-        before launching."""
-        from megatron_ext.config.validate import ConfigError
-        from megatron_ext.training.batch_schedule import schedule_key
-
-        if schedule_key(cfg.train):  # moves, prebuilt layouts and joining workers are not made to follow one
-            raise ConfigError(schedule_key(cfg.train), "reshard moves runs of one global batch; a batch-size schedule "
-                                                       "is not supported with it: use a fixed train.global_batch_size")
-        if self.cfg.memory_budget_mb <= 0:
-            raise ConfigError("reshard.memory_budget_mb", f"must be positive, got {self.cfg.memory_budget_mb}")
-        if self.cfg.prepare_steps_ahead < 0:
-            raise ConfigError("reshard.prepare_steps_ahead", f"must be 0 or more, got {self.cfg.prepare_steps_ahead}")
-        check_schedule(cfg, self.cfg.schedule, world_size, build_plugins(cfg.plugins, cfg))
 
     def setup(self, trainer) -> None:
         import torch.distributed as dist
@@ -115,7 +67,7 @@ class ReshardPlugin(Plugin):
         self.reports: list = []
         self._due = {int(entry["step"]): dict(entry["layout"]) for entry in self.cfg.schedule}
         pool = current_pool()  # a Trainer built without train.run(): check here too
-        check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size(), trainer.plugins)
+        check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size())
         self._next: Optional[tuple[int, _Planned]] = None  # the next scheduled move
         self._requested_move: Optional[_Planned] = None
         self._stuck: Optional[tuple] = None  # a request file (rank 0's view) that cannot be renamed
@@ -262,17 +214,6 @@ class ReshardPlugin(Plugin):
             self._stuck = _identity(path)
             return f"; {path} cannot be renamed: it is ignored until it changes"
         return f"; renamed to {renamed}" if outcome != "done" else ""
-
-
-def check_schedule(cfg, schedule: list, world_size: int, plugins: list) -> None:
-    """Raise ConfigError for the first scheduled layout the model, or one of the run's
-    `plugins`, cannot run on `world_size` workers, each layout taken from the one before it."""
-    from megatron_ext.config.validate import validate_layout
-
-    parallel = cfg.parallel
-    for entry in sorted(schedule, key=lambda e: int(e["step"])):
-        parallel = target_config(parallel, dict(entry["layout"]))
-        validate_layout(dataclasses.replace(cfg, parallel=parallel), world_size, plugins)
 
 
 def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):

@@ -266,7 +266,7 @@ def pool_layout(cfg: Config, parallel: ParallelConfig, pool_size: int) -> Parall
 def check_resize(trainer, target: ParallelConfig, pool: WorkerPool) -> None:
     """Raise ConfigError when `target` cannot run on this pool, or the trainer's plugins
     cannot train on it (before anything moves)."""
-    validate_layout(dataclasses.replace(trainer.cfg, parallel=target), pool.size, trainer.plugins)
+    validate_layout(dataclasses.replace(trainer.cfg, parallel=target), pool.size)
 
 
 def plan_resize(trainer, target: ParallelConfig, budget_mb: float) -> Move:

@@ -14,8 +14,8 @@ import os
 from typing import Optional
 
 from megatron_ext.platform.local_workers import first_line
+from megatron_ext.reshard.config import SIZES
 
-SIZES = ("tp", "pp", "dp", "ep", "cp", "vpp")
 EXAMPLE = '{"layout": {"tp": 1, "pp": 2}}'
 
 

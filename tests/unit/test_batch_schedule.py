@@ -9,14 +9,10 @@ import shlex
 
 import pytest
 
+from megatron_ext.config.batch_sizes import parse_step_schedule, rampup_problems, step_schedule_problems
 from megatron_ext.config.schema import TrainConfig
 from megatron_ext.pretrain_gpt import main
-from megatron_ext.training.batch_schedule import (
-    BatchSchedule,
-    parse_step_schedule,
-    rampup_problems,
-    step_schedule_problems,
-)
+from megatron_ext.training.batch_schedule import BatchSchedule
 
 # name -> (schedule, seq_length, consumed samples -> global batch), worked by hand: thresholds
 # are tokens, floor-divided by the sequence length.

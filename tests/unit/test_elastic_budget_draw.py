@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import Config
+from megatron_ext.elastic.config import ElasticConfig
 from megatron_ext.elastic.distill import CurriculumConfig, Distiller, check_budget_draw
-from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
+from megatron_ext.elastic.plugin import ElasticPlugin
 from megatron_ext.elastic.router import BudgetRouter, RouterConfig, apply_choice
 from megatron_ext.elastic.space import ElasticSpace
 from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_ext.elastic.config import ElasticConfig
 from megatron_ext.elastic.distill import CurriculumConfig, check_budget_share, draw_budget, draw_generator
 from megatron_ext.elastic.expert_parallel import peers_share_windows
-from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
+from megatron_ext.elastic.plugin import ElasticPlugin
 from megatron_ext.elastic.space import ElasticSpace
 from tests.unit.test_elastic_budget_draw import distiller, old_choose
 from tests.unit.test_elastic_slicing import build_parent, world  # noqa: F401

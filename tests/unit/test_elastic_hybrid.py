@@ -190,7 +190,8 @@ def test_the_plugin_teacher_of_a_hybrid_run_is_the_hybrid(parent):
 def test_layouts_the_plugin_cannot_distil_are_refused_at_setup(parallel, elastic, message):
     from types import SimpleNamespace
 
-    from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
+    from megatron_ext.elastic.config import ElasticConfig
+    from megatron_ext.elastic.plugin import ElasticPlugin
 
     trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(**parallel), model=SimpleNamespace(arch="gpt"),
                                                   plugins=["elastic"]))

@@ -112,7 +112,8 @@ def test_bad_grids_and_budgets_name_the_nearest_reachable(space, grid, budgets, 
 
 
 def test_resumed_plugin_keeps_its_state_until_it_steps_and_refuses_another_grid():
-    from megatron_ext.elastic.plugin import ElasticConfig, ElasticPlugin
+    from megatron_ext.elastic.config import ElasticConfig
+    from megatron_ext.elastic.plugin import ElasticPlugin
 
     saved = {"orders": {"ffn0": [1, 0]}, "grid": {"ffn": [8, 16]}, "router": {"router": {}, "optimizer": {}}}
     plugin = ElasticPlugin(ElasticConfig())

@@ -19,11 +19,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.config.validate import violations
 from megatron_ext.models.gpt import DTYPES, build_gpt_model, layer_spec, transformer_config
-from megatron_ext.models.moe_layers import moe_layer_pattern
 
 VOCAB = 256
 

@@ -18,10 +18,10 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.convert.families import family_of
 from megatron_ext.models.logical import LogicalName
-from megatron_ext.models.moe_layers import moe_layer_pattern
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"

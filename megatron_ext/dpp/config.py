@@ -1,0 +1,131 @@
+"""The dpp plugin's config section (`dpp.*`) and its checks before launch; no torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ext.config.batch_sizes import schedule_key
+from megatron_ext.config.plugin_sections import PluginSection
+from megatron_ext.config.schema import Config, ModelConfig
+from megatron_ext.config.validate import ConfigError
+
+
+@dataclass
+class DppConfig:
+    # The longest sequence a step trains on, in tokens; longer documents follow `too_long`.
+    max_seq_len: int = 1024
+    # truncate | reject: what happens to a longer document (the counts are logged after the
+    # first batch and at the end of training).
+    too_long: str = "truncate"
+    # Whole documents per global batch, over all data-parallel replicas.
+    docs_per_batch: int = 16
+    # Memory per pipeline stage the plan must fit: model states (the stage's parameters, their
+    # fp32 gradients and optimizer state, counted on the run's model) plus activations. A
+    # budget no plan can meet is refused before the first step, naming the smallest feasible one.
+    memory_budget_mb: float = 1024.0
+    # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
+    policy: str = "dpp"
+    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: a missing
+    # one is refused before the run starts. Its activation terms are refitted to the run.
+    cost_model: Optional[str] = None
+    # Plan the next global batch in a background thread while the current one trains (the
+    # plans are the same either way; false plans each batch at its own step).
+    plan_ahead: bool = True
+
+
+def check_settings(own: DppConfig) -> None:
+    """Raise a ConfigError for a setting of the `dpp` section that cannot work."""
+    # numpy and the planner's modules: loaded for a run with dpp only
+    from megatron_ext.dpp.lengths import OVERFLOW_POLICIES
+    from megatron_ext.dpp.planner import POLICIES
+
+    if own.too_long not in OVERFLOW_POLICIES:
+        raise ConfigError("dpp.too_long", f"must be one of {OVERFLOW_POLICIES}, got {own.too_long!r}")
+    if own.policy not in POLICIES:
+        raise ConfigError("dpp.policy", f"expected one of {POLICIES}, got {own.policy!r}")
+    if own.max_seq_len < 2:
+        raise ConfigError("dpp.max_seq_len", f"must be at least 2, got {own.max_seq_len}")
+    if own.docs_per_batch < 1:
+        raise ConfigError("dpp.docs_per_batch", f"must be at least 1, got {own.docs_per_batch}")
+    if own.memory_budget_mb <= 0:
+        raise ConfigError("dpp.memory_budget_mb", f"must be positive, got {own.memory_budget_mb}")
+
+
+def check(own: DppConfig, cfg: Config, world_size: int) -> None:
+    check_settings(own)
+    if schedule_key(cfg.train):  # dpp's global batches are dpp.docs_per_batch documents
+        raise ConfigError(schedule_key(cfg.train), "dpp plans its own global batches of whole documents: "
+                                                   "a batch-size schedule is not supported")
+
+
+def check_layout(own: DppConfig, cfg: Config, world_size: int) -> None:
+    """Before the run starts and before a live reshard moves it: a layout or model DPP cannot
+    train, or a cost model that is missing or was calibrated for another layer shape or tensor
+    parallelism, is refused."""
+    refuse_layout(cfg)
+    refuse_cost_model(own.cost_model, cfg)
+
+
+def refuse_layout(cfg: Config) -> None:
+    """Raise a ConfigError for a parallel layout or model (`cfg`'s) that DPP cannot train."""
+    p, model = cfg.parallel, cfg.model
+    if p.vpp:
+        raise ConfigError("parallel.vpp", "dpp runs a non-interleaved pipeline; leave parallel.vpp unset")
+    if p.cp > 1:
+        raise ConfigError("parallel.cp", "dpp does not support context parallelism (it splits long sequences itself)")
+    if model.arch != "gpt":  # the chunk attention and RoPE swaps assume GPT layers
+        raise ConfigError("model.arch", f"dpp supports model.arch=gpt only, not {model.arch!r}")
+    if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_aux_loss_coeff > 0:
+        # Chunks are padded to multiples of tp, and megatron routes padding like any token.
+        raise ConfigError("model.moe_aux_loss_coeff", "dpp with sequence parallelism does not support an MoE "
+                          "auxiliary loss: the padding of chunks would enter the load-balancing loss")
+    if p.sequence_parallel and p.tp > 1 and model.num_experts and model.moe_router_enable_expert_bias:
+        raise ConfigError("model.moe_router_enable_expert_bias", "dpp with sequence parallelism does not support "
+                          "the expert bias: the padding of chunks would enter its expert counts")
+    refuse_model_space(model)
+    if p.ep > 1:
+        # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
+        # their MoE layers' token exchanges would not pair up chunk by chunk.
+        raise ConfigError("parallel.ep", "dpp does not support expert parallelism; MoE models run with parallel.ep=1")
+
+
+def refuse_model_space(model: ModelConfig) -> None:
+    """What dpp's chunk attention and chunk positions (attention.py) are not written for."""
+    if model.multi_latent_attention:
+        raise ConfigError("model.multi_latent_attention", "dpp's chunk attention takes one head size for queries, "
+                          "keys and values: multi-latent attention is not supported")
+    if model.position_embedding_type != "rope":
+        raise ConfigError("model.position_embedding_type", "dpp places the tokens of packed and split sequences "
+                          f"through RoPE: position_embedding_type={model.position_embedding_type} is not supported")
+    if model.attention_dropout > 0:
+        raise ConfigError("model.attention_dropout", "dpp's chunk attention has no attention dropout; set it to 0")
+    if model.window_size is not None:
+        raise ConfigError("model.window_size", "dpp's chunk attention is full causal attention within each sequence: "
+                          "sliding windows are not supported")
+    if model.softmax_type != "vanilla":
+        raise ConfigError("model.softmax_type", f"dpp's chunk attention computes a plain softmax: softmax offsets "
+                          f"(softmax_type={model.softmax_type}) are not supported")
+    if model.mtp_num_layers is not None:
+        raise ConfigError("model.mtp_num_layers", "dpp packs several sequences into one chunk: multi-token "
+                          "prediction's shifted tokens would cross from one sequence into the next")
+    if model.num_experts and model.moe_router_load_balancing_type == "seq_aux_loss":
+        raise ConfigError("model.moe_router_load_balancing_type", "dpp packs several sequences into one chunk: "
+                          "the sequence-level aux loss (seq_aux_loss) would see chunks, not sequences")
+
+
+def refuse_cost_model(path: Optional[str], cfg: Config) -> None:
+    """Raise a ConfigError for a `dpp.cost_model` that is missing or was calibrated for
+    another layer shape or tensor parallelism than `cfg`'s model and layout."""
+    from megatron_ext.dpp.calibrate import check_calibrated_for  # numpy: only for a run with dpp
+
+    how = "python -m megatron_ext.dpp.calibrate writes one"
+    if path is None:
+        raise ConfigError("dpp.cost_model", f"give a cost model fitted on this machine ({how})")
+    if not os.path.isfile(path):
+        raise ConfigError("dpp.cost_model", f"{path} is not a file ({how})")
+    check_calibrated_for(path, cfg.model, cfg.parallel)
+
+
+SECTION = PluginSection("dpp", DppConfig, check=check, check_layout=check_layout, runs_step=True)

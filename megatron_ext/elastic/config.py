@@ -1,0 +1,90 @@
+"""The elastic plugin's config section (`elastic.*`) and its checks before launch; no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_ext.config.plugin_sections import PluginSection
+from megatron_ext.config.schema import Config, ModelConfig
+from megatron_ext.config.validate import ConfigError
+
+
+@dataclass
+class ElasticConfig:
+    # Fractions of the parent's parameters (total, or active with cost=active_params), largest first.
+    budgets: list[float] = field(default_factory=lambda: [1.0, 0.75, 0.5])
+    # Allowed sizes per axis kind, e.g. {hidden: [64, 96, 128], heads: [2, 4], ffn: [...]}.
+    # None: every kind gets `default_choices` sizes from half to all of its width. (Typed Any:
+    # Hydra's struct mode refuses new keys in a typed dict override.)
+    grid: Any = None
+    default_choices: int = 8
+    # A budget must be within this (relative) of some submodel of the grid.
+    tolerance: float = 0.05
+    cost: str = "params"
+    # Curriculum: each micro-batch or sample (`budget_draw`) draws its budget, uniformly for
+    # `uniform_steps`, then with `skew` (largest budget first).
+    uniform_steps: int = 50
+    skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
+    # What draws a budget: "micro_batch" (one budget and one router sample per micro-batch, from
+    # (seed, step, global micro-batch index)) or "sample" (one budget per sample, from (seed,
+    # step, global sample index); the router samples each budget once per step; `grouped.py`).
+    budget_draw: str = "micro_batch"
+    # Consecutive global micro-batches that draw one budget and router sample together (per
+    # sample: the same budgets row by row). Expert parallelism needs a multiple of parallel.ep
+    # (`expert_parallel.py`); a one-process run with the same value draws the same.
+    budget_share: int = 1
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    # Micro-batches of the whole run (all replicas together) the importance is measured on.
+    calibration_batches: int = 4
+    router_hidden: int = 64
+    router_lr: float = 1e-2
+    anneal_steps: int = 100
+    # Cost-only router steps before the first distillation step (no model forward: cheap).
+    router_warmup_steps: int = 200
+    # FP8 quantisation-aware distillation: the student reads its decoder linears fake-quantised
+    # to e4m3 with the parent's per-tensor scales (`fp8.py`; evaluation too, as deployed); the
+    # teacher stays in full precision. The nested checkpoint is then written in FP8.
+    fp8: bool = False
+    export_dir: Optional[str] = None
+
+
+# A live move carries the trainer's model and optimizer only.
+WITH_RESHARD = ("elastic with reshard is not supported: a live move would not carry elastic's frozen teacher (the "
+                "parent) to the new layout")
+
+
+def model_space_refusals(model: ModelConfig) -> list[tuple[str, str]]:
+    """(field, what) for the model-space options elastic's axes do not slice: they cut the
+    weights of LLaMA-style layers (RMSNorm, gated MLPs, no biases, RoPE) and of routed experts."""
+    found = [
+        (model.normalization != "RMSNorm", "model.normalization",
+         "LayerNorm (its bias is not sliced with the hidden axis)"),
+        (model.activation != "swiglu", "model.activation", f"{model.activation} (the FFN axes slice gated MLPs)"),
+        (model.add_bias_linear or model.add_qkv_bias, "model.add_bias_linear",
+         "linear biases (not sliced with the axes)"),
+        (model.position_embedding_type == "learned_absolute", "model.position_embedding_type",
+         "learned_absolute (the position table is not sliced with the hidden axis)"),
+        (model.multi_latent_attention, "model.multi_latent_attention", "multi-latent attention (no axes for it)"),
+        (model.softmax_type != "vanilla", "model.softmax_type",
+         f"softmax offsets (softmax_type={model.softmax_type}: one per head, not sliced with the heads axis)"),
+        (model.mtp_num_layers is not None, "model.mtp_num_layers",
+         "multi-token prediction (its layers are not sliced with the axes)"),
+        (model.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_intermediate_size",
+         "shared experts (not sliced with the hidden axis)"),
+        (model.moe_router_num_groups is not None, "model.moe_router_num_groups",
+         "group-limited routing (dropping experts breaks the groups)"),
+    ]
+    return [(field, what) for bad, field, what in found if bad]
+
+
+def check(own: ElasticConfig, cfg: Config, world_size: int) -> None:
+    if "reshard" in cfg.plugins:
+        raise ConfigError("plugins", WITH_RESHARD)
+    refusals = [(field, f"elastic does not support {what}") for field, what in model_space_refusals(cfg.model)]
+    if refusals:
+        raise ConfigError(*refusals[0], refusals[1:])
+
+
+SECTION = PluginSection("elastic", ElasticConfig, check=check, runs_step=True)

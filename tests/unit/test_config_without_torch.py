@@ -1,0 +1,82 @@
+"""The configuration imports no torch, megatron or plugin module, by construction: composing a
+config and checking it with the core's rules and every plugin's own checks (each plugin's
+config.py) runs in a fresh process that never loads them. That is what makes bad input fast.
+
+One fresh process composes and validates every case of the table, then reports the refusal of
+each and the modules it loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TINY = [
+    "experiment=none", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=32", "launcher.nproc=1",
+    # auto would ask torch whether it sees a GPU
+    "launcher.device=cpu",
+]
+# name -> (overrides, the field the refusal names)
+CASES = {
+    "typo": (["train.itres=5"], "train.itres"),
+    "all_four_plugins": (["plugins=[reshard,dpp,elastic,lora]"], "plugins"),
+    "reshard_budget": (["plugins=[reshard]", "reshard.memory_budget_mb=0"], "reshard.memory_budget_mb"),
+    "reshard_scheduled_layout": (["plugins=[reshard]", "reshard.schedule=[{step: 2, layout: {tp: 3}}]"], "parallel.tp"),
+    "reshard_move_dpp_cannot_train": (["plugins=[reshard,dpp]", "launcher.nproc=2",
+                                       "reshard.schedule=[{step: 2, layout: {cp: 2}}]"], "parallel.cp"),
+    "dpp_policy": (["plugins=[dpp]", "dpp.policy=fastest"], "dpp.policy"),
+    "dpp_cost_model": (["plugins=[dpp]"], "dpp.cost_model"),
+    "elastic_layernorm": (["plugins=[elastic]", "model.normalization=LayerNorm"], "model.normalization"),
+    "lora_moe": (["plugins=[lora]", "model.num_experts=4", "model.moe_ffn_hidden_size=64"], "model.num_experts"),
+}
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+
+    from megatron_ext.config import compose_config
+    from megatron_ext.config.validate import ConfigError, validate_run
+
+    tiny, cases = json.loads(sys.argv[1])
+    refused = {}
+    for name, (overrides, _) in cases.items():
+        try:
+            cfg = compose_config([*tiny, *overrides])
+            validate_run(cfg, cfg.launcher.nproc)
+        except ConfigError as e:
+            refused[name] = e.field
+    print(json.dumps({"refused": refused, "modules": sorted(sys.modules)}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def checked() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([TINY, CASES])], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_refusal_names_its_field(checked, case):
+    assert checked["refused"].get(case) == CASES[case][1]
+
+
+def test_no_torch_megatron_or_plugin_module_is_loaded(checked):
+    ours = [m for m in checked["modules"] if m.startswith("megatron_ext.")]
+    loaded = [m for m in checked["modules"] if m.split(".")[0] in ("torch", "megatron")]
+    loaded += [m for m in ours if m.endswith(".plugin") or m.startswith("megatron_ext.training")]
+    assert loaded == []
+
+
+def test_importing_the_config_loads_no_torch():
+    done = subprocess.run([sys.executable, "-c", "import megatron_ext.config, sys; assert 'torch' not in sys.modules"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

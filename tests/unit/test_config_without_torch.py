@@ -80,3 +80,14 @@ def test_importing_the_config_loads_no_torch():
     done = subprocess.run([sys.executable, "-c", "import megatron_ext.config, sys; assert 'torch' not in sys.modules"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_typo_on_the_command_line_is_refused_without_torch():
+    """`python -m megatron_ext.train train.itres=5`: one line naming the key, exit 2, and no torch
+    imported on the way (python -X importtime lists every module the process imports)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_ext.train", "train.itres=5"],
+                          capture_output=True, text=True, timeout=120)
+    imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: train.itres: no such key"), errors
+    assert [m for m in imported if m.split(".")[0] == "torch"] == []

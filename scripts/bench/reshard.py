@@ -68,11 +68,11 @@ from megatron.core.utils import unwrap_model  # noqa: E402
 from megatron_ext.config import compose_config  # noqa: E402
 from megatron_ext.config.schema import ModelConfig, ParallelConfig  # noqa: E402
 from megatron_ext.config.validate import ConfigError, validate  # noqa: E402
+from megatron_ext.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_ext.platform.launch import detect_launch, join_world, launch_local  # noqa: E402
 from megatron_ext.reshard.boxes import Box, box_shape, numel  # noqa: E402
-from megatron_ext.parallel.layout import ParallelLayout  # noqa: E402
-from megatron_ext.reshard.live import prepare, reshard  # noqa: E402
 from megatron_ext.reshard.config import target_config  # noqa: E402
+from megatron_ext.reshard.live import prepare, reshard  # noqa: E402
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states  # noqa: E402
 from megatron_ext.reshard.vps import Piece, layout_pieces, rank_pieces  # noqa: E402
 from megatron_ext.training import checkpoint as ckpt  # noqa: E402

@@ -255,8 +255,8 @@ def _live_move(trainer, a: dict, b: dict, model: str, budget_mb: float) -> dict:
     import torch.distributed as dist
 
     import reshard as bench
-    from megatron_ext.reshard.live import prepare, reshard
     from megatron_ext.reshard.config import target_config
+    from megatron_ext.reshard.live import prepare, reshard
 
     base = dataclasses.replace(trainer.cfg.parallel, tp=1, pp=1, ep=1, cp=1, vpp=None)
     target = target_config(base, b)

@@ -112,7 +112,9 @@ class Plugin:
 
     def _own(self) -> Any:
         """The plugin's config section: the one it was built with, else its defaults."""
-        return self.cfg if self.cfg is not None else self.section.own(None)
+        if self.cfg is None and self.config_class is not None:
+            return self.config_class()
+        return self.cfg
 
     def setup(self, trainer: Trainer) -> None:
         """After the world exists, before the model is built."""

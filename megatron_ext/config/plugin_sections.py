@@ -68,7 +68,7 @@ def register_section(section: PluginSection) -> None:
     schema (for configs composed after this) and its checks run on every run that lists it."""
     known = plugin_sections().get(section.name)
     if known is not None and known is not section:
-        raise ValueError(f"two plugins are named {section.name!r}: {known} and {section}")
+        raise ValueError(f"two plugins are named {section.name!r}")
     _REGISTERED[section.name] = section
 
 

@@ -54,6 +54,7 @@ def check_settings(own: DppConfig) -> None:
 
 
 def check(own: DppConfig, cfg: Config, world_size: int) -> None:
+    """The section's settings, and a batch-size schedule (dpp plans its own batches), are checked."""
     check_settings(own)
     if schedule_key(cfg.train):  # dpp's global batches are dpp.docs_per_batch documents
         raise ConfigError(schedule_key(cfg.train), "dpp plans its own global batches of whole documents: "

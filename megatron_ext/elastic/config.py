@@ -80,6 +80,7 @@ def model_space_refusals(model: ModelConfig) -> list[tuple[str, str]]:
 
 
 def check(own: ElasticConfig, cfg: Config, world_size: int) -> None:
+    """A run with reshard, or a model with options elastic's axes do not slice, is refused."""
     if "reshard" in cfg.plugins:
         raise ConfigError("plugins", WITH_RESHARD)
     refusals = [(field, f"elastic does not support {what}") for field, what in model_space_refusals(cfg.model)]

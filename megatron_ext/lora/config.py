@@ -65,6 +65,7 @@ class LoraConfig:
 
 
 def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
+    """A model, batch schedule or plugin a packed sweep of PEFT adapters cannot train with is refused."""
     # The adapters wrap linear_qkv / linear_proj and a dense MLP's linear_fc1 / linear_fc2.
     if cfg.model.multi_latent_attention:
         raise ConfigError("model.multi_latent_attention", "lora adapts linear_qkv, which multi-latent attention has not")

@@ -1068,9 +1068,9 @@ def validate_run(cfg: Config, world_size: int, device: Optional[str] = None) -> 
     validate(cfg, world_size, device)
     sections = plugin_sections()
     for name in cfg.plugins:
-        section = sections[name]
-        section.check(section.own(cfg), cfg, world_size)
-        section.check_layout(section.own(cfg), cfg, world_size)
+        section, own = sections[name], sections[name].own(cfg)
+        section.check(own, cfg, world_size)
+        section.check_layout(own, cfg, world_size)
 
 
 def resolve_dp(cfg: Config, world_size: int) -> int:

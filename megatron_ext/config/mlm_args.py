@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
+from megatron_ext.config.tokenizer_spec import gpt2_files_spec, null_tokenizer_spec
 from megatron_ext.platform import optional
 
 
@@ -354,8 +355,6 @@ def _tokenizer(b: _Builder) -> None:
 def _null_tokenizer(b: _Builder, model: Optional[str]) -> None:
     """Megatron-LM's NullTokenizer reads ids, not text: --vocab-size V is its size (ids 0..V-1,
     the end of document V), and the embedding is padded from V + 1 as Megatron-LM pads it."""
-    from megatron_ext.data.tokenizers import null_tokenizer_spec  # the spec's form is the data layer's
-
     if model is not None:
         b.problem("--tokenizer-model", "does not go with --tokenizer-type NullTokenizer")
     size = b.get("--vocab-size")
@@ -369,8 +368,6 @@ def _null_tokenizer(b: _Builder, model: Optional[str]) -> None:
 def _gpt2_files(b: _Builder, kind: Optional[str], vocab: Optional[str], merges: Optional[str]) -> None:
     """Megatron-LM's GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt; it is the
     tokenizer type pretrain_gpt.py defaults to."""
-    from megatron_ext.data.tokenizers import gpt2_files_spec  # the spec's form is the data layer's
-
     if kind not in (None, "GPT2BPETokenizer"):
         b.problem("--vocab-file", "is read with --tokenizer-type GPT2BPETokenizer only")
     elif vocab is None or merges is None:

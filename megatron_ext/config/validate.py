@@ -26,6 +26,7 @@ from megatron_ext.config.batch_sizes import (
 from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.plugin_sections import plugin_sections
 from megatron_ext.config.schema import Config
+from megatron_ext.config.tokenizer_spec import NULL_PREFIX
 from megatron_ext.platform import optional
 
 
@@ -508,7 +509,7 @@ def one_data_source(cfg: Config, world: int, device: str) -> Optional[str]:
 def null_tokenizer_reads_ids(cfg: Config, world: int, device: str) -> Optional[str]:
     # data.tokenizer=null:<V> is Megatron-LM's NullTokenizer: its text is ids, so a text corpus
     # would fail at its first word.
-    if cfg.data.tokenizer.startswith("null:") and not (cfg.data.mock or cfg.data.data_path):
+    if cfg.data.tokenizer.startswith(NULL_PREFIX) and not (cfg.data.mock or cfg.data.data_path):
         return (
             f"{cfg.data.tokenizer} (NullTokenizer) reads token ids, not text: give data.mock=true "
             "(--mock-data) or data.data_path (--data-path) of preprocessed ids"

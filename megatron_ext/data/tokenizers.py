@@ -11,6 +11,7 @@ from typing import Iterable, Optional, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron_ext.config.tokenizer_spec import GPT2_FILES_PREFIX, NULL_PREFIX
 from megatron_ext.data.hf_tokenizer import HFTokenizer
 
 
@@ -136,19 +137,6 @@ class GPT2BPETokenizer(HFTokenizer):
     @property
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict([*super().unique_identifiers.items(), ("class", f"{__name__}.GPT2BPETokenizer")])
-
-
-# data.tokenizer's form for GPT-2 files: gpt2:<vocab.json>:<merges.txt>
-GPT2_FILES_PREFIX = "gpt2:"
-NULL_PREFIX = "null:"
-
-
-def gpt2_files_spec(vocab_file: str, merges_file: str) -> str:
-    return f"{GPT2_FILES_PREFIX}{vocab_file}:{merges_file}"
-
-
-def null_tokenizer_spec(size: int) -> str:
-    return f"{NULL_PREFIX}{size}"
 
 
 Tokenizer = Union[ByteTokenizer, NullTokenizer, HFTokenizer]

@@ -24,14 +24,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, no_check, register_section
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_ext.training.trainer import Trainer
+    from megatron_ext.parallel.layout import ParallelLayout
 
 HOOKS = (
     "multirun",
@@ -48,6 +48,35 @@ HOOKS = (
     "load_state_dict",
     "on_train_end",
 )
+
+
+class Trainer(Protocol):
+    """What a plugin may use of the Trainer (training/trainer.py, which documents each member):
+    the hooks receive the Trainer, and plugins read and call these members only."""
+
+    cfg: Any  # the run's Config, its `parallel` the running layout's
+    plugins: list
+    layout: Optional[ParallelLayout]  # None once a move left this rank out of the job's world
+    model: list  # the DDP-wrapped model chunks
+    model_config: Any  # megatron's TransformerConfig of the model
+    optimizer: Any
+    vocab_size: Optional[int]  # the padded vocabulary
+    tokenizer: Any
+    train_ds: Any
+    on_cpu: bool
+
+    def note(self, line: str) -> None: ...
+    def data_prefixes(self) -> list[str]: ...
+    def open_datasets(self, dp: Optional[int] = None) -> tuple: ...
+    def build_model(self, parallel: Any, groups: Any = None, initialise: bool = True, load_pretrained: bool = False) -> tuple[list, Any]: ...
+    def build_optimizer(self, model: list, model_config: Any, parallel: Any, groups: Any = None) -> Any: ...
+    def common_state(self) -> dict: ...
+    def load_common_state(self, common: dict) -> None: ...
+    def install(self, layout: ParallelLayout, built: Any = None) -> None: ...
+    def setup(self, from_state: Optional[dict] = None) -> None: ...
+    def train(self) -> dict: ...
+    def save(self) -> None: ...
+    def close(self, in_background: bool = False) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

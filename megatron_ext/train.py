@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate_run, world_size_of
+from megatron_ext.platform.launch_env import detect_launch
 from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed, LaunchRefused
 from megatron_ext.plugin import Runner, build_plugins, registered_plugins
 
@@ -34,20 +35,20 @@ def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
     config/validate.py with each plugin's own `check` and `check_layout`, then the files the run
     reads and the checkpoint directory it writes (training/preflight.py)."""
-    from megatron_ext.training.preflight import check_inputs  # torch: off the path of a config that does not compose
-
     validate_run(cfg, world_size_of(cfg))
+    from megatron_ext.training.preflight import check_inputs  # torch: only for a config the rules accept
+
     check_inputs(cfg)
 
 
 def run(cfg: Config) -> Optional[dict]:
     """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
     run summary (from rank 0, the reporting rank, when workers were started here)."""
-    from megatron_ext.platform.launch import detect_launch, launch_local  # torch, as in preflight
-
     preflight(cfg)
     runner = runner_of(cfg)
     if detect_launch() is None and cfg.launcher.nproc > 1:
+        from megatron_ext.platform.launch import launch_local  # torch: once the config is accepted
+
         launcher = cfg.launcher
         results = launch_local(
             launcher.nproc,

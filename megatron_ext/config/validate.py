@@ -28,6 +28,7 @@ from megatron_ext.config.plugin_sections import plugin_sections
 from megatron_ext.config.schema import Config
 from megatron_ext.config.tokenizer_spec import NULL_PREFIX
 from megatron_ext.platform import optional
+from megatron_ext.platform.launch_env import detect_launch
 
 
 class ConfigError(ValueError):
@@ -1028,6 +1029,10 @@ RULES = RULES + RANGE_RULES
 def _device_of(cfg: Config) -> str:
     if cfg.launcher.device != "auto":
         return cfg.launcher.device
+    if not optional.HAVE_TE:
+        # The device decides only which layers build (Transformer Engine's on CUDA), and
+        # without TE every device builds the local ones: no need to ask torch.
+        return "cpu"
     import torch  # late: validating a config should not pay for torch unless it must
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -1087,7 +1092,5 @@ def resolve_dp(cfg: Config, world_size: int) -> int:
 def world_size_of(cfg: Config) -> int:
     """The number of processes the launch will have: what torchrun (WORLD_SIZE) or srun
     (SLURM_NTASKS) set up, else the launcher.nproc local workers the trainer starts itself."""
-    from megatron_ext.platform.launch import detect_launch  # late: it imports torch
-
     launch = detect_launch()
     return launch.world_size if launch else cfg.launcher.nproc

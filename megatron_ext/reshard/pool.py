@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate_layout
-from megatron_ext.platform.launch import LaunchEnv, rendezvous_store
+from megatron_ext.platform.launch import rendezvous_store
+from megatron_ext.platform.launch_env import LaunchEnv
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.dynamo_preload import preload_dynamo
 from megatron_ext.platform.signals import PreemptionSignals, preemption_signals

@@ -109,12 +109,21 @@ def test_importing_the_config_loads_no_torch():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_a_typo_on_the_command_line_is_refused_without_torch():
-    """`python -m megatron_ext.train train.itres=5`: one line naming the key, exit 2, and no torch
-    imported on the way (python -X importtime lists every module the process imports)."""
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_ext.train", "train.itres=5"],
+# command line -> the start of its one error line
+COMMAND_LINES = {
+    "typo": (["train.itres=5"], "error: train.itres: no such key"),
+    # launcher.device=auto: without Transformer Engine the device decides nothing the rules check
+    "rule": (["parallel.tp=3"], "error: parallel.tp: model.num_attention_heads (4) must be divisible by parallel.tp (3)"),
+}
+
+
+@pytest.mark.parametrize("overrides, said", COMMAND_LINES.values(), ids=COMMAND_LINES.keys())
+def test_bad_command_lines_are_refused_without_torch(overrides, said):
+    """`python -m megatron_ext.train ...`: the error names the key, exit 2, and no torch imported
+    on the way (python -X importtime lists every module the process imports)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "megatron_ext.train", *overrides],
                           capture_output=True, text=True, timeout=120)
     imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
     errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
-    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("error: train.itres: no such key"), errors
+    assert done.returncode == 2 and errors[0].startswith(said), errors
     assert [m for m in imported if m.split(".")[0] == "torch"] == []

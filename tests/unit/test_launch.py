@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from megatron_ext.platform.launch import LaunchEnv, detect_launch, launch_local, slurm_master_addr, slurm_master_port
+from megatron_ext.platform.launch import launch_local
+from megatron_ext.platform.launch_env import LaunchEnv, detect_launch, slurm_master_addr, slurm_master_port
 
 CASES = [
     ("standalone", {}, None),

@@ -26,7 +26,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
-from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, no_check, register_section
+from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, import_external_plugins, no_check, register_section
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -218,9 +218,10 @@ def _call_instance_hook(cls: type[Plugin], hook: str, own: Any, cfg: Any, world_
 
 def registered_plugins() -> dict[str, type[Plugin]]:
     """Every plugin class by name: the builtin ones (importing their modules, and with them
-    torch) and those registered."""
+    torch), other packages' (config/plugin_sections.py) and those registered."""
     for name in BUILTIN:
         importlib.import_module(f"megatron_ext.{name}.plugin")
+    import_external_plugins()
     return dict(_REGISTRY)
 
 

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Optional
 
 # The plugins that ship with megatron_ext: each one's section is `megatron_ext.<name>.config`'s
 # SECTION, and its class sits in `megatron_ext.<name>.plugin`.
 BUILTIN = ("reshard", "dpp", "elastic", "lora")
+# Plugins of other packages: the modules their `megatron_ext.plugins` entry points name, and
+# those listed in this environment variable (comma-separated; every launched worker inherits
+# it). Each is imported before a config is composed, and registers its plugin there.
+PLUGINS_ENV = "MEGATRON_EXT_PLUGINS"
+ENTRY_POINTS = "megatron_ext.plugins"
 
 Check = Callable[[Any, Any, int], None]
 
@@ -73,5 +80,27 @@ def register_section(section: PluginSection) -> None:
 
 
 def plugin_sections() -> dict[str, PluginSection]:
-    """Every plugin the configuration knows, by name: the builtin ones and those registered."""
+    """Every plugin the configuration knows, by name: the builtin ones, those of other packages
+    and those registered."""
+    import_external_plugins()
     return {**builtin_sections(), **_REGISTERED}
+
+
+def external_plugin_modules() -> list[str]:
+    """The modules of other packages' plugins (`ENTRY_POINTS`, then `PLUGINS_ENV`)."""
+    modules = [entry.module for entry in metadata.entry_points(group=ENTRY_POINTS)]
+    return modules + [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+
+
+_imported: set[str] = set()
+
+
+def import_external_plugins() -> None:
+    """Import each module of `external_plugin_modules` once (it registers its plugin)."""
+    for module in external_plugin_modules():
+        if module not in _imported:
+            _imported.add(module)  # first: its registration asks for the sections again
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ImportError(f"plugin module {module!r} ({PLUGINS_ENV} or a {ENTRY_POINTS} entry point): {e}") from e

@@ -4,6 +4,8 @@
                 once; megatron's rank order; validity by the runtime's rules
     groups.py   a layout's megatron process groups: creating and destroying them
     release.py  a left layout's objects dropped off the training thread, after the stall
+    world.py    a torch world built in background threads before the process enters it (a
+                worker pool that changes its number of workers)
 """
 
 from megatron_ext.parallel.layout import ParallelLayout

@@ -9,7 +9,7 @@ All launched processes form the pool; the first tp·pp·dp·cp of them form mega
 1. preparing, in the background while training goes on (`prepare_resize`): each rank of the
    old world plans its own part of the move over the pool (`rank_plan`, a pure function; ranks
    past the old or new layout hold nothing there) and pool rank 0 tells the standby workers;
-   every rank of the new world then builds it ahead (future_world.py): the torch world under a new store prefix, and in it the new layout's
+   every rank of the new world then builds it ahead (parallel/world.py): the torch world under a new store prefix, and in it the new layout's
    groups, model, optimizer and datasets (the ranks that stay, in a background thread), or a
    whole trainer from the job's common state (the ranks that join, while on standby);
 2. at the step: pool rank 0 sends the command (new layout, its part of the move, from which a
@@ -60,7 +60,7 @@ from megatron_ext.platform.device import current_device
 from megatron_ext.platform.dynamo_preload import preload_dynamo
 from megatron_ext.platform.signals import PreemptionSignals, preemption_signals
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, local_rounds
-from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
+from megatron_ext.parallel.world import FutureWorld, leave_running_world
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.live import Guarded, Move, Preparation, ReshardFailed, StallClock, planner_model
 from megatron_ext.reshard.plan import rank_plan

@@ -80,7 +80,7 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_wor
     CUDA device is its own), built without touching the running layout. Safe in a background
     thread of every rank while the main thread trains: the running layout's groups are not
     used, and the new ones are created in the same order everywhere. `future_world`: this
-    thread builds in a torch world not yet entered (future_world.py), whose default group only
+    thread builds in a torch world not yet entered (parallel/world.py), whose default group only
     the building threads use; the datasets are opened there too (collective, as for the ranks
     that join it)."""
     if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""A torch world built ahead (reshard/future_world.py): 4 ranks build it, with megatron's groups
+"""A torch world built ahead (parallel/world.py): 4 ranks build it, with megatron's groups
 of TP2×PP2 in it, while 2 of them keep running collectives in their current world of 2; then
 they leave that world and all 4 enter the new one. Every collective's result is checked against
 the sum computed from the group's rank list, in both worlds, before and after the switch; a
@@ -42,7 +42,7 @@ def _worker() -> dict:
 
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.platform.launch import prepare_process, rendezvous_store
-    from megatron_ext.reshard.future_world import FutureWorld, leave_running_world
+    from megatron_ext.parallel.world import FutureWorld, leave_running_world
     from megatron_ext.reshard.prebuild import Prebuilt, initialize
 
     launch, _ = prepare_process("cpu")

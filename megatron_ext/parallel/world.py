@@ -13,7 +13,7 @@ the only one. `enter()` makes its registration the process's, at the switch.
 
 Group names, which torch also registers process-wide, come from a counter per world; the
 future world's counter starts past any the running world can reach, on every rank alike, since
-a group's name is its rendezvous key. tests/distributed/test_reshard_future_world.py checks it.
+a group's name is its rendezvous key. tests/distributed/test_parallel_world.py checks it.
 """
 
 from __future__ import annotations

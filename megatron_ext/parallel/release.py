@@ -109,3 +109,11 @@ def built_or_failure(build: Callable[[], T], free_failed: Callable[[], Any]) -> 
 def describe(error: Optional[BaseException | str]) -> Optional[str]:
     """A failure as one line ("Type: message"); a string is one already."""
     return error if error is None or isinstance(error, str) else f"{type(error).__name__}: {error}"
+
+
+def unlink_optimizer(model_config: Any) -> None:
+    """Drop a model config's (megatron's TransformerConfig) link to its optimizer (loss
+    scaling). The optimizer's fp32 shards are views with autograd history, which hides DDP's
+    hook cycle from Python's garbage collector: with the link, a layout left behind would never
+    be freed."""
+    model_config.grad_scale_func = None

@@ -34,9 +34,8 @@ from megatron_ext.platform.megatron_parallel_state import created_groups, instal
 from megatron_ext.platform.torch_worlds import live_groups, thread_gathers_over
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
-from megatron_ext.parallel.release import built_or_failure, release_in_background
+from megatron_ext.parallel.release import built_or_failure, release_in_background, unlink_optimizer
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
-from megatron_ext.training.trainer import unlink_optimizer
 
 @dataclasses.dataclass
 class Prebuilt:

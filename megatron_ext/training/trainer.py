@@ -57,6 +57,7 @@ from megatron_ext.models import pretrained
 from megatron_ext.models.init import init_weights_layout_independent
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
+from megatron_ext.parallel.release import unlink_optimizer
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
@@ -82,13 +83,6 @@ def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-
-
-def unlink_optimizer(model_config: TransformerConfig) -> None:
-    """Drop the model config's link to its optimizer (loss scaling). The optimizer's fp32 shards
-    are views with autograd history, which hides DDP's hook cycle from Python's garbage
-    collector: with the link, a layout left behind would never be freed."""
-    model_config.grad_scale_func = None
 
 
 def _leave_as_allocated(weight: torch.Tensor) -> None:

@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.schema import ParallelConfig
-from megatron_ext.config.validate import resolve_dp
 from megatron_ext.platform.megatron_parallel_state import created_groups, install, private_parallel_state, process_groups
 from megatron_ext.platform.torch_worlds import live_groups, thread_gathers_over
 from megatron_ext.plugin import Plugin
 from megatron_ext.reshard.state_access import ensure_optimizer_states
 from megatron_ext.parallel.release import built_or_failure, release_in_background, unlink_optimizer
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
+from megatron_ext.parallel.layout import ParallelLayout
 
 @dataclasses.dataclass
 class Prebuilt:
@@ -93,7 +93,7 @@ def prebuild(trainer, parallel: ParallelConfig, device: torch.device, future_wor
     _fault_in(model, optimizer)
     datasets = None
     if future_world:
-        datasets = trainer.open_datasets(resolve_dp(dataclasses.replace(trainer.cfg, parallel=parallel), dist.get_world_size()))
+        datasets = trainer.open_datasets(ParallelLayout.from_config(parallel, dist.get_world_size()).dp)
     return Prebuilt(state, model, config, optimizer, datasets)
 
 

@@ -2,8 +2,8 @@
 
 Lengths are in tokens estimated as bytes / BYTES_PER_TOKEN (3.6, a typical BPE ratio for source
 code; the project's byte tokenizer would count one token per byte). The result is a JSON
-histogram (log-spaced bins, counts) under megatron_ext/dpp/data/, read by
-megatron_ext.dpp.lengths; it is committed, so planning does not depend on what is installed.
+histogram (log-spaced bins, counts) under megatron_ext/dpp/planning/data/, read by
+megatron_ext.dpp.planning.lengths; it is committed, so planning does not depend on what is installed.
 
     python scripts/measure_lengths.py --name python_stdlib            # the stdlib .py files
     python scripts/measure_lengths.py --name site_packages --root "$(python -c 'import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))')"

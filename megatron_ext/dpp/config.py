@@ -25,9 +25,9 @@ class DppConfig:
     # fp32 gradients and optimizer state, counted on the run's model) plus activations. A
     # budget no plan can meet is refused before the first step, naming the smallest feasible one.
     memory_budget_mb: float = 1024.0
-    # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planner.POLICIES).
+    # dpp, or a baseline / ablation for comparison (megatron_ext.dpp.planning.planner.POLICIES).
     policy: str = "dpp"
-    # A cost model fitted by `python -m megatron_ext.dpp.calibrate` (JSON). Required: a missing
+    # A cost model fitted by `python -m megatron_ext.dpp.tools.calibrate` (JSON). Required: a missing
     # one is refused before the run starts. Its activation terms are refitted to the run.
     cost_model: Optional[str] = None
     # Plan the next global batch in a background thread while the current one trains (the
@@ -38,8 +38,8 @@ class DppConfig:
 def check_settings(own: DppConfig) -> None:
     """Raise a ConfigError for a setting of the `dpp` section that cannot work."""
     # numpy and the planner's modules: loaded for a run with dpp only
-    from megatron_ext.dpp.lengths import OVERFLOW_POLICIES
-    from megatron_ext.dpp.planner import POLICIES
+    from megatron_ext.dpp.planning.lengths import OVERFLOW_POLICIES
+    from megatron_ext.dpp.planning.planner import POLICIES
 
     if own.too_long not in OVERFLOW_POLICIES:
         raise ConfigError("dpp.too_long", f"must be one of {OVERFLOW_POLICIES}, got {own.too_long!r}")
@@ -119,9 +119,9 @@ def refuse_model_space(model: ModelConfig) -> None:
 def refuse_cost_model(path: Optional[str], cfg: Config) -> None:
     """Raise a ConfigError for a `dpp.cost_model` that is missing or was calibrated for
     another layer shape or tensor parallelism than `cfg`'s model and layout."""
-    from megatron_ext.dpp.calibrate import check_calibrated_for  # numpy: only for a run with dpp
+    from megatron_ext.dpp.tools.calibrate import check_calibrated_for  # numpy: only for a run with dpp
 
-    how = "python -m megatron_ext.dpp.calibrate writes one"
+    how = "python -m megatron_ext.dpp.tools.calibrate writes one"
     if path is None:
         raise ConfigError("dpp.cost_model", f"give a cost model fitted on this machine ({how})")
     if not os.path.isfile(path):

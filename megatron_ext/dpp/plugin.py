@@ -1,12 +1,12 @@
 """`plugins=[dpp]`: dynamic pipeline parallelism for whole documents of skewed lengths.
 
-    python -m megatron_ext.dpp.calibrate --out cost.json
+    python -m megatron_ext.dpp.tools.calibrate --out cost.json
     python -m megatron_ext.train experiment=none plugin=dpp parallel.pp=2 launcher.nproc=2 \
         dpp.cost_model=cost.json dpp.max_seq_len=2048
 
 Every step reads a global batch of `dpp.docs_per_batch` whole documents (never padded), each
 data-parallel replica plans its share (chunks, 1F1B order, per-stage per-chunk recompute under
-`dpp.memory_budget_mb`) and runs it with the DPP schedule loop (runtime.py). The model keeps
+`dpp.memory_budget_mb`) and runs it with the DPP schedule loop (runtime/loop.py). The model keeps
 megatron's layers; only core attention (ChunkCoreAttention) and RoPE positions change, through
 the layer spec and a module swap after the model is built.
 """
@@ -32,8 +32,8 @@ class DppPlugin(Plugin):
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else DppConfig())
         check_settings(self.cfg)
-        from megatron_ext.dpp.attention import ChunkContext
-        from megatron_ext.dpp.runtime import DppStep
+        from megatron_ext.dpp.runtime.attention import ChunkContext
+        from megatron_ext.dpp.runtime.loop import DppStep
 
         self.context = ChunkContext()
         self.step = DppStep(self.context)
@@ -51,7 +51,7 @@ class DppPlugin(Plugin):
         refuse_layout(trainer.cfg)
 
     def layer_spec(self, spec, trainer: Trainer):
-        from megatron_ext.dpp.attention import dpp_layer_spec
+        from megatron_ext.dpp.runtime.attention import dpp_layer_spec
 
         return dpp_layer_spec(spec, self.context)
 
@@ -67,7 +67,7 @@ class DppPlugin(Plugin):
 
     def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
         if self._func is None:
-            from megatron_ext.dpp.runtime import dpp_forward_backward_func
+            from megatron_ext.dpp.runtime.loop import dpp_forward_backward_func
 
             p = trainer.cfg.parallel
             planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, p.pp, _cost_model(self.cfg, trainer, self.context),
@@ -81,8 +81,8 @@ class DppPlugin(Plugin):
     def plan_stream(self, dataset, seed: int, planner: "StepPlanner"):
         """The run's planned global batches (a PlanAhead), from the start or from where the
         checkpoint this run resumed from stopped."""
-        from megatron_ext.dpp.ahead import PlanAhead
-        from megatron_ext.dpp.batch import DocumentBatches
+        from megatron_ext.dpp.runtime.ahead import PlanAhead
+        from megatron_ext.dpp.runtime.batch import DocumentBatches
 
         documents = DocumentBatches(dataset, self.cfg.docs_per_batch, self.cfg.max_seq_len, self.cfg.too_long, seed, start=self._resume)
         return PlanAhead(documents.positioned(), planner, ahead=self.cfg.plan_ahead)
@@ -94,7 +94,7 @@ class DppPlugin(Plugin):
         return {"stream": position.to_dict()} if position is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        from megatron_ext.dpp.batch import StreamPosition
+        from megatron_ext.dpp.runtime.batch import StreamPosition
 
         self._resume = StreamPosition.from_dict(state["stream"]) if "stream" in state else None
 
@@ -139,7 +139,7 @@ def open_documents(trainer: Trainer):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
-    from megatron_ext.dpp.blend import DocumentBlend
+    from megatron_ext.dpp.runtime.blend import DocumentBlend
 
     prefixes, weights = get_blend_from_list(trainer.data_prefixes())
     if len(prefixes) == 1:
@@ -153,8 +153,8 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
     counted on this run's model and optimizer."""
     from megatron.core import parallel_state
 
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
+    from megatron_ext.dpp.planning.costmodel import CostModel
+    from megatron_ext.dpp.runtime.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
 
     refuse_cost_model(cfg.cost_model, trainer.cfg)
     cost = fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
@@ -187,7 +187,7 @@ class StepPlanner:
     are padded to multiples of `token_multiple` tokens (the TP size under sequence parallelism)."""
 
     def __init__(self, cfg: DppConfig, num_layers: int, pp: int, cost, token_multiple: int = 1) -> None:
-        from megatron_ext.dpp.costmodel import stage_layers
+        from megatron_ext.dpp.planning.costmodel import stage_layers
 
         self.cfg, self.pp, self.cost, self.token_multiple = cfg, pp, cost, token_multiple
         self.layers = stage_layers(num_layers, pp)
@@ -201,7 +201,7 @@ class StepPlanner:
         plan of the share or a PlanFailure (None on the other stages)."""
         from megatron.core import parallel_state
 
-        from megatron_ext.dpp.batch import dp_share
+        from megatron_ext.dpp.runtime.batch import dp_share
 
         lengths = [len(d) - 1 for d in batch]
         mine = dp_share(lengths, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
@@ -215,7 +215,7 @@ class StepPlanner:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from megatron_ext.dpp.runtime import PlannedBatch, validate_plan
+        from megatron_ext.dpp.runtime.loop import PlannedBatch, validate_plan
 
         mine, outcome = solved
         box = [outcome]
@@ -227,8 +227,8 @@ class StepPlanner:
         return PlannedBatch(box[0], tuple(batch[i] for i in mine))
 
     def _plan(self, lengths: list[int]):
-        from megatron_ext.dpp.recompute import BudgetTooSmall
-        from megatron_ext.dpp.planner import STATIC_POLICIES, plan_step_info, tune_static
+        from megatron_ext.dpp.planning.recompute import BudgetTooSmall
+        from megatron_ext.dpp.planning.planner import STATIC_POLICIES, plan_step_info, tune_static
 
         budget = self.cfg.memory_budget_mb * 2**20
         try:
@@ -271,8 +271,8 @@ def prepare_model(model_chunks: list, context) -> None:
     GPT model chunk."""
     from megatron.core.utils import unwrap_model
 
-    from megatron_ext.dpp.attention import use_chunk_positions
-    from megatron_ext.dpp.runtime import enable_block_recompute
+    from megatron_ext.dpp.runtime.attention import use_chunk_positions
+    from megatron_ext.dpp.runtime.loop import enable_block_recompute
 
     for chunk in model_chunks:
         model = unwrap_model(chunk)

@@ -1,5 +1,5 @@
 """Calibrate the linear cost model on this machine: time real packed passes of the packed
-runtime (runtime.PackedTrainer on megatron's GPTModel) for a grid of packs, fit the model on
+runtime (PackedTrainer of runtime/packed.py on megatron's GPTModel) for a grid of packs, fit the model on
 part of them and report its error on the rest.
 
     fit, samples, rates = calibrate(model_cfg, vocab_size=512)   # needs a one-rank world (platform.launch)
@@ -7,7 +7,7 @@ part of them and report its error on the rest.
     save_fit("cost.json", fit, len(samples), pass_size.knee(rates))   # lora.cost_model=cost.json
 
 It also times one job's passes of growing size (`measure_pass_rates`): the knee of that rate is
-what `lora.max_pass_tokens: auto` caps a packed pass at (pass_size.py).
+what `lora.max_pass_tokens: auto` caps a packed pass at (planning/pass_size.py).
 
 Time is the process's CPU time, not the wall clock: on a shared machine the wall clock counts
 other people's work, while a one-thread worker's CPU time is the work its device does.
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora.costmodel import Fit, Sample, fit
+from megatron_ext.lora.planning.costmodel import Fit, Sample, fit
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.workload import replica_work, shapes_of
+from megatron_ext.lora.planning.workload import replica_work, shapes_of
 
 ATTENTION = ("linear_qkv", "linear_proj")
 ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -52,8 +52,8 @@ def calibration_packs(seq_lengths: Sequence[int] = (32, 128)) -> list[tuple[Lora
 def time_pass(model, wrappers, routing, jobs: Sequence[LoraJob], vocab_size: int, seconds: float = 0.3, repeats: int = 3) -> float:
     """CPU seconds of one packed pass of `jobs` (their optimizer steps included): the fastest of
     `repeats` runs of about `seconds` each, after a warm-up (the minimum drops interference)."""
-    from megatron_ext.lora.batching import SyntheticData
-    from megatron_ext.lora.runtime import PackedTrainer
+    from megatron_ext.lora.runtime.batching import SyntheticData
+    from megatron_ext.lora.runtime.packed import PackedTrainer
 
     per_step = replica_work(jobs[0], 1).passes_per_step
 
@@ -83,7 +83,7 @@ def measure_pass_rates(model, wrappers, routing, vocab_size: int, seq_length: in
 def calibrate(model_cfg: ModelConfig, vocab_size: int, seconds: float = 0.3) -> tuple[Fit, list[Sample], dict[int, float]]:
     """Measure the calibration packs, fit on two thirds, hold out every third; and the rate of
     passes of growing size (measure_pass_rates)."""
-    from megatron_ext.lora.base import build_base
+    from megatron_ext.lora.runtime.base import build_base
 
     model, wrappers, routing = build_base(model_cfg, vocab_size)
     samples = [Sample(tuple(p), 1, 1, time_pass(model, wrappers, routing, p, vocab_size, seconds)) for p in calibration_packs()]
@@ -103,7 +103,7 @@ def fit_record(fit: Fit, samples: int, pass_tokens: Optional[int] = None) -> dic
 
 def save_fit(path: str | Path, fit: Fit, samples: int, pass_tokens: Optional[int] = None) -> Path:
     """The calibration's output file (JSON), which `lora.cost_model` points the planner at;
-    `pass_tokens` is what `lora.max_pass_tokens: auto` then caps a pass at (pass_size.py)."""
+    `pass_tokens` is what `lora.max_pass_tokens: auto` then caps a pass at (planning/pass_size.py)."""
     path = Path(path)
     path.write_text(json.dumps(fit_record(fit, samples, pass_tokens), indent=1) + "\n")
     return path
@@ -112,7 +112,7 @@ def save_fit(path: str | Path, fit: Fit, samples: int, pass_tokens: Optional[int
 def load_coefficients(path: str | Path) -> tuple[float, ...]:
     """The cost-model coefficients of a `save_fit` file, refused with the file named when they
     are missing, of the wrong count, negative or not finite."""
-    from megatron_ext.lora.costmodel import PassWork
+    from megatron_ext.lora.planning.costmodel import PassWork
 
     expected = len(PassWork(0, 0, 0.0, 0.0, 0.0, 0.0).features())
     try:

@@ -1,7 +1,7 @@
 """One LoRA fine-tuning job of a sweep: the adapter, its data and its optimisation.
 
-A `LoraJob` is a plain value: the planner (planner.py) reads it to size and order packs, the
-packed runtime (batching.py, optim.py) trains it in a slot next to other jobs on one frozen base.
+A `LoraJob` is a plain value: the planner (planning/planner.py) reads it to size and order packs, the
+packed runtime (runtime/batching.py, runtime/optim.py) trains it in a slot next to other jobs on one frozen base.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LoraJob:
     global_batch_size: int = 1
     seq_length: int = 128
     steps: int = 100
-    # Data: a name the data layer resolves (see batching.py / sweep.py).
+    # Data: a name the data layer resolves (see runtime/batching.py / sweep.py).
     dataset: str = "stdlib"
     seed: int = 1234
     eval_interval: int = 0  # 0: evaluate at the end only

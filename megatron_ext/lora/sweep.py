@@ -5,14 +5,14 @@
     summary = run_sweep(cfg, jobs)
 
 The world the run is in (one process, or ranks under torchrun) is the planner's devices, one a
-rank. The planner (planner.py) decides which jobs share a pack, how many train at once within
+rank. The planner (planning/planner.py) decides which jobs share a pack, how many train at once within
 `lora.memory_gb` per rank, at which TP and DP degree (TP a power of two up to `parallel.tp`, the
 largest a pack may use), on which ranks and in which order, refusing a job that cannot fit even
-alone; execute.py runs the packs through the packed runtime, each at its own TP, those on
+alone; runtime/execute.py runs the packs through the packed runtime, each at its own TP, those on
 separate ranks at the same time. Each job writes `<output_dir>/<job>/`: `log.txt`,
 `metrics.json`, `adapter/` (PEFT) and `checkpoint/` (megatron dist_checkpointing). Every pack is checkpointed under
 `<output_dir>/checkpoints/` over its own ranks, and `lora.resume=true` continues a stopped
-sweep (resume.py).
+sweep (runtime/resume.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_ext.config.schema import Config
-from megatron_ext.lora import pass_size
+from megatron_ext.lora.planning import pass_size
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
-from megatron_ext.lora.workload import Shapes, tp_divides
+from megatron_ext.lora.planning.workload import Shapes, tp_divides
 
 # Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.
 JOB_SECTIONS = ("lora", "optim", "train")
@@ -120,10 +120,10 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
     """The planner's schedule of `jobs` on `devices` ranks (refuses what cannot fit). A pack's
     TP is a power of two up to `parallel.tp` that splits the model's heads; its DP divides every
     job's micro-batches per step (the runtime deals them over the DP ranks)."""
-    from megatron_ext.lora import planner
-    from megatron_ext.lora.costmodel import LinearCostModel
-    from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel, gib
-    from megatron_ext.lora.workload import shapes_of
+    from megatron_ext.lora.planning import planner
+    from megatron_ext.lora.planning.costmodel import LinearCostModel
+    from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel, gib
+    from megatron_ext.lora.planning.workload import shapes_of
 
     from megatron_ext.lora.calibrate import load_coefficients
 
@@ -158,9 +158,9 @@ def check_max_tp(max_tp: int, devices: int, shapes: Shapes) -> None:
 def _slots_schedule(problem, slots: int):
     """The user's slot count (`lora.slots`), kept within what memory allows: every job in one
     pack at the smallest TP that holds `slots` of them, over as many DP ranks as the rest allow."""
-    from megatron_ext.lora.plan import Pack, Plan
-    from megatron_ext.lora.planner import check_feasible
-    from megatron_ext.lora.simulate import simulate
+    from megatron_ext.lora.planning.plan import Pack, Plan
+    from megatron_ext.lora.planning.planner import check_feasible
+    from megatron_ext.lora.planning.simulate import simulate
 
     check_feasible(problem)
     names = tuple(j.name for j in problem.jobs)
@@ -181,7 +181,7 @@ def _data_resolver(tokenizer, vocab_size: int):
     import functools
 
     from megatron_ext.lora import tasks
-    from megatron_ext.lora.batching import ExampleData, SyntheticData
+    from megatron_ext.lora.runtime.batching import ExampleData, SyntheticData
 
     @functools.lru_cache(maxsize=None)
     def tokenized(task: str) -> list:
@@ -206,7 +206,7 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
         problems.append("the packed runtime needs parallel.pp=1, parallel.cp=1 and no sequence parallelism")
     if cfg.model.arch != "gpt":  # the base, the cost model and the PEFT export are LLaMA-style GPT
         problems.append(f"the packed runtime adapts model.arch=gpt only, not {cfg.model.arch!r}")
-    from megatron_ext.lora import kernels
+    from megatron_ext.lora.runtime import kernels
 
     if cfg.lora.kernel not in kernels.NAMES:  # else only the first forward says so
         problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} ({', '.join(kernels.NAMES)})")
@@ -228,20 +228,20 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
     """Plan and train `jobs` on this world; returns {job: {status, steps, loss, eval_loss}}."""
     import torch.distributed as dist
 
-    from megatron_ext.lora import report
-    from megatron_ext.lora.execute import execute, write_summary
-    from megatron_ext.lora.resume import sweep_plan
+    from megatron_ext.lora.planning import report
+    from megatron_ext.lora.runtime.execute import execute, write_summary
+    from megatron_ext.lora.runtime.resume import sweep_plan
     from megatron_ext.models.convert.world import model_parallel_world
 
     check_jobs(cfg, jobs)
     tokenizer = _tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
-    # Megatron's global state at TP=1: each pack builds its base on its own groups (groups.py).
+    # Megatron's global state at TP=1: each pack builds its base on its own groups (runtime/groups.py).
     with model_parallel_world(tp=1):
         schedule = plan_sweep(cfg, jobs, dist.get_world_size())
         if dist.get_rank() == 0:
             print(report.table(schedule), flush=True)
-        # On resume the recorded plan: its packs' checkpoints are of it (resume.py).
+        # On resume the recorded plan: its packs' checkpoints are of it (runtime/resume.py).
         plan = sweep_plan(cfg.lora.output_dir, jobs, schedule.plan, resume=cfg.lora.resume)
         results = execute(cfg, jobs, plan, _data_resolver(tokenizer, cfg.model.vocab_size))
         if dist.get_rank() == 0 and any(r.status in ("queued", "running") for r in results.values()):

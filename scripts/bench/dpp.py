@@ -2,7 +2,7 @@
 
 `simulated`: LLaMA-7B/13B shapes, contexts 32K/64K/128K, PP 4 and 8, GitHub- and
 CommonCrawl-like length distributions, 80 GB per stage, the analytical GPU cost model
-(megatron_ext.dpp.costmodel.analytic_gpu), every policy planned on the same global batch and run
+(megatron_ext.dpp.planning.costmodel.analytic_gpu), every policy planned on the same global batch and run
 by the discrete-event simulator. Static policies are tuned once per configuration on a separate
 tuning batch (see planner.tune_static). `measured`: real PP=2 runs on CPU workers, from the
 JSON of scripts/bench/dpp_measured.py (see `measured_records`).
@@ -24,11 +24,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_ext.dpp.recompute import BudgetTooSmall  # noqa: E402
-from megatron_ext.dpp.costmodel import MODEL_SHAPES, analytic_gpu  # noqa: E402
-from megatron_ext.dpp.lengths import get_distribution, sample_batch  # noqa: E402
-from megatron_ext.dpp.planner import POLICIES, STATIC_POLICIES, plan_step_info, tune_static  # noqa: E402
-from megatron_ext.dpp.simulate import simulate  # noqa: E402
+from megatron_ext.dpp.planning.recompute import BudgetTooSmall  # noqa: E402
+from megatron_ext.dpp.planning.costmodel import MODEL_SHAPES, analytic_gpu  # noqa: E402
+from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch  # noqa: E402
+from megatron_ext.dpp.planning.planner import POLICIES, STATIC_POLICIES, plan_step_info, tune_static  # noqa: E402
+from megatron_ext.dpp.planning.simulate import simulate  # noqa: E402
 
 BUDGET = 80e9
 
@@ -148,7 +148,7 @@ def main() -> None:
     if planner:
         print(f"dpp planner: median {statistics.median(planner):.2f}s, max {max(planner):.2f}s (CPU)")
     if args.plot and gantt:
-        from megatron_ext.dpp.gantt import from_events, save
+        from megatron_ext.dpp.planning.gantt import from_events, save
 
         (model, context, pp, dist), runs = next(iter(gantt.items()))
         panels = [(from_events(sim.events), plan, f"{policy}: {model}, context {context}, PP {pp}, {dist}, "

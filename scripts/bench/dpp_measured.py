@@ -7,8 +7,8 @@ corpus (the Python standard library). Its byte-tokenised files are mostly longer
 context, so by default each global batch draws its lengths from the reference's GitHub-like
 lognormal truncated at `--max-seq-len` and takes each as the prefix of a real document
 (`--dist corpus`: whole documents as they are, truncated). The time terms of
-the cost model come from `megatron_ext.dpp.calibrate` (megatron layers timed on this machine,
-then what a real PP=2 step adds to them: `dpp/overhead.py`);
+the cost model come from `megatron_ext.dpp.tools.calibrate` (megatron layers timed on this machine,
+then what a real PP=2 step adds to them: `dpp/tools/overhead.py`);
 its activation-memory terms are fitted here, per stage, from single-chunk forwards of the
 real stage models counted by the runtime's meter (no pipeline, other chunk sizes than the
 benchmark's; its attention backward on bare segments), so that `predicted_act_bytes` is a
@@ -67,7 +67,7 @@ def build(args) -> tuple:
 def global_batches(dataset, args, count: int) -> list:
     """`count` global batches (`--dist corpus`: whole documents of the seeded stream, truncated;
     else real-text prefixes of `--dist` lengths, `skewed_batches`)."""
-    from megatron_ext.dpp.batch import DocumentBatches
+    from megatron_ext.dpp.runtime.batch import DocumentBatches
 
     if args.dist == "corpus":
         documents = DocumentBatches(dataset, args.docs, args.max_seq_len, "truncate", args.seed)
@@ -76,7 +76,7 @@ def global_batches(dataset, args, count: int) -> list:
 
 
 def stage_states(cost, num_layers: int) -> list[float]:
-    from megatron_ext.dpp.costmodel import stage_layers
+    from megatron_ext.dpp.planning.costmodel import stage_layers
 
     layers = stage_layers(num_layers, 2)
     return [cost.model_state_bytes(layers[p], p == 0, p == 1) for p in range(2)]
@@ -93,8 +93,8 @@ def step_planner(args, cost, num_layers: int, policy: str, act_budget: float):
 def activation_need(args, cost, num_layers: int, batches: list) -> float:
     """What the batches' activations need per stage with no recompute (dpp_no_ckpt's plans, the
     simulator's peaks less the model states): the reference budgets are fractions of."""
-    from megatron_ext.dpp.costmodel import stage_layers
-    from megatron_ext.dpp.simulate import memory_peaks
+    from megatron_ext.dpp.planning.costmodel import stage_layers
+    from megatron_ext.dpp.planning.simulate import memory_peaks
 
     states = stage_states(cost, num_layers)
     free = step_planner(args, cost, num_layers, "dpp_no_ckpt", 1e15)
@@ -106,10 +106,10 @@ def worker(args) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_ext.dpp.costmodel import CostModel, stage_layers
-    from megatron_ext.dpp.memory import ActivationMeter, Timeline, fit_activation_bytes
-    from megatron_ext.dpp.runtime import DppStep
-    from megatron_ext.dpp.simulate import memory_peaks, simulate
+    from megatron_ext.dpp.planning.costmodel import CostModel, stage_layers
+    from megatron_ext.dpp.runtime.memory import ActivationMeter, Timeline, fit_activation_bytes
+    from megatron_ext.dpp.runtime.loop import DppStep
+    from megatron_ext.dpp.planning.simulate import memory_peaks, simulate
     from megatron_ext.training.step import forward_step
 
     trainer, plugin, dataset = build(args)
@@ -217,7 +217,7 @@ def skewed_batches(dataset, args) -> list:
     import numpy as np
     import torch
 
-    from megatron_ext.dpp.lengths import get_distribution, sample_batch
+    from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch
 
     rng = np.random.default_rng(args.seed)
     order = iter(np.random.default_rng(args.seed + 1).permutation(len(dataset)).tolist() * 1000)
@@ -236,7 +236,7 @@ def skewed_batches(dataset, args) -> list:
 
 def plot(path: str, planned: dict, timelines: list, cost) -> None:
     """Gantt charts of the measured first step of dpp and of the static policies."""
-    from megatron_ext.dpp.gantt import TimedOp, save
+    from megatron_ext.dpp.planning.gantt import TimedOp, save
 
     panels = []
     for policy in ("dpp", "packed", "split", "chunkflow"):
@@ -289,7 +289,7 @@ def measured_records(args) -> tuple[list[dict], dict]:
     out = Path(args.json).with_suffix(".worker.json")
     if not args.cost_model:
         args.cost_model = str(Path(args.json).with_suffix(".costmodel.json"))
-        subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_ext.dpp.calibrate", "--out", args.cost_model,
+        subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_ext.dpp.tools.calibrate", "--out", args.cost_model,
                         "--q", "64", "128", "256", "512", "1024", "2048", "--prefix", "0", "1024", "2048"],
                        check=True, cwd=REPO)
     command = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama_tiny")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--dist", default="github",
-                    help="lengths: a distribution of megatron_ext.dpp.lengths (github, commoncrawl, ...) or "
+                    help="lengths: a distribution of megatron_ext.dpp.planning.lengths (github, commoncrawl, ...) or "
                          "'corpus' (whole documents as they are)")
     ap.add_argument("--plot", default=None, help="PNG: Gantt charts of the measured first step")
     ap.add_argument("--docs", type=int, default=8, help="documents per global batch")

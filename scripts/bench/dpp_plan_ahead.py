@@ -98,7 +98,7 @@ class Runner:
 
     def __init__(self, trainer: Any, plugin: Any, batches: list[list], planner: Any) -> None:
         import torch.distributed as dist
-        from megatron_ext.dpp.runtime import DppStep
+        from megatron_ext.dpp.runtime.loop import DppStep
         from megatron_ext.training.step import forward_step
 
         self.trainer, self.batches, self.planner = trainer, batches, planner
@@ -127,7 +127,7 @@ class Runner:
 
     def _one(self, arm: str, block: int, batch: int, j: int, stream: Optional[Any], timed: TimedPlanner,
              batches: Iterator) -> Any:
-        from megatron_ext.dpp.ahead import PlanAhead
+        from megatron_ext.dpp.runtime.ahead import PlanAhead
 
         for m in self.trainer.model:
             m.zero_grad_buffer()
@@ -159,8 +159,8 @@ def schedule(blocks: int) -> list[tuple[str, int]]:
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_activation_bytes
+    from megatron_ext.dpp.planning.costmodel import CostModel
+    from megatron_ext.dpp.runtime.memory import fit_activation_bytes
 
     trainer, plugin, dataset = build(args)
     rank, layers = dist.get_rank(), trainer.cfg.model.num_layers
@@ -198,8 +198,8 @@ def plans_identical(plans: dict[tuple[str, int], Any]) -> dict:
 
 def predicted(plans: dict[tuple[str, int], Any], cost: Any, layers: int) -> dict[int, float]:
     """The simulator's step time of each batch's plan (planning at each step)."""
-    from megatron_ext.dpp.costmodel import stage_layers
-    from megatron_ext.dpp.simulate import simulate
+    from megatron_ext.dpp.planning.costmodel import stage_layers
+    from megatron_ext.dpp.planning.simulate import simulate
 
     per_stage = stage_layers(layers, 2)
     return {b: simulate(p, cost, per_stage).iter_s for (arm, b), p in plans.items() if arm == "at_step"}
@@ -338,7 +338,7 @@ def main() -> None:
         worker(args)
         return
     if not Path(args.cost_model).exists():
-        sys.exit(f"{args.cost_model}: no such cost model (python -m megatron_ext.dpp.calibrate --out FILE writes one)")
+        sys.exit(f"{args.cost_model}: no such cost model (python -m megatron_ext.dpp.tools.calibrate --out FILE writes one)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     result = summarize(launch(args), args)
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -7,7 +7,7 @@ against the baseline strategies (sequential, per_job, pack_all).
   small_instance_max_gap  the heuristic planner's worst makespan ratio to the exact optimum
                           (CP-SAT over rigid packs) on random small sweeps
   measured                a 12-configuration sweep executed for real on this machine by the
-                          sweep's executor (lora/execute.py) in one launch of `--devices`
+                          sweep's executor (lora/runtime/execute.py) in one launch of `--devices`
                           one-thread gloo ranks, a rank per device: packs on separate ranks train
                           at the same time, each job writes its PEFT adapter and megatron
                           checkpoint. The planner uses the linear cost model calibrated here
@@ -37,13 +37,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron_ext.config.schema import ModelConfig  # noqa: E402
-from megatron_ext.lora import exact, planner, report  # noqa: E402
-from megatron_ext.lora.costmodel import A100_80GB, GpuCostModel  # noqa: E402
+from megatron_ext.lora.planning import exact, planner, report  # noqa: E402
+from megatron_ext.lora.planning.costmodel import A100_80GB, GpuCostModel  # noqa: E402
 from megatron_ext.lora.job import LoraJob  # noqa: E402
-from megatron_ext.lora.memory import BF16, FP32, Hardware, MemoryModel  # noqa: E402
-from megatron_ext.lora.plan import Pack, Plan  # noqa: E402
-from megatron_ext.lora.simulate import Schedule, simulate  # noqa: E402
-from megatron_ext.lora.workload import shapes_of  # noqa: E402
+from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel  # noqa: E402
+from megatron_ext.lora.planning.plan import Pack, Plan  # noqa: E402
+from megatron_ext.lora.planning.simulate import Schedule, simulate  # noqa: E402
+from megatron_ext.lora.planning.workload import shapes_of  # noqa: E402
 
 STRATEGIES = ("planner", "sequential", "per_job", "pack_all")
 ATTENTION = ("linear_qkv", "linear_proj")
@@ -151,8 +151,8 @@ def run_ranks(plans: dict[str, Plan], jobs: list[LoraJob], out_dir: str) -> dict
     import torch.distributed as dist
 
     from megatron_ext.config import compose_config
-    from megatron_ext.lora.batching import SyntheticData
-    from megatron_ext.lora.execute import execute
+    from megatron_ext.lora.runtime.batching import SyntheticData
+    from megatron_ext.lora.runtime.execute import execute
     from megatron_ext.models.convert.world import model_parallel_world
 
     cfg = dataclasses.replace(compose_config(["experiment=lora_sweep"]), model=CPU_MODEL)
@@ -193,7 +193,7 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.lora.calibrate import calibrate, fit_record, save_fit
-    from megatron_ext.lora.pass_size import AUTO, knee, resolve
+    from megatron_ext.lora.planning.pass_size import AUTO, knee, resolve
     from megatron_ext.models.convert.world import model_parallel_world
 
     with model_parallel_world():  # left before the ranks launch
@@ -221,7 +221,7 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
         "runs": runs,
         "cost_model": fit_record(fit, len(calibration), knee(rates)),
         "setup": {"model": dataclasses.asdict(CPU_MODEL), "devices": devices, "memory_bytes": hardware.memory_bytes,
-                  "executor": "megatron_ext.lora.execute.execute, one gloo rank per device (launch_local)",
+                  "executor": "megatron_ext.lora.runtime.execute.execute, one gloo rank per device (launch_local)",
                   "machine": machine, "jobs": [dataclasses.asdict(j) for j in jobs]},
     }
 

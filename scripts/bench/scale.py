@@ -132,7 +132,7 @@ class DppCase:
 
 
 def dpp_models() -> dict:
-    from megatron_ext.dpp.costmodel import ModelShape
+    from megatron_ext.dpp.planning.costmodel import ModelShape
 
     return {
         "llama3-8b": ModelShape("llama3-8b", num_layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
@@ -154,7 +154,7 @@ def dpp_stage_cost(shape, tp: int, dp: int, cluster: dict = CLUSTER):
     `dpp_mfu`), stage-to-stage transfers over InfiniBand (each TP rank sends its sequence-
     parallel share), activations, logits and weights split over TP (Megatron TP with sequence
     parallelism) and Adam's state over DP (ZeRO-1); bytes are one GPU's."""
-    from megatron_ext.dpp.costmodel import analytic_gpu
+    from megatron_ext.dpp.planning.costmodel import analytic_gpu
 
     cost = analytic_gpu(shape, peak_flops=tp * cluster["peak_bf16_flops"], mfu=cluster["dpp_mfu"],
                         t0=cluster["dpp_t0_tokens"], p2p_bytes_s=tp * cluster["ib_bytes_per_s"], zero_shards=dp)
@@ -168,7 +168,7 @@ def global_batch(case: DppCase, seed: int) -> list[int]:
     in `batch_tokens` tokens."""
     import numpy as np
 
-    from megatron_ext.dpp.lengths import GITHUB, LogNormal
+    from megatron_ext.dpp.planning.lengths import GITHUB, LogNormal
 
     dist = LogNormal(f"github_x{case.length_scale:g}", GITHUB.mu + math.log(case.length_scale), GITHUB.sigma)
     rng = np.random.default_rng(seed)
@@ -184,8 +184,8 @@ def global_batch(case: DppCase, seed: int) -> list[int]:
 
 def _plan_dpp_case(case: DppCase) -> dict:
     """Plan `case.batches` global batches, each replica's share on its own, on this process."""
-    from megatron_ext.dpp.batch import dp_share
-    from megatron_ext.dpp.planner import plan_step_info
+    from megatron_ext.dpp.runtime.batch import dp_share
+    from megatron_ext.dpp.planning.planner import plan_step_info
 
     shape = dpp_models()[case.model]
     cost = dpp_stage_cost(shape, case.tp, case.dp)
@@ -262,7 +262,7 @@ SEQ_LENGTHS = (512, 1024, 2048, 4096)
 
 
 def lora_gpu():
-    from megatron_ext.lora.costmodel import GpuSpec
+    from megatron_ext.lora.planning.costmodel import GpuSpec
 
     # The roofline's efficiencies keep GpuSpec's defaults (assumed, as for the A100 sweep).
     return GpuSpec(CLUSTER["gpu"], CLUSTER["gpu_memory_bytes"], CLUSTER["peak_bf16_flops"], CLUSTER["hbm_bytes_per_s"],
@@ -287,10 +287,10 @@ def lora_jobs(case: LoraCase) -> list:
 
 def lora_problem(case: LoraCase):
     from megatron_ext.config.schema import ModelConfig
-    from megatron_ext.lora import planner
-    from megatron_ext.lora.costmodel import GpuCostModel
-    from megatron_ext.lora.memory import BF16, Hardware, MemoryModel
-    from megatron_ext.lora.workload import shapes_of
+    from megatron_ext.lora.planning import planner
+    from megatron_ext.lora.planning.costmodel import GpuCostModel
+    from megatron_ext.lora.planning.memory import BF16, Hardware, MemoryModel
+    from megatron_ext.lora.planning.workload import shapes_of
 
     model = ModelConfig(name="llama3_8b", num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                         num_attention_heads=32, num_query_groups=8, vocab_size=128256, tie_embeddings=False,
@@ -302,8 +302,8 @@ def lora_problem(case: LoraCase):
 
 
 def _plan_lora_case(case: LoraCase) -> dict:
-    from megatron_ext.lora import planner
-    from megatron_ext.lora.simulate import simulate
+    from megatron_ext.lora.planning import planner
+    from megatron_ext.lora.planning.simulate import simulate
 
     problem = lora_problem(case)
     wall, cpu = time.perf_counter(), time.process_time()

@@ -1,4 +1,4 @@
-"""`python -m megatron_ext.dpp.calibrate --tp 2 [--sequence-parallel]` times each rank's shard
+"""`python -m megatron_ext.dpp.tools.calibrate --tp 2 [--sequence-parallel]` times each rank's shard
 of the layer and the head in two processes and records the layout it was calibrated at: a
 rank keeps half the K/V groups' bytes, and under sequence parallelism half of each token-wise
 tensor's; a run at another tensor parallelism refuses the cost model."""
@@ -22,7 +22,7 @@ GRID = ["--q", "32", "64", "128", "--prefix", "0", "64", "--repeats", "3", "--no
 def calibrated(tmp_path, *layout: str) -> dict:
     out = tmp_path / f"cost{len(list(tmp_path.iterdir()))}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_ext.dpp.calibrate", "--out", str(out), *GRID, *layout],
+    subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_ext.dpp.tools.calibrate", "--out", str(out), *GRID, *layout],
                    check=True, env=env, cwd=REPO, timeout=600)
     return {**json.loads(out.read_text()), "path": str(out)}
 
@@ -30,7 +30,7 @@ def calibrated(tmp_path, *layout: str) -> dict:
 def test_tensor_parallel_calibration_times_a_rank_shard_and_records_its_layout(tmp_path):
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.calibrate import check_calibrated_for
+    from megatron_ext.dpp.tools.calibrate import check_calibrated_for
 
     one = calibrated(tmp_path)
     tp = calibrated(tmp_path, "--tp", "2")

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_ext.dpp.costmodel import ACTIVATION_ERROR  # noqa: E402
+from megatron_ext.dpp.planning.costmodel import ACTIVATION_ERROR  # noqa: E402
 from tests.distributed.test_dpp_runtime import (  # noqa: E402
     LENGTHS,
     PLANNED_LENGTHS,
@@ -78,7 +78,7 @@ def case_model(name: str):
 
 def case_plan(name: str):
     """The case's plan, its chunks padded to a multiple of tp under sequence parallelism."""
-    from megatron_ext.dpp.plan import padded
+    from megatron_ext.dpp.planning.plan import padded
 
     case = CASES[name]
     multiple = case.tp if case.sequence_parallel else 1
@@ -121,10 +121,10 @@ def worker(out_dir: str, world: int, *names: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.config.schema import Config, ParallelConfig
-    from megatron_ext.dpp.memory import ActivationMeter, fit_activation_bytes, fit_model_states
+    from megatron_ext.dpp.runtime.memory import ActivationMeter, fit_activation_bytes, fit_model_states
     from megatron_ext.dpp.plugin import DppPlugin
-    from megatron_ext.dpp.runtime import DppStep, PlannedBatch
-    from megatron_ext.dpp.simulate import memory_peaks
+    from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch
+    from megatron_ext.dpp.planning.simulate import memory_peaks
     from megatron_ext.platform.launch import join_world
     from megatron_ext.training.step import forward_step, reduce_loss
     from megatron_ext.training.trainer import Trainer

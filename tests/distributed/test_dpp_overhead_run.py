@@ -1,4 +1,4 @@
-"""`dpp/overhead.py` on 2 gloo ranks (slow: a PP=2 trainer and a dozen steps): every op of every
+"""`dpp/tools/overhead.py` on 2 gloo ranks (slow: a PP=2 trainer and a dozen steps): every op of every
 step of both stages is recorded, each step lasts at least the span of its ops, and, starting
 from layer times a tenth of this machine's, the fitted terms bring the simulated step time far
 closer to the measured one than the layers alone."""
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from megatron_ext.dpp.costmodel import CostModel
-from megatron_ext.dpp.overhead import synthetic_plans
+from megatron_ext.dpp.planning.costmodel import CostModel
+from megatron_ext.dpp.tools.overhead import synthetic_plans
 from tests.distributed._torchrun import REPO, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -23,7 +23,7 @@ ARGS = dict(seq_len=512, docs=4, seed=11, shapes=(("balanced", 1), ("balanced", 
 def test_overhead_records_every_op_and_fits_the_steps(tmp_path):
     path = tmp_path / "cost.json"
     TOO_FAST.to_json(path)
-    torchrun(str(REPO / "megatron_ext/dpp/overhead.py"), 2, "--cost", str(path), "--seq-len", str(ARGS["seq_len"]),
+    torchrun(str(REPO / "megatron_ext/dpp/tools/overhead.py"), 2, "--cost", str(path), "--seq-len", str(ARGS["seq_len"]),
              "--docs", str(ARGS["docs"]), "--seed", str(ARGS["seed"]), "--shapes", *(f"{m}:{k}" for m, k in ARGS["shapes"]), "--rounds", "1")
     stored = json.loads(path.read_text())
     plans = [p for seed in (11, 12) for p in synthetic_plans(TOO_FAST, 2, ARGS["seq_len"], ARGS["docs"], seed, ARGS["shapes"])]

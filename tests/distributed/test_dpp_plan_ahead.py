@@ -29,7 +29,7 @@ DOC_LENGTHS = np.minimum(np.maximum(2, np.rint(np.random.default_rng(5).lognorma
 
 
 def cost_model():
-    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.planning.costmodel import CostModel
 
     return CostModel(alpha=2e-5, beta=2e-8, gamma=1e-4, act_bytes_token=6000, ckpt_bytes_token=300, kv_bytes_token=512,
                      head_bytes_token=1500, state_bytes_param=16, layer_params=50000, num_layers=4)
@@ -90,7 +90,7 @@ def test_replicas_planning_ahead_agree_and_fail_together(tmp_path):
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.dpp.batch import DocumentBatches
+    from megatron_ext.dpp.runtime.batch import DocumentBatches
 
     prefix = str(tmp_path / "docs")
     build_dataset(prefix)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from megatron_ext.config.store import MODEL_PRESETS
-from megatron_ext.dpp.costmodel import ACTIVATION_ERROR
-from megatron_ext.dpp.plan import Chunk, Group, Op, Segment as S, StepPlan
+from megatron_ext.dpp.planning.costmodel import ACTIVATION_ERROR
+from megatron_ext.dpp.planning.plan import Chunk, Group, Op, Segment as S, StepPlan
 
 VOCAB = 256
 # GQA (8 heads, 2 KV groups), untied output layer.
@@ -79,7 +79,7 @@ PLANNED_LENGTHS = (300, 40, 90, 25, 18, 12, 60, 130)
 
 
 def planning_cost(pp: int):
-    from megatron_ext.dpp.costmodel import CostModel
+    from megatron_ext.dpp.planning.costmodel import CostModel
 
     return CostModel(alpha=2e-5, beta=2e-8, gamma=1e-4, act_bytes_token=6000, ckpt_bytes_token=300,
                      kv_bytes_token=512, head_bytes_token=1500, state_bytes_param=16, layer_params=50000,
@@ -88,7 +88,7 @@ def planning_cost(pp: int):
 
 def planned(pp: int, token_multiple: int = 1) -> StepPlan:
     """The DPP planner's plan of PLANNED_LENGTHS under a budget that makes it recompute."""
-    from megatron_ext.dpp.planner import plan_step
+    from megatron_ext.dpp.planning.planner import plan_step
 
     return plan_step(PLANNED_LENGTHS, planning_cost(pp), pp, 4e6, "dpp", token_multiple=token_multiple)
 
@@ -101,7 +101,7 @@ PACKED_CONTEXT = 1200
 
 
 def packed(pp: int) -> StepPlan:
-    from megatron_ext.dpp.planner import StaticConfig, plan_static
+    from megatron_ext.dpp.planning.planner import StaticConfig, plan_static
 
     return plan_static(PACKED_LENGTHS, StaticConfig("packed", PACKED_CONTEXT, PACKED_CONTEXT, recompute=1), planning_cost(pp), pp)
 
@@ -174,11 +174,11 @@ def worker(out_dir: str, world: int, only: tuple[str, ...] = ()) -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.config.schema import Config, ParallelConfig
-    from megatron_ext.dpp.batch import dp_share
+    from megatron_ext.dpp.runtime.batch import dp_share
     from megatron_ext.dpp.plugin import DppPlugin
-    from megatron_ext.dpp.memory import ActivationMeter, fit_activation_bytes
-    from megatron_ext.dpp.runtime import DppStep, PlannedBatch, validate_plan
-    from megatron_ext.dpp.simulate import memory_peaks
+    from megatron_ext.dpp.runtime.memory import ActivationMeter, fit_activation_bytes
+    from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch, validate_plan
+    from megatron_ext.dpp.planning.simulate import memory_peaks
     from megatron_ext.platform.launch import join_world
     from megatron_ext.training.step import forward_step, reduce_loss
     from megatron_ext.training.trainer import Trainer
@@ -258,7 +258,7 @@ def reference(pp: int, lengths, grads_of=named_grads, model=None) -> tuple[dict,
     import torch.distributed as dist
 
     from megatron_ext.config.schema import Config
-    from megatron_ext.dpp.batch import chunk_inputs
+    from megatron_ext.dpp.runtime.batch import chunk_inputs
     from megatron_ext.platform.launch import join_world
     from megatron_ext.training.trainer import Trainer
 

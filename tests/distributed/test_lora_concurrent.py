@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_lora_sweep import TINY  # noqa: E402
 
 from megatron_ext.lora.job import LoraJob  # noqa: E402
-from megatron_ext.lora.plan import Pack, Plan  # noqa: E402
+from megatron_ext.lora.planning.plan import Pack, Plan  # noqa: E402
 
 JOBS = [
     LoraJob("a", rank=4, lr=1e-2, steps=2, micro_batch_size=1, global_batch_size=2, seq_length=16, dropout=0.1),
@@ -49,8 +49,8 @@ def worker(out: str, part: str) -> None:
     import torch.distributed as dist
 
     from megatron_ext.config import compose_config
-    from megatron_ext.lora.batching import SyntheticData
-    from megatron_ext.lora.execute import execute
+    from megatron_ext.lora.runtime.batching import SyntheticData
+    from megatron_ext.lora.runtime.execute import execute
     from megatron_ext.lora.sweep import jobs_of, run_sweep
     from megatron_ext.models.convert.world import model_parallel_world
     from megatron_ext.platform.launch import join_world

@@ -3,7 +3,7 @@ TP=1: the column-parallel (A replicated, B split by rows, the fc1 gate/up halves
 row-parallel (A split by columns, B replicated) layouts, their collectives, per-job clipping on
 the TP-summed norm, and dropout masks drawn over the logical input.
 
-The models are fp64, and so is the loss (the packed runtime's, lora/loss.py; megatron's own
+The models are fp64, and so is the loss (the packed runtime's, lora/runtime/loss.py; megatron's own
 cross entropy computed in fp32 whatever the logits' dtype); TP=2 sums the GEMMs and the
 vocabulary in another order, so the two runs agree to fp64 rounding, not bitwise. A wrong shard
 or a missing reduction is off by O(1).

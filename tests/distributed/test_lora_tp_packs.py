@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_lora_concurrent import JOBS, outcome  # noqa: E402
 from test_lora_sweep import TINY  # noqa: E402
 
-from megatron_ext.lora.plan import Pack, Plan  # noqa: E402
+from megatron_ext.lora.planning.plan import Pack, Plan  # noqa: E402
 
 PLANS = {
     # rank 0 goes from TP=1 to TP=2, rank 1 from TP=2 to TP=1
@@ -48,8 +48,8 @@ def worker(out: str) -> None:
     import torch.distributed as dist
 
     from megatron_ext.config import compose_config
-    from megatron_ext.lora.batching import SyntheticData
-    from megatron_ext.lora.execute import execute
+    from megatron_ext.lora.runtime.batching import SyntheticData
+    from megatron_ext.lora.runtime.execute import execute
     from megatron_ext.models.convert.world import model_parallel_world
 
     cfg = compose_config([*TINY, "parallel.tp=2"])

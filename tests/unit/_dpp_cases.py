@@ -1,6 +1,6 @@
 """A small CPU-scale cost model shared by the DPP unit tests."""
 
-from megatron_ext.dpp.costmodel import CostModel
+from megatron_ext.dpp.planning.costmodel import CostModel
 
 TOY = CostModel(
     alpha=1e-6, beta=2e-9, gamma=1e-4, bwd_ratio=2.0, t0=64.0, head_s_token=5e-7, p2p_s_token=1e-8, p2p_latency_s=1e-5,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.dpp.chunking import blended_mesh, chunk_batch, equal_time_mesh
-from megatron_ext.dpp.costmodel import CostModel
-from megatron_ext.dpp.plan import Chunk, Segment
+from megatron_ext.dpp.planning.chunking import blended_mesh, chunk_batch, equal_time_mesh
+from megatron_ext.dpp.planning.costmodel import CostModel
+from megatron_ext.dpp.planning.plan import Chunk, Segment
 
 COST = CostModel(alpha=1e-6, beta=2e-9, gamma=1e-4, t0=64.0)
 

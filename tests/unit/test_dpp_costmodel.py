@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ext.dpp.calibrate import HeadSample, Sample, fit_backward, fit_head, fit_memory, fit_time, head_errors, relative_errors
-from megatron_ext.dpp.costmodel import CostModel, analytic_gpu, LLAMA_7B
-from megatron_ext.dpp.plan import Chunk, Segment
+from megatron_ext.dpp.tools.calibrate import HeadSample, Sample, fit_backward, fit_head, fit_memory, fit_time, head_errors, relative_errors
+from megatron_ext.dpp.planning.costmodel import CostModel, analytic_gpu, LLAMA_7B
+from megatron_ext.dpp.planning.plan import Chunk, Segment
 from tests.unit._dpp_cases import TOY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_analytic_model_round_trips_through_json(tmp_path):
 
 
 def test_calibration_times_the_runtime_layer_and_the_head(one_rank_world):
-    from megatron_ext.dpp.calibrate import default_vocab, measure
+    from megatron_ext.dpp.tools.calibrate import default_vocab, measure
 
     samples, head, shape, rounds = measure("llama_tiny", (16, 32), (0, 24), repeats=3, vocab=default_vocab("llama_tiny"))
     assert [(s.q, s.prefix) for s in samples] == [(16, 0), (16, 24), (32, 0), (32, 24)]
@@ -215,7 +215,7 @@ def test_layers_are_timed_by_cpu_time_on_the_cpu():
 
     import torch
 
-    from megatron_ext.dpp.calibrate import device_clock
+    from megatron_ext.dpp.tools.calibrate import device_clock
     from megatron_ext.platform.device import wall_clock
 
     assert device_clock(torch.device("cpu")) is time.process_time
@@ -226,7 +226,7 @@ def test_layers_are_timed_by_cpu_time_on_the_cpu():
 def test_calibration_times_layers_on_the_gpu(one_rank_world):
     import torch
 
-    from megatron_ext.dpp.calibrate import default_vocab, measure
+    from megatron_ext.dpp.tools.calibrate import default_vocab, measure
 
     samples, head, _, _ = measure("llama_tiny", (64, 128), (0, 64), repeats=2, vocab=default_vocab("llama_tiny"),
                                   device=torch.device("cuda", 0))
@@ -234,7 +234,7 @@ def test_calibration_times_layers_on_the_gpu(one_rank_world):
 
 
 def test_rounds_reduce_to_their_min_or_median():
-    from megatron_ext.dpp.calibrate import reduce_rounds
+    from megatron_ext.dpp.tools.calibrate import reduce_rounds
 
     timed = {("layer", 64, 0): ([0.3, 0.1, 0.2, 0.9], [0.5, 0.7, 0.4], 100)}
     assert reduce_rounds(timed, "min") == {("layer", 64, 0): (0.1, 0.4, 100)}
@@ -259,7 +259,7 @@ CALIBRATED_FOR = {
 def test_a_cost_model_calibrated_for_another_layer_shape_is_refused(tmp_path, case):
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.calibrate import check_calibrated_for, layer_shape
+    from megatron_ext.dpp.tools.calibrate import check_calibrated_for, layer_shape
 
     calibrated = MODEL_PRESETS["llama_tiny"]
     path = tmp_path / "cost.json"
@@ -276,7 +276,7 @@ def test_a_cost_model_calibrated_for_another_layer_shape_is_refused(tmp_path, ca
 
 def test_a_cost_model_written_before_a_shape_field_was_recorded_is_compared_on_the_others(tmp_path):
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.calibrate import check_calibrated_for
+    from megatron_ext.dpp.tools.calibrate import check_calibrated_for
 
     path = tmp_path / "old.json"
     CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4).to_json(path, shape={"hidden": 128, "ffn": 352, "heads": 4, "kv_heads": 4})

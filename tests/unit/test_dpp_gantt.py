@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.dpp.gantt import TimedOp, draw, from_events, save
-from megatron_ext.dpp.planner import plan_step
-from megatron_ext.dpp.simulate import simulate
+from megatron_ext.dpp.planning.gantt import TimedOp, draw, from_events, save
+from megatron_ext.dpp.planning.planner import plan_step
+from megatron_ext.dpp.planning.simulate import simulate
 from tests.unit._dpp_cases import TOY
 
 matplotlib = pytest.importorskip("matplotlib")

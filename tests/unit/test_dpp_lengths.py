@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from megatron_ext.dpp.lengths import COMMONCRAWL, GITHUB, Histogram, get_distribution, limit_lengths, sample_batch
+from megatron_ext.dpp.planning.lengths import COMMONCRAWL, GITHUB, Histogram, get_distribution, limit_lengths, sample_batch
 
 # name -> (lengths, max_seq_len, overflow, expected kept, truncated, rejected)
 LIMIT_CASES = {
@@ -21,7 +21,7 @@ LIMIT_CASES = {
 @pytest.mark.parametrize("name", LIMIT_CASES)
 def test_limit_lengths_counts_and_logs(name, caplog):
     lengths, cap, overflow, kept, trunc, rej = LIMIT_CASES[name]
-    with caplog.at_level(logging.INFO, logger="megatron_ext.dpp.lengths"):
+    with caplog.at_level(logging.INFO, logger="megatron_ext.dpp.planning.lengths"):
         out = limit_lengths(lengths, cap, overflow)
     assert (out.lengths, out.truncated, out.rejected) == (kept, trunc, rej)
     assert (f"{trunc + rej} of {len(lengths)}" in caplog.text) == bool(trunc + rej)

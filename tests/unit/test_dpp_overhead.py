@@ -1,4 +1,4 @@
-"""DPP runtime terms (`dpp/overhead.py`, the cost model's loop and p2p terms): at their defaults
+"""DPP runtime terms (`dpp/tools/overhead.py`, the cost model's loop and p2p terms): at their defaults
 plans and simulated times equal those of the code before the terms existed (numbers from commit
 bb60274); set, each op, transfer and step gains exactly its term in the simulator (against a
 hand-computed two-stage step); the fits recover known terms; a per-chunk cost makes the DPP
@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ext.dpp.costmodel import LLAMA_7B, LLAMA_13B, CostModel, analytic_gpu
-from megatron_ext.dpp.overhead import OpSample, StepSample, fit_loop, fit_p2p
-from megatron_ext.dpp.plan import Chunk, Segment, StepPlan
-from megatron_ext.dpp.planner import plan_step_info
-from megatron_ext.dpp.schedule import one_f_one_b
-from megatron_ext.dpp.simulate import simulate
+from megatron_ext.dpp.planning.costmodel import LLAMA_7B, LLAMA_13B, CostModel, analytic_gpu
+from megatron_ext.dpp.tools.overhead import OpSample, StepSample, fit_loop, fit_p2p
+from megatron_ext.dpp.planning.plan import Chunk, Segment, StepPlan
+from megatron_ext.dpp.planning.planner import plan_step_info
+from megatron_ext.dpp.planning.schedule import one_f_one_b
+from megatron_ext.dpp.planning.simulate import simulate
 from tests.unit._dpp_cases import TOY
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.dpp.costmodel import MODEL_SHAPES, analytic_gpu
-from megatron_ext.dpp.planner import POLICIES, STATIC_POLICIES, plan_step, plan_step_info, tune_static
-from megatron_ext.dpp.simulate import check_plan, simulate
+from megatron_ext.dpp.planning.costmodel import MODEL_SHAPES, analytic_gpu
+from megatron_ext.dpp.planning.planner import POLICIES, STATIC_POLICIES, plan_step, plan_step_info, tune_static
+from megatron_ext.dpp.planning.simulate import check_plan, simulate
 from tests.unit._dpp_cases import TOY
 
 LENGTHS = [700, 300, 120, 90, 60, 40, 33, 20, 12, 9, 5, 3]
@@ -82,7 +82,7 @@ def test_dpp_picks_the_even_mesh_where_the_model_makes_it_faster(monkeypatch):
     mesh, which a search of balanced meshes alone could not find."""
     import dataclasses
 
-    from megatron_ext.dpp import planner
+    from megatron_ext.dpp.planning import planner
 
     cost = dataclasses.replace(TOY, runtime_scale_tokens=(64, 512), runtime_fwd_scales=(1.0, 3.0), runtime_bwd_scales=(1.0, 3.0))
 
@@ -101,7 +101,7 @@ def test_a_sequence_that_only_fits_coarse_slices_gets_a_pipeline_and_mesh_of_its
     pipeline of its own and the rest in another on their own mesh: that plan's time is the two
     sub-batches' times planned as batches of their own (one pipeline each), and it beats the
     best one-mesh plan."""
-    from megatron_ext.dpp import planner
+    from megatron_ext.dpp.planning import planner
 
     cost = analytic_gpu(MODEL_SHAPES["llama-13b"])
     lengths = [30000, 131072, 20000, 12000, 8000, 6000, 4000, 3000, 2000, 1000, 500]  # longest not first

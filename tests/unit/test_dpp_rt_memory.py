@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.dpp.attention import PrefixKVCache
-from megatron_ext.dpp.memory import ActivationMeter
+from megatron_ext.dpp.runtime.attention import PrefixKVCache
+from megatron_ext.dpp.runtime.memory import ActivationMeter
 
 
 def test_saved_storages_count_once_and_parameters_not_at_all():
@@ -51,7 +51,7 @@ def dpp_model(preset: str, **changes):
 
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.attention import ChunkContext, dpp_layer_spec
+    from megatron_ext.dpp.runtime.attention import ChunkContext, dpp_layer_spec
     from megatron_ext.dpp.plugin import prepare_model
     from megatron_ext.models.arch import architecture
 
@@ -69,8 +69,8 @@ def test_fitting_activation_bytes_leaves_the_model_as_it_was_when_a_forward_rais
     """A forward that raises half-way through the fit (here: the third one, after two
     backwards have accumulated gradients) leaves the recompute count, the chunk context, the
     model's input, its hooks and its gradients as they were; bad token counts are refused first."""
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_activation_bytes
+    from megatron_ext.dpp.planning.costmodel import CostModel
+    from megatron_ext.dpp.runtime.memory import fit_activation_bytes
 
     model, ddp, config, context = dpp_model("llama_tiny")
     config.recompute_num_layers = 1  # what the caller had set
@@ -99,8 +99,8 @@ def test_fitting_activation_bytes_leaves_the_moe_aux_loss_scale_as_it_was(one_ra
     backward outside them would create with another shape (the training step then fails)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_activation_bytes
+    from megatron_ext.dpp.planning.costmodel import CostModel
+    from megatron_ext.dpp.runtime.memory import fit_activation_bytes
 
     _, ddp, _, context = dpp_model("llama_moe_tiny", moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01)
     cost = CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4)
@@ -117,21 +117,21 @@ def test_fitting_activation_bytes_leaves_the_moe_aux_loss_scale_as_it_was(one_ra
     ("bf16", "adam", True, 4, 2 + 4 + (4 + 8) / 4),  # plus an fp32 master copy, sharded
 ])
 def test_state_bytes_per_param(precision, optimizer, distributed, dp, expected):
-    from megatron_ext.dpp.memory import state_bytes_per_param
+    from megatron_ext.dpp.runtime.memory import state_bytes_per_param
 
     assert state_bytes_per_param(precision, optimizer, distributed, dp) == expected
 
 
 def test_state_bytes_of_an_unknown_optimizer_are_refused():
-    from megatron_ext.dpp.memory import state_bytes_per_param
+    from megatron_ext.dpp.runtime.memory import state_bytes_per_param
 
     with pytest.raises(ValueError, match="lion"):
         state_bytes_per_param("fp32", "lion", False, 1)
 
 
 def test_one_stage_model_states_are_its_parameters(one_rank_world):
-    from megatron_ext.dpp.costmodel import CostModel
-    from megatron_ext.dpp.memory import fit_model_states
+    from megatron_ext.dpp.planning.costmodel import CostModel
+    from megatron_ext.dpp.runtime.memory import fit_model_states
 
     model, ddp, _, _ = dpp_model("llama_tiny")
     counted = fit_model_states([ddp], CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4), bytes_per_param=16.0)

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from megatron_ext.dpp.plan import Chunk, Group, Op, Segment, StepPlan
-from megatron_ext.dpp.schedule import group_dp, longest_first, one_f_one_b, units
-from megatron_ext.dpp.simulate import Deadlock, PlanError, check_plan, simulate
+from megatron_ext.dpp.planning.plan import Chunk, Group, Op, Segment, StepPlan
+from megatron_ext.dpp.planning.schedule import group_dp, longest_first, one_f_one_b, units
+from megatron_ext.dpp.planning.simulate import Deadlock, PlanError, check_plan, simulate
 from tests.unit._dpp_cases import TOY
 
 

@@ -9,11 +9,11 @@ import torch
 
 from test_lora_packed import JOBS, MODEL, VOCAB, max_diff, random_weights, train
 
-from megatron_ext.lora.base import build_base
-from megatron_ext.lora.batching import SyntheticData
+from megatron_ext.lora.runtime.base import build_base
+from megatron_ext.lora.runtime.batching import SyntheticData
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.layers import install_job
-from megatron_ext.lora.runtime import PackedTrainer
+from megatron_ext.lora.runtime.layers import install_job
+from megatron_ext.lora.runtime.packed import PackedTrainer
 
 NEW = LoraJob("new", rank=4, seed=11)
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora.base import build_base
-from megatron_ext.lora.batching import MicroBatch, SyntheticData, pack
+from megatron_ext.lora.runtime.base import build_base
+from megatron_ext.lora.runtime.batching import MicroBatch, SyntheticData, pack
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.layers import install_job, logical_weights
-from megatron_ext.lora.runtime import PackedTrainer, token_losses
-from megatron_ext.lora.workload import split_passes
+from megatron_ext.lora.runtime.layers import install_job, logical_weights
+from megatron_ext.lora.runtime.packed import PackedTrainer, token_losses
+from megatron_ext.lora.planning.workload import split_passes
 
 VOCAB = 128
 MODEL = ModelConfig(
@@ -77,7 +77,7 @@ def test_packed_equals_solo(one_rank_world, dtype, atol):
 
 def passes_taken(monkeypatch) -> list:
     """Every packed step's passes as the runtime splits it (tuples of indices in slot order)."""
-    from megatron_ext.lora import runtime
+    from megatron_ext.lora.runtime import packed as packed_runtime
 
     taken = []
 
@@ -86,7 +86,7 @@ def passes_taken(monkeypatch) -> list:
         taken.append(tuple(tuple(p) for p in passes))
         return passes
 
-    monkeypatch.setattr(runtime, "split_passes", recording)
+    monkeypatch.setattr(packed_runtime, "split_passes", recording)
     return taken
 
 
@@ -202,7 +202,7 @@ def test_slot_reload_gives_identical_outputs(one_rank_world):
 @pytest.mark.parametrize("kernel", ["grouped"])
 def test_kernel_matches_reference(one_rank_world, kernel):
     """The same packed step through another kernel path: same loss and adapter gradients."""
-    from megatron_ext.lora.kernels import grouped
+    from megatron_ext.lora.runtime.kernels import grouped
 
     if not grouped.available():
         pytest.skip("torch._grouped_mm is not in this torch build")

@@ -12,12 +12,12 @@ import random
 import pytest
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora import planner
-from megatron_ext.lora.costmodel import LinearCostModel
+from megatron_ext.lora.planning import planner
+from megatron_ext.lora.planning.costmodel import LinearCostModel
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.memory import FP32, Hardware, MemoryModel
-from megatron_ext.lora.simulate import simulate
-from megatron_ext.lora.workload import shapes_of, split_passes
+from megatron_ext.lora.planning.memory import FP32, Hardware, MemoryModel
+from megatron_ext.lora.planning.simulate import simulate
+from megatron_ext.lora.planning.workload import shapes_of, split_passes
 
 SHAPES = shapes_of(ModelConfig(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=256))
 UNCAPPED = MemoryModel(SHAPES, FP32, fused_attention=False)

@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora import exact, planner
-from megatron_ext.lora.costmodel import GpuCostModel, GpuSpec, LinearCostModel
+from megatron_ext.lora.planning import exact, planner
+from megatron_ext.lora.planning.costmodel import GpuCostModel, GpuSpec, LinearCostModel
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.memory import FP32, Hardware, MemoryModel
-from megatron_ext.lora.plan import Pack, Plan
-from megatron_ext.lora.simulate import simulate
-from megatron_ext.lora.workload import shapes_of
+from megatron_ext.lora.planning.memory import FP32, Hardware, MemoryModel
+from megatron_ext.lora.planning.plan import Pack, Plan
+from megatron_ext.lora.planning.simulate import simulate
+from megatron_ext.lora.planning.workload import shapes_of
 
 TINY = ModelConfig(name="tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=256)
 SHAPES = shapes_of(TINY)
@@ -199,7 +199,7 @@ def test_bad_sweeps_are_refused_with_a_clear_message(name):
 
 
 def test_the_table_lists_every_pack_and_job_and_the_gantt_chart_is_written(tmp_path):
-    from megatron_ext.lora import report
+    from megatron_ext.lora.planning import report
 
     jobs, devices, room = SWEEPS["four devices, twelve jobs"]
     schedule = planner.plan(problem(jobs, devices, room), exact_limit=0)

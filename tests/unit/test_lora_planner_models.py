@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora.costmodel import A100_80GB, GpuCostModel, LinearCostModel, Sample, fit
+from megatron_ext.lora.planning.costmodel import A100_80GB, GpuCostModel, LinearCostModel, Sample, fit
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.memory import FP32, MemoryModel
-from megatron_ext.lora.workload import replica_work, shapes_of
+from megatron_ext.lora.planning.memory import FP32, MemoryModel
+from megatron_ext.lora.planning.workload import replica_work, shapes_of
 
 VOCAB = 128
 MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB)
@@ -30,9 +30,9 @@ TARGETS = {
 
 @pytest.mark.parametrize("targets", sorted(TARGETS))
 def test_memory_model_counts_the_runtimes_parameters_and_adam_state(one_rank_world, targets):
-    from megatron_ext.lora.base import build_base
-    from megatron_ext.lora.layers import install_job
-    from megatron_ext.lora.optim import JobOptimizer
+    from megatron_ext.lora.runtime.base import build_base
+    from megatron_ext.lora.runtime.layers import install_job
+    from megatron_ext.lora.runtime.optim import JobOptimizer
 
     model, wrappers, _ = build_base(MODEL, VOCAB)
     base = sum(p.numel() for p in model.parameters())

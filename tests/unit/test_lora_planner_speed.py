@@ -11,8 +11,8 @@ from typing import Optional
 
 import pytest
 
-from megatron_ext.lora import planner
-from megatron_ext.lora.plan import Pack, Plan
+from megatron_ext.lora.planning import planner
+from megatron_ext.lora.planning.plan import Pack, Plan
 from tests.unit.test_lora_planner import SWEEPS, mixed, problem
 
 

@@ -13,13 +13,13 @@ import torch
 
 from test_lora_packed import MODEL, VOCAB
 
-from megatron_ext.lora import checkpoint
-from megatron_ext.lora.base import build_base
-from megatron_ext.lora.batching import SyntheticData
+from megatron_ext.lora.runtime import checkpoint
+from megatron_ext.lora.runtime.base import build_base
+from megatron_ext.lora.runtime.batching import SyntheticData
 from megatron_ext.lora.export import load_megatron
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.layers import logical_weights
-from megatron_ext.lora.runtime import PackedTrainer
+from megatron_ext.lora.runtime.layers import logical_weights
+from megatron_ext.lora.runtime.packed import PackedTrainer
 
 JOBS = [
     LoraJob("a", rank=4, lr=1e-2, weight_decay=0.1, steps=3, micro_batch_size=1, global_batch_size=2, seq_length=16,

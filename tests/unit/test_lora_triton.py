@@ -1,4 +1,4 @@
-"""The Triton multi-adapter LoRA kernels (lora/kernels/triton_segmm.py) against the torch
+"""The Triton multi-adapter LoRA kernels (lora/runtime/kernels/triton_segmm.py) against the torch
 reference: forward values and every gradient (dX, dA, dB, and dS through expand).
 
 Skipped when triton is not installed (it is the optional extra `triton`, not a test dependency).
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.lora.kernels import reference
+from megatron_ext.lora.runtime.kernels import reference
 
 CUDA = torch.cuda.is_available()
 INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
@@ -33,7 +33,7 @@ DTYPES = [(torch.float32, 1e-5), (torch.float64, 1e-12)]
 
 
 def _segmm():
-    from megatron_ext.lora.kernels import triton_segmm
+    from megatron_ext.lora.runtime.kernels import triton_segmm
 
     assert triton_segmm.interpreted() == INTERPRETED, "TRITON_INTERPRET must be set before triton is imported"
     return triton_segmm
@@ -113,8 +113,8 @@ def test_all_segments_empty():
 
 
 def test_select():
-    from megatron_ext.lora import kernels
-    from megatron_ext.lora.kernels import grouped, triton_segmm
+    from megatron_ext.lora.runtime import kernels
+    from megatron_ext.lora.runtime.kernels import grouped, triton_segmm
 
     cuda = torch.device("cuda")  # select() only reads the device type: no GPU needed
     assert kernels.select(torch.device("cpu"), torch.float32) is reference

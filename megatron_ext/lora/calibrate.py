@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora.planning.costmodel import Fit, Sample, fit
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.planning.costmodel import Fit, Sample, fit
 from megatron_ext.lora.planning.workload import replica_work, shapes_of
 
 ATTENTION = ("linear_qkv", "linear_proj")

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_ext.config.schema import Config
-from megatron_ext.lora.planning import pass_size
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
+from megatron_ext.lora.planning import pass_size
 from megatron_ext.lora.planning.workload import Shapes, tp_divides
 
 # Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.

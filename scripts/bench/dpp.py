@@ -24,10 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_ext.dpp.planning.recompute import BudgetTooSmall  # noqa: E402
 from megatron_ext.dpp.planning.costmodel import MODEL_SHAPES, analytic_gpu  # noqa: E402
 from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch  # noqa: E402
 from megatron_ext.dpp.planning.planner import POLICIES, STATIC_POLICIES, plan_step_info, tune_static  # noqa: E402
+from megatron_ext.dpp.planning.recompute import BudgetTooSmall  # noqa: E402
 from megatron_ext.dpp.planning.simulate import simulate  # noqa: E402
 
 BUDGET = 80e9

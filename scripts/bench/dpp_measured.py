@@ -107,9 +107,9 @@ def worker(args) -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.dpp.planning.costmodel import CostModel, stage_layers
-    from megatron_ext.dpp.runtime.memory import ActivationMeter, Timeline, fit_activation_bytes
-    from megatron_ext.dpp.runtime.loop import DppStep
     from megatron_ext.dpp.planning.simulate import memory_peaks, simulate
+    from megatron_ext.dpp.runtime.loop import DppStep
+    from megatron_ext.dpp.runtime.memory import ActivationMeter, Timeline, fit_activation_bytes
     from megatron_ext.training.step import forward_step
 
     trainer, plugin, dataset = build(args)

@@ -74,9 +74,9 @@ def worker(mode: str, k: int, batch: int, steps: int, warmup: int, setting: Cap,
     import torch
 
     from megatron_ext.config.schema import ModelConfig
+    from megatron_ext.lora.planning.pass_size import resolve
     from megatron_ext.lora.runtime.base import build_base
     from megatron_ext.lora.runtime.batching import SyntheticData
-    from megatron_ext.lora.planning.pass_size import resolve
     from megatron_ext.lora.runtime.packed import PackedTrainer
     from megatron_ext.models.convert.world import model_parallel_world
 
@@ -114,9 +114,9 @@ def rates_worker() -> dict:
     import torch
 
     from megatron_ext.config.schema import ModelConfig
-    from megatron_ext.lora.runtime.base import build_base
     from megatron_ext.lora.calibrate import measure_pass_rates
     from megatron_ext.lora.planning.pass_size import KNEE, knee
+    from megatron_ext.lora.runtime.base import build_base
     from megatron_ext.models.convert.world import model_parallel_world
 
     torch.set_num_threads(1)

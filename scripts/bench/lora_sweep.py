@@ -37,9 +37,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron_ext.config.schema import ModelConfig  # noqa: E402
+from megatron_ext.lora.job import LoraJob  # noqa: E402
 from megatron_ext.lora.planning import exact, planner, report  # noqa: E402
 from megatron_ext.lora.planning.costmodel import A100_80GB, GpuCostModel  # noqa: E402
-from megatron_ext.lora.job import LoraJob  # noqa: E402
 from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel  # noqa: E402
 from megatron_ext.lora.planning.plan import Pack, Plan  # noqa: E402
 from megatron_ext.lora.planning.simulate import Schedule, simulate  # noqa: E402

@@ -184,8 +184,8 @@ def global_batch(case: DppCase, seed: int) -> list[int]:
 
 def _plan_dpp_case(case: DppCase) -> dict:
     """Plan `case.batches` global batches, each replica's share on its own, on this process."""
-    from megatron_ext.dpp.runtime.batch import dp_share
     from megatron_ext.dpp.planning.planner import plan_step_info
+    from megatron_ext.dpp.runtime.batch import dp_share
 
     shape = dpp_models()[case.model]
     cost = dpp_stage_cost(shape, case.tp, case.dp)

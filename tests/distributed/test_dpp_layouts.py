@@ -121,10 +121,10 @@ def worker(out_dir: str, world: int, *names: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.config.schema import Config, ParallelConfig
-    from megatron_ext.dpp.runtime.memory import ActivationMeter, fit_activation_bytes, fit_model_states
+    from megatron_ext.dpp.planning.simulate import memory_peaks
     from megatron_ext.dpp.plugin import DppPlugin
     from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch
-    from megatron_ext.dpp.planning.simulate import memory_peaks
+    from megatron_ext.dpp.runtime.memory import ActivationMeter, fit_activation_bytes, fit_model_states
     from megatron_ext.platform.launch import join_world
     from megatron_ext.training.step import forward_step, reduce_loss
     from megatron_ext.training.trainer import Trainer

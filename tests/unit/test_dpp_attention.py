@@ -15,8 +15,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_ext.dpp.runtime.attention import ChunkContext, ChunkCoreAttention, PositionedRotaryEmbedding
 from megatron_ext.dpp.planning.plan import Segment as S
+from megatron_ext.dpp.runtime.attention import ChunkContext, ChunkCoreAttention, PositionedRotaryEmbedding
 
 HEAD_DIM = 8
 # name: (sequence lengths, chunks as segment lists, heads, query groups)

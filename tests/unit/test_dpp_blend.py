@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from megatron_ext.dpp.plugin import open_documents
 from megatron_ext.dpp.runtime.batch import DocumentBatches
 from megatron_ext.dpp.runtime.blend import DocumentBlend
-from megatron_ext.dpp.plugin import open_documents
 
 # Dataset k's token ids lie in [1000 k, 1000 k + 1000): a document tells where it came from.
 LENGTHS = {

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ext.dpp.tools.calibrate import HeadSample, Sample, fit_backward, fit_head, fit_memory, fit_time, head_errors, relative_errors
 from megatron_ext.dpp.planning.costmodel import CostModel, analytic_gpu, LLAMA_7B
 from megatron_ext.dpp.planning.plan import Chunk, Segment
+from megatron_ext.dpp.tools.calibrate import HeadSample, Sample, fit_backward, fit_head, fit_memory, fit_time, head_errors, relative_errors
 from tests.unit._dpp_cases import TOY
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from megatron_ext.dpp.planning.costmodel import LLAMA_7B, LLAMA_13B, CostModel, analytic_gpu
-from megatron_ext.dpp.tools.overhead import OpSample, StepSample, fit_loop, fit_p2p
 from megatron_ext.dpp.planning.plan import Chunk, Segment, StepPlan
 from megatron_ext.dpp.planning.planner import plan_step_info
 from megatron_ext.dpp.planning.schedule import one_f_one_b
 from megatron_ext.dpp.planning.simulate import simulate
+from megatron_ext.dpp.tools.overhead import OpSample, StepSample, fit_loop, fit_p2p
 from tests.unit._dpp_cases import TOY
 
 REPO = Path(__file__).resolve().parents[2]

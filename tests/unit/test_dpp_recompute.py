@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from megatron_ext.dpp.planning import recompute
-from megatron_ext.dpp.planning.recompute import BudgetTooSmall
 from megatron_ext.dpp.planning.chunking import chunk_batch
 from megatron_ext.dpp.planning.plan import StepPlan
 from megatron_ext.dpp.planning.planner import plan_step, plan_step_info
+from megatron_ext.dpp.planning.recompute import BudgetTooSmall
 from megatron_ext.dpp.planning.schedule import longest_first, one_f_one_b, units, with_recompute
 from megatron_ext.dpp.planning.simulate import memory_peaks, simulate
 from tests.unit._dpp_cases import TOY

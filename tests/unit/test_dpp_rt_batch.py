@@ -11,8 +11,8 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
-from megatron_ext.dpp.runtime.batch import DocumentBatches, chunk_inputs, dp_share
 from megatron_ext.dpp.planning.plan import Chunk, Group, Op, Segment as S, StepPlan, padded
+from megatron_ext.dpp.runtime.batch import DocumentBatches, chunk_inputs, dp_share
 from megatron_ext.dpp.runtime.loop import validate_plan
 
 DOC_LENGTHS = [5, 1, 40, 12, 3, 25, 2, 9]  # tokens per document

@@ -51,8 +51,8 @@ def dpp_model(preset: str, **changes):
 
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.runtime.attention import ChunkContext, dpp_layer_spec
     from megatron_ext.dpp.plugin import prepare_model
+    from megatron_ext.dpp.runtime.attention import ChunkContext, dpp_layer_spec
     from megatron_ext.models.arch import architecture
 
     model_cfg = dataclasses.replace(MODEL_PRESETS[preset], vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_layers=2,

@@ -13,10 +13,10 @@ from test_lora_sweep import TINY
 
 from megatron_ext.config import compose_config
 from megatron_ext.lora.calibrate import load_coefficients, save_fit
-from megatron_ext.lora.planning.costmodel import Fit, LinearCostModel
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.sweep import CPU_COEFFICIENTS, plan_sweep
+from megatron_ext.lora.planning.costmodel import Fit, LinearCostModel
 from megatron_ext.lora.planning.workload import shapes_of
+from megatron_ext.lora.sweep import CPU_COEFFICIENTS, plan_sweep
 
 JOBS = [LoraJob(f"long{i}", seq_length=32, steps=4, seed=i) for i in range(2)] + [
     LoraJob(f"short{i}", seq_length=4, steps=4, seed=10 + i) for i in range(2)

@@ -14,11 +14,11 @@ from test_lora_sweep import TINY
 from megatron_ext.config import compose_config
 from megatron_ext.lora.calibrate import save_fit
 from megatron_ext.lora.planning.costmodel import Fit, LinearCostModel
-from megatron_ext.lora.runtime.groups import dp_ranks, tp_ranks
 from megatron_ext.lora.planning.memory import BF16, FP32, MemoryModel
-from megatron_ext.lora.sweep import jobs_of, plan_sweep
 from megatron_ext.lora.planning.plan import Pack
 from megatron_ext.lora.planning.workload import shapes_of
+from megatron_ext.lora.runtime.groups import dp_ranks, tp_ranks
+from megatron_ext.lora.sweep import jobs_of, plan_sweep
 
 JOBS = "[{name: a, rank: 4}, {name: b, rank: 8}, {name: c, rank: 16, steps: 1}, {name: d, rank: 2, steps: 4}]"
 

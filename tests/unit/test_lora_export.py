@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_ext.lora.runtime.base import build_base
-from megatron_ext.lora.runtime.batching import SyntheticData, pack
 from megatron_ext.lora.export import from_peft, load_megatron, load_peft, save_megatron, save_peft, to_peft
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.runtime.base import build_base
+from megatron_ext.lora.runtime.batching import SyntheticData, pack
 from megatron_ext.lora.runtime.layers import install_job, logical_weights
 
 from test_lora_packed import MODEL, VOCAB, random_weights

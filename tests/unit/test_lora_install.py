@@ -9,9 +9,9 @@ import torch
 
 from test_lora_packed import JOBS, MODEL, VOCAB, max_diff, random_weights, train
 
+from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime.base import build_base
 from megatron_ext.lora.runtime.batching import SyntheticData
-from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime.layers import install_job
 from megatron_ext.lora.runtime.packed import PackedTrainer
 

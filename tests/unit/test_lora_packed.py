@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import ModelConfig
+from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.planning.workload import split_passes
 from megatron_ext.lora.runtime.base import build_base
 from megatron_ext.lora.runtime.batching import MicroBatch, SyntheticData, pack
-from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime.layers import install_job, logical_weights
 from megatron_ext.lora.runtime.packed import PackedTrainer, token_losses
-from megatron_ext.lora.planning.workload import split_passes
 
 VOCAB = 128
 MODEL = ModelConfig(

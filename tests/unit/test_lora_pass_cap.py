@@ -12,9 +12,9 @@ import random
 import pytest
 
 from megatron_ext.config.schema import ModelConfig
+from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.planning import planner
 from megatron_ext.lora.planning.costmodel import LinearCostModel
-from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.planning.memory import FP32, Hardware, MemoryModel
 from megatron_ext.lora.planning.simulate import simulate
 from megatron_ext.lora.planning.workload import shapes_of, split_passes

@@ -63,10 +63,10 @@ def test_a_bad_calibrated_size_names_the_file(tmp_path, stored):
 
 
 def test_the_calibration_file_carries_the_knee(tmp_path):
+    from megatron_ext.config import compose_config
     from megatron_ext.lora.calibrate import save_fit
     from megatron_ext.lora.planning.costmodel import Fit, LinearCostModel
     from megatron_ext.lora.planning.workload import shapes_of
-    from megatron_ext.config import compose_config
 
     shapes = shapes_of(compose_config(["model=llama_tiny", "model.vocab_size=256"]).model)
     path = save_fit(tmp_path / "fit.json", Fit(LinearCostModel(shapes, (1.0,) * 6), 0, 0, 0), 3,

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from megatron_ext.config.schema import ModelConfig
+from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.planning import exact, planner
 from megatron_ext.lora.planning.costmodel import GpuCostModel, GpuSpec, LinearCostModel
-from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.planning.memory import FP32, Hardware, MemoryModel
 from megatron_ext.lora.planning.plan import Pack, Plan
 from megatron_ext.lora.planning.simulate import simulate

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.lora.planning.costmodel import A100_80GB, GpuCostModel, LinearCostModel, Sample, fit
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.planning.costmodel import A100_80GB, GpuCostModel, LinearCostModel, Sample, fit
 from megatron_ext.lora.planning.memory import FP32, MemoryModel
 from megatron_ext.lora.planning.workload import replica_work, shapes_of
 

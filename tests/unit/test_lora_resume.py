@@ -13,11 +13,11 @@ import torch
 
 from test_lora_packed import MODEL, VOCAB
 
+from megatron_ext.lora.export import load_megatron
+from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime import checkpoint
 from megatron_ext.lora.runtime.base import build_base
 from megatron_ext.lora.runtime.batching import SyntheticData
-from megatron_ext.lora.export import load_megatron
-from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime.layers import logical_weights
 from megatron_ext.lora.runtime.packed import PackedTrainer
 

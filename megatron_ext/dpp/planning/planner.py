@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from megatron_ext.dpp.planning import recompute
-from megatron_ext.dpp.planning.recompute import BudgetTooSmall, Mode
 from megatron_ext.dpp.planning.chunking import chunk_batch, chunk_on_mesh
 from megatron_ext.dpp.planning.costmodel import CostModel, budget_for, stage_layers, usable_budget
 from megatron_ext.dpp.planning.plan import Chunk, Group, Segment, StepPlan, padded
+from megatron_ext.dpp.planning.recompute import BudgetTooSmall, Mode
 from megatron_ext.dpp.planning.schedule import group_dp, longest_first, one_f_one_b, units, with_recompute
 from megatron_ext.dpp.planning.simulate import memory_peaks, simulate
 

@@ -28,10 +28,10 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron_ext.dpp.planning.plan import StepPlan
 from megatron_ext.dpp.runtime.attention import ChunkContext
 from megatron_ext.dpp.runtime.batch import chunk_inputs
 from megatron_ext.dpp.runtime.memory import ActivationMeter, Timeline
-from megatron_ext.dpp.planning.plan import StepPlan
 
 
 @dataclass(frozen=True)

@@ -156,8 +156,8 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-    from megatron_ext.dpp.runtime.batch import chunk_inputs
     from megatron_ext.dpp.planning.plan import Chunk, Segment
+    from megatron_ext.dpp.runtime.batch import chunk_inputs
     from megatron_ext.platform.device import current_device
     from megatron_ext.platform.moe_aux_loss_scale import aux_loss_scale, set_aux_loss_scale
     from megatron_ext.training.step import forward_step

@@ -246,8 +246,8 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
 
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.runtime.attention import ChunkContext, PrefixKVCache, dpp_layer_spec
     from megatron_ext.dpp.planning.plan import Segment
+    from megatron_ext.dpp.runtime.attention import ChunkContext, PrefixKVCache, dpp_layer_spec
     from megatron_ext.models.gpt import layer_spec, padded_vocab_size, transformer_config
 
     device = device or torch.device("cpu")

@@ -221,10 +221,10 @@ def measure(cost: CostModel, model: str, seq_len: int, docs: int, seed: int, sha
 
     from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.tools.calibrate import default_vocab
-    from megatron_ext.dpp.runtime.memory import Timeline
     from megatron_ext.dpp.plugin import DppConfig, DppPlugin
     from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch
+    from megatron_ext.dpp.runtime.memory import Timeline
+    from megatron_ext.dpp.tools.calibrate import default_vocab
     from megatron_ext.training.step import forward_step
     from megatron_ext.training.trainer import Trainer
 

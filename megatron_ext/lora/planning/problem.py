@@ -8,8 +8,8 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_ext.lora.planning.costmodel import CostModel
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.planning.costmodel import CostModel
 from megatron_ext.lora.planning.memory import Hardware, MemoryModel
 from megatron_ext.lora.planning.plan import Pack
 from megatron_ext.lora.planning.simulate import run_pack

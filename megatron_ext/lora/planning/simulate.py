@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megatron_ext.lora.planning.costmodel import CostModel
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.planning.costmodel import CostModel
 from megatron_ext.lora.planning.memory import MemoryModel
 from megatron_ext.lora.planning.plan import Pack, Plan
 from megatron_ext.lora.planning.workload import replica_work

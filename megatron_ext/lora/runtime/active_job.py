@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from megatron_ext.lora.runtime.batching import MicroBatch
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.runtime.batching import MicroBatch
 from megatron_ext.lora.runtime.optim import JobOptimizer
 
 

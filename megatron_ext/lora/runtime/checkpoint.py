@@ -21,10 +21,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_ext.lora.runtime.active_job import ActiveJob
 from megatron_ext.lora.export import Weights, load_megatron_state, save_megatron, sharded_weights, weights_from
-from megatron_ext.lora.runtime.groups import as_world
 from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.runtime.active_job import ActiveJob
+from megatron_ext.lora.runtime.groups import as_world
 from megatron_ext.lora.runtime.layers import MultiLoraLinear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -22,15 +22,15 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ext.config.schema import Config
-from megatron_ext.lora.planning import pass_size
-from megatron_ext.lora.runtime import resume
-from megatron_ext.lora.runtime.base import build_base
 from megatron_ext.lora.export import peft_base_model, save_megatron, save_peft
-from megatron_ext.lora.runtime.groups import PackGroups, as_world, pack_groups
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.runtime.layers import Routing, logical_weights
+from megatron_ext.lora.planning import pass_size
 from megatron_ext.lora.planning.plan import Plan
+from megatron_ext.lora.runtime import resume
 from megatron_ext.lora.runtime.active_job import JobResult
+from megatron_ext.lora.runtime.base import build_base
+from megatron_ext.lora.runtime.groups import PackGroups, as_world, pack_groups
+from megatron_ext.lora.runtime.layers import Routing, logical_weights
 from megatron_ext.lora.runtime.packed import PackedTrainer
 from megatron_ext.models.gpt import padded_vocab_size
 

@@ -35,8 +35,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch import nn
 
-from megatron_ext.lora.runtime import kernels
 from megatron_ext.lora.job import TARGET_MODULES, LoraJob
+from megatron_ext.lora.runtime import kernels
 
 # Where each target lives in a megatron TransformerLayer.
 TARGET_PARENTS = {

@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_ext.lora.job import LoraJob
+from megatron_ext.lora.planning.workload import split_passes
 from megatron_ext.lora.runtime import checkpoint
 from megatron_ext.lora.runtime.active_job import ActiveJob, JobResult
-from megatron_ext.training import checkpoint as ckpt
 from megatron_ext.lora.runtime.batching import JobData, MicroBatch, pack
-from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime.layers import MultiLoraLinear, Routing, install_job, remove_job
 from megatron_ext.lora.runtime.optim import JobOptimizer
-from megatron_ext.lora.planning.workload import split_passes
+from megatron_ext.training import checkpoint as ckpt
 
 Wrappers = dict[tuple[int, str], MultiLoraLinear]
 

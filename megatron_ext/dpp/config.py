@@ -93,7 +93,7 @@ def refuse_layout(cfg: Config) -> None:
 
 
 def refuse_model_space(model: ModelConfig) -> None:
-    """What dpp's chunk attention and chunk positions (attention.py) are not written for."""
+    """What dpp's chunk attention and chunk positions (runtime/attention.py) are not written for."""
     if model.multi_latent_attention:
         raise ConfigError("model.multi_latent_attention", "dpp's chunk attention takes one head size for queries, "
                           "keys and values: multi-latent attention is not supported")

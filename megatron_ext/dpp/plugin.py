@@ -135,7 +135,7 @@ class DppPlugin(Plugin):
 
 def open_documents(trainer: Trainer):
     """The run's documents: its indexed dataset, a blend of them (`data.data_path` with or
-    without weights, see blend.py), or the default corpus."""
+    without weights, see runtime/blend.py), or the default corpus."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 

@@ -39,7 +39,7 @@ class LoraConfig:
     # more splits into passes of whole micro-batches, in slot order, whose gradients add up
     # (each adapter's gradient is the same; activations are one pass's, not every job's; a
     # micro-batch over the cap runs alone). The planner's memory and time count the passes.
-    # "auto": the pass size past which this device runs barely faster per token (pass_size.py:
+    # "auto": the pass size past which this device runs barely faster per token (planning/pass_size.py:
     # the cost-model file's, else 1024 on a CPU, else no cap); null: one pass per packed step.
     max_pass_tokens: Any = "auto"
     # The planner's cost model: a calibration file (calibrate.save_fit); None: sweep.py's
@@ -54,7 +54,7 @@ class LoraConfig:
     # a path or hub id transformers opens. None: model.pretrained when it is a Hugging Face
     # folder, else no name.
     peft_base_model: Optional[str] = None
-    # Checkpoint each pack every N packed steps under <output_dir>/checkpoints/ (resume.py);
+    # Checkpoint each pack every N packed steps under <output_dir>/checkpoints/ (runtime/resume.py);
     # None: only when the pack ends.
     save_interval: Optional[int] = None
     # Continue the sweep checkpointed under <output_dir>/checkpoints/ (the same jobs).

@@ -93,7 +93,7 @@ def test_bad_weights_are_refused(prefixes, weights, message):
 
 def test_the_run_reads_its_blend_as_whole_document_batches(prefixes, tmp_path):
     def run(data_path: list[str]):
-        return SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(data_path=data_path), train=SimpleNamespace(seed=5)))
+        return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(seed=5)), data_prefixes=lambda: data_path)
 
     assert isinstance(open_documents(run([prefixes[0]])), IndexedDataset)
     weighted = open_documents(run(["0.25", prefixes[0], "0.75", prefixes[2]]))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from megatron_ext.config.batch_sizes import schedule_key
@@ -119,8 +121,6 @@ def refuse_model_space(model: ModelConfig) -> None:
 def refuse_cost_model(path: Optional[str], cfg: Config) -> None:
     """Raise a ConfigError for a `dpp.cost_model` that is missing or was calibrated for
     another layer shape or tensor parallelism than `cfg`'s model and layout."""
-    from megatron_ext.dpp.tools.calibrate import check_calibrated_for  # numpy: only for a run with dpp
-
     how = "python -m megatron_ext.dpp.tools.calibrate writes one"
     if path is None:
         raise ConfigError("dpp.cost_model", f"give a cost model fitted on this machine ({how})")
@@ -130,3 +130,29 @@ def refuse_cost_model(path: Optional[str], cfg: Config) -> None:
 
 
 SECTION = PluginSection("dpp", DppConfig, check=check, check_layout=check_layout, runs_step=True)
+
+
+def layer_shape(mc) -> dict:
+    """What a calibrated layer's times and bytes depend on, from a model config (ModelConfig)."""
+    heads, moe = mc.num_attention_heads, bool(mc.num_experts)
+    return dict(hidden=mc.hidden_size, ffn=mc.ffn_hidden_size, heads=heads, kv_heads=mc.num_query_groups or heads,
+                head_dim=mc.head_dim or mc.hidden_size // heads, num_experts=mc.num_experts,
+                moe_ffn=mc.moe_ffn_hidden_size if moe else None, topk=mc.moe_router_topk if moe else None)
+
+
+def check_calibrated_for(path: str, mc, parallel=None) -> None:
+    """Refuse a cost model calibrated on another layer shape than the model config `mc`'s (its
+    times would be another model's, its parameter count the model states of another), or, given
+    the run's `parallel` config, at another tensor parallelism. Fields a cost model written
+    before they were recorded does not have are not compared."""
+    shape = json.loads(Path(path).read_text()).get("shape", {})
+    wanted = layer_shape(mc)
+    if parallel is not None:
+        wanted.update(tp=parallel.tp, sequence_parallel=bool(parallel.sequence_parallel and parallel.tp > 1))
+    differ = [f"{k} {shape[k]} (this run: {wanted[k]})" for k in wanted if k in shape and shape[k] != wanted[k]]
+    if differ:
+        raise ConfigError(
+            "dpp.cost_model", f"{path} was calibrated for another model: " + ", ".join(differ)
+            + "; calibrate this one (python -m megatron_ext.dpp.tools.calibrate --model <its preset> [--tp N "
+            "--sequence-parallel])"
+        )

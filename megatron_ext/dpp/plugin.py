@@ -16,13 +16,31 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.utils import unwrap_model
 
 from megatron_ext.dpp.config import SECTION, DppConfig, check_settings, refuse_cost_model, refuse_layout
-from megatron_ext.plugin import Plugin, register_plugin
-
-if TYPE_CHECKING:  # annotations only
-    from megatron_ext.training.trainer import Trainer
+from megatron_ext.dpp.planning.costmodel import CostModel, stage_layers
+from megatron_ext.dpp.planning.planner import STATIC_POLICIES, plan_step_info, tune_static
+from megatron_ext.dpp.planning.recompute import BudgetTooSmall
+from megatron_ext.dpp.runtime.ahead import PlanAhead
+from megatron_ext.dpp.runtime.attention import ChunkContext, dpp_layer_spec, use_chunk_positions
+from megatron_ext.dpp.runtime.batch import DocumentBatches, StreamPosition, dp_share
+from megatron_ext.dpp.runtime.blend import DocumentBlend
+from megatron_ext.dpp.runtime.loop import (
+    DppStep,
+    PlannedBatch,
+    dpp_forward_backward_func,
+    enable_block_recompute,
+    validate_plan,
+)
+from megatron_ext.dpp.runtime.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
+from megatron_ext.plugin import Plugin, Trainer, register_plugin
 
 
 @register_plugin
@@ -32,8 +50,6 @@ class DppPlugin(Plugin):
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg if cfg is not None else DppConfig())
         check_settings(self.cfg)
-        from megatron_ext.dpp.runtime.attention import ChunkContext
-        from megatron_ext.dpp.runtime.loop import DppStep
 
         self.context = ChunkContext()
         self.step = DppStep(self.context)
@@ -51,8 +67,6 @@ class DppPlugin(Plugin):
         refuse_layout(trainer.cfg)
 
     def layer_spec(self, spec, trainer: Trainer):
-        from megatron_ext.dpp.runtime.attention import dpp_layer_spec
-
         return dpp_layer_spec(spec, self.context)
 
     def after_model_built(self, model_chunks: list, trainer: Trainer) -> list:
@@ -67,8 +81,6 @@ class DppPlugin(Plugin):
 
     def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
         if self._func is None:
-            from megatron_ext.dpp.runtime.loop import dpp_forward_backward_func
-
             p = trainer.cfg.parallel
             planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, p.pp, _cost_model(self.cfg, trainer, self.context),
                                   token_multiple=p.tp if p.sequence_parallel else 1)
@@ -81,9 +93,6 @@ class DppPlugin(Plugin):
     def plan_stream(self, dataset, seed: int, planner: "StepPlanner"):
         """The run's planned global batches (a PlanAhead), from the start or from where the
         checkpoint this run resumed from stopped."""
-        from megatron_ext.dpp.runtime.ahead import PlanAhead
-        from megatron_ext.dpp.runtime.batch import DocumentBatches
-
         documents = DocumentBatches(dataset, self.cfg.docs_per_batch, self.cfg.max_seq_len, self.cfg.too_long, seed, start=self._resume)
         return PlanAhead(documents.positioned(), planner, ahead=self.cfg.plan_ahead)
 
@@ -94,8 +103,6 @@ class DppPlugin(Plugin):
         return {"stream": position.to_dict()} if position is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        from megatron_ext.dpp.runtime.batch import StreamPosition
-
         self._resume = StreamPosition.from_dict(state["stream"]) if "stream" in state else None
 
     def on_step_begin(self, trainer: Trainer, step: int) -> None:
@@ -136,11 +143,6 @@ class DppPlugin(Plugin):
 def open_documents(trainer: Trainer):
     """The run's documents: its indexed dataset, a blend of them (`data.data_path` with or
     without weights, see runtime/blend.py), or the default corpus."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    from megatron_ext.dpp.runtime.blend import DocumentBlend
-
     prefixes, weights = get_blend_from_list(trainer.data_prefixes())
     if len(prefixes) == 1:
         return IndexedDataset(prefixes[0])
@@ -151,11 +153,6 @@ def _cost_model(cfg: DppConfig, trainer: Trainer, context):
     """The calibrated cost model, its activation terms refitted to this run's model and
     runtime (a few single-chunk forwards per stage, counted exactly) and its model states
     counted on this run's model and optimizer."""
-    from megatron.core import parallel_state
-
-    from megatron_ext.dpp.planning.costmodel import CostModel
-    from megatron_ext.dpp.runtime.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
-
     refuse_cost_model(cfg.cost_model, trainer.cfg)
     cost = fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
     run = trainer.cfg
@@ -187,8 +184,6 @@ class StepPlanner:
     are padded to multiples of `token_multiple` tokens (the TP size under sequence parallelism)."""
 
     def __init__(self, cfg: DppConfig, num_layers: int, pp: int, cost, token_multiple: int = 1) -> None:
-        from megatron_ext.dpp.planning.costmodel import stage_layers
-
         self.cfg, self.pp, self.cost, self.token_multiple = cfg, pp, cost, token_multiple
         self.layers = stage_layers(num_layers, pp)
         self.static = None
@@ -199,10 +194,6 @@ class StepPlanner:
     def solve(self, batch: list) -> tuple[list[int], Any]:
         """This replica's share of `batch` (sequence indices) and, on its first stage, the
         plan of the share or a PlanFailure (None on the other stages)."""
-        from megatron.core import parallel_state
-
-        from megatron_ext.dpp.runtime.batch import dp_share
-
         lengths = [len(d) - 1 for d in batch]
         mine = dp_share(lengths, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
         if not parallel_state.is_pipeline_first_stage():
@@ -212,11 +203,6 @@ class StepPlanner:
     def agree(self, batch: list, solved: tuple[list[int], Any]) -> Any:
         """The replica's PlannedBatch: the first stage's plan on every stage, once every
         data-parallel replica has checked that all of them are on this batch and planned it."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        from megatron_ext.dpp.runtime.loop import PlannedBatch, validate_plan
-
         mine, outcome = solved
         box = [outcome]
         if self.pp > 1:
@@ -227,9 +213,6 @@ class StepPlanner:
         return PlannedBatch(box[0], tuple(batch[i] for i in mine))
 
     def _plan(self, lengths: list[int]):
-        from megatron_ext.dpp.planning.recompute import BudgetTooSmall
-        from megatron_ext.dpp.planning.planner import STATIC_POLICIES, plan_step_info, tune_static
-
         budget = self.cfg.memory_budget_mb * 2**20
         try:
             if self.cfg.policy in STATIC_POLICIES and self.static is None:
@@ -247,9 +230,6 @@ def _agree_across_replicas(lengths: list[int], outcome: Any) -> None:
     """Every data-parallel replica raises if one of them failed to plan, or if they read
     different global batches (they would otherwise train on, or wait in gradient reductions
     for, different steps)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     group = parallel_state.get_data_parallel_group()
     mine = (tuple(lengths), outcome if isinstance(outcome, PlanFailure) else None)
     views = [mine]
@@ -269,11 +249,6 @@ def _agree_across_replicas(lengths: list[int], outcome: Any) -> None:
 def prepare_model(model_chunks: list, context) -> None:
     """Chunk positions for RoPE and per-chunk block recompute on each (DDP-wrapped or bare)
     GPT model chunk."""
-    from megatron.core.utils import unwrap_model
-
-    from megatron_ext.dpp.runtime.attention import use_chunk_positions
-    from megatron_ext.dpp.runtime.loop import enable_block_recompute
-
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         use_chunk_positions(model, context)

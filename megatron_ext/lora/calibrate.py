@@ -25,8 +25,11 @@ from typing import Optional, Sequence
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.planning.costmodel import Fit, Sample, fit
+from megatron_ext.lora.planning.costmodel import Fit, PassWork, Sample, fit
 from megatron_ext.lora.planning.workload import replica_work, shapes_of
+from megatron_ext.lora.runtime.base import build_base
+from megatron_ext.lora.runtime.batching import SyntheticData
+from megatron_ext.lora.runtime.packed import PackedTrainer
 
 ATTENTION = ("linear_qkv", "linear_proj")
 ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -52,9 +55,6 @@ def calibration_packs(seq_lengths: Sequence[int] = (32, 128)) -> list[tuple[Lora
 def time_pass(model, wrappers, routing, jobs: Sequence[LoraJob], vocab_size: int, seconds: float = 0.3, repeats: int = 3) -> float:
     """CPU seconds of one packed pass of `jobs` (their optimizer steps included): the fastest of
     `repeats` runs of about `seconds` each, after a warm-up (the minimum drops interference)."""
-    from megatron_ext.lora.runtime.batching import SyntheticData
-    from megatron_ext.lora.runtime.packed import PackedTrainer
-
     per_step = replica_work(jobs[0], 1).passes_per_step
 
     def run(steps: int) -> float:
@@ -83,8 +83,6 @@ def measure_pass_rates(model, wrappers, routing, vocab_size: int, seq_length: in
 def calibrate(model_cfg: ModelConfig, vocab_size: int, seconds: float = 0.3) -> tuple[Fit, list[Sample], dict[int, float]]:
     """Measure the calibration packs, fit on two thirds, hold out every third; and the rate of
     passes of growing size (measure_pass_rates)."""
-    from megatron_ext.lora.runtime.base import build_base
-
     model, wrappers, routing = build_base(model_cfg, vocab_size)
     samples = [Sample(tuple(p), 1, 1, time_pass(model, wrappers, routing, p, vocab_size, seconds)) for p in calibration_packs()]
     rates = measure_pass_rates(model, wrappers, routing, vocab_size, min(128, model_cfg.seq_length), seconds=seconds)
@@ -112,8 +110,6 @@ def save_fit(path: str | Path, fit: Fit, samples: int, pass_tokens: Optional[int
 def load_coefficients(path: str | Path) -> tuple[float, ...]:
     """The cost-model coefficients of a `save_fit` file, refused with the file named when they
     are missing, of the wrong count, negative or not finite."""
-    from megatron_ext.lora.planning.costmodel import PassWork
-
     expected = len(PassWork(0, 0, 0.0, 0.0, 0.0, 0.0).features())
     try:
         values = json.loads(Path(path).read_text())["coefficients"]

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.models.convert.llama import split_qkv
+from megatron_ext.models.convert.llama import fuse_qkv, split_qkv
+from megatron_ext.models.pretrained import resolve
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer number, target) -> (A, B)
 
@@ -51,8 +52,6 @@ def _split_b(target: str, b: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tens
 
 def _fuse_b(target: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     if target == "linear_qkv":
-        from megatron_ext.models.convert.llama import fuse_qkv
-
         return fuse_qkv(*parts, cfg)
     return torch.cat(parts)
 
@@ -112,7 +111,6 @@ def peft_base_model(pretrained: Optional[str], given: Optional[str] = None) -> O
         return given
     if pretrained is None:
         return None
-    from megatron_ext.models.pretrained import resolve
 
     path = Path(resolve(pretrained))
     if (path / "config.json").is_file():

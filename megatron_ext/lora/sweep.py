@@ -18,13 +18,34 @@ sweep (runtime/resume.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch.distributed as dist
+import yaml
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from megatron_ext.config import compose_config
 from megatron_ext.config.schema import Config
+from megatron_ext.data import build_tokenizer
+from megatron_ext.lora import tasks
+from megatron_ext.lora.calibrate import load_coefficients
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
-from megatron_ext.lora.planning import pass_size
-from megatron_ext.lora.planning.workload import Shapes, tp_divides
+from megatron_ext.lora.planning import pass_size, planner, report
+from megatron_ext.lora.planning.costmodel import LinearCostModel
+from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel, gib
+from megatron_ext.lora.planning.plan import Pack, Plan
+from megatron_ext.lora.planning.planner import check_feasible
+from megatron_ext.lora.planning.simulate import simulate
+from megatron_ext.lora.planning.workload import Shapes, shapes_of, tp_divides
+from megatron_ext.lora.runtime import kernels
+from megatron_ext.lora.runtime.batching import ExampleData, SyntheticData
+from megatron_ext.lora.runtime.execute import execute, write_summary
+from megatron_ext.lora.runtime.resume import sweep_plan
+from megatron_ext.models import pretrained
+from megatron_ext.models.convert.world import model_parallel_world
 
 # Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.
 JOB_SECTIONS = ("lora", "optim", "train")
@@ -63,8 +84,6 @@ def jobs_of(cfg: Config) -> list[LoraJob]:
     the job the config describes; without entries, that one job."""
     entries = list(cfg.lora.jobs)
     if cfg.lora.jobs_file:
-        import yaml
-
         entries += list(yaml.safe_load(Path(cfg.lora.jobs_file).read_text()).get("jobs", []))
     defaults = dataclasses.asdict(job_from_config(cfg, "job"))
     del defaults["name"]
@@ -80,11 +99,6 @@ def jobs_of(cfg: Config) -> list[LoraJob]:
 def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]:
     """A Hydra multirun's combinations as jobs of one packed sweep, or None when the composed
     config does not select the lora plugin (then Hydra runs the multirun itself)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from megatron_ext.config import compose_config
-
     parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
     swept = [o.key_or_group for o in parsed if o.is_sweep_override()]
     combinations = [c for batch in BasicSweeper.split_arguments(parsed, None) for c in batch]
@@ -120,13 +134,6 @@ def plan_sweep(cfg: Config, jobs: Sequence[LoraJob], devices: int = 1):
     """The planner's schedule of `jobs` on `devices` ranks (refuses what cannot fit). A pack's
     TP is a power of two up to `parallel.tp` that splits the model's heads; its DP divides every
     job's micro-batches per step (the runtime deals them over the DP ranks)."""
-    from megatron_ext.lora.planning import planner
-    from megatron_ext.lora.planning.costmodel import LinearCostModel
-    from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel, gib
-    from megatron_ext.lora.planning.workload import shapes_of
-
-    from megatron_ext.lora.calibrate import load_coefficients
-
     shapes = shapes_of(cfg.model)
     check_max_tp(cfg.parallel.tp, devices, shapes)
     coefficients = load_coefficients(cfg.lora.cost_model) if cfg.lora.cost_model else CPU_COEFFICIENTS
@@ -158,10 +165,6 @@ def check_max_tp(max_tp: int, devices: int, shapes: Shapes) -> None:
 def _slots_schedule(problem, slots: int):
     """The user's slot count (`lora.slots`), kept within what memory allows: every job in one
     pack at the smallest TP that holds `slots` of them, over as many DP ranks as the rest allow."""
-    from megatron_ext.lora.planning.plan import Pack, Plan
-    from megatron_ext.lora.planning.planner import check_feasible
-    from megatron_ext.lora.planning.simulate import simulate
-
     check_feasible(problem)
     names = tuple(j.name for j in problem.jobs)
     fitting = sorted(tp for tp, dp in problem.shapes if dp == 1 and problem.fits(problem.jobs, slots, (tp, 1)))
@@ -178,11 +181,6 @@ def _slots_schedule(problem, slots: int):
 
 
 def _data_resolver(tokenizer, vocab_size: int):
-    import functools
-
-    from megatron_ext.lora import tasks
-    from megatron_ext.lora.runtime.batching import ExampleData, SyntheticData
-
     @functools.lru_cache(maxsize=None)
     def tokenized(task: str) -> list:
         return [tasks.chat_ids(tokenizer.tokenize, p, a) for p, a in tasks.examples(task)]
@@ -199,14 +197,11 @@ def _data_resolver(tokenizer, vocab_size: int):
 
 def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
     """What the packed runtime cannot do, refused before anything is built."""
-    from megatron_ext.lora import tasks
-
     problems = []
     if cfg.parallel.pp != 1 or cfg.parallel.cp != 1 or cfg.parallel.sequence_parallel:
         problems.append("the packed runtime needs parallel.pp=1, parallel.cp=1 and no sequence parallelism")
     if cfg.model.arch != "gpt":  # the base, the cost model and the PEFT export are LLaMA-style GPT
         problems.append(f"the packed runtime adapts model.arch=gpt only, not {cfg.model.arch!r}")
-    from megatron_ext.lora.runtime import kernels
 
     if cfg.lora.kernel not in kernels.NAMES:  # else only the first forward says so
         problems.append(f"unknown lora.kernel {cfg.lora.kernel!r} ({', '.join(kernels.NAMES)})")
@@ -226,13 +221,6 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
 
 def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
     """Plan and train `jobs` on this world; returns {job: {status, steps, loss, eval_loss}}."""
-    import torch.distributed as dist
-
-    from megatron_ext.lora.planning import report
-    from megatron_ext.lora.runtime.execute import execute, write_summary
-    from megatron_ext.lora.runtime.resume import sweep_plan
-    from megatron_ext.models.convert.world import model_parallel_world
-
     check_jobs(cfg, jobs)
     tokenizer = _tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
@@ -250,9 +238,6 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
 
 
 def _tokenizer(cfg: Config):
-    from megatron_ext.data import build_tokenizer
-    from megatron_ext.models import pretrained
-
     spec = cfg.data.tokenizer if cfg.data.tokenizer != "auto" else (
         pretrained.tokenizer_spec(cfg.model.pretrained) if cfg.model.pretrained else "byte"
     )

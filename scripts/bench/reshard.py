@@ -69,7 +69,8 @@ from megatron_ext.config import compose_config  # noqa: E402
 from megatron_ext.config.schema import ModelConfig, ParallelConfig  # noqa: E402
 from megatron_ext.config.validate import ConfigError, validate  # noqa: E402
 from megatron_ext.parallel.layout import ParallelLayout  # noqa: E402
-from megatron_ext.platform.launch import detect_launch, join_world, launch_local  # noqa: E402
+from megatron_ext.platform.launch import join_world, launch_local  # noqa: E402
+from megatron_ext.platform.launch_env import detect_launch  # noqa: E402
 from megatron_ext.reshard.boxes import Box, box_shape, numel  # noqa: E402
 from megatron_ext.reshard.config import target_config  # noqa: E402
 from megatron_ext.reshard.live import prepare, reshard  # noqa: E402

@@ -45,7 +45,8 @@ def worker(overrides: list[str]) -> float:
 
 def main(argv: list[str]) -> None:
     from megatron_ext.config import compose_config
-    from megatron_ext.platform.launch import detect_launch, launch_local
+    from megatron_ext.platform.launch import launch_local
+    from megatron_ext.platform.launch_env import detect_launch
 
     launcher = compose_config(argv).launcher
     if detect_launch() is None and launcher.nproc > 1:

@@ -30,7 +30,7 @@ def calibrated(tmp_path, *layout: str) -> dict:
 def test_tensor_parallel_calibration_times_a_rank_shard_and_records_its_layout(tmp_path):
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.tools.calibrate import check_calibrated_for
+    from megatron_ext.dpp.config import check_calibrated_for
 
     one = calibrated(tmp_path)
     tp = calibrated(tmp_path, "--tp", "2")

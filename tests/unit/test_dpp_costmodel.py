@@ -259,7 +259,7 @@ CALIBRATED_FOR = {
 def test_a_cost_model_calibrated_for_another_layer_shape_is_refused(tmp_path, case):
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.tools.calibrate import check_calibrated_for, layer_shape
+    from megatron_ext.dpp.config import check_calibrated_for, layer_shape
 
     calibrated = MODEL_PRESETS["llama_tiny"]
     path = tmp_path / "cost.json"
@@ -276,7 +276,7 @@ def test_a_cost_model_calibrated_for_another_layer_shape_is_refused(tmp_path, ca
 
 def test_a_cost_model_written_before_a_shape_field_was_recorded_is_compared_on_the_others(tmp_path):
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.tools.calibrate import check_calibrated_for
+    from megatron_ext.dpp.config import check_calibrated_for
 
     path = tmp_path / "old.json"
     CostModel(alpha=1e-6, beta=1e-9, gamma=1e-4).to_json(path, shape={"hidden": 128, "ffn": 352, "heads": 4, "kv_heads": 4})

@@ -53,7 +53,7 @@ def run_config(parallel: dict, model: dict):
 def calibrated(tmp_path) -> str:
     """A cost model calibrated for llama_tiny at TP=1."""
     from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.tools.calibrate import layer_shape
+    from megatron_ext.dpp.config import layer_shape
 
     path = tmp_path / "cost.json"
     COST.to_json(path, shape=dict(layer_shape(MODEL_PRESETS["llama_tiny"]), tp=1, sequence_parallel=False))
@@ -92,7 +92,7 @@ def test_a_missing_cost_model_is_refused(cost_model, message):
     (False, {}), (True, {}), (True, {"num_experts": 4}), (False, MOE_WITH_AUX_LOSS),
 ])
 def test_tensor_parallelism_and_moe_are_accepted(sequence_parallel, model, tmp_path):
-    from megatron_ext.dpp.tools.calibrate import layer_shape
+    from megatron_ext.dpp.config import layer_shape
 
     run = run_config({"tp": 2, "sequence_parallel": sequence_parallel}, model)
     path = tmp_path / "cost.json"

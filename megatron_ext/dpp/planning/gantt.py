@@ -50,10 +50,10 @@ def draw(ax, ops: Sequence[TimedOp], plan: StepPlan, title: str = "") -> None:
 
 def save(path: str | Path, panels: Sequence[tuple[Sequence[TimedOp], StepPlan, str]]) -> None:
     """One PNG with a Gantt panel per (ops, plan, title), sharing a legend."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend
     from matplotlib.patches import Patch
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.0 + 0.45 * sum(p[1].pp for p in panels) + 0.8 * len(panels)),

@@ -12,10 +12,22 @@ analogue of the CUDA allocator's peak for activations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from megatron_ext.dpp.planning.plan import Chunk, Segment
+from megatron_ext.dpp.runtime.attention import PrefixKVCache, _SliceAttention
+from megatron_ext.dpp.runtime.batch import chunk_inputs
+from megatron_ext.platform.device import current_device
+from megatron_ext.platform.moe_aux_loss_scale import aux_loss_scale, set_aux_loss_scale
+from megatron_ext.training.step import forward_step
 
 
 class _Saved:
@@ -113,10 +125,6 @@ def attention_backward_bytes(heads: int, groups: int, head_dim: int, dtype: torc
     """(per (query, key) pair, per key, per query): what the chunk attention holds while one
     segment runs backward, beyond what it saved in forward, fitted exactly on a few small
     segments with and without a cached prefix."""
-    import numpy as np
-
-    from megatron_ext.dpp.runtime.attention import PrefixKVCache, _SliceAttention
-
     rows, held = [], []
     for q_len, prefix in ((32, 0), (64, 0), (32, 64), (64, 128)):
         meter, cache = ActivationMeter([]), PrefixKVCache()
@@ -149,19 +157,6 @@ def fit_activation_bytes(model_chunks: list, context, cost, tokens: Sequence[int
     own backward transient is fitted on bare segments
     (`attention_backward_bytes`). Under sequence parallelism the token counts are rounded up to
     multiples of tp (the rows returned hold the rounded ones). Returns (model, fit details)."""
-    import dataclasses
-
-    import numpy as np
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_attr_wrapped_model, get_model_config
-
-    from megatron_ext.dpp.planning.plan import Chunk, Segment
-    from megatron_ext.dpp.runtime.batch import chunk_inputs
-    from megatron_ext.platform.device import current_device
-    from megatron_ext.platform.moe_aux_loss_scale import aux_loss_scale, set_aux_loss_scale
-    from megatron_ext.training.step import forward_step
-
     if not tokens or any(int(t) < 1 for t in tokens):
         raise ValueError(f"dpp memory fit: token counts must be positive, got {list(tokens)}")
     model = model_chunks[0]
@@ -298,12 +293,6 @@ def fit_model_states(model_chunks: list, cost, bytes_per_param: float):
     hold besides their layers (the embedding; the final norm, the output layer or a tied
     embedding's copy), as this rank holds them (its TP shards), at `bytes_per_param` each. With
     one stage everything beside the layers counts as its embedding."""
-    import dataclasses
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_attr_wrapped_model
-
     layers = get_attr_wrapped_model(model_chunks[0], "decoder").layers
     params = {p.data_ptr(): p.numel() for chunk in model_chunks for p in chunk.parameters()}
     per_layer = sum(p.numel() for p in layers[0].parameters())

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -28,8 +30,24 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.spec_utils import build_module
 
+from megatron_ext.config.schema import ParallelConfig
+from megatron_ext.config.store import MODEL_PRESETS
+from megatron_ext.data.tokenizers import ByteTokenizer
+from megatron_ext.dpp.config import layer_shape
 from megatron_ext.dpp.planning.costmodel import CostModel
+from megatron_ext.dpp.planning.plan import Chunk, Segment
+from megatron_ext.dpp.runtime.attention import ChunkContext, PrefixKVCache, dpp_layer_spec
+from megatron_ext.models.gpt import layer_spec, padded_vocab_size, transformer_config
+from megatron_ext.platform.device import wall_clock
+from megatron_ext.platform.launch import free_port, join_world, launch_local
+from megatron_ext.platform.launch_env import detect_launch
 
 
 @dataclass(frozen=True)
@@ -105,8 +123,6 @@ def fit_memory(samples: Sequence[Sample]) -> tuple[float, float, float]:
 
 
 def relative_errors(model: CostModel, samples: Sequence[Sample]) -> dict[str, float]:
-    from megatron_ext.dpp.planning.plan import Chunk, Segment
-
     fwd, bwd, mem = [], [], []
     for s in samples:
         c = Chunk(0, "split", (Segment(0, s.prefix, s.q),))
@@ -119,8 +135,6 @@ def relative_errors(model: CostModel, samples: Sequence[Sample]) -> dict[str, fl
 # --- measuring a real layer ------------------------------------------------------------------
 
 def _saved_bytes(fn, params: set[int]) -> tuple[object, int]:
-    import torch
-
     total = 0
 
     def pack(t):
@@ -139,8 +153,6 @@ def device_clock(device, tp: int = 1) -> Callable[[], float]:
     other jobs, waiting for a core is not the layer's cost); across tensor-parallel ranks, whose
     waits for each other are, and on a GPU, the wall clock (after the device's queued kernels
     are done)."""
-    from megatron_ext.platform.device import wall_clock
-
     return time.process_time if device.type == "cpu" and tp == 1 else wall_clock(device)
 
 
@@ -172,9 +184,6 @@ def _rounds(runs: dict, rounds: int, clock: Callable[[], float] = time.process_t
 def _slowest_rank(timed: dict, device) -> dict:
     """Each round's times as the slowest rank of the world measured them (the ranks of a
     tensor-parallel layer wait for each other); one rank: as they are."""
-    import torch
-    import torch.distributed as dist
-
     if dist.get_world_size() == 1:
         return timed
     keys = sorted(timed)
@@ -193,40 +202,9 @@ def reduce_rounds(timed: dict, statistic: str) -> dict:
     return {k: (agg(f), agg(b), m) for k, (f, b, m) in timed.items()}
 
 
-def layer_shape(mc) -> dict:
-    """What a calibrated layer's times and bytes depend on, from a model config (ModelConfig)."""
-    heads, moe = mc.num_attention_heads, bool(mc.num_experts)
-    return dict(hidden=mc.hidden_size, ffn=mc.ffn_hidden_size, heads=heads, kv_heads=mc.num_query_groups or heads,
-                head_dim=mc.head_dim or mc.hidden_size // heads, num_experts=mc.num_experts,
-                moe_ffn=mc.moe_ffn_hidden_size if moe else None, topk=mc.moe_router_topk if moe else None)
-
-
-def check_calibrated_for(path: str, mc, parallel=None) -> None:
-    """Refuse a cost model calibrated on another layer shape than the model config `mc`'s (its
-    times would be another model's, its parameter count the model states of another), or, given
-    the run's `parallel` config, at another tensor parallelism. Fields a cost model written
-    before they were recorded does not have are not compared."""
-    shape = json.loads(Path(path).read_text()).get("shape", {})
-    wanted = layer_shape(mc)
-    if parallel is not None:
-        wanted.update(tp=parallel.tp, sequence_parallel=bool(parallel.sequence_parallel and parallel.tp > 1))
-    differ = [f"{k} {shape[k]} (this run: {wanted[k]})" for k in wanted if k in shape and shape[k] != wanted[k]]
-    if differ:
-        from megatron_ext.config.validate import ConfigError
-
-        raise ConfigError(
-            "dpp.cost_model", f"{path} was calibrated for another model: " + ", ".join(differ)
-            + "; calibrate this one (python -m megatron_ext.dpp.tools.calibrate --model <its preset> [--tp N "
-            "--sequence-parallel])"
-        )
-
-
 def default_vocab(model_name: str) -> int:
     """The vocabulary the trainer gives the preset: its own size, else the byte tokenizer's
     (the default tokenizer, which scripts/bench/dpp_measured.py trains with)."""
-    from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.data.tokenizers import ByteTokenizer
-
     return MODEL_PRESETS[model_name].vocab_size or ByteTokenizer().vocab_size
 
 
@@ -239,17 +217,6 @@ def measure(model_name: str, qs: Sequence[int], prefixes: Sequence[int], repeats
     tensor-parallel group, initialised for it) each rank runs its shard of the layer and the
     head, and a point's time is the slowest rank's; under `sequence_parallel` a chunk's tokens
     enter split over the ranks."""
-    import torch
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_ext.config.schema import ParallelConfig
-    from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.planning.plan import Segment
-    from megatron_ext.dpp.runtime.attention import ChunkContext, PrefixKVCache, dpp_layer_spec
-    from megatron_ext.models.gpt import layer_spec, padded_vocab_size, transformer_config
-
     device = device or torch.device("cpu")
     on_cpu = device.type == "cpu"
     mc = MODEL_PRESETS[model_name]
@@ -362,8 +329,6 @@ def main() -> None:
         # Its PP=2 run is at TP=1: its terms would not be this layout's.
         sys.exit("dpp calibrate: the overhead run (--overhead) times PP=2 steps at TP=1 only; with --tp pass --no-overhead")
 
-    from megatron_ext.platform.launch import detect_launch, free_port, launch_local
-
     if args.tp > 1 and detect_launch() is None:
         launch_local(args.tp, calibrate_on_this_rank, (args,), "127.0.0.1", free_port())
     else:
@@ -372,12 +337,6 @@ def main() -> None:
 
 def calibrate_on_this_rank(args: argparse.Namespace) -> None:
     """One rank of the calibration (of `args.tp` ranks); the first writes the cost model."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_ext.platform.launch import join_world
-
     _, device = join_world(args.device)
     if args.overhead and device.type != "cpu":
         # Its PP=2 run is a gloo world on the CPU: its terms would not be this device's.
@@ -416,11 +375,6 @@ def write(args: argparse.Namespace, samples: list[Sample], head: list[HeadSample
 
 def run_overhead(path: str, model: str, seq_len: int, rounds: int = 2) -> None:
     """Add the runtime's terms to the cost model at `path` (a PP=2 run on this machine)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -34,9 +34,27 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.utils import get_model_config
+from scipy.optimize import nnls
 
+from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
+from megatron_ext.config.store import MODEL_PRESETS
+from megatron_ext.dpp.planning.chunking import chunk_batch
 from megatron_ext.dpp.planning.costmodel import CostModel, scale_weights
+from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch
 from megatron_ext.dpp.planning.plan import StepPlan
+from megatron_ext.dpp.planning.planner import StaticConfig, _renumber, _static_chunks
+from megatron_ext.dpp.planning.schedule import longest_first, one_f_one_b, units
+from megatron_ext.dpp.planning.simulate import simulate
+from megatron_ext.dpp.plugin import DppConfig, DppPlugin
+from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch
+from megatron_ext.dpp.runtime.memory import Timeline
+from megatron_ext.dpp.tools.calibrate import default_vocab
+from megatron_ext.platform.launch import join_world
+from megatron_ext.training.step import forward_step
+from megatron_ext.training.trainer import Trainer
 
 P2P_TOKENS = (16, 256, 1024, 4096)
 
@@ -61,8 +79,6 @@ class StepSample:
 
 def fit_p2p(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """(latency s, s per token) of a transfer: non-negative least squares over (tokens, s)."""
-    from scipy.optimize import nnls
-
     (latency, per_token), _ = nnls(np.array([[1.0, n] for n, _ in samples]), np.array([s for _, s in samples]))
     return float(latency), float(per_token)
 
@@ -89,8 +105,6 @@ def fit_loop(ops: Sequence[OpSample], steps: Sequence[StepSample], scale_tokens:
     span of its ops). With `scale_tokens`, one scale per chunk size (`CostModel.runtime_scale`:
     each op's layers' time split over the sizes by `scale_weights` of its chunk's tokens),
     least squares relative to each op's time."""
-    from scipy.optimize import nnls
-
     out: dict = {}
     if scale_tokens:  # a size no op comes near has no data: the nearest measured size stands for it
         near = np.sum([scale_weights(scale_tokens, o.tokens) for o in ops], axis=0)
@@ -125,8 +139,6 @@ def op_time_s(cost: CostModel, plan: StepPlan, layers: int, stage: int, kind: st
 def step_errors(cost: CostModel, plans: Sequence[StepPlan], steps: Sequence[StepSample]) -> dict[str, float]:
     """Relative error of the simulated step time against each measured step (mean, max), and
     the signed mean (positive: predicted slower than measured)."""
-    from megatron_ext.dpp.planning.simulate import simulate
-
     signed = [simulate(plans[s.plan], cost, check=False).iter_s / s.measured_s - 1 for s in steps]
     errors = np.abs(signed)
     return {"step_mean": float(np.mean(errors)), "step_max": float(np.max(errors)), "step_signed_mean": float(np.mean(signed))}
@@ -155,9 +167,6 @@ def shape_chunks(lengths: Sequence[int], cost: CostModel, mesh: str, k: int, seq
     """Chunks of a batch in one of the planners' shapes: the DPP chunking on its "balanced"
     (equal-time) or "even" mesh of k slices, or "chunkflow": fixed chunks of seq_len / k
     tokens with short sequences packed to them (the ChunkFlow-like policy's)."""
-    from megatron_ext.dpp.planning.chunking import chunk_batch
-    from megatron_ext.dpp.planning.planner import StaticConfig, _static_chunks
-
     if mesh == "chunkflow":
         return _static_chunks(lengths, StaticConfig("chunkflow", seq_len, seq_len // k), cost)
     if mesh not in ("balanced", "even"):
@@ -170,10 +179,6 @@ def synthetic_plans(cost: CostModel, layers: int, seq_len: int, docs: int, seed:
     """One-group plans of a GitHub-like batch for each (mesh, slice number) of `shapes`
     (`shape_chunks`), longest first, without and with every layer recomputed (no memory
     budget: only time is measured)."""
-    from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch
-    from megatron_ext.dpp.planning.planner import _renumber
-    from megatron_ext.dpp.planning.schedule import longest_first, one_f_one_b, units
-
     lengths = list(sample_batch(get_distribution("github"), docs, seq_len, np.random.default_rng(seed)).lengths)
     plans = []
     for mesh, k in shapes:
@@ -192,9 +197,6 @@ def shape_labels(shapes: Sequence[tuple[str, int]]) -> list[str]:
 
 def _p2p_samples(hidden: int, rank: int, rounds: int) -> list[tuple[int, float]]:
     """(tokens, the median one-way seconds over `rounds` round trips) per token count."""
-    import torch
-    import torch.distributed as dist
-
     out = []
     for n in P2P_TOKENS:
         x, times = torch.randn(n, 1, hidden), []
@@ -215,19 +217,6 @@ def _p2p_samples(hidden: int, rank: int, rounds: int) -> list[tuple[int, float]]
 def measure(cost: CostModel, model: str, seq_len: int, docs: int, seed: int, shapes: Sequence[tuple[str, int]],
             rounds: int) -> dict:
     """Run in both processes of a PP=2 world; returns the samples on rank 0 (None elsewhere)."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core.utils import get_model_config
-
-    from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
-    from megatron_ext.config.store import MODEL_PRESETS
-    from megatron_ext.dpp.plugin import DppConfig, DppPlugin
-    from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch
-    from megatron_ext.dpp.runtime.memory import Timeline
-    from megatron_ext.dpp.tools.calibrate import default_vocab
-    from megatron_ext.training.step import forward_step
-    from megatron_ext.training.trainer import Trainer
-
     preset: ModelConfig = dataclasses.replace(MODEL_PRESETS[model], seq_length=256)
     plugin = DppPlugin(DppConfig(max_seq_len=seq_len))
     trainer = Trainer(Config(model=preset, parallel=ParallelConfig(pp=2, use_distributed_optimizer=False),
@@ -318,10 +307,6 @@ def main() -> None:
                     help="chunk sizes of the per-size in-step scales; none: one scale per op kind")
     ap.add_argument("--rounds", type=int, default=2, help="steps of each plan (the plans round-robin)")
     args = ap.parse_args()
-
-    import torch.distributed as dist
-
-    from megatron_ext.platform.launch import join_world
 
     join_world("cpu")
     t = time.perf_counter()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
+from scipy.optimize import nnls
 
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.planning.workload import COLUMN_PARALLEL, Shapes, padded_length, replica_work
@@ -105,8 +106,6 @@ class Fit:
 
 
 def _solve(shapes: Shapes, samples: Sequence[Sample]) -> LinearCostModel:
-    from scipy.optimize import nnls
-
     x = np.stack([pass_work(shapes, s.jobs, s.tp, s.dp).features() for s in samples])
     y = np.array([s.seconds for s in samples])
     # Relative least squares: small passes matter as much as large ones to a planner. A

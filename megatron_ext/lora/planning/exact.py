@@ -58,7 +58,7 @@ def _to_plan(strategy: str, devices: int, starts: list[tuple[float, tuple[str, .
 
 
 def cpsat(problem: Problem, max_jobs: int = 8, time_limit_s: float = 60.0) -> Plan:
-    from ortools.sat.python import cp_model
+    from ortools.sat.python import cp_model  # optional: ortools (the lora extra)
 
     candidates = _candidates(problem, max_jobs)
     horizon_s = sum(min(d for n, _, d in candidates if n == (j.name,)) for j in problem.jobs)
@@ -160,7 +160,7 @@ def solve(problem: Problem) -> Optional[Plan]:
     """CP-SAT when OR-Tools is installed (the `lora` extra), else brute force on at most
     BRUTE_FORCE_JOBS jobs; None when neither applies."""
     try:
-        import ortools  # noqa: F401
+        import ortools  # noqa: F401  (optional: whether the lora extra is installed)
     except ImportError:
         return brute_force(problem) if len(problem.jobs) <= BRUTE_FORCE_JOBS else None
     return cpsat(problem)

@@ -20,6 +20,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from megatron_ext.platform.device import resolve_device
+
 AUTO = "auto"
 KNEE = 0.85
 # This project's CPU (one thread, scripts/bench/lora.py's 4-layer LLaMA, 128-token samples): the
@@ -65,8 +67,6 @@ def resolve(value: Setting, cost_model: Optional[str], cuda: Optional[bool] = No
 
 def pass_cap(cfg) -> Optional[int]:
     """`lora.max_pass_tokens` of a run's Config as the runtime and the planner take it."""
-    from megatron_ext.platform.device import resolve_device
-
     cuda = resolve_device(cfg.launcher.device).type == "cuda"
     return resolve(cfg.lora.max_pass_tokens, cfg.lora.cost_model, cuda)
 

@@ -42,10 +42,10 @@ def _devices(devices: tuple[int, ...]) -> str:
 
 def gantt(schedule: Schedule, path: str, title: str = "") -> None:
     """One row per device; a pack's slots split its rows, each job a bar in its slot."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend
 
     devices = len(schedule.peak_bytes)
     fig, ax = plt.subplots(figsize=(12, 0.5 + 0.6 * devices))

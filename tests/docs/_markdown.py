@@ -84,3 +84,22 @@ def shell_commands(path: Path) -> list[str]:
         if text.strip():
             commands.append(" ".join(text.split()))
     return commands
+
+
+def transcripts(path: Path) -> list[tuple[str, list[str]]]:
+    """(command, the output lines shown under it) of each `$ command` in the page's unlabelled
+    code blocks: terminal sessions."""
+    out: list[tuple[str, list[str]]] = []
+    fenced, labelled = False, False
+    for line in path.read_text().splitlines():
+        m = FENCE.match(line.strip())
+        if m:
+            fenced, labelled = not fenced, bool(m.group(1))
+            continue
+        if not fenced or labelled:
+            continue
+        if line.startswith("$ "):
+            out.append((line[2:].strip(), []))
+        elif out:
+            out[-1][1].append(line)
+    return out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.docs._markdown import REPO, pages, shell_commands
+from tests.docs._markdown import REPO, pages, shell_commands, transcripts
 
 
 @dataclass(frozen=True)
@@ -251,3 +251,21 @@ def test_command_runs_with_tiny_settings(command, check, tmp_path):
 @pytest.mark.parametrize("command,check", rows(Skip))
 def test_command_skipped_with_the_reason(command, check):
     pytest.skip(check.reason)
+
+
+def shown_transcripts() -> list:
+    return [pytest.param(command, output, id=f"{page.relative_to(REPO)}: {command}")
+            for page in pages() for command, output in transcripts(page)]
+
+
+@pytest.mark.parametrize("command,output", shown_transcripts())
+def test_terminal_session_prints_what_the_page_shows(command, output, tmp_path, monkeypatch, capsys):
+    from megatron_ext.train import main
+
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "megatron_ext.train"], f"no way to check a session of {words[:3]}"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(words[3:])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[: len(output)] == output

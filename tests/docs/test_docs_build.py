@@ -1,5 +1,6 @@
 """The documentation site builds with `mkdocs build --strict` (warnings are errors: a broken
-link or anchor, a page missing from the nav)."""
+link or anchor, a page missing from the nav). `slow`: the build takes 3-15 s here, and .ci/run
+runs the same build before the tests."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def _missing() -> list[str]:
 MISSING = _missing()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(MISSING), reason=f"the docs extra is not installed ({', '.join(MISSING)}): pip install -e '.[docs]'")
 def test_mkdocs_build_strict(tmp_path):
     result = subprocess.run(

@@ -70,9 +70,9 @@ COMMANDS: dict[str, tuple] = {
         Run("python -m megatron_ext.train experiment=none launcher.nproc=4 parallel.tp=2 parallel.pp=2 "
             f"plugins=[reshard] {TINY_RESHARD}"),
     ),
-    "python -m megatron_ext.dpp.calibrate --out cost.json && python -m megatron_ext.train experiment=none plugin=dpp "
+    "python -m megatron_ext.dpp.tools.calibrate --out cost.json && python -m megatron_ext.train experiment=none plugin=dpp "
     "parallel.pp=2 launcher.nproc=2 dpp.cost_model=cost.json dpp.max_seq_len=512": (
-        Run("python -m megatron_ext.dpp.calibrate --out cost.json --no-overhead --repeats 2 && "
+        Run("python -m megatron_ext.dpp.tools.calibrate --out cost.json --no-overhead --repeats 2 && "
             "python -m megatron_ext.train experiment=none plugin=dpp parallel.pp=2 launcher.nproc=2 "
             "dpp.cost_model=cost.json dpp.max_seq_len=512 train.iters=2 dpp.docs_per_batch=4"),
     ),
@@ -114,8 +114,8 @@ COMMANDS: dict[str, tuple] = {
             "--train-iters 2 --nproc 2"),
     ),
     "python scripts/check_patches.py": (Skip("tests/unit/test_platform_patches.py runs it"),),
-    "python -m megatron_ext.dpp.calibrate --out cost.json": (
-        Run("python -m megatron_ext.dpp.calibrate --out cost.json --no-overhead --repeats 2"),
+    "python -m megatron_ext.dpp.tools.calibrate --out cost.json": (
+        Run("python -m megatron_ext.dpp.tools.calibrate --out cost.json --no-overhead --repeats 2"),
     ),
     "python -m megatron_ext.train experiment=none plugin=dpp parallel.pp=2 launcher.nproc=2 "
     "dpp.cost_model=cost.json dpp.max_seq_len=512": (
@@ -158,6 +158,10 @@ COMMANDS: dict[str, tuple] = {
     "torchrun --nproc-per-node 8 -m megatron_ext.train experiment=none parallel.tp=4 model=llama_small": (
         Config(world=8),
         Skip(GPU + " (8 ranks of llama_small)"),
+    ),
+    "MEGATRON_EXT_PLUGINS=my_package.count python -m megatron_ext.train experiment=none plugins=[count] "
+    "count.every=5": (
+        Skip("names the reader's own package; tests/unit/test_plugin_from_the_docs.py loads a plugin this way"),
     ),
     "python scripts/slurm/render.py train_multinode --nodes 4 --gpus-per-node 8 --time 04:00:00 parallel.tp=8 "
     "-o job.sbatch": (Skip("tests/slurm/ renders and submits the batch scripts to a local SLURM cluster"),),

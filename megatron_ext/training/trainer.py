@@ -98,6 +98,13 @@ class TrainState:
 
 
 class Trainer:
+    """One run of megatron-core training in an initialised torch.distributed world: `setup()`
+    builds the layout's process groups, the data, megatron's model (DDP-wrapped), optimizer and
+    lr scheduler, and resumes from checkpoint.load; `train()` runs megatron's schedules step by
+    step, evaluates, saves and stops on a pre-emption signal at a step boundary; `install()`
+    changes the parallel layout between two steps. The plugins' hooks are called in their order
+    (`megatron_ext.plugin.Plugin`)."""
+
     def __init__(self, cfg: Config, plugins: list[Plugin] = ()) -> None:
         self.cfg = cfg
         self.plugins = list(plugins)

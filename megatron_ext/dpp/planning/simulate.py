@@ -149,6 +149,12 @@ def check_plan(plan: StepPlan, layers: Sequence[int]) -> None:
 
 def simulate(plan: StepPlan, cost: CostModel, layers: Sequence[int] | None = None, budget_bytes: float | None = None,
              check: bool = True) -> SimResult:
+    """Run `plan` under the cost model `cost`, event by event: each stage executes its ops in
+    plan order, a forward waiting for the previous stage's forward of the chunk (plus the p2p
+    time) and a backward for the next stage's backward. Returns the step's time, bubble and
+    recompute shares, and each stage's memory over time and peak (against `budget_bytes` when
+    given). `check` first verifies the plan (`check_plan`: every token covered once, a valid
+    order)."""
     layers = tuple(layers or stage_layers(cost.num_layers, plan.pp))
     if check:
         check_plan(plan, layers)

@@ -25,7 +25,8 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from megatron_ext.platform import cpu_compat, no_restart_rendezvous as rendezvous, writer_queue
+from megatron_ext.platform import cpu_compat, writer_queue
+from megatron_ext.platform import no_restart_rendezvous as rendezvous
 from megatron_ext.platform.device import resolve_device
 from megatron_ext.platform.launch_env import LISTEN_ON_ENV, LaunchEnv, detect_launch
 from megatron_ext.platform.local_workers import (

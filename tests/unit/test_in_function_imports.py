@@ -4,8 +4,8 @@ megatron_ext imports at the top of a module, except where an import inside a fun
 optional dependency (`# optional: <package>`) or a heavy one (`# torch: ...`, `# heavy: ...`) off
 an entry path that must stay light: the config, and the refusal of a bad command line, load no
 torch (tests/unit/test_config_without_torch.py). Such an import carries a comment on its line or
-on the line directly above; a comment above a block of imports (consecutive lines) covers the
-block. The import graph has no cycle (tests/unit/test_import_graph.py), so no import needs to
+on the line directly above; a comment above a function's block of imports covers the block
+(consecutive import lines, or groups of them parted by one blank line, as isort parts them). The import graph has no cycle (tests/unit/test_import_graph.py), so no import needs to
 stay in a function to break one.
 """
 
@@ -52,7 +52,8 @@ def uncommented(source: str) -> list[int]:
     missing = []
     for node in in_function_imports(ast.parse(source)):
         above = lines[node.lineno - 2] if node.lineno > 1 else ""
-        if has_comment(lines[node.lineno - 1]) or above.lstrip().startswith("#") or node.lineno - 1 in covered_ends:
+        in_block = node.lineno - 1 in covered_ends or (node.lineno - 2 in covered_ends and not above.strip())
+        if has_comment(lines[node.lineno - 1]) or above.lstrip().startswith("#") or in_block:
             covered_ends.add(node.end_lineno)
         else:
             missing.append(node.lineno)
@@ -80,7 +81,9 @@ CASES = {
     "same_line": ("def f():\n    import torch  # torch: off the refusal path\n", []),
     "line_above": ("def f():\n    # optional: wandb\n    import wandb\n", []),
     "block_under_a_comment": ("def f():\n    # heavy: megatron\n    import a\n    from b import c\n", []),
-    "blank_line_ends_the_block": ("def f():\n    import a  # heavy: a\n\n    import b\n", [4]),
+    "isort_groups_share_the_comment": ("def f():\n    import a  # heavy: a\n\n    import b\n", []),
+    "code_ends_the_block": ("def f():\n    import a  # heavy: a\n    x = 1\n    import b\n", [4]),
+    "two_blank_lines_end_the_block": ("def f():\n    import a  # heavy: a\n\n\n    import b\n", [5]),
     "hash_in_a_string": ("def f():\n    x = '#'\n    import b\n", [3]),
     "nested_function": ("class A:\n    def f(self):\n        def g():\n            import a\n", [4]),
 }

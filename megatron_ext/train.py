@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from omegaconf import DictConfig
 
 from megatron_ext.config import Config, compose_config, register_configs, to_object
@@ -76,7 +77,7 @@ def runner_of(cfg: Config) -> Runner:
 def worker(cfg: Config) -> dict:
     """One rank: run the run's Runner. Where it stops at a step boundary, a pre-emption signal
     from the rank's start on stops it there, with a checkpoint (training/preemption.py)."""
-    from megatron_ext.training.preemption import stop_request
+    from megatron_ext.training.preemption import stop_request  # torch: off the path of a refused command line
 
     runner = runner_of(cfg)
     if not runner.stops_at_a_step:
@@ -87,7 +88,7 @@ def worker(cfg: Config) -> dict:
 
 def train_one_world(cfg: Config) -> dict:
     """The Trainer's run: join the world, train, leave."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch: off the path of a refused command line
 
     from megatron_ext.platform.launch import join_world
     from megatron_ext.training.trainer import Trainer
@@ -173,8 +174,6 @@ def _check_overrides_of_hydra_run(argv: list[str]) -> None:
     """The overrides of a run with Hydra's flags (`--cfg job`, ...), refused as a plain run's
     are: Hydra's own message for an unknown key advises `+key=`, which adds a key the schema
     does not have. Multiruns and other primary configs are left to Hydra."""
-    from hydra._internal.utils import get_args_parser
-
     args, _ = get_args_parser().parse_known_args(argv)
     if args.multirun or args.config_name or args.config_path or args.config_dir:
         return

@@ -16,6 +16,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -68,10 +72,6 @@ def _token_text(value: Any) -> Optional[str]:
 
 
 def _environment():
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 

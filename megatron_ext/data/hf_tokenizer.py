@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, Optional, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
+from tokenizers import Tokenizer
 
 from megatron_ext.data.chat_template import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate, read_chat_template
 
@@ -41,8 +42,6 @@ class HFTokenizer(MegatronTokenizerBase):
         self._chat: Optional[ChatTemplate] = read_chat_template(os.path.dirname(os.path.abspath(path)))
 
     def _read(self):
-        from tokenizers import Tokenizer
-
         return Tokenizer.from_file(self.path)
 
     def _files(self) -> tuple[str, ...]:

@@ -10,8 +10,13 @@ from collections import OrderedDict
 from typing import Iterable, Optional, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as Ids
+from tokenizers import decoders, models, pre_tokenizers
+# `tokenizers`' own class; `Tokenizer` here names the tokenizers this module builds
+from tokenizers import Tokenizer as TokenizerPipeline
 
 from megatron_ext.config.tokenizer_spec import GPT2_FILES_PREFIX, NULL_PREFIX
+from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
 from megatron_ext.data.hf_tokenizer import HFTokenizer
 
 
@@ -74,8 +79,6 @@ class NullTokenizer(MegatronTokenizerBase):
     Megatron-LM pads it); text is ids written in decimal, separated by spaces."""
 
     def __init__(self, size: int) -> None:
-        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as Ids
-
         super().__init__(path=f"{NULL_PREFIX}{size}", config={})
         self._ids = Ids(size)
 
@@ -124,9 +127,7 @@ class GPT2BPETokenizer(HFTokenizer):
         super().__init__(vocab_file, eod_token or "<|endoftext|>")
 
     def _read(self):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        tokenizer = Tokenizer(models.BPE.from_file(self.path, self._merges_file))
+        tokenizer = TokenizerPipeline(models.BPE.from_file(self.path, self._merges_file))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         return tokenizer
@@ -164,8 +165,6 @@ def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
         return GPT2BPETokenizer(os.path.expanduser(vocab_file), os.path.expanduser(merges_file), eod_token)
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
-        from megatron_ext.data.gguf_tokenizer import GGUFTokenizer  # gguf and `tokenizers` (~0.3 s): GGUF only
-
         return GGUFTokenizer(path, eod_token=eod_token)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
         path = os.path.join(path, "tokenizer.json")

@@ -33,6 +33,7 @@ from typing import Callable, Sequence, Union
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 from torch import nn
 
@@ -93,8 +94,6 @@ def forward_only(
     `model`: the rank's chunks (the interleaved schedule, which runs a multiple of pp batches,
     reads one iterator per chunk) or one module. `schedule`: megatron's seq_length,
     micro_batch_size (and what else the schedule takes)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     def step(data_iterator, chunk):
         return forward(chunk, next(data_iterator)), None  # no loss function: the schedule keeps outputs
 

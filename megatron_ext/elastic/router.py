@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_ext.elastic.pipeline import stage_sum
 from megatron_ext.elastic.space import ElasticSpace, grid_configs
 
 # Above this many grid points reachability is checked from the extremes only.
@@ -117,8 +118,6 @@ def _key(name: str) -> str:
 
 def cost_of(space: ElasticSpace, sizes: Mapping, cost: str) -> torch.Tensor | int:
     """The whole model's cost: this pipeline stage's summed over the stages."""
-    from megatron_ext.elastic.pipeline import stage_sum
-
     return stage_sum(space.active_params(sizes) if cost == "active_params" else space.params(sizes))
 
 

@@ -16,6 +16,7 @@ scales the nested scales.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
+from megatron.core.transformer.spec_utils import build_module
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -30,6 +32,16 @@ from megatron_ext.config.schema import ModelConfig
 from megatron_ext.elastic import fp8
 from megatron_ext.elastic.axes import Size
 from megatron_ext.elastic.space import ElasticSpace
+from megatron_ext.models.convert.checkpoint import common_state
+from megatron_ext.models.convert.hf import write_hf
+from megatron_ext.models.convert.hf_config import hf_config_from_model
+from megatron_ext.models.convert.llama import logical_to_hf
+from megatron_ext.models.convert.load import gather_logical
+from megatron_ext.models.convert.world import build_model, model_parallel_world
+from megatron_ext.models.gpt import layer_spec
+from megatron_ext.models.pretrained import source_config
+from megatron_ext.platform import cpu_compat
+from megatron_ext.training import checkpoint as ckpt
 
 NESTED_MANIFEST = "elastic.json"
 NESTED_WEIGHTS = "model.safetensors"
@@ -62,8 +74,6 @@ def export_submodel(
     model: nn.Module, parent: ModelConfig, space: ElasticSpace, sizes: Mapping[str, Size], padded_vocab: int, tag: str = ""
 ) -> tuple[nn.Module, ModelConfig]:
     """A standalone GPTModel (TP=1, PP=1, in this process) equal to `model` at `sizes`."""
-    from megatron_ext.models.convert.world import build_model
-
     cfg = submodel_config(parent, space, sizes, tag)
     space.clear_gates()
     with space.at(sizes):
@@ -90,11 +100,6 @@ def export_heterogeneous(
     at the widest sizes, then each layer's attention and MLP rebuilt by megatron's own spec with
     that layer's sizes. Kept as a plain state dict (dist checkpoints need one shape per layer
     stack; `save_nested` stores the parent and the sizes instead)."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_ext.models.convert.world import build_model
-    from megatron_ext.models.gpt import layer_spec
-
     per_axis = space.check(sizes)
     widest: dict[str, int] = {}
     for name, size in per_axis.items():
@@ -130,19 +135,12 @@ def param_count(model: nn.Module) -> int:
 
 def save_megatron(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, padded_vocab: int) -> Path:
     """A model-only megatron dist checkpoint (iteration 0), usable as `model.pretrained`."""
-    from megatron_ext.models.convert.checkpoint import common_state
-    from megatron_ext.training import checkpoint as ckpt
-
     ckpt.save_checkpoint(str(out), 0, [sub], None, common_state(cfg, padded_vocab, 1, 1, {}))
     return Path(out)
 
 
 def load_megatron(path: str | os.PathLike) -> tuple[nn.Module, ModelConfig]:
     """A checkpoint written by `save_megatron`, rebuilt from its own config (TP=1, PP=1)."""
-    from megatron_ext.models.convert.world import build_model
-    from megatron_ext.models.pretrained import source_config
-    from megatron_ext.training import checkpoint as ckpt
-
     cfg = source_config(str(path))
     iteration = ckpt.latest_iteration(str(path))
     padded = ckpt.load_common(str(path), iteration)["padded_vocab_size"]
@@ -153,11 +151,6 @@ def load_megatron(path: str | os.PathLike) -> tuple[nn.Module, ModelConfig]:
 
 def save_hf(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, vocab_size: int) -> Path:
     """A Hugging Face LlamaForCausalLM folder of a dense submodel."""
-    from megatron_ext.models.convert.hf import write_hf
-    from megatron_ext.models.convert.hf_config import hf_config_from_model
-    from megatron_ext.models.convert.llama import logical_to_hf
-    from megatron_ext.models.convert.load import gather_logical
-
     tensors = logical_to_hf(gather_logical([sub]), cfg, vocab_size)
     return write_hf(out, tensors, hf_config_from_model(cfg, vocab_size))
 
@@ -220,8 +213,6 @@ def write_nested(
 def load_nested(path: str | os.PathLike) -> tuple[nn.Module, ElasticSpace, ModelConfig, dict]:
     """The elastic parent of a nested checkpoint: (model, space, config, manifest). An FP8
     checkpoint loads dequantised: the weights its quantisation-aware student read."""
-    from megatron_ext.models.convert.world import build_model
-
     manifest = json.loads(Path(path, NESTED_MANIFEST).read_text())
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in manifest["model"].items() if k in known})
@@ -275,11 +266,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     """python -m megatron_ext.elastic.slicing NESTED --budget B [--megatron DIR] [--hf DIR] [--fp8 DIR]
 
     From an FP8 nested checkpoint --megatron and --hf write the dequantised submodel."""
-    import argparse
-
-    from megatron_ext.models.convert.world import model_parallel_world
-    from megatron_ext.platform import cpu_compat
-
     parser = argparse.ArgumentParser(description="Slice one budget out of a nested elastic checkpoint.")
     parser.add_argument("nested")
     parser.add_argument("--budget", required=True, help="a budget name of the checkpoint's elastic.json")

@@ -15,20 +15,19 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_ext.evaluation import perplexity
+from megatron_ext.models.convert.world import model_parallel_world
+from megatron_ext.models.pretrained import build_from_source
+from megatron_ext.platform.launch import launch_local
 
 
 def text_perplexity(model: str, text: str, seq_length: int, tp: int = 1, pp: int = 1) -> float:
     if tp * pp == 1:
         return _worker(model, text, seq_length, 1, 1)
-    from megatron_ext.platform.launch import launch_local
 
     return launch_local(tp * pp, _worker, (model, text, seq_length, tp, pp), "127.0.0.1", 0)[0]
 
 
 def _worker(model: str, text: str, seq_length: int, tp: int, pp: int) -> float:
-    from megatron_ext.models.convert.world import model_parallel_world
-    from megatron_ext.models.pretrained import build_from_source
-
     with model_parallel_world(tp=tp, pp=pp):
         chunks, _, tokenizer, _ = build_from_source(model)
         return perplexity(chunks, tokenizer.tokenize(text), seq_length)

@@ -18,6 +18,9 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_ext.generation import SamplingConfig, generate
+from megatron_ext.models.convert.world import model_parallel_world
+from megatron_ext.models.pretrained import build_from_source
+from megatron_ext.platform.launch import launch_local
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,15 +51,11 @@ def run(request: Request) -> list[str]:
     """The continuation of every prompt, computed in `request.tp` local workers."""
     if request.tp == 1:
         return _worker(request)
-    from megatron_ext.platform.launch import launch_local
 
     return launch_local(request.tp, _worker, (request,), "127.0.0.1", 0)[0]
 
 
 def _worker(request: Request) -> list[str]:
-    from megatron_ext.models.convert.world import model_parallel_world
-    from megatron_ext.models.pretrained import build_from_source
-
     with model_parallel_world(tp=request.tp):
         chunks, _, tokenizer, vocab = build_from_source(request.model)
         stops = tuple(t for t in (getattr(tokenizer, "eos", None), tokenizer.eod) if t is not None)

@@ -146,6 +146,7 @@ def _dispatcher_fields(model: ModelConfig, on_cuda: bool) -> dict:
     all-to-all dispatcher moves the same tokens to the same experts."""
     if model.moe_token_dispatcher != "flex":
         return {"moe_token_dispatcher_type": model.moe_token_dispatcher}
+    # optional: DeepEP / HybridEP, which fused_a2a probes when imported
     from megatron.core.transformer.moe import fused_a2a
 
     backend = model.moe_flex_dispatcher_backend

@@ -15,10 +15,16 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from megatron.core import parallel_state
+
 from megatron_ext.config.schema import ModelConfig
+from megatron_ext.data import build_tokenizer
 from megatron_ext.models.convert.checkpoint import TOKENIZER_DIR
 from megatron_ext.models.convert.load import load_pretrained
 from megatron_ext.models.convert.source import open_pretrained
+from megatron_ext.models.convert.world import build_model
+from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.training import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -134,12 +140,6 @@ def build_from_source(spec: str) -> tuple[list, ModelConfig, "Tokenizer", int]:
     """This rank's stage of the source's model with its weights, for inference and evaluation:
     (model chunks, model config, tokenizer, real vocabulary size). Call it inside a world with
     megatron's parallel state set (e.g. `convert.world.model_parallel_world`)."""
-    from megatron.core import parallel_state
-
-    from megatron_ext.data import build_tokenizer
-    from megatron_ext.models.convert.world import build_model
-    from megatron_ext.models.gpt import padded_vocab_size
-
     model = dataclasses.replace(source_config(spec), pretrained=spec)
     tokenizer = build_tokenizer(tokenizer_spec(spec))
     vocab = model.vocab_size or tokenizer.vocab_size

@@ -29,6 +29,7 @@ def checkpoint_files(folder: str | os.PathLike, torch_version: Optional[str] = N
     it must hold at least: the end of its last item. Raises UncheckedTorch outside
     CHECKED_TORCH, and what unpickling raises for a missing or damaged `.metadata`."""
     _check_version(torch_version or torch.__version__)
+    # heavy: torch.distributed.checkpoint (~1.8 s), off preflight unless a checkpoint is read
     from torch.distributed.checkpoint import FileSystemReader
 
     storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}

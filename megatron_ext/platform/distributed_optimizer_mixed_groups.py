@@ -25,7 +25,7 @@ CHECKED_MEGATRON = CHECKED["distributed_optimizer_mixed_groups"]
 
 
 def fix_distributed_optimizer_mixed_groups() -> None:
-    import megatron.core
+    import megatron.core  # heavy: megatron, off the launcher (platform/launch.py imports cpu_compat)
 
     if not CHECKED_MEGATRON.covers(megatron.core.__version__):
         return

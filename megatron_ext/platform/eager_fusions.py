@@ -36,7 +36,7 @@ class _EagerFusionsOnCpu(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:
             run_module(module)
-            import torch
+            import torch  # torch: `import megatron_ext` installs this hook and stays torch-free
 
             if not torch.cuda.is_available():
                 module.disable_jit_fuser()

@@ -38,7 +38,7 @@ MAIN_PARAMS = "fp32_from_fp16_params"  # megatron's key of the fp32 main copies
 
 
 def fix_float16_optimizer_checkpoint() -> None:
-    import megatron.core
+    import megatron.core  # heavy: megatron, off the launcher (platform/launch.py imports cpu_compat)
 
     if Version(megatron.core.__version__) >= FIXED_IN:
         return
@@ -75,6 +75,7 @@ def fix_float16_optimizer_checkpoint() -> None:
 def _sharded_state(opt, state_dict: dict, model_sharded_state_dict) -> dict:
     """`state_dict` (the optimizer's plain one) with its tensors as sharded tensors of the
     model's parameters, numbered as torch numbers them."""
+    # heavy: megatron, off the launcher (platform/launch.py imports cpu_compat)
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         make_sharded_optimizer_tensor,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import multiprocessing
 import os
 import signal
 import socket
@@ -20,7 +21,13 @@ from typing import Any, Callable, Iterator, Optional
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from megatron_ext.platform import cpu_compat, writer_queue
+from megatron_ext.platform import no_restart_rendezvous as rendezvous
+from megatron_ext.platform.device import resolve_device
 from megatron_ext.platform.launch_env import LISTEN_ON_ENV, LaunchEnv, detect_launch
 from megatron_ext.platform.local_workers import (
     REFUSED_EXIT_CODE,
@@ -88,9 +95,6 @@ def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.devi
     """This process's place in the launch and its device, with CPU threads limited, the CPU
     compatibility layer applied when the device is the CPU, and megatron's checkpoint writer
     made to leave no process behind (writer_queue.py)."""
-    from megatron_ext.platform import cpu_compat, writer_queue
-    from megatron_ext.platform.device import resolve_device
-
     launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local", listen_on="127.0.0.1")
     if launch.listen_on:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(launch.listen_on))
@@ -128,14 +132,6 @@ def launch_local(
     one, or no exit within `preempt_timeout_s` seconds (0: no deadline), raises LaunchAborted.
     Without, torch's agent ends the workers on SIGTERM or SIGINT. Every port the job listens
     on is bound to `master_addr`."""
-    import multiprocessing
-
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from megatron_ext.platform import no_restart_rendezvous as rendezvous
-
     interface_of(master_addr)  # refused here, before a worker starts
     limit_cpu_threads(nproc)
     start_method = "spawn" if torch.cuda.is_available() else "forkserver"

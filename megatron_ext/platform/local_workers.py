@@ -194,6 +194,7 @@ class LocalWorkers:
     def _abort(self, why: str, signum: int) -> None:
         """Make torch's agent kill the workers at once (it shuts them down with the signal of a
         SignalException raised in its loop)."""
+        # torch: off the path of a refused command line (train.py imports this module)
         from torch.distributed.elastic.multiprocessing import SignalException
 
         message = f"aborted ({why}): workers killed; the last complete checkpoint stays"

@@ -20,6 +20,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from megatron_ext.platform.local_workers import why_not_restart
+
 BACKEND = "megatron_ext"
 # The rendezvous config key of the launch's folder.
 FOLDER_KEY = "megatron_ext_workers_folder"
@@ -66,8 +68,6 @@ class _NoRestartRendezvous(RendezvousHandler):
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
-    from megatron_ext.platform.local_workers import why_not_restart
-
     config = dict(params.config)
     folder = config.pop(FOLDER_KEY)
     c10d = RendezvousParameters(

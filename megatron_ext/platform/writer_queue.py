@@ -49,6 +49,7 @@ def results_queue():
 
 def apply() -> None:
     """Make megatron's checkpoint writer use `results_queue`."""
+    # heavy: megatron, off the launcher (platform/launch.py imports this module)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._get_write_results_queue = results_queue

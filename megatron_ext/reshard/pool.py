@@ -54,11 +54,12 @@ import torch.distributed as dist
 
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import resolve_dp, validate_layout
-from megatron_ext.platform.launch import rendezvous_store
+from megatron_ext.platform.launch import prepare_process, rendezvous_store
 from megatron_ext.platform.launch_env import LaunchEnv
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.dynamo_preload import preload_dynamo
 from megatron_ext.platform.signals import PreemptionSignals, preemption_signals
+from megatron_ext.plugin import build_plugins
 from megatron_ext.reshard.execute import NOTHING_MOVED, execute, local_rounds
 from megatron_ext.parallel.world import FutureWorld, leave_running_world
 from megatron_ext.parallel.layout import ParallelLayout
@@ -67,6 +68,7 @@ from megatron_ext.reshard.plan import rank_plan
 from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.parallel.release import collection_deferred, describe, gc_paused, release_in_background
+from megatron_ext.training.trainer import Trainer
 
 # Standby workers wait for a command this long: the length of a job.
 STANDBY_TIMEOUT = timedelta(days=7)
@@ -462,8 +464,6 @@ def _enter(command: Resize, old, plugins, prepared: Optional[PreparedResize]):
 
 def _joined(cfg: Config, plugins, common: dict):
     """A trainer of layout `cfg` for a rank that joins a job in `common` state."""
-    from megatron_ext.training.trainer import Trainer
-
     trainer = Trainer(cfg, list(plugins))
     try:
         trainer.setup(from_state=common)
@@ -500,8 +500,6 @@ def _holds_nothing(*args) -> None:
 def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
     """One process of a pooled job: train while in the megatron world, wait on standby while
     not. Returns the run summary (complete on pool rank 0, which is in every world)."""
-    from megatron_ext.platform.launch import prepare_process
-
     pool = WorkerPool(*prepare_process(cfg.launcher.device), timedelta(seconds=timeout_s))
     with preemption_signals() as signals:  # the rank's, from its start (train.worker)
         summary = _serve(pool, cfg, signals)
@@ -511,9 +509,6 @@ def pooled_worker(cfg: Config, timeout_s: int = 600) -> dict:
 
 def _serve(pool: WorkerPool, cfg: Config, signals: PreemptionSignals) -> dict:
     """Train while in the megatron world, wait on standby while not, until the job is over."""
-    from megatron_ext.plugin import build_plugins
-    from megatron_ext.training.trainer import Trainer
-
     if pool.rank == 0:
         pool.relay_stop_requests(signals)
     trainer, summary, prepared = None, {}, None

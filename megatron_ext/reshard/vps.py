@@ -26,10 +26,12 @@ import functools
 import itertools
 
 import torch
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_ext.config.schema import ModelConfig
-from megatron_ext.models.gpt import DTYPES
+from megatron_ext.models.gpt import DTYPES, transformer_config
 from megatron_ext.models.logical import LogicalName, local_box, local_shards
 from megatron_ext.platform.distributed_optimizer_internals import dp_param_ranges
 from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
@@ -215,11 +217,6 @@ def _moved(s: _Shard, stage: _Stage, tp: int, ep: int) -> _Shard:
 def stage_layers(key: ModelKey, layout: ParallelLayout) -> tuple[frozenset[int], ...]:
     """The global layer indices each pipeline stage holds (all its virtual stages), by
     megatron's own offsets."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megatron_ext.models.gpt import transformer_config
-
     config = transformer_config(ModelConfig(**dict(key)), layout.to_config(), True)
     stages = []
     for pp in range(layout.pp):

@@ -20,6 +20,8 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
 from megatron_ext.config.batch_sizes import parse_step_schedule
 from megatron_ext.config.schema import TrainConfig
 
@@ -62,11 +64,8 @@ class BatchSchedule:
 
     @functools.cached_property
     def _ramp(self):
-        # Late: megatron-core's import is heavy, and configs are validated without it. One
-        # micro-batch of one sample on one rank: the calculator then only computes the batch
+        # One micro-batch of one sample on one rank: the calculator then only computes the batch
         # (divisibility is the config's rule); a rank other than 0 keeps it from logging.
-        from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
-
         start, increment, samples = self.rampup
         return RampupBatchsizeNumMicroBatchesCalculator(
             self.global_batch_size, 1, 1, False, 1, start, increment, samples

@@ -20,6 +20,7 @@ from typing import Optional
 
 import psutil
 import torch
+from tqdm import tqdm
 
 from megatron_ext.config.schema import LoggingConfig
 from megatron_ext.platform.device import current_device
@@ -76,18 +77,17 @@ class MetricsReporter:
         if not self.active:
             return
         if cfg.progress_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=total_iters, initial=start_iter, desc="train", unit="it", file=sys.stdout,
                 dynamic_ncols=True, mininterval=0.5,
             )
         if cfg.tensorboard_dir:
+            # heavy: tensorboard (~0.1 s a rank), only with logging.tensorboard_dir
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=cfg.tensorboard_dir)
         if cfg.wandb_project:
-            import wandb
+            import wandb  # optional: wandb
 
             self._wandb = wandb.init(project=cfg.wandb_project)
 

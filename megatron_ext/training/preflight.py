@@ -242,7 +242,7 @@ def _checkpoint_module():
     """training/checkpoint.py, imported (with megatron) only when there is a checkpoint to read."""
     with warnings.catch_warnings():  # megatron's import notes are the workers' to print
         warnings.simplefilter("ignore")
-        from megatron_ext.training import checkpoint as ckpt
+        from megatron_ext.training import checkpoint as ckpt  # heavy: megatron, only when there is a checkpoint to read
 
     return ckpt
 

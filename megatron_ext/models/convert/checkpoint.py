@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from megatron_ext.config.schema import Config, LauncherConfig, ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
+from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
 from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, publish, staging_dir, write_hf
 from megatron_ext.models.convert.hf_config import hf_config_from_model
 from megatron_ext.models.convert.llama import logical_to_hf
@@ -96,7 +97,6 @@ def _write_tokenizer(pretrained: Pretrained, folder: Path) -> None:
     if Path(pretrained.path).is_dir():
         copy_tokenizer_files(pretrained.path, folder)
         return
-    from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
 
     try:
         GGUFTokenizer(pretrained.path).save_pretrained(str(folder))

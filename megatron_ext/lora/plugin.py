@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_ext.lora.config import SECTION
-from megatron_ext.lora.sweep import jobs_of, multirun_jobs, run_sweep
 from megatron_ext.plugin import Plugin, Runner, register_plugin
 
 
@@ -32,6 +31,8 @@ class LoraPlugin(Plugin):
     def multirun(cls, argv: Sequence[str]) -> Optional[tuple[Any, Callable[[], Any]]]:
         # A sweep of LoRA jobs is one packed execution, not one run per combination.
 
+        from megatron_ext.lora.sweep import multirun_jobs, run_sweep  # heavy: torch, off train.main's refusals
+
         sweep = multirun_jobs(argv)
         if sweep is None:
             return None
@@ -41,5 +42,6 @@ class LoraPlugin(Plugin):
     def runner(self) -> Runner:
         # The sweep's own loop ends on a pre-emption signal as any process does (it has no
         # step boundary shared by the jobs).
+        from megatron_ext.lora.sweep import jobs_of, run_sweep  # heavy: torch, off train.main's refusals
 
         return Runner(lambda cfg: run_sweep(cfg, jobs_of(cfg)), stops_at_a_step=False)

@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, import_external_plugins, no_check, register_section
+from megatron_ext.config.sweep import Sweep
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -113,10 +114,11 @@ class Plugin:
         self.cfg = cfg
 
     @classmethod
-    def multirun(cls, argv: Sequence[str]) -> Optional[tuple[Any, Callable[[], Any]]]:
-        """A Hydra multirun (`-m` and sweep overrides `argv`) this plugin runs as one run of its
-        own: (the first combination's config, for the preflight; what runs them all), or None
-        to leave the multirun to Hydra. Raise ValueError for a sweep it refuses."""
+    def multirun(cls, sweep: Sweep, first: Any) -> Optional[tuple[Any, Callable[[], Any]]]:
+        """A Hydra multirun whose first run (`first`, composed) lists this plugin, run as one run
+        of the plugin's own: (the config to check before launch; what runs them all), or None
+        to leave the multirun to Hydra. `sweep`: its combinations (config/sweep.py). Raise
+        ValueError for a sweep it refuses."""
         return None
 
     def runner(self) -> Optional[Runner]:
@@ -225,10 +227,19 @@ def registered_plugins() -> dict[str, type[Plugin]]:
     return dict(_REGISTRY)
 
 
+def plugin_classes(names: list[str]) -> list[type[Plugin]]:
+    """The classes of the plugins named, importing only their modules (a builtin plugin's
+    module imports torch where it needs it)."""
+    for name in names:
+        if name in BUILTIN:
+            importlib.import_module(f"megatron_ext.{name}.plugin")
+    import_external_plugins()
+    unknown = [n for n in names if n not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"plugins: unknown plugin(s) {unknown}; registered: {sorted(registered_plugins())}")
+    return [_REGISTRY[n] for n in names]
+
+
 def build_plugins(names: list[str], cfg: Any) -> list[Plugin]:
     """Instantiate the plugins named in the config, each with its own config section."""
-    registry = registered_plugins()
-    unknown = [n for n in names if n not in registry]
-    if unknown:
-        raise ValueError(f"plugins: unknown plugin(s) {unknown}; registered: {sorted(registry) or 'none'}")
-    return [registry[n](getattr(cfg, n, None)) for n in names]
+    return [cls(getattr(cfg, cls.name, None)) for cls in plugin_classes(names)]

@@ -27,7 +27,8 @@ from megatron_ext.config import Config, compose_config, register_configs, to_obj
 from megatron_ext.config.validate import ConfigError, validate_run, world_size_of
 from megatron_ext.platform.launch_env import detect_launch
 from megatron_ext.platform.local_workers import LaunchAborted, LaunchFailed, LaunchRefused
-from megatron_ext.plugin import Runner, build_plugins, registered_plugins
+from megatron_ext.config.sweep import read_sweep
+from megatron_ext.plugin import Runner, build_plugins, plugin_classes
 
 register_configs()
 
@@ -159,14 +160,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _multirun_of_a_plugin(argv: list[str]) -> Optional[tuple[Config, Callable[[], Any]]]:
-    """A multirun a plugin runs as one run of its own (`Plugin.multirun`), or None for Hydra."""
-    for plugin in registered_plugins().values():
-        try:
-            owned = plugin.multirun(argv)
-        except Exception as e:  # Hydra/OmegaConf or the plugin's rules: an unknown key, a bad value
-            _fail(_first_line(e))
-        if owned is not None:
-            return owned
+    """A multirun that a plugin its first run lists runs as one run of its own
+    (`Plugin.multirun`), or None for Hydra."""
+    try:
+        sweep = read_sweep(argv)
+        if sweep.hydra_options:
+            return None
+        first = compose_config(sweep.combinations[0])
+        for plugin in plugin_classes(first.plugins):
+            owned = plugin.multirun(sweep, first)
+            if owned is not None:
+                return owned
+    except Exception as e:  # Hydra/OmegaConf or a plugin's rules: an unknown key, a bad value
+        _fail(_first_line(e))
     return None
 
 

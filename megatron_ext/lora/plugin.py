@@ -13,8 +13,9 @@ from `train` / `model.seq_length`, its steps from `train.iters`. The run is swee
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
+from megatron_ext.config.sweep import Sweep
 from megatron_ext.lora.config import SECTION
 from megatron_ext.plugin import Plugin, Runner, register_plugin
 
@@ -28,15 +29,11 @@ class LoraPlugin(Plugin):
     section = SECTION
 
     @classmethod
-    def multirun(cls, argv: Sequence[str]) -> Optional[tuple[Any, Callable[[], Any]]]:
+    def multirun(cls, sweep: Sweep, first: Any) -> Optional[tuple[Any, Callable[[], Any]]]:
         # A sweep of LoRA jobs is one packed execution, not one run per combination.
-
         from megatron_ext.lora.sweep import multirun_jobs, run_sweep  # heavy: torch, off train.main's refusals
 
-        sweep = multirun_jobs(argv)
-        if sweep is None:
-            return None
-        cfg, jobs = sweep
+        cfg, jobs = multirun_jobs(sweep, first)
         return cfg, lambda: run_sweep(cfg, jobs)
 
     def runner(self) -> Runner:

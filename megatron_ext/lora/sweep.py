@@ -1,7 +1,7 @@
 """A LoRA sweep from a config: jobs, plan, one packed execution, per-job outputs.
 
     jobs = jobs_of(cfg)                       # a plain multi-job config (lora.jobs / jobs_file)
-    jobs = multirun_jobs(argv)                # or a Hydra multirun's combinations
+    jobs = multirun_jobs(sweep, first)[1]     # or a Hydra multirun's combinations (config/sweep.py)
     summary = run_sweep(cfg, jobs)
 
 The world the run is in (one process, or ranks under torchrun) is the planner's devices, one a
@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch.distributed as dist
 import yaml
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from megatron_ext.config import compose_config
 from megatron_ext.config.schema import Config
+from megatron_ext.config.sweep import Sweep
 from megatron_ext.data import build_tokenizer
 from megatron_ext.lora import tasks
 from megatron_ext.lora.calibrate import load_coefficients
@@ -96,17 +95,10 @@ def jobs_of(cfg: Config) -> list[LoraJob]:
     return jobs_from_dicts([dict(e) for e in entries], defaults)
 
 
-def multirun_jobs(argv: Sequence[str]) -> Optional[tuple[Config, list[LoraJob]]]:
-    """A Hydra multirun's combinations as jobs of one packed sweep, or None when the composed
-    config does not select the lora plugin (then Hydra runs the multirun itself)."""
-    parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-    swept = [o.key_or_group for o in parsed if o.is_sweep_override()]
-    combinations = [c for batch in BasicSweeper.split_arguments(parsed, None) for c in batch]
-    if any(o.key_or_group.startswith("hydra") for o in parsed):
-        return None  # launcher options (hydra/launcher=..., hydra.*): Hydra's own multirun
-    first = compose_config(combinations[0])  # a bad value is the user's error: let it say so
-    if "lora" not in first.plugins:
-        return None
+def multirun_jobs(sweep: Sweep, first: Config) -> tuple[Config, list[LoraJob]]:
+    """A Hydra multirun's combinations (`first`: the first one composed) as the jobs of one
+    packed sweep."""
+    combinations, swept = sweep.combinations, sweep.swept
     configs = [first] + [compose_config(c) for c in combinations[1:]]
     shared = [k for k in swept if k.split(".")[0] not in JOB_SECTIONS]
     if shared:

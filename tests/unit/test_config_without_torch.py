@@ -114,6 +114,8 @@ COMMAND_LINES = {
     "typo": (["train.itres=5"], "error: train.itres: no such key"),
     # launcher.device=auto: without Transformer Engine the device decides nothing the rules check
     "rule": (["parallel.tp=3"], "error: parallel.tp: model.num_attention_heads (4) must be divisible by parallel.tp (3)"),
+    # a multirun is composed before any plugin module is imported for it
+    "multirun_typo": (["-m", "train.itres=5,6"], "error: train.itres: no such key"),
 }
 
 

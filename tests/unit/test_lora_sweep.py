@@ -11,14 +11,21 @@ import pytest
 import torch
 
 from megatron_ext.config import compose_config
+from megatron_ext.config.sweep import read_sweep
 from megatron_ext.lora.sweep import jobs_of, multirun_jobs, run_sweep
 
 TINY = ["experiment=lora_sweep", "model=llama_tiny", "model.seq_length=32", "lora.dataset=synthetic", "train.iters=2",
         "train.micro_batch_size=1", "train.global_batch_size=2", "lora.memory_gb=1", "lora.eval_iters=1"]
 
 
+def multirun(argv: list[str]):
+    """The lora plugin's jobs of a multirun command line, as train.main reads it."""
+    sweep = read_sweep(argv)
+    return multirun_jobs(sweep, compose_config(sweep.combinations[0]))
+
+
 def test_multirun_combinations_become_jobs_of_one_sweep():
-    cfg, jobs = multirun_jobs(["-m", *TINY, "lora.rank=4,8", "optim.lr=1e-3,3e-3"])
+    cfg, jobs = multirun(["-m", *TINY, "lora.rank=4,8", "optim.lr=1e-3,3e-3"])
     assert "lora" in cfg.plugins
     assert sorted((j.rank, j.lr) for j in jobs) == [(4, 1e-3), (4, 3e-3), (8, 1e-3), (8, 3e-3)]
     assert len({j.name for j in jobs}) == 4 and "rank4-lr0.003" in {j.name for j in jobs}
@@ -26,12 +33,15 @@ def test_multirun_combinations_become_jobs_of_one_sweep():
 
 
 def test_a_multirun_without_the_lora_plugin_is_left_to_hydra():
-    assert multirun_jobs(["-m", "experiment=none", "optim.lr=1e-3,3e-3"]) is None
+    from megatron_ext.train import _multirun_of_a_plugin
+
+    assert _multirun_of_a_plugin(["-m", "experiment=none", "optim.lr=1e-3,3e-3"]) is None
+    assert _multirun_of_a_plugin(["-m", *TINY, "lora.rank=4,8"]) is not None
 
 
 def test_a_multirun_may_not_vary_the_shared_base():
     with pytest.raises(ValueError, match=r"\['model.num_layers'\] cannot vary"):
-        multirun_jobs(["-m", *TINY, "model.num_layers=2,4"])
+        multirun(["-m", *TINY, "model.num_layers=2,4"])
 
 
 def test_plain_multi_job_config(tmp_path):

@@ -100,7 +100,7 @@ class ElasticPlugin(Plugin):
         p = trainer.cfg.parallel
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic.distill import check_budget_draw, check_budget_share
         from megatron_ext.elastic.expert_parallel import check_budget_share_for_ep
 
@@ -113,7 +113,7 @@ class ElasticPlugin(Plugin):
         self.history: list[dict] = []
 
     def after_model_built(self, model_chunks: list, trainer) -> list:
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic.distill import CurriculumConfig
         from megatron_ext.elastic.router import BudgetRouter, RouterConfig, check_budgets, check_grid
         from megatron_ext.elastic.space import ElasticSpace
@@ -154,7 +154,7 @@ class ElasticPlugin(Plugin):
     # --- before the first step ------------------------------------------------------------------
 
     def _prepare(self, trainer) -> None:
-        import torch  # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron.core import parallel_state
 
         from megatron_ext.elastic.distill import Distiller
@@ -178,7 +178,7 @@ class ElasticPlugin(Plugin):
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func = self._at_full_size(config.finalize_model_grads_func)
         if self.cfg.fp8:
-            # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+            # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
             from megatron_ext.elastic import fp8
 
             for chunk in self.space.chunks:  # every chunk of the rank (virtual pipeline stages)
@@ -208,7 +208,7 @@ class ElasticPlugin(Plugin):
         (each rank reads its share, as in training), so every layout scores the same samples:
         one round per batch, or under PP one round of all of them (one run of megatron's
         schedule; the interleaved one runs a multiple of pp micro-batches)."""
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron.core import parallel_state
 
         from megatron_ext.data import build_data_iterator
@@ -241,7 +241,7 @@ class ElasticPlugin(Plugin):
     def _full_forward(self, trainer):
         """One calibration round's batches through the model (through the pipeline's stages, the
         rank's chunks, under PP)."""
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic.pipeline import forward_only, stages
         from megatron_ext.platform.device import current_device
 
@@ -273,14 +273,14 @@ class ElasticPlugin(Plugin):
     def _build_teacher(self, trainer):
         """The parent, rebuilt from its source (seeded initialisation or `model.pretrained`) and
         reordered like the student: also right after a resume, when the student has trained."""
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic.space import ElasticSpace
         from megatron_ext.models import pretrained
         from megatron_ext.models.arch import architecture
         from megatron_ext.models.init import init_weights_layout_independent
         from megatron_ext.platform.device import current_device
 
-        import torch  # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
 
         cfg = trainer.cfg
         # The student's own family (GPT or hybrid), not always a GPT.
@@ -323,7 +323,7 @@ class ElasticPlugin(Plugin):
         self.router_optimizer.zero_grad()
 
     def forward_backward_func(self, trainer):
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_ext.elastic.pipeline import stages
@@ -352,7 +352,7 @@ class ElasticPlugin(Plugin):
         step, between calls, and each call computes its scales anew."""
         if not self.cfg.fp8:
             return inner
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic import fp8
 
         def run(**kwargs):
@@ -381,7 +381,7 @@ class ElasticPlugin(Plugin):
         schedule before the student's (the last stage keeps them); the batches are read once and
         replayed to the student's schedule (returned as its data iterator: one per model chunk
         under VPP, each over the same micro-batches, as the trainer's)."""
-        import torch  # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
 
         from megatron_ext.elastic.pipeline import forward_only
 
@@ -403,7 +403,7 @@ class ElasticPlugin(Plugin):
         return replay if isinstance(iterators, list) else replay[0]
 
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
-        import torch  # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -465,7 +465,7 @@ class ElasticPlugin(Plugin):
         return {f"{b:g}": self.router.select(i) for i, b in enumerate(self.cfg.budgets)}
 
     def on_train_end(self, trainer) -> None:
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
         if not self.cfg.export_dir or not self.ready:
@@ -480,7 +480,7 @@ class ElasticPlugin(Plugin):
     def _export(self, trainer, out: Path) -> None:
         """The nested checkpoint, written by rank 0 from the pieces of every TP and pipeline rank
         of its replica, as one process holding the whole model would write it (`gather.py`)."""
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic import fp8, slicing
         from megatron_ext.elastic.gather import whole_parent
 

@@ -55,13 +55,13 @@ class ReshardPlugin(Plugin):
     def runner(self) -> Runner:
         # The job's processes form a worker pool, so that the number of workers can change
         # while it trains.
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.reshard.pool import pooled_worker
 
         return Runner(pooled_worker)
 
     def setup(self, trainer) -> None:
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
         from megatron_ext.reshard.pool import current_pool
@@ -111,11 +111,11 @@ class ReshardPlugin(Plugin):
     def _prepare(self, trainer, target) -> _Planned:
         budget = self.cfg.memory_budget_mb
         if _changes_world(trainer, target):
-            # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+            # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
             from megatron_ext.reshard.pool import prepare_resize
 
             return _Planned(target, prepare_resize(trainer, target, budget, self.cfg.prebuild))
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.reshard.live import prepare
 
         return _Planned(target, prepare(trainer, target, budget, self.cfg.prebuild))
@@ -145,7 +145,7 @@ class ReshardPlugin(Plugin):
         trainer.note(f"step {step}: reshard request to {layout} accepted; planning{self._consume('done')}")
 
     def _apply(self, trainer, step: int, planned: _Planned) -> None:
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.reshard.live import ReshardFailed, reshard
         from megatron_ext.reshard.pool import resize
 
@@ -179,7 +179,7 @@ class ReshardPlugin(Plugin):
         self._discard_prepared()
 
     def _record(self, trainer, step: int, report) -> None:
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
         # Rank 0 is in every world; a rank that just left the world has no rank.
@@ -192,7 +192,7 @@ class ReshardPlugin(Plugin):
         rank 0 and shared with every rank; None when there is no request."""
         if not self.cfg.request_file:
             return None
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
         message: list = [None]
@@ -211,7 +211,7 @@ class ReshardPlugin(Plugin):
 
     def _consume(self, outcome: str) -> str:
         """Rename the request file (on rank 0) to `<file>.<outcome>`; the log's words for it."""
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
         if dist.get_rank() != 0:
@@ -229,11 +229,11 @@ def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):
     same workers (live.py) or to another number of them (pool.py). Returns the ReshardReport."""
     target = target_config(trainer.cfg.parallel, layout)
     if _changes_world(trainer, target):
-        # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.reshard.pool import resize
 
         return resize(trainer, target, budget_mb)
-    # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+    # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
     from megatron_ext.reshard.live import reshard
 
     return reshard(trainer, target, budget_mb)
@@ -265,7 +265,7 @@ def _identity(path: str) -> Optional[tuple]:
 
 def _everywhere(flag: bool) -> bool:
     """True when `flag` is true on every rank."""
-    import torch  # heavy: torch/megatron, off train.main's refusals (it imports every plugin module)
+    import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
     import torch.distributed as dist
 
     t = torch.tensor([int(flag)])

@@ -31,7 +31,7 @@ class LoraPlugin(Plugin):
     @classmethod
     def multirun(cls, sweep: Sweep, first: Any) -> Optional[tuple[Any, Callable[[], Any]]]:
         # A sweep of LoRA jobs is one packed execution, not one run per combination.
-        from megatron_ext.lora.sweep import multirun_jobs, run_sweep  # heavy: torch, off train.main's refusals
+        from megatron_ext.lora.sweep import multirun_jobs, run_sweep  # heavy: torch, when a worker or a sweep uses the plugin
 
         cfg, jobs = multirun_jobs(sweep, first)
         return cfg, lambda: run_sweep(cfg, jobs)
@@ -39,6 +39,6 @@ class LoraPlugin(Plugin):
     def runner(self) -> Runner:
         # The sweep's own loop ends on a pre-emption signal as any process does (it has no
         # step boundary shared by the jobs).
-        from megatron_ext.lora.sweep import jobs_of, run_sweep  # heavy: torch, off train.main's refusals
+        from megatron_ext.lora.sweep import jobs_of, run_sweep  # heavy: torch, when a worker or a sweep uses the plugin
 
         return Runner(lambda cfg: run_sweep(cfg, jobs_of(cfg)), stops_at_a_step=False)

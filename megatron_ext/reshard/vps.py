@@ -34,7 +34,7 @@ from megatron_ext.models.gpt import DTYPES
 from megatron_ext.models.logical import LogicalName, local_box, local_shards
 from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, fake_group, standalone_world
+from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, fake_group, on_meta, standalone_world
 
 STEP = LogicalName("optimizer.step")
 ModelKey = tuple[tuple[str, object], ...]
@@ -365,7 +365,7 @@ def built_position_shards(model: ModelConfig, layout: ParallelLayout) -> dict[Po
 
 
 def read_skeleton(skeleton: Skeleton) -> tuple[_Shard, ...]:
-    with skeleton.fake_mode:
+    with on_meta():  # megatron's state dict may create tensors of its own
         return tuple(
             shard
             for i, (chunk, ddp) in enumerate(zip(skeleton.chunks, skeleton.ddp))

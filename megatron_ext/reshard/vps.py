@@ -365,21 +365,22 @@ def built_position_shards(model: ModelConfig, layout: ParallelLayout) -> dict[Po
 
 
 def read_skeleton(skeleton: Skeleton) -> tuple[_Shard, ...]:
-    with on_meta():  # megatron's state dict may create tensors of its own
-        return tuple(
-            shard
-            for i, (chunk, ddp) in enumerate(zip(skeleton.chunks, skeleton.ddp))
-            for shard in _chunk_shards(i, chunk, ddp, skeleton.groups)
-        )
+    return tuple(
+        shard
+        for i, (chunk, ddp) in enumerate(zip(skeleton.chunks, skeleton.ddp))
+        for shard in _chunk_shards(i, chunk, ddp, skeleton.groups)
+    )
 
 
 def _chunk_shards(index: int, chunk, ddp, groups) -> list[_Shard]:
     owned = owned_ranges(ddp)
     tensors = [*chunk.named_parameters(), *chunk.named_buffers()]
-    shards = []
     # The skeleton's DP group: without it megatron 0.16 falls back to the global parallel state,
     # which belongs to the running layout, not this one.
-    for name, shape, sh in local_shards([chunk], metadata={"dp_cp_group": groups.dp_cp}):
+    with on_meta():  # megatron's state dict may create tensors of its own
+        state = list(local_shards([chunk], metadata={"dp_cp_group": groups.dp_cp}))
+    shards = []
+    for name, shape, sh in state:
         param_name, tensor, start = tensor_holder(tensors, sh.data)
         expert, ranges = owned.get(tensor, (False, None))
         box = tuple((s.start, s.stop) for s in local_box(sh))

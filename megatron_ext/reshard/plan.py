@@ -226,10 +226,27 @@ class _Fills:
                     if dst == rank or (p.state == "step" and dst < self.a.active):
                         continue  # its own fill; a rank of A holds the step already
                     target = group.on(dst)
-                    if target not in seen and not self._holds(target):
-                        seen.add(target)
+                    if target in seen:
+                        continue
+                    seen.add(target)
+                    if self._may_pick(rank, target) and not self._holds(target):
                         out += [op for op in self.fill(target) if op.src == rank]
         return out
+
+    def _may_pick(self, rank: int, target: Piece) -> bool:
+        """Whether `fill(target)` could pick `rank` as a sender, by its rule alone: some holder
+        group g that `rank` is in, with c candidates for some c up to the number of groups,
+        picks g.ranks[pick // c % len(g.ranks)]. A necessary condition, cheap to test: of the
+        many DP replicas of a destination that draw on a replicated source, it leaves those
+        whose replica index can land on `rank`, and their fills are what `sends` computes."""
+        groups = self.holders(True, target.name, target.state, target.box)
+        pick = self._replica(target)
+        for g in groups:
+            if rank in g.ranks:
+                mine = g.ranks.index(rank)
+                if any(pick // c % len(g.ranks) == mine for c in range(1, len(groups) + 1)):
+                    return True
+        return False
 
     def _holds(self, target: Piece) -> bool:
         """Whether the target's rank holds all of it in A already (its fill is one local op)."""

@@ -32,6 +32,7 @@ from megatron_ext.reshard.boxes import Box, contains, intersect, numel, subtract
 from megatron_ext.reshard.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import standalone_world
 from megatron_ext.reshard.vps import (
+    Holders,
     ModelKey,
     Piece,
     holders,
@@ -217,36 +218,36 @@ class _Fills:
 
     def sends(self, rank: int) -> list[Op]:
         """Every op by which `rank` sends another rank its pieces' boxes: the fills of the
-        pieces of B that meet them (found per position, not per rank), kept where the sender
-        picked is `rank`."""
+        pieces of B that meet them (found per position, not per rank) and whose sender rule
+        could pick `rank`, kept where the sender picked is `rank`."""
         out, seen = [], set()
         for p in rank_pieces(self.model, self.a, rank):
             for group in self.holders(False, p.name, p.state, p.box):
-                for dst in group.ranks:
+                for dst in self._may_pick(rank, group):
                     if dst == rank or (p.state == "step" and dst < self.a.active):
                         continue  # its own fill; a rank of A holds the step already
                     target = group.on(dst)
-                    if target in seen:
-                        continue
-                    seen.add(target)
-                    if self._may_pick(rank, target) and not self._holds(target):
+                    if target not in seen and not self._holds(target):
+                        seen.add(target)
                         out += [op for op in self.fill(target) if op.src == rank]
         return out
 
-    def _may_pick(self, rank: int, target: Piece) -> bool:
-        """Whether `fill(target)` could pick `rank` as a sender, by its rule alone: some holder
-        group g that `rank` is in, with c candidates for some c up to the number of groups,
-        picks g.ranks[pick // c % len(g.ranks)]. A necessary condition, cheap to test: of the
-        many DP replicas of a destination that draw on a replicated source, it leaves those
-        whose replica index can land on `rank`, and their fills are what `sends` computes."""
-        groups = self.holders(True, target.name, target.state, target.box)
-        pick = self._replica(target)
-        for g in groups:
-            if rank in g.ranks:
-                mine = g.ranks.index(rank)
-                if any(pick // c % len(g.ranks) == mine for c in range(1, len(groups) + 1)):
-                    return True
-        return False
+    def _may_pick(self, rank: int, group: Holders) -> list[int]:
+        """The ranks of `group` (replicas of one piece of B) whose fill could pick `rank` as a
+        sender, by the rule alone: in some source group g that `rank` is in, g.ranks[pick // c %
+        len(g.ranks)] is `rank` for some count c of candidates, at most the number of source
+        groups. A necessary condition, cheap to test per rank: of the many DP replicas of a
+        destination that draw on a replicated source, only those whose replica index can land
+        on `rank` are filled."""
+        p = group.piece
+        sources = self.holders(True, p.name, p.state, p.box)
+        mine = [(g.ranks.index(rank), len(g.ranks)) for g in sources if rank in g.ranks]
+        counts = range(1, len(sources) + 1)
+        return [
+            dst
+            for dst in group.ranks
+            if any(self._replica(p, dst) // c % n == j for j, n in mine for c in counts)
+        ]
 
     def _holds(self, target: Piece) -> bool:
         """Whether the target's rank holds all of it in A already (its fill is one local op)."""
@@ -272,7 +273,7 @@ class _Fills:
             if target.rank in g.ranks:
                 need = _take(need, g.on(target.rank), target, ops)
         self.missing += sum(numel(box) for box in need) * (target.nbytes // numel(target.box))
-        pick = self._replica(target)
+        pick = self._replica(target, target.rank)
         while need:
             candidates = [g for g in groups if intersect(g.piece.box, need[0])]
             if not candidates:
@@ -283,14 +284,15 @@ class _Fills:
             need = _take(need, g.on(g.ranks[pick // len(candidates) % len(g.ranks)]), target, ops)
         return ops
 
-    def _replica(self, target: Piece) -> int:
-        """The destination's replica index for this tensor (expert DP for an expert's, DP·CP
-        otherwise), offset by the tensor's layer and expert indices to spread small groups."""
+    def _replica(self, target: Piece, rank: int) -> int:
+        """The replica index of `target`'s tensor on destination `rank` (expert DP for an
+        expert's, DP·CP otherwise), offset by the tensor's layer and expert indices to spread
+        small groups."""
         if target.state == "step":
-            return replica_index(self.b, target.rank, False)
+            return replica_index(self.b, rank, False)
         if target.name not in self._expert:
             self._expert[target.name] = is_expert(self.key, self.b, target.name)
-        return replica_index(self.b, target.rank, self._expert[target.name]) + sum(target.name.index)
+        return replica_index(self.b, rank, self._expert[target.name]) + sum(target.name.index)
 
 
 def _take(need: list[Box], source: Piece, target: Piece, ops: list[Op]) -> list[Box]:

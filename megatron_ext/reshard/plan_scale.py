@@ -9,9 +9,11 @@ Each rank is timed from empty caches, as a fresh process would plan it, except t
 skeleton of its own stage in the running layout A is built first and not timed (a running job
 builds it once, at start-up); every other skeleton it needs, the destination's included, is
 timed. Each rank has its wall-clock and CPU seconds (this process's, one core): on a shared
-machine the wall clock counts the other processes' load, the CPU time does not. Peak RSS is
-the process's high-water mark while planning that rank (/proc's VmHWM, reset before each
-rank), beside the baseline after importing torch and megatron.
+machine the wall clock counts the other processes' load, the CPU time does not. Memory, per
+rank: the RSS just before planning (after its start-up skeleton) and the high-water mark while
+planning (/proc's VmHWM, reset before each rank); what the planner adds is their difference.
+The baseline after importing torch and megatron is beside them: the first skeleton a process
+builds also loads the code megatron imports lazily, which a training process has loaded anyway.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def measure_rank_plan(
             clear_caches()
             if rank < a.active:
                 vps._stage(key, a, a.rank_coords(rank)["pp"])  # the running layout's, built at start-up
+            rss_before = _rss_mb()
             _reset_peak_rss()
             start, cpu = time.perf_counter(), time.process_time()
             mine = planner._rank_plan(key, a, b, rank)
@@ -70,6 +73,7 @@ def measure_rank_plan(
             per_rank[rank] = {
                 "seconds": seconds,
                 "cpu_seconds": cpu_seconds,
+                "rss_before_mb": rss_before,
                 "peak_rss_mb": _peak_rss_mb(),
                 "ops": len(mine.ops),
                 "sent_bytes": mine.sent(rank),
@@ -86,6 +90,7 @@ def measure_rank_plan(
         "cpu_seconds": per_rank[slowest_cpu]["cpu_seconds"],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank.values()),
         "import_rss_mb": _IMPORT_RSS_MB,
+        "planner_added_mb": max(r["peak_rss_mb"] - r["rss_before_mb"] for r in per_rank.values()),
         "network_bytes_of_rank": per_rank[slowest]["received_bytes"] + per_rank[slowest]["sent_bytes"],
         "ranks": per_rank,
     }
@@ -125,14 +130,25 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss_mb() -> float:
+def _status_mb(field: str) -> float | None:
+    """A memory figure of /proc/self/status, in MB; None where there is no /proc."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def _peak_rss_mb() -> float:
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
+
+
+def _rss_mb() -> float:
+    rss = _status_mb("VmRSS")
+    return _peak_rss_mb() if rss is None else rss
 
 
 _IMPORT_RSS_MB = _peak_rss_mb()

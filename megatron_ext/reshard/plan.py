@@ -22,9 +22,14 @@ spreads evenly over them (scripts/bench/rank_plan.py reports the balance).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
+from typing import Iterator, Union
+
+import numpy as np
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
@@ -42,6 +47,8 @@ from megatron_ext.reshard.vps import (
     rank_pieces,
     replica_index,
 )
+
+RankOrRanks = Union[int, np.ndarray]
 
 # Changes whenever the same inputs could plan other ops (the sender rule, the order): ranks
 # running different planners must not agree.
@@ -179,9 +186,24 @@ def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
 @functools.lru_cache(maxsize=64)
 def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     fills = _Fills(key, a, b)
-    with standalone_world():  # one for every skeleton this plan builds
+    with standalone_world(), _no_full_collections():  # one world for every skeleton this plan builds
         ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
     return RankPlan(a, b, rank, ops, plan_digest(key, a, b))
+
+
+@contextlib.contextmanager
+def _no_full_collections() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a rank plans: a full collection walks
+    every object torch and megatron hold (0.17 s here, a third of a 1,024-rank MoE plan), and
+    the plan's allocations set one off at random. The skeletons' module graphs it leaves are
+    collected afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _in_plan_order(ops: list[Op]) -> tuple[Op, ...]:
@@ -241,13 +263,14 @@ class _Fills:
         on `rank` are filled."""
         p = group.piece
         sources = self.holders(True, p.name, p.state, p.box)
-        mine = [(g.ranks.index(rank), len(g.ranks)) for g in sources if rank in g.ranks]
-        counts = range(1, len(sources) + 1)
-        return [
-            dst
-            for dst in group.ranks
-            if any(self._replica(p, dst) // c % n == j for j, n in mine for c in counts)
-        ]
+        dsts = np.arange(group.ranks.start, group.ranks.stop, group.ranks.step)
+        picks = self._replica(p, dsts)
+        may = np.zeros(len(dsts), dtype=bool)
+        for g in sources:
+            if rank in g.ranks:
+                for c in range(1, len(sources) + 1):
+                    may |= picks // c % len(g.ranks) == g.ranks.index(rank)
+        return dsts[may].tolist()
 
     def _holds(self, target: Piece) -> bool:
         """Whether the target's rank holds all of it in A already (its fill is one local op)."""
@@ -284,10 +307,10 @@ class _Fills:
             need = _take(need, g.on(g.ranks[pick // len(candidates) % len(g.ranks)]), target, ops)
         return ops
 
-    def _replica(self, target: Piece, rank: int) -> int:
-        """The replica index of `target`'s tensor on destination `rank` (expert DP for an
-        expert's, DP·CP otherwise), offset by the tensor's layer and expert indices to spread
-        small groups."""
+    def _replica(self, target: Piece, rank: RankOrRanks) -> RankOrRanks:
+        """The replica index of `target`'s tensor on destination `rank`, or on each of an array
+        of ranks (expert DP for an expert's, DP·CP otherwise), offset by the tensor's layer and
+        expert indices to spread small groups."""
         if target.state == "step":
             return replica_index(self.b, rank, False)
         if target.name not in self._expert:

@@ -267,9 +267,12 @@ class _Fills:
         picks = self._replica(p, dsts)
         may = np.zeros(len(dsts), dtype=bool)
         for g in sources:
-            if rank in g.ranks:
-                for c in range(1, len(sources) + 1):
-                    may |= picks // c % len(g.ranks) == g.ranks.index(rank)
+            if rank not in g.ranks:
+                continue
+            if len(g.ranks) == 1:
+                return dsts.tolist()  # a sole holder is picked whatever the index
+            for c in range(1, len(sources) + 1):
+                may |= picks // c % len(g.ranks) == g.ranks.index(rank)
         return dsts[may].tolist()
 
     def _holds(self, target: Piece) -> bool:

@@ -374,13 +374,17 @@ def read_skeleton(skeleton: Skeleton) -> tuple[_Shard, ...]:
 
 def _chunk_shards(index: int, chunk, ddp, groups) -> list[_Shard]:
     owned = owned_ranges(ddp)
-    tensors = [*chunk.named_parameters(), *chunk.named_buffers()]
+    # By storage: tensor_holder then looks among the few tensors sharing the shard's memory.
+    by_storage: dict[StorageWeakRef, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in [*chunk.named_parameters(), *chunk.named_buffers()]:
+        by_storage.setdefault(StorageWeakRef(tensor.untyped_storage()), []).append((name, tensor))
     # The skeleton's DP group: without it megatron 0.16 falls back to the global parallel state,
     # which belongs to the running layout, not this one.
     with on_meta():  # megatron's state dict may create tensors of its own
         state = list(local_shards([chunk], metadata={"dp_cp_group": groups.dp_cp}))
     shards = []
     for name, shape, sh in state:
+        tensors = by_storage.get(StorageWeakRef(sh.data.untyped_storage()), [])
         param_name, tensor, start = tensor_holder(tensors, sh.data)
         expert, ranges = owned.get(tensor, (False, None))
         box = tuple((s.start, s.stop) for s in local_box(sh))

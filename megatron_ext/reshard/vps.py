@@ -352,7 +352,7 @@ def flat_index(box: Box, point: tuple[int, ...]) -> int:
 
 
 def built_position_shards(model: ModelConfig, layout: ParallelLayout) -> dict[Position, tuple[_Shard, ...]]:
-    """Every position's shards, each read from the fake skeleton of its own first rank: what
+    """Every position's shards, each read from the skeleton of its own first rank: what
     `position_shards` derives from one skeleton per stage (for tests)."""
     shards = {}
     with standalone_world():

@@ -186,13 +186,13 @@ def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
 @functools.lru_cache(maxsize=64)
 def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     fills = _Fills(key, a, b)
-    with standalone_world(), _no_full_collections():  # one world for every skeleton this plan builds
+    with standalone_world(), _collector_paused():  # one world for every skeleton this plan builds
         ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
     return RankPlan(a, b, rank, ops, plan_digest(key, a, b))
 
 
 @contextlib.contextmanager
-def _no_full_collections() -> Iterator[None]:
+def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused while a rank plans: a full collection walks
     every object torch and megatron hold (0.17 s here, a third of a 1,024-rank MoE plan), and
     the plan's allocations set one off at random. The skeletons' module graphs it leaves are

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -94,11 +95,13 @@ BYTES_MAX_WORLD = 1024
 
 
 def scale(with_bytes: bool) -> dict:
-    from megatron_ext.reshard.plan_scale import measure_rank_plan, moved_bytes, send_balance
+    from megatron_ext.reshard.plan_scale import moved_bytes, send_balance
 
     out = {}
     for name, (model, a, b, target) in SCALE.items():
-        row = measure_rank_plan(model, a, b)
+        # A fresh process per case: memory an earlier case freed but kept would hide its peak.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            row = pool.apply(_measure_rank_plan, (model, a, b))
         row["target_seconds"], row["target_rss_mb"] = target, RSS_TARGET_MB
         print(f"{name}: slowest rank {row['slowest_rank_cpu']} {row['cpu_seconds']:.2f} s CPU, "
               f"slowest by the clock {row['slowest_rank']} {row['seconds']:.2f} s (target {target} s); "
@@ -113,6 +116,12 @@ def scale(with_bytes: bool) -> dict:
                   f"{row['send_balance']['max_over_mean']:.3f}", flush=True)
         out[name] = row
     return out
+
+
+def _measure_rank_plan(model: ModelConfig, a: L, b: L) -> dict:
+    from megatron_ext.reshard.plan_scale import measure_rank_plan
+
+    return measure_rank_plan(model, a, b)
 
 
 def machine() -> str:

@@ -462,7 +462,7 @@ def _reshard_case(case: ReshardCase) -> dict:
     timing = measure_rank_plan(case.model, case.a, case.b)
     cpu = time.process_time()
     world = max(case.a.world, case.b.world)
-    # A peer's Traffic costs a plan of its own (about 1 s at 405B x 16,384, 25 peers a rank), so
+    # A peer's Traffic costs a plan of its own (about 0.25 s CPU at 405B x 16,384, 25 peers a rank), so
     # at scale the stall is priced from the ranks holding the embedding and the output layer and
     # the slowest planner.
     ends = {0, case.a.active - 1, case.b.active - 1, timing["slowest_rank"]}

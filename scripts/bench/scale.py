@@ -358,8 +358,8 @@ class ReshardCase:
     target_s: Optional[float]  # per-rank plan time target (issue 27), None where none is set
     paper: Optional[str]  # a key of RESHARD_PAPER: DynaTrain's figure for this model
     stall_ranks: str = "ends"  # "ends": the first and last rank and the slowest planner; "all": every rank
-    exact_bytes: bool = True  # moved_bytes over every destination rank (34 s at 70B x 1,024 ranks, 308 s for
-    # the 235B MoE, about an hour at 405B x 16,384)
+    exact_bytes: bool = True  # moved_bytes over every destination rank (9 s CPU at 70B x 1,024 ranks, 101 s
+    # for the 235B MoE; not run at 405B x 16,384)
 
 
 RESHARD_BUDGET_BYTES = 1 << 30  # a rank's staging budget per round on an 80 GB GPU: assumption
@@ -378,7 +378,8 @@ RESHARD_PAPER = {
 
 def reshard_cases() -> tuple[ReshardCase, ...]:
     """rank_plan.py's three SCALE targets (the stall from three ranks' own rounds; bytes checked
-    for 70B only: moved_bytes takes 308 s for the MoE at 1,024 ranks and about an hour for 405B),
+    for 70B only: moved_bytes takes 101 s CPU for the MoE at 1,024 ranks, which rank_plan.py
+    --bytes checks, and is not run for 405B),
     and DynaTrain's two claims as moves on 64 and 128 GPUs (the paper names neither its GPUs
     nor its layouts: these are small worlds that hold the training state in 80 GB GPUs), with
     every rank's rounds and the bytes checked."""
@@ -511,8 +512,9 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
                       "equal_min": None if moved is None else moved["network_bytes"] == moved["min_bytes"],
                       "how": ("plan_scale.moved_bytes: every destination rank's fills, exact"
                               f" ({moved['cpu_s']:.0f} s CPU)") if moved else
-                             "not checked here: moved_bytes takes 308 s for the MoE at 1,024 ranks (its "
-                             "DynaTrain row checks the same model's move at 128) and about an hour for 405B"},
+                             "not checked here: moved_bytes takes 101 s CPU for the MoE at 1,024 ranks "
+                             "(rank_plan.py --bytes checks it; its DynaTrain row checks the same model's move at "
+                             "128) and is not run for 405B (16,384 ranks)"},
             "simulated": {
                 "cluster": H100_CLASS.name, "budget_bytes_per_round": RESHARD_BUDGET_BYTES,
                 "stall": r["stall"], "stall_s": r["stall_total_s"], "rounds": r["rounds"],

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import gc
 import hashlib
-from typing import Iterator, Union
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from megatron_ext.reshard.vps import (
     replica_index,
 )
 
-RankOrRanks = Union[int, np.ndarray]
+RankOrRanks = int | np.ndarray
 
 # Changes whenever the same inputs could plan other ops (the sender rule, the order): ranks
 # running different planners must not agree.

@@ -34,7 +34,13 @@ from megatron_ext.models.gpt import DTYPES
 from megatron_ext.models.logical import LogicalName, local_box, local_shards
 from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
 from megatron_ext.reshard.layout import ParallelLayout
-from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, fake_group, on_meta, standalone_world
+from megatron_ext.reshard.skeleton import (
+    Skeleton,
+    build_skeleton,
+    fake_group,
+    on_meta,
+    standalone_world,
+)
 
 STEP = LogicalName("optimizer.step")
 ModelKey = tuple[tuple[str, object], ...]

@@ -53,9 +53,11 @@ def test_sends_fill_only_the_weight_replicas_that_draw_on_the_rank(name, monkeyp
         with standalone_world():
             sent = fills.sends(rank)
 
-        def one_group(t) -> bool:
-            return t.state == "param" and len(fills.holders(True, t.name, t.state, t.box)) == 1
-
-        weights = {t for t in filled if one_group(t)}
+        weights = {t for t in filled if _one_source_group(fills, t)}
         assert weights, (name, rank)
-        assert weights == {op.target for op in sent if one_group(op.target)}, (name, rank)
+        assert weights == {op.target for op in sent if _one_source_group(fills, op.target)}, (name, rank)
+
+
+def _one_source_group(fills, target) -> bool:
+    """A weight whose holders in layout A are one group of DP replicas."""
+    return target.state == "param" and len(fills.holders(True, target.name, target.state, target.box)) == 1

@@ -44,7 +44,7 @@ CHECKED: dict[str, Checked] = {
     "megatron_parallel_state": Checked(MEGATRON, "0.16", "0.16"),  # parallel_state's module globals
     "module_class_swap": Checked(TORCH, "2.13", "2.13"),  # nn.Module._parameters / _buffers, __getattr__
     "grouped_mm": Checked(TORCH, "2.13", "2.13"),  # torch._grouped_mm
-    "fake_build": Checked(TORCH, "2.13", "2.13"),  # FakeProcessGroup._create_internal, FakeTensorMode
+    "fake_build": Checked(TORCH, "2.13", "2.13"),  # FakeProcessGroup._create_internal
     "dynamo_preload": Checked(TORCH, "2.13", "2.13"),  # torch._dynamo, which torch's optimizers import
     "moe_aux_loss_scale": Checked(MEGATRON, "0.16", "0.16"),  # MoEAuxLossAutoScaler's class-level scale
     "blended_dataset_rank": Checked(MEGATRON, "0.16", "0.16"),  # BlendedDataset's unguarded get_rank()

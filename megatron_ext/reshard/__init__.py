@@ -2,7 +2,7 @@
 job with every training state carried over.
 
     boxes.py     box geometry: intersection, subtraction, flat range -> contiguous boxes
-    skeleton.py  megatron's model + DDP for any rank of any layout, on fake tensors and groups
+    skeleton.py  megatron's model + DDP for any rank of any layout, on meta tensors and fake groups
     vps.py       every rank's pieces of every training state, from megatron's own metadata, one
                  skeleton per pipeline stage; the holders of a box, by position and replica
     plan.py      rank_plan(model, A, B, rank): a rank's own part of the minimal transfer plan by

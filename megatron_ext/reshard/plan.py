@@ -22,9 +22,14 @@ spreads evenly over them (scripts/bench/rank_plan.py reports the balance).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
+from collections.abc import Iterator
+
+import numpy as np
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
@@ -32,6 +37,7 @@ from megatron_ext.reshard.boxes import Box, contains, intersect, numel, subtract
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.skeleton import standalone_world
 from megatron_ext.reshard.vps import (
+    Holders,
     ModelKey,
     Piece,
     holders,
@@ -41,6 +47,8 @@ from megatron_ext.reshard.vps import (
     rank_pieces,
     replica_index,
 )
+
+RankOrRanks = int | np.ndarray
 
 # Changes whenever the same inputs could plan other ops (the sender rule, the order): ranks
 # running different planners must not agree.
@@ -178,9 +186,24 @@ def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
 @functools.lru_cache(maxsize=64)
 def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     fills = _Fills(key, a, b)
-    with standalone_world():  # one for every skeleton this plan builds
+    with standalone_world(), _collector_paused():  # one world for every skeleton this plan builds
         ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
     return RankPlan(a, b, rank, ops, plan_digest(key, a, b))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a rank plans: a full collection walks
+    every object torch and megatron hold (0.17 s here, a third of a 1,024-rank MoE plan), and
+    the plan's allocations set one off at random. The skeletons' module graphs it leaves are
+    collected afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _in_plan_order(ops: list[Op]) -> tuple[Op, ...]:
@@ -217,12 +240,12 @@ class _Fills:
 
     def sends(self, rank: int) -> list[Op]:
         """Every op by which `rank` sends another rank its pieces' boxes: the fills of the
-        pieces of B that meet them (found per position, not per rank), kept where the sender
-        picked is `rank`."""
+        pieces of B that meet them (found per position, not per rank) and whose sender rule
+        could pick `rank`, kept where the sender picked is `rank`."""
         out, seen = [], set()
         for p in rank_pieces(self.model, self.a, rank):
             for group in self.holders(False, p.name, p.state, p.box):
-                for dst in group.ranks:
+                for dst in self._may_pick(rank, group):
                     if dst == rank or (p.state == "step" and dst < self.a.active):
                         continue  # its own fill; a rank of A holds the step already
                     target = group.on(dst)
@@ -230,6 +253,27 @@ class _Fills:
                         seen.add(target)
                         out += [op for op in self.fill(target) if op.src == rank]
         return out
+
+    def _may_pick(self, rank: int, group: Holders) -> list[int]:
+        """The ranks of `group` (replicas of one piece of B) whose fill could pick `rank` as a
+        sender, by the rule alone: in some source group g that `rank` is in, g.ranks[pick // c %
+        len(g.ranks)] is `rank` for some count c of candidates, at most the number of source
+        groups. A necessary condition, cheap to test per rank: of the many DP replicas of a
+        destination that draw on a replicated source, only those whose replica index can land
+        on `rank` are filled."""
+        p = group.piece
+        sources = self.holders(True, p.name, p.state, p.box)
+        dsts = np.arange(group.ranks.start, group.ranks.stop, group.ranks.step)
+        picks = self._replica(p, dsts)
+        may = np.zeros(len(dsts), dtype=bool)
+        for g in sources:
+            if rank not in g.ranks:
+                continue
+            if len(g.ranks) == 1:
+                return dsts.tolist()  # a sole holder is picked whatever the index
+            for c in range(1, len(sources) + 1):
+                may |= picks // c % len(g.ranks) == g.ranks.index(rank)
+        return dsts[may].tolist()
 
     def _holds(self, target: Piece) -> bool:
         """Whether the target's rank holds all of it in A already (its fill is one local op)."""
@@ -255,7 +299,7 @@ class _Fills:
             if target.rank in g.ranks:
                 need = _take(need, g.on(target.rank), target, ops)
         self.missing += sum(numel(box) for box in need) * (target.nbytes // numel(target.box))
-        pick = self._replica(target)
+        pick = self._replica(target, target.rank)
         while need:
             candidates = [g for g in groups if intersect(g.piece.box, need[0])]
             if not candidates:
@@ -266,14 +310,15 @@ class _Fills:
             need = _take(need, g.on(g.ranks[pick // len(candidates) % len(g.ranks)]), target, ops)
         return ops
 
-    def _replica(self, target: Piece) -> int:
-        """The destination's replica index for this tensor (expert DP for an expert's, DP·CP
-        otherwise), offset by the tensor's layer and expert indices to spread small groups."""
+    def _replica(self, target: Piece, rank: RankOrRanks) -> RankOrRanks:
+        """The replica index of `target`'s tensor on destination `rank`, or on each of an array
+        of ranks (expert DP for an expert's, DP·CP otherwise), offset by the tensor's layer and
+        expert indices to spread small groups."""
         if target.state == "step":
-            return replica_index(self.b, target.rank, False)
+            return replica_index(self.b, rank, False)
         if target.name not in self._expert:
             self._expert[target.name] = is_expert(self.key, self.b, target.name)
-        return replica_index(self.b, target.rank, self._expert[target.name]) + sum(target.name.index)
+        return replica_index(self.b, rank, self._expert[target.name]) + sum(target.name.index)
 
 
 def _take(need: list[Box], source: Piece, target: Piece, ops: list[Op]) -> list[Box]:

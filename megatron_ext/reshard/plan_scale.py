@@ -1,15 +1,19 @@
 """What a rank's own plan costs at cluster scale, and what the move sends, without the world's
 plan: for benchmarks (scripts/bench/rank_plan.py, scripts/bench/scale.py).
 
-    measure_rank_plan(model, a, b)   # the slowest of a sample of ranks: seconds, peak RSS
+    measure_rank_plan(model, a, b)   # the slowest of a sample of ranks: seconds, CPU seconds, peak RSS
     moved_bytes(model, a, b)         # network bytes = the minimum, summed over every rank
     send_balance(model, a, b)        # max / mean bytes sent per rank
 
 Each rank is timed from empty caches, as a fresh process would plan it, except that the
 skeleton of its own stage in the running layout A is built first and not timed (a running job
 builds it once, at start-up); every other skeleton it needs, the destination's included, is
-timed. Peak RSS is the process's high-water mark while planning that rank (/proc's VmHWM,
-reset before each rank), beside the baseline after importing torch and megatron.
+timed. Each rank has its wall-clock and CPU seconds (this process's, one core): on a shared
+machine the wall clock counts the other processes' load, the CPU time does not. Memory, per
+rank: the RSS just before planning (after its start-up skeleton) and the high-water mark while
+planning (/proc's VmHWM, reset before each rank); what the planner adds is their difference.
+The baseline after importing torch and megatron is beside them: the first skeleton a process
+builds also loads the code megatron imports lazily, which a training process has loaded anyway.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def measure_rank_plan(
     model: ModelConfig, a: ParallelLayout, b: ParallelLayout, ranks: Optional[list[int]] = None
 ) -> dict:
     """Plan each of `ranks` (default `sample_ranks`) from empty caches; the slowest one's time
-    and memory, and every rank's."""
+    (by wall clock, and by CPU time), the peak memory, and every rank's."""
     a.check(model)
     b.check(model)
     key = vps.model_key(model)
@@ -61,12 +65,15 @@ def measure_rank_plan(
             clear_caches()
             if rank < a.active:
                 vps._stage(key, a, a.rank_coords(rank)["pp"])  # the running layout's, built at start-up
+            rss_before = _rss_mb()
             _reset_peak_rss()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             mine = planner._rank_plan(key, a, b, rank)
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
             per_rank[rank] = {
                 "seconds": seconds,
+                "cpu_seconds": cpu_seconds,
+                "rss_before_mb": rss_before,
                 "peak_rss_mb": _peak_rss_mb(),
                 "ops": len(mine.ops),
                 "sent_bytes": mine.sent(rank),
@@ -75,11 +82,15 @@ def measure_rank_plan(
             }
     clear_caches()
     slowest = max(per_rank, key=lambda r: per_rank[r]["seconds"])
+    slowest_cpu = max(per_rank, key=lambda r: per_rank[r]["cpu_seconds"])
     return {
         "slowest_rank": slowest,
         "seconds": per_rank[slowest]["seconds"],
+        "slowest_rank_cpu": slowest_cpu,
+        "cpu_seconds": per_rank[slowest_cpu]["cpu_seconds"],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank.values()),
         "import_rss_mb": _IMPORT_RSS_MB,
+        "planner_added_mb": max(r["peak_rss_mb"] - r["rss_before_mb"] for r in per_rank.values()),
         "network_bytes_of_rank": per_rank[slowest]["received_bytes"] + per_rank[slowest]["sent_bytes"],
         "ranks": per_rank,
     }
@@ -119,14 +130,25 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss_mb() -> float:
+def _status_mb(field: str) -> float | None:
+    """A memory figure of /proc/self/status, in MB; None where there is no /proc."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def _peak_rss_mb() -> float:
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
+
+
+def _rss_mb() -> float:
+    rss = _status_mb("VmRSS")
+    return _peak_rss_mb() if rss is None else rss
 
 
 _IMPORT_RSS_MB = _peak_rss_mb()

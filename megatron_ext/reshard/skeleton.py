@@ -5,8 +5,9 @@ the answers come out of building `GPTModel` (sharded state dict: boxes) and
 `DistributedDataParallel` (param-and-grad buffer: bucket layout, 64-element alignment, bucket
 padding), inside that rank's process groups. So that any rank can know every rank's state in
 any layout without those processes existing, the real classes are built here with
-  - FakeTensorMode: tensors carry shape, stride and storage offset but no memory, so the
-    8-layer, 50M-parameter model costs what a 1-parameter one does;
+  - the meta device (platform/fake_build.py `on_meta`): tensors carry shape, stride and
+    storage offset but no memory, so a 20-layer stage of a 70B model costs what a 1-parameter
+    one does;
   - fake process groups (torch's no-op backend, platform/fake_build.py) that answer rank()/size() for the rank's
     position, taken from megatron's RankGenerator (see layout.py).
 """
@@ -33,7 +34,7 @@ from megatron_ext.models.gpt import (
 from megatron_ext.platform import cpu_compat
 from megatron_ext.platform.device import current_device
 from megatron_ext.parallel.layout import ParallelLayout
-from megatron_ext.platform.fake_build import FakeTensorMode, fake_group, fake_tensor_mode
+from megatron_ext.platform.fake_build import fake_group, on_meta
 from megatron_ext.training.trainer import ddp_config
 
 # ProcessGroupCollection field -> (megatron group token, from the expert rank generator?).
@@ -58,13 +59,11 @@ GROUPS = {
 
 @dataclasses.dataclass
 class Skeleton:
-    """One rank's model chunks (one per virtual stage) and their DDP wrappers, on fake tensors."""
+    """One rank's model chunks (one per virtual stage) and their DDP wrappers, on the meta device."""
 
     chunks: list
     ddp: list
     groups: ProcessGroupCollection
-    # Fake tensors may only meet tensors of their own mode: reading the skeleton re-enters it.
-    fake_mode: FakeTensorMode
 
 
 def process_groups(layout: ParallelLayout, rank: int) -> ProcessGroupCollection:
@@ -109,7 +108,7 @@ def standalone_world() -> Iterator[None]:
 
 
 def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Skeleton:
-    """`rank`'s megatron model chunks and DDP wrappers in `layout`, on fake tensors.
+    """`rank`'s megatron model chunks and DDP wrappers in `layout`, on the meta device.
 
     `model.vocab_size` is the run's padded vocabulary. Call inside `standalone_world()`.
     """
@@ -122,8 +121,7 @@ def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Ske
     config.perform_initialization = False  # values are not needed, only where they live
     spec = layer_spec(model, use_transformer_engine(model, on_cpu))
     pp_rank, pp, vpp = groups.pp.rank(), layout.pp, layout.vpp or 1
-    fake_mode = fake_tensor_mode()
-    with fake_mode:
+    with on_meta():
         chunks = [
             build_gpt_model(
                 model,
@@ -144,4 +142,4 @@ def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Ske
             )
             for i, chunk in enumerate(chunks)
         ]
-    return Skeleton(chunks, ddp, groups, fake_mode)
+    return Skeleton(chunks, ddp, groups)

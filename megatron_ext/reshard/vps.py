@@ -36,6 +36,7 @@ from megatron_ext.models.logical import LogicalName, local_box, local_shards
 from megatron_ext.platform.distributed_optimizer_internals import dp_param_ranges
 from megatron_ext.reshard.boxes import Box, flat_range_boxes, intersect, numel
 from megatron_ext.parallel.layout import ParallelLayout
+from megatron_ext.platform.fake_build import on_meta
 from megatron_ext.reshard.skeleton import Skeleton, build_skeleton, standalone_world
 
 STEP = LogicalName("optimizer.step")
@@ -362,21 +363,26 @@ def built_position_shards(model: ModelConfig, layout: ParallelLayout) -> dict[Po
 
 
 def read_skeleton(skeleton: Skeleton) -> tuple[_Shard, ...]:
-    with skeleton.fake_mode:
-        return tuple(
-            shard
-            for i, (chunk, ddp) in enumerate(zip(skeleton.chunks, skeleton.ddp))
-            for shard in _chunk_shards(i, chunk, ddp, skeleton.groups)
-        )
+    return tuple(
+        shard
+        for i, (chunk, ddp) in enumerate(zip(skeleton.chunks, skeleton.ddp))
+        for shard in _chunk_shards(i, chunk, ddp, skeleton.groups)
+    )
 
 
 def _chunk_shards(index: int, chunk, ddp, groups) -> list[_Shard]:
     owned = owned_ranges(ddp)
-    tensors = [*chunk.named_parameters(), *chunk.named_buffers()]
-    shards = []
+    # By storage: tensor_holder then looks among the few tensors sharing the shard's memory.
+    by_storage: dict[StorageWeakRef, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in [*chunk.named_parameters(), *chunk.named_buffers()]:
+        by_storage.setdefault(StorageWeakRef(tensor.untyped_storage()), []).append((name, tensor))
     # The skeleton's DP group: without it megatron 0.16 falls back to the global parallel state,
     # which belongs to the running layout, not this one.
-    for name, shape, sh in local_shards([chunk], metadata={"dp_cp_group": groups.dp_cp}):
+    with on_meta():  # megatron's state dict may create tensors of its own
+        state = list(local_shards([chunk], metadata={"dp_cp_group": groups.dp_cp}))
+    shards = []
+    for name, shape, sh in state:
+        tensors = by_storage.get(StorageWeakRef(sh.data.untyped_storage()), [])
         param_name, tensor, start = tensor_holder(tensors, sh.data)
         expert, ranges = owned.get(tensor, (False, None))
         box = tuple((s.start, s.stop) for s in local_box(sh))

@@ -5,9 +5,12 @@
 
 --scale    the issue's three targets (and the 70B move at 512 ranks measured before rank plans
            existed): per sampled rank, from empty caches except its own stage of the running
-           layout, the time and peak RSS of rank_plan on one core (the slowest rank is the
-           figure); with --bytes, also the network bytes summed over every destination rank
-           against their minimum (no world plan).
+           layout, the wall-clock and CPU time of rank_plan on one core (the slowest rank is the
+           figure; on a shared machine the CPU time is the one the load does not inflate), the
+           RSS before planning and its peak while planning; with --bytes, for the moves on at
+           most 1,024 ranks, also the network bytes summed over every destination rank against
+           their minimum and the bytes each source rank sends, max over mean (no world plan;
+           the 405B move's would take about an hour).
 --balance  the 100M benchmark's transitions (scripts/bench/reshard.py TRANSITIONS) at 64 MiB:
            max / mean bytes sent per sending rank and the round count, with this checkout's
            planner, and with --old-root, the planner of another checkout (the world plan with
@@ -19,9 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,19 +91,42 @@ BENCH_MOVES = {
 BUDGET = 64 << 20
 
 
+BYTES_MAX_WORLD = 1024
+
+
 def scale(with_bytes: bool) -> dict:
-    from megatron_ext.reshard.plan_scale import measure_rank_plan, moved_bytes
+    from megatron_ext.reshard.plan_scale import moved_bytes, send_balance
 
     out = {}
     for name, (model, a, b, target) in SCALE.items():
-        row = measure_rank_plan(model, a, b)
+        # A fresh process per case: memory an earlier case freed but kept would hide its peak.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            row = pool.apply(_measure_rank_plan, (model, a, b))
         row["target_seconds"], row["target_rss_mb"] = target, RSS_TARGET_MB
-        if with_bytes:
-            row.update(moved_bytes(model, a, b))
+        print(f"{name}: slowest rank {row['slowest_rank_cpu']} {row['cpu_seconds']:.2f} s CPU, "
+              f"slowest by the clock {row['slowest_rank']} {row['seconds']:.2f} s (target {target} s); "
+              f"peak RSS {row['peak_rss_mb']:.0f} MB, the planner's part {row['planner_added_mb']:.0f} MB "
+              f"(after import {row['import_rss_mb']:.0f} MB)", flush=True)
+        if with_bytes and max(a.world, b.world) <= BYTES_MAX_WORLD:
+            start = time.process_time()
+            row.update(moved_bytes(model, a, b), moved_bytes_cpu_seconds=time.process_time() - start)
+            start = time.process_time()
+            row.update(send_balance=send_balance(model, a, b), send_balance_cpu_seconds=time.process_time() - start)
+            print(f"{name}: network bytes {row['network_bytes']} (minimum {row['min_bytes']}), sent max / mean "
+                  f"{row['send_balance']['max_over_mean']:.3f}", flush=True)
         out[name] = row
-        print(f"{name}: slowest rank {row['slowest_rank']} {row['seconds']:.2f} s (target {target} s), "
-              f"peak RSS {row['peak_rss_mb']:.0f} MB (after import {row['import_rss_mb']:.0f} MB)", flush=True)
     return out
+
+
+def _measure_rank_plan(model: ModelConfig, a: L, b: L) -> dict:
+    from megatron_ext.reshard.plan_scale import measure_rank_plan
+
+    return measure_rank_plan(model, a, b)
+
+
+def machine() -> str:
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} cores, load average (1, 5, 15 min) {load}"
 
 
 def balance_here() -> dict:
@@ -150,15 +178,19 @@ def main() -> None:
     parser.add_argument("--bytes", action="store_true", help="with --scale: network bytes against the minimum")
     parser.add_argument("--balance", action="store_true", help="send balance and rounds of the 100M moves")
     parser.add_argument("--old-root", help="with --balance: a checkout whose planner to compare")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", help="write the results here, keeping the sections of a file already there that "
+                        "this run does not measure")
     args = parser.parse_args()
     if not (args.scale or args.balance):
         parser.error("give --scale and/or --balance")
-    result = {}
+    result = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
     if args.balance:
         result["balance"] = balance(args.old_root)
+        result["balance_machine"] = machine()
     if args.scale:
+        result["scale_machine_at_start"] = machine()
         result["scale"] = scale(args.bytes)
+        result["scale_machine_at_end"] = machine()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 

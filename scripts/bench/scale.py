@@ -358,8 +358,8 @@ class ReshardCase:
     target_s: Optional[float]  # per-rank plan time target (issue 27), None where none is set
     paper: Optional[str]  # a key of RESHARD_PAPER: DynaTrain's figure for this model
     stall_ranks: str = "ends"  # "ends": the first and last rank and the slowest planner; "all": every rank
-    exact_bytes: bool = True  # moved_bytes over every destination rank (34 s at 70B x 1,024 ranks, 308 s for
-    # the 235B MoE, about an hour at 405B x 16,384)
+    exact_bytes: bool = True  # moved_bytes over every destination rank (9 s CPU at 70B x 1,024 ranks, 101 s
+    # for the 235B MoE; not run at 405B x 16,384)
 
 
 RESHARD_BUDGET_BYTES = 1 << 30  # a rank's staging budget per round on an 80 GB GPU: assumption
@@ -378,7 +378,8 @@ RESHARD_PAPER = {
 
 def reshard_cases() -> tuple[ReshardCase, ...]:
     """rank_plan.py's three SCALE targets (the stall from three ranks' own rounds; bytes checked
-    for 70B only: moved_bytes takes 308 s for the MoE at 1,024 ranks and about an hour for 405B),
+    for 70B only: moved_bytes takes 101 s CPU for the MoE at 1,024 ranks, which rank_plan.py
+    --bytes checks, and is not run for 405B),
     and DynaTrain's two claims as moves on 64 and 128 GPUs (the paper names neither its GPUs
     nor its layouts: these are small worlds that hold the training state in 80 GB GPUs), with
     every rank's rounds and the bytes checked."""
@@ -462,7 +463,7 @@ def _reshard_case(case: ReshardCase) -> dict:
     timing = measure_rank_plan(case.model, case.a, case.b)
     cpu = time.process_time()
     world = max(case.a.world, case.b.world)
-    # A peer's Traffic costs a plan of its own (about 1 s at 405B x 16,384, 25 peers a rank), so
+    # A peer's Traffic costs a plan of its own (about 0.25 s CPU at 405B x 16,384, 25 peers a rank), so
     # at scale the stall is priced from the ranks holding the embedding and the output layer and
     # the slowest planner.
     ends = {0, case.a.active - 1, case.b.active - 1, timing["slowest_rank"]}
@@ -497,20 +498,23 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
         t = r["timing"]
         moved = r["moved"]
         met_time = case.target_s is None or t["seconds"] <= case.target_s
+        met_cpu_time = case.target_s is None or t["cpu_seconds"] <= case.target_s
         met_bytes = moved is None or moved["network_bytes"] == moved["min_bytes"]
         rows.append({
             "plugin": "reshard", "case": case.name,
-            # measure_rank_plan times the wall clock only: the CPU figure repeats it (load counts in both)
-            "planner_wall_s": t["seconds"], "planner_cpu_s": t["seconds"],
+            # each the slowest sampled rank's by its own measure: the wall clock counts the load
+            "planner_wall_s": t["seconds"], "planner_cpu_s": t["cpu_seconds"],
             "planner_peak_rss_mb": t["peak_rss_mb"], "import_rss_mb": t["import_rss_mb"],
-            "slowest_rank": t["slowest_rank"], "ranks_timed": len(t["ranks"]), **_measures(rss),
+            "planner_added_rss_mb": t["planner_added_mb"], "slowest_rank": t["slowest_rank"],
+            "slowest_rank_cpu": t["slowest_rank_cpu"], "ranks_timed": len(t["ranks"]), **_measures(rss),
             "bytes": {"network_bytes": None if moved is None else moved["network_bytes"],
                       "min_bytes": None if moved is None else moved["min_bytes"],
                       "equal_min": None if moved is None else moved["network_bytes"] == moved["min_bytes"],
                       "how": ("plan_scale.moved_bytes: every destination rank's fills, exact"
                               f" ({moved['cpu_s']:.0f} s CPU)") if moved else
-                             "not checked here: moved_bytes takes 308 s for the MoE at 1,024 ranks (its "
-                             "DynaTrain row checks the same model's move at 128) and about an hour for 405B"},
+                             "not checked here: moved_bytes takes 101 s CPU for the MoE at 1,024 ranks "
+                             "(rank_plan.py --bytes checks it; its DynaTrain row checks the same model's move at "
+                             "128) and is not run for 405B (16,384 ranks)"},
             "simulated": {
                 "cluster": H100_CLASS.name, "budget_bytes_per_round": RESHARD_BUDGET_BYTES,
                 "stall": r["stall"], "stall_s": r["stall_total_s"], "rounds": r["rounds"],
@@ -525,7 +529,7 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
             "target": (f"slowest rank's plan <= {case.target_s:g} s and <= {RESHARD_RSS_TARGET_MB} MB, bytes = minimum"
                        if case.target_s is not None else "bytes = minimum; the simulated stall beside the paper's"),
             "met": met_time and met_bytes and (case.target_s is None or t["peak_rss_mb"] <= RESHARD_RSS_TARGET_MB),
-            "met_cpu": met_time and met_bytes,
+            "met_cpu": met_cpu_time and met_bytes,
             "paper": RESHARD_PAPER[case.paper] if case.paper else
                      {"figure": None, "source": "/work/notes/issue27.md (target only; DynaTrain gives no 405B figure)"},
             "setup": {"a": str(case.a), "b": str(case.b), "world": max(case.a.world, case.b.world),
@@ -533,7 +537,8 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
         })
         row = rows[-1]
         checked = "not checked" if moved is None else "= min" if met_bytes else "!= min"
-        print(f"reshard {case.name}: plan {t['seconds']:.2f} s, {t['peak_rss_mb']:.0f} MB, bytes {checked} "
+        print(f"reshard {case.name}: plan {t['seconds']:.2f} s ({t['cpu_seconds']:.2f} s CPU), "
+              f"{t['peak_rss_mb']:.0f} MB ({t['planner_added_mb']:.0f} MB the planner's), bytes {checked} "
               f"({row['bytes']['network_bytes']}), stall {r['stall_total_s']:.2f} s "
               f"({r['rounds']} rounds), checkpoint route {r['route_total_s']:.1f} s "
               f"({row['simulated']['route_over_stall']:.0f}x)", flush=True)

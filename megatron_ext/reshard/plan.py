@@ -22,12 +22,9 @@ spreads evenly over them (scripts/bench/rank_plan.py reports the balance).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import hashlib
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -35,6 +32,7 @@ from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models.logical import LogicalName
 from megatron_ext.reshard.boxes import Box, contains, intersect, numel, subtract
 from megatron_ext.parallel.layout import ParallelLayout
+from megatron_ext.parallel.release import gc_paused
 from megatron_ext.reshard.skeleton import standalone_world
 from megatron_ext.reshard.vps import (
     Holders,
@@ -186,24 +184,11 @@ def _plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout) -> TransferPlan:
 @functools.lru_cache(maxsize=64)
 def _rank_plan(key: ModelKey, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     fills = _Fills(key, a, b)
-    with standalone_world(), _collector_paused():  # one world for every skeleton this plan builds
+    # The collector paused: a full collection walks every object torch and megatron hold (0.17 s
+    # here, a third of a 1,024-rank MoE plan), and the plan's allocations would set one off at random.
+    with standalone_world(), gc_paused():  # one world for every skeleton this plan builds
         ops = _in_plan_order(fills.receives(rank) + fills.sends(rank))
     return RankPlan(a, b, rank, ops, plan_digest(key, a, b))
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while a rank plans: a full collection walks
-    every object torch and megatron hold (0.17 s here, a third of a 1,024-rank MoE plan), and
-    the plan's allocations set one off at random. The skeletons' module graphs it leaves are
-    collected afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _in_plan_order(ops: list[Op]) -> tuple[Op, ...]:

@@ -75,11 +75,11 @@ def check_vocabulary(cfg: Config) -> None:
     step. Checked here where the tokenizer is named (data.tokenizer, or the byte tokenizer of a
     run without a pretrained model) and no checkpoint decides the vocabulary; otherwise the
     Trainer checks it once it holds the tokenizer."""
-    from megatron_ext.data.tokenizers import build_tokenizer  # imports megatron: only when asked
-
     vocab, spec = cfg.model.vocab_size, cfg.data.tokenizer
     if vocab is None or cfg.checkpoint.load or (spec == "auto" and cfg.model.pretrained):
         return
+    from megatron_ext.data.tokenizers import build_tokenizer  # heavy: megatron (1.4 s), only when a vocabulary is given
+
     ids = build_tokenizer("byte" if spec == "auto" else spec).vocab_size
     if vocab < ids:
         raise ConfigError("model.vocab_size", f"{vocab} is below the tokenizer's {ids} ids: give at least {ids}, or leave it unset")

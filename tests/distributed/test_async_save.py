@@ -38,13 +38,13 @@ def _tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
 
 # name -> (layout overrides, workers)
 LAYOUTS = {
-    "one_rank": ([], 1),
-    # Finalisation is collective: every rank's write done before rank 0 publishes.
-    "tp2": (["parallel.tp=2"], 2),
+    "one_rank": pytest.param(([], 1), id="one_rank"),
+    # Finalisation is collective: every rank's write done before rank 0 publishes (30 s).
+    "tp2": pytest.param((["parallel.tp=2"], 2), id="tp2", marks=pytest.mark.slow),
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("layout", LAYOUTS.values())
 def test_async_save_resumes_bitwise_like_sync_save(tmp_path, monkeypatch, layout):
     overrides, workers = layout
     scheduled = []  # seen in this process: the one-rank run's

@@ -74,6 +74,7 @@ if __name__ == "__main__":
 # --- the test ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 30 s; every family converts at TP1 in the default suite (test_convert_families.py)
 def test_families_at_tp2_pp2_match_transformers_and_round_trip(tmp_path, capsys):
     from safetensors.torch import load_file
 

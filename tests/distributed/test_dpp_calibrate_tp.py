@@ -27,6 +27,7 @@ def calibrated(tmp_path, *layout: str) -> dict:
     return {**json.loads(out.read_text()), "path": str(out)}
 
 
+@pytest.mark.slow  # 25 s: two calibrations at TP2 (real layers are measured at TP1 in the default suite: test_dpp_costmodel.py)
 def test_tensor_parallel_calibration_times_a_rank_shard_and_records_its_layout(tmp_path):
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.config.store import MODEL_PRESETS

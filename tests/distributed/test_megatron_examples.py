@@ -317,9 +317,13 @@ def _saved_iteration(ckpt: Path) -> int:
     return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
 
 
+# One-rank examples outside the default suite as well: its time budget keeps one of each kind.
+SLOW_ONE_RANK = {"llama3_8b_fp8", "modelopt_qwen3_06b"}
+
+
 def _marks(example: Example) -> list:
     # One-rank cases are in the default suite; the two-rank ones take minutes together.
-    marks = [pytest.mark.slow] if example.nproc > 1 else []
+    marks = [pytest.mark.slow] if example.nproc > 1 or example.name in SLOW_ONE_RANK else []
     if example.needs:
         marks.append(pytest.mark.xfail(strict=True, reason=example.needs))
     return marks

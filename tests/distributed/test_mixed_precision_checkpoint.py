@@ -60,8 +60,13 @@ def train(cache: Path, nproc: int, *overrides: str) -> list[float]:
     return run_from_overrides([*COMMON, f"data.cache_dir={cache}", f"launcher.nproc={nproc}", *overrides])["losses"]
 
 
-# bf16_moe_ep2 (~20 s) is the default suite's one resume of megatron's ChainedOptimizer.
-@pytest.mark.parametrize("name", CASES)
+# Beside the default suite (python -m pytest -m slow): the second two-rank layout and the second
+# distributed-optimizer case. bf16_moe_ep2 is the default suite's one resume of megatron's
+# ChainedOptimizer.
+SLOW = {"bf16_pp2", "bf16_gpt3_distributed_optimizer"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES])
 def test_save_and_resume_is_bitwise(name, tmp_path):
     overrides, nproc, iters = CASES[name]
     saved_at = iters // 2

@@ -30,13 +30,13 @@ POOL_WITH_STANDBY = ["launcher.nproc=3", "parallel.tp=2", "parallel.dp=1", "plug
 # workers exist: while they import and build their model)
 CASES = {
     "scancel: SIGTERM to the group": (DP4, "group", signal.SIGTERM, "training"),
-    "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM, "training"),
-    "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
     "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
-    "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
     "SIGTERM to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGTERM, "training"),
 }
 SLOW_CASES = {
+    "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM, "training"),
+    "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
+    "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),
     "Ctrl-C: SIGINT to the group": (DP4, "group", signal.SIGINT, "training"),
     "SIGINT to one worker": (DP4, "worker", signal.SIGINT, "training"),
     "SIGTERM to the launcher": (DP4, "launcher", signal.SIGTERM, "training"),
@@ -109,6 +109,7 @@ FAULTS = Path(__file__).with_name("_faults.py")
 WORKERS_START = "Starting worker group"
 
 
+@pytest.mark.slow  # 30 s: the restart path of a stop, beside the default suite's stops
 def test_a_worker_failing_during_the_stop_is_not_restarted(dirs):
     root, paths = dirs
     rc, output = run_job([*TINY, *DP4, *paths, "train.iters=2"])  # the last complete checkpoint

@@ -10,7 +10,6 @@ from collections import OrderedDict
 from typing import Iterable, Optional, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as Ids
 from tokenizers import decoders, models, pre_tokenizers
 # `tokenizers`' own class; `Tokenizer` here names the tokenizers this module builds
 from tokenizers import Tokenizer as TokenizerPipeline
@@ -79,6 +78,9 @@ class NullTokenizer(MegatronTokenizerBase):
     Megatron-LM pads it); text is ids written in decimal, separated by spaces."""
 
     def __init__(self, size: int) -> None:
+        # heavy: megatron's tokenizers.text package imports transformers (about 1 s in every worker)
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as Ids
+
         super().__init__(path=f"{NULL_PREFIX}{size}", config={})
         self._ids = Ids(size)
 

@@ -65,6 +65,9 @@ def test_train_multinode_trains_like_train_srun(slurm_conf, tmp_path, srun_run):
     )
 
 
+# Under -m slow while a flake is traced: about one run in four here ends with every tensor
+# different from the uninterrupted run's (seen 2026-12-02, 1 of 4 runs on main and 1 of 2 CI runs).
+@pytest.mark.slow
 def test_requeued_job_resumes_bitwise(slurm_conf, tmp_path, srun_run):
     root = tmp_path / "ckpt"
     job = submit(slurm_conf, tmp_path, "train_srun", train_overrides(root))

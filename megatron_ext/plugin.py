@@ -34,22 +34,6 @@ if TYPE_CHECKING:
 
     from megatron_ext.parallel.layout import ParallelLayout
 
-HOOKS = (
-    "multirun",
-    "runner",
-    "check",
-    "check_layout",
-    "setup",
-    "layer_spec",
-    "after_model_built",
-    "forward_backward_func",
-    "on_step_begin",
-    "on_step_end",
-    "state_dict",
-    "load_state_dict",
-    "on_train_end",
-)
-
 
 class Trainer(Protocol):
     """What a plugin may use of the Trainer (training/trainer.py, which documents each member):

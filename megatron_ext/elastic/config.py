@@ -41,7 +41,11 @@ class ElasticConfig:
     router_hidden: int = 64
     router_lr: float = 1e-2
     anneal_steps: int = 100
-    # Cost-only router steps before the first distillation step (no model forward: cheap).
+    # Where the router starts: "quality", each budget's grid submodel of least KD loss to the
+    # parent on the calibration batches (pruned, scored before the first step); "cost", any
+    # submodel of the budget's cost (no model forward).
+    router_start: str = "quality"
+    # Router steps fitting it to that start before the first distillation step.
     router_warmup_steps: int = 200
     # FP8 quantisation-aware distillation: the student reads its decoder linears fake-quantised
     # to e4m3 with the parent's per-tensor scales (`fp8.py`; evaluation too, as deployed); the
@@ -49,6 +53,8 @@ class ElasticConfig:
     fp8: bool = False
     export_dir: Optional[str] = None
 
+
+ROUTER_STARTS = ("quality", "cost")
 
 # A live move carries the trainer's model and optimizer only.
 WITH_RESHARD = ("elastic with reshard is not supported: a live move would not carry elastic's frozen teacher (the "
@@ -83,6 +89,8 @@ def check(own: ElasticConfig, cfg: Config, world_size: int) -> None:
     """A run with reshard, or a model with options elastic's axes do not slice, is refused."""
     if "reshard" in cfg.plugins:
         raise ConfigError("plugins", WITH_RESHARD)
+    if own.router_start not in ROUTER_STARTS:
+        raise ConfigError("elastic.router_start", f"{own.router_start!r} is not one of {', '.join(ROUTER_STARTS)}")
     refusals = [(field, f"elastic does not support {what}") for field, what in model_space_refusals(cfg.model)]
     if refusals:
         raise ConfigError(*refusals[0], refusals[1:])

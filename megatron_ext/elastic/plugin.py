@@ -166,8 +166,10 @@ class ElasticPlugin(Plugin):
         dp_group = parallel_state.get_data_parallel_group()
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         check_peers_share(self.cfg.budget_share, dp_rank, dp, parallel_state.get_expert_model_parallel_group())
-        if self.orders is None:  # a fresh run (a resumed one restored the reordered weights)
-            calibrate(self.space.axes, self._calibration_rounds(trainer), self._full_forward(trainer), dp_group)
+        fresh = self.orders is None  # a resumed run restored the reordered weights and the router
+        rounds = self._calibration_rounds(trainer) if fresh else []
+        if fresh:
+            calibrate(self.space.axes, rounds, self._full_forward(trainer), dp_group)
             # Every stage's: a checkpoint keeps rank 0's plugin state, and a resumed stage
             # rebuilds its teacher from it.
             self.orders = merge_stages(reorder(self.space.axes))
@@ -199,9 +201,56 @@ class ElasticPlugin(Plugin):
             micro_batch_index=lambda m: m * dp + dp_rank,
             send_width=trainer.model_config.hidden_size if trainer.cfg.parallel.vpp else None,
         )
-        if self.router_state is None:  # identical on every rank: no data, seeded draws
-            self.distiller.warm_up_router(self.cfg.router_warmup_steps)
+        if fresh:
+            self._start_router(trainer, rounds)
         self.ready = True
+
+    def _start_router(self, trainer, rounds: list[list]) -> None:
+        """Fit the router before the first step, identically on every rank: to the budgets' costs
+        alone (`router_start=cost`: seeded draws, no model forward), or to each budget's grid
+        submodel of least KD loss to the parent on the calibration batches, pruned
+        (`router_start=quality`, size_search.py), as Minitron picks its candidates."""
+        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
+        from megatron_ext.elastic.size_search import best_sizes
+
+        c = self.cfg
+        if c.router_start == "cost":
+            self.distiller.warm_up_router(c.router_warmup_steps)
+            return
+        targets = best_sizes(self.space, self.grid, list(c.budgets), c.tolerance, self._kd_to_parent(trainer, rounds), c.cost)
+        self.distiller.start_router_at(targets, c.router_warmup_steps)
+        chosen = ", ".join(f"{b:g}: {sizes}" for b, sizes in zip(c.budgets, targets))
+        trainer.note(f"elastic: each budget starts at its pruned submodel closest to the parent ({chosen})")
+
+    def _kd_to_parent(self, trainer, rounds: list[list]):
+        """sizes -> the student's mean KD loss per token to the teacher at those sizes on the
+        calibration `rounds` (every replica's share; collective, the same value on every rank)."""
+        import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from megatron_ext.elastic.vocab_loss import kd_per_token
+        from megatron_ext.platform.device import current_device
+
+        teacher_logits = [self._logits(trainer, self.distiller.teacher, batches) for batches in rounds]
+        # The last stage's TP rank 0 of each replica counts its tokens once; the sum over the world
+        # is then the same number on every rank, so every rank picks the same sizes.
+        counts = parallel_state.get_tensor_model_parallel_rank() == 0
+
+        def loss(sizes: dict[str, int]) -> float:
+            total = torch.zeros(2, dtype=torch.float64, device=current_device())
+            self.space.clear_gates()
+            with self.space.at(sizes):
+                for batches, teacher in zip(rounds, teacher_logits):
+                    for batch, student, parent in zip(batches, self._logits(trainer, self.space.chunks, batches), teacher):
+                        mask = batch["loss_mask"].to(student.device)
+                        per_token = kd_per_token(student, parent, self.cfg.temperature, self.distiller.vocab)
+                        if counts:
+                            total += torch.stack([(per_token * mask).sum(), mask.sum()]).double()
+            dist.all_reduce(total)
+            return float(total[0] / total[1])
+
+        return loss
 
     def _calibration_rounds(self, trainer) -> list[list]:
         """The first `calibration_batches` micro-batches of the run, split over the replicas
@@ -239,33 +288,35 @@ class ElasticPlugin(Plugin):
         return [batches] if pp > 1 else [[batch] for batch in batches]
 
     def _full_forward(self, trainer):
-        """One calibration round's batches through the model (through the pipeline's stages, the
-        rank's chunks, under PP)."""
-        # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
-        from megatron_ext.elastic.pipeline import forward_only, stages
+        """One calibration round's batches through the student at its full size."""
+        return lambda batches: self._logits(trainer, self.space.chunks, batches)
+
+    def _logits(self, trainer, model, batches: list) -> list:
+        """The logits of `batches` through `model` (the student's or the teacher's chunks), in eval
+        mode and without gradients: through the pipeline's stages under PP (the last stage's, an
+        empty list on the others)."""
+        import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
+
+        from megatron_ext.elastic.pipeline import chunks_of, forward_only, stages
         from megatron_ext.platform.device import current_device
 
-        chunks = self.space.chunks
+        chunks = chunks_of(model)
         device = current_device()
 
         def run(chunk, batch):
             return chunk(batch["tokens"].to(device), batch["position_ids"].to(device), None)
 
-        def forward(batches):
-            was_training = chunks[0].training
-            for chunk in chunks:
-                chunk.eval()
-            try:
+        was_training = chunks[0].training
+        for chunk in chunks:
+            chunk.eval()
+        try:
+            with torch.no_grad():
                 if stages() > 1:
-                    forward_only(chunks, batches, run, **self._schedule_shape(trainer))
-                else:
-                    for batch in batches:
-                        run(chunks[0], batch)
-            finally:
-                for chunk in chunks:
-                    chunk.train(was_training)
-
-        return forward
+                    return forward_only(chunks, batches, run, **self._schedule_shape(trainer))
+                return [run(chunks[0], batch) for batch in batches]
+        finally:
+            for chunk in chunks:
+                chunk.train(was_training)
 
     def _schedule_shape(self, trainer) -> dict:
         return {"seq_length": trainer.cfg.model.seq_length, "micro_batch_size": trainer.cfg.train.micro_batch_size}

@@ -123,6 +123,7 @@ class Trainer:
             self.cfg.train = dataclasses.replace(cfg.train, iters=train_iters(cfg.train, self.batches))
         self.model: list = []
         self.optimizer = None
+        self.reporter: Optional[MetricsReporter] = None  # the log of `train()`, from its start
         self.model_config = None  # megatron's TransformerConfig of the current layout
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
@@ -679,8 +680,11 @@ class Trainer:
             plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
 
     def note(self, line: str) -> None:
-        """A line in the run's log, printed once (for plugins)."""
-        self.reporter.note(line)
+        """A line in the run's log, printed once (for plugins); also before `train()` starts."""
+        if self.reporter is not None:
+            self.reporter.note(line)
+        elif dist.get_rank() == 0:
+            print(line, flush=True)
 
     # --- a new layout ---------------------------------------------------------------------------
 

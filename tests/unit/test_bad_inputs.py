@@ -148,6 +148,7 @@ CASES = {
     "preset_typo": (["model=llama_tinyy"], "model", "no preset 'llama_tinyy'; did you mean llama_tiny?"),
     "key_typo_with_hydra_flag": (["--cfg", "job", "train.itres=5"], "train.itres", "did you mean train.iters (int)?"),
     "key_typo_in_multirun": (["-m", "train.itres=5,6"], "train.itres", "did you mean train.iters (int)?"),
+    "elastic_router_start": (["plugin=elastic", "elastic.router_start=size"], "elastic.router_start", "'size' is not one of quality, cost"),
 }
 
 

@@ -62,7 +62,7 @@ from megatron_ext.platform.device import current_device
 from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC

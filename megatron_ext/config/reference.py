@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.config import schema
-from megatron_ext.plugin import registered_plugins
+from megatron_ext.config.plugin_sections import plugin_sections
 
 PAGE = Path("docs/reference/config.md")
 
@@ -102,9 +102,9 @@ def reference_markdown() -> str:
     rows = ["## Top level", "", "| key | type | default | meaning |", "|---|---|---|---|"]
     rows += [f"| `{f.name}` | `{_cell(str(f.type))}` | {_cell(_default(f))} | {_cell(comments.get(f.name, ''))} |" for f in top]
     parts.append("\n".join(rows) + "\n")
-    for name, plugin in sorted(registered_plugins().items()):
-        if plugin.config_class is not None:
-            parts.append(section_table(name, plugin.config_class))
+    for name, section in sorted(plugin_sections().items()):
+        if section.config_class is not None:
+            parts.append(section_table(name, section.config_class))
     return "\n".join(parts)
 
 

@@ -41,7 +41,7 @@ from megatron_ext.models.convert.world import build_model, model_parallel_world
 from megatron_ext.models.gpt import layer_spec
 from megatron_ext.models.pretrained import source_config
 from megatron_ext.platform import cpu_compat
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 NESTED_MANIFEST = "elastic.json"
 NESTED_WEIGHTS = "model.safetensors"

@@ -25,7 +25,7 @@ from megatron_ext.models.convert.load import load_pretrained
 from megatron_ext.models.convert.source import open_pretrained
 from megatron_ext.models.convert.world import build_model
 from megatron_ext.models.gpt import padded_vocab_size
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 if TYPE_CHECKING:
     from megatron_ext.data.tokenizers import Tokenizer

@@ -10,7 +10,7 @@ arithmetic computed here per rank (the generator lists every group of the world:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_ext.config.validate import ConfigError, resolve_dp, violations
@@ -59,11 +59,13 @@ class ParallelLayout:
         return self.active // (self.tp * self.ep * self.pp)
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig, world: int) -> "ParallelLayout":
+    def from_config(cls, parallel: ParallelConfig, world: int, plugins: Sequence[str] = ()) -> "ParallelLayout":
+        """`parallel` on `world` ranks, dp resolved for them. `plugins`: the run's; where one of
+        them keeps standby workers, an explicit dp may leave ranks of `world` standing by."""
         return cls(
             tp=parallel.tp,
             pp=parallel.pp,
-            dp=resolve_dp(Config(parallel=parallel), world),
+            dp=resolve_dp(Config(parallel=parallel, plugins=list(plugins)), world),
             ep=parallel.ep,
             cp=parallel.cp,
             vpp=parallel.vpp,

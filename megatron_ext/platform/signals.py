@@ -7,7 +7,7 @@ process group reaches every process, and the launcher forwards what it gets to i
 a launcher forwards the request as FORWARDED_REQUEST, and the signals within SAME_REQUEST_S of
 the first count as that one request (torchrun forwards the signal itself); a signal after that
 is a second request, which aborts at once, as does no exit within the deadline (the last
-complete checkpoint stays: saves are staged, see training/checkpoint.py).
+complete checkpoint stays: saves are staged, see checkpointing/torch_dist.py).
 
 A process notes the requests from the moment it installs `preemption_signals`: a worker started
 by `launch_local` at its start, any other rank when `train.worker` begins. A handler that was

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.schema import Config, ParallelConfig
-from megatron_ext.config.validate import resolve_dp, validate_layout
+from megatron_ext.config.validate import validate_layout
 from megatron_ext.platform.launch import prepare_process, rendezvous_store
 from megatron_ext.platform.launch_env import LaunchEnv
 from megatron_ext.platform.device import current_device
@@ -255,15 +255,10 @@ class PreparedResize:
         self.world = self.built = self.trainer = None
 
 
-def active_workers(cfg: Config, pool_size: int) -> int:
-    """How many pool workers `cfg`'s layout uses (dp derived from the pool when not given)."""
-    p = cfg.parallel
-    return p.tp * p.pp * p.cp * resolve_dp(cfg, pool_size)
-
-
 def pool_layout(cfg: Config, parallel: ParallelConfig, pool_size: int) -> ParallelLayout:
-    active = active_workers(dataclasses.replace(cfg, parallel=parallel), pool_size)
-    return dataclasses.replace(ParallelLayout.from_config(parallel, active), world=pool_size)
+    """`parallel` on the pool: its first `active` workers train, the others stand by (dp is the
+    pool's share when not given)."""
+    return ParallelLayout.from_config(parallel, pool_size, cfg.plugins)
 
 
 def check_resize(trainer, target: ParallelConfig, pool: WorkerPool) -> None:
@@ -301,7 +296,7 @@ def _prepare_resize(trainer, target, budget_mb: float, message: Optional[Prepare
     if message is not None:
         pool.broadcast(message if pool.rank == 0 else None)  # the standby workers build meanwhile
         prepared = PreparedResize(message.number)
-        active = active_workers(dataclasses.replace(trainer.cfg, parallel=target), pool.size)
+        active = pool_layout(trainer.cfg, target, pool.size).active
         if pool.rank < active:
             prepared.world = pool.future_world(message.number, active)
             build = functools.partial(prebuild, trainer, target, device, future_world=True)
@@ -317,7 +312,7 @@ def build_ahead(pool: WorkerPool, message: PrepareWorld, plugins: list) -> Prepa
     and a trainer in it, from the job's common state (brought up to date when it joins)."""
     pool.worlds = message.number
     prepared = PreparedResize(message.number)
-    active = active_workers(dataclasses.replace(message.cfg, parallel=message.target), pool.size)
+    active = pool_layout(message.cfg, message.target, pool.size).active
     if pool.rank < active:
         cfg = dataclasses.replace(message.cfg, parallel=message.target)
         prepared.world = pool.future_world(message.number, active)
@@ -512,7 +507,7 @@ def _serve(pool: WorkerPool, cfg: Config, signals: PreemptionSignals) -> dict:
     if pool.rank == 0:
         pool.relay_stop_requests(signals)
     trainer, summary, prepared = None, {}, None
-    if pool.form_world(active_workers(cfg, pool.size)):
+    if pool.form_world(pool_layout(cfg, cfg.parallel, pool.size).active):
         trainer = Trainer(cfg, build_plugins(cfg.plugins, cfg))
         trainer.setup()
     else:  # on standby: the first optimizer built imports TorchDynamo (about 1 s), not in the stall

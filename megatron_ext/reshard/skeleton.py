@@ -21,7 +21,6 @@ from typing import Iterator
 
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ext.config.schema import ModelConfig
@@ -33,9 +32,9 @@ from megatron_ext.models.gpt import (
 )
 from megatron_ext.platform import cpu_compat
 from megatron_ext.platform.device import current_device
+from megatron_ext.parallel.ddp import wrap_in_ddp
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.platform.fake_build import fake_group, on_meta
-from megatron_ext.training.trainer import ddp_config
 
 # ProcessGroupCollection field -> (megatron group token, from the expert rank generator?).
 GROUPS = {
@@ -135,11 +134,5 @@ def build_skeleton(model: ModelConfig, layout: ParallelLayout, rank: int) -> Ske
             )
             for stage in range(vpp)
         ]
-        ddp = [
-            # Like the trainer: only the first chunk buckets its grads.
-            DistributedDataParallel(
-                config, ddp_config(layout.to_config()), chunk, disable_bucketing=i > 0, pg_collection=groups
-            )
-            for i, chunk in enumerate(chunks)
-        ]
+        ddp = wrap_in_ddp(config, layout.to_config(), chunks, groups)  # as the Trainer wraps its model
     return Skeleton(chunks, ddp, groups)

@@ -1,1 +1,1 @@
-"""The Trainer, its step, checkpoints, metrics and preemption handling."""
+"""The Trainer, its step, metrics and preemption handling."""

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from megatron_ext.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.checkpoint_storage import UncheckedTorch, checkpoint_files
-from megatron_ext.training import tracker
+from megatron_ext.checkpointing import tracker
 from megatron_ext.training.file_headers import check_gguf, check_safetensors
 
 # The model fields that decide the shapes of the tensors a checkpoint holds.
@@ -239,10 +239,10 @@ def _shape_fields(model: ModelConfig, saved: dict[str, Any]) -> list[str]:
 
 
 def _checkpoint_module():
-    """training/checkpoint.py, imported (with megatron) only when there is a checkpoint to read."""
+    """checkpointing/torch_dist.py, imported (with megatron) only when there is a checkpoint to read."""
     with warnings.catch_warnings():  # megatron's import notes are the workers' to print
         warnings.simplefilter("ignore")
-        from megatron_ext.training import checkpoint as ckpt  # heavy: megatron, only when there is a checkpoint to read
+        from megatron_ext.checkpointing import torch_dist as ckpt  # heavy: megatron, only when there is a checkpoint to read
 
     return ckpt
 

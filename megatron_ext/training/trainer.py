@@ -23,7 +23,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.utils import Split
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
@@ -55,6 +54,7 @@ from megatron_ext.models.arch import architecture
 from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.models import pretrained
 from megatron_ext.models.init import init_weights_layout_independent
+from megatron_ext.parallel.ddp import wrap_in_ddp
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.parallel.release import unlink_optimizer
@@ -62,7 +62,7 @@ from megatron_ext.platform.device import current_device
 from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
@@ -74,15 +74,6 @@ from megatron_ext.training.schedule import build_scheduler, scheduler_increment,
 from megatron_ext.training.skipped_steps import SkippedSteps
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 from megatron_ext.training.timers import Timers
-
-
-def ddp_config(parallel: ParallelConfig) -> DistributedDataParallelConfig:
-    """Megatron DDP settings of a layout (the reshard planner lays out buffers with them too)."""
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=parallel.overlap_grad_reduce,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
-    )
 
 
 def _leave_as_allocated(weight: torch.Tensor) -> None:
@@ -297,13 +288,7 @@ class Trainer:
             pretrained.load_into(chunks, cfg.model, self.vocab_size)
         for p in self.plugins:
             chunks = p.after_model_built(chunks, self)
-        wrapped = [
-            # Megatron-LM's rule: only the first chunk buckets its grads (overlap happens there).
-            DistributedDataParallel(
-                config, ddp_config(parallel), chunk, disable_bucketing=i > 0, pg_collection=groups
-            )
-            for i, chunk in enumerate(chunks)
-        ]
+        wrapped = wrap_in_ddp(config, parallel, chunks, groups)
         self._wire_schedule_hooks(config, wrapped, parallel)
         return wrapped, config
 

@@ -20,7 +20,7 @@ transition, measured on every route from the same training state:
   gather      all-gather then slice: Trainer.install(B), then every state of every logical
               tensor is all-gathered whole over the world and each rank copies out its pieces of B
   ckpt_tmpfs  trainer.save() in A into /dev/shm (megatron dist_checkpointing, the optimizer fully
-              reshardable), Trainer.install(B), training/checkpoint.load_checkpoint
+              reshardable), Trainer.install(B), checkpointing/torch_dist.load_checkpoint
   ckpt_disk   the same through a directory on disk, with os.sync() after the save
   restart     what users do today: the disk save, then a new job of new processes in B that
               resumes from a disk checkpoint of the same state (restart_probe.py) until every
@@ -76,7 +76,7 @@ from megatron_ext.reshard.config import target_config  # noqa: E402
 from megatron_ext.reshard.live import prepare, reshard  # noqa: E402
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states  # noqa: E402
 from megatron_ext.reshard.vps import Piece, layout_pieces, rank_pieces  # noqa: E402
-from megatron_ext.training import checkpoint as ckpt  # noqa: E402
+from megatron_ext.checkpointing import torch_dist as ckpt  # noqa: E402
 from megatron_ext.training.trainer import Trainer, TrainState  # noqa: E402
 
 # The measured transitions: one chain of layouts of the same world per line. Each arrow is one

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_ext.training.checkpoint import iteration_dir
+from megatron_ext.checkpointing.torch_dist import iteration_dir
 
 
 def checkpoint_tensors(root: Path, iteration: int, scratch: Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.train import run_from_overrides
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 pytestmark = pytest.mark.distributed
 

@@ -78,7 +78,7 @@ if __name__ == "__main__":
 def test_families_at_tp2_pp2_match_transformers_and_round_trip(tmp_path, capsys):
     from safetensors.torch import load_file
 
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpointing import torch_dist as ckpt
     from tests.distributed._torchrun import torchrun
     from tests.distributed.test_pretrained_roundtrip import convert
 

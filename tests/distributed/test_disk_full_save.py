@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # two 2-worker launches, ~160 s on 2 busy cores
 

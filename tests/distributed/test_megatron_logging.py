@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_ext.config.schema import ModelConfig
 from megatron_ext.train import run_from_overrides
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.trainer import Trainer
 

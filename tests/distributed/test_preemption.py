@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ext.plugin import Plugin, register_plugin
 from megatron_ext.train import run_from_overrides
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 pytestmark = pytest.mark.distributed
 

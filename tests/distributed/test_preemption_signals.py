@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.platform.signals import SAME_REQUEST_S
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 from tests.distributed._job import TINY, Job, run_job
 
 pytestmark = pytest.mark.distributed

@@ -144,7 +144,7 @@ def train(trainer) -> list:
 def through_checkpoint(cfg, target) -> tuple:
     """The checkpoint route: a fresh trainer in `target`, poisoned, then resumed from the
     checkpoint as `Trainer.setup` resumes (load, then data from the consumed samples)."""
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpointing import torch_dist as ckpt
 
     trainer = started(dataclasses.replace(cfg, parallel=target))
     poison(trainer)

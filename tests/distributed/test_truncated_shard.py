@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 pytestmark = pytest.mark.distributed
 

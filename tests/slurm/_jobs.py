@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "scripts" / "slurm"

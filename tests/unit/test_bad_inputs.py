@@ -52,7 +52,7 @@ def write_checkpoint(root: Path, model: ModelConfig, iteration: int = 3, tensors
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_ext.training.checkpoint import TRACKER, iteration_dir
+    from megatron_ext.checkpointing.torch_dist import TRACKER, iteration_dir
 
     folder = iteration_dir(root, iteration)
     folder.mkdir(parents=True)

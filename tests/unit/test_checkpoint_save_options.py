@@ -18,7 +18,7 @@ from megatron_ext.config.mlm_args import mlm_args_to_overrides
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.launch import join_world
 from megatron_ext.train import run_from_overrides
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.training.trainer import Trainer
 
 ITERS = 3

@@ -223,7 +223,7 @@ def test_run_settings_change_no_config(case):
 def test_convert_script_refuses_an_mtp_checkpoint_with_one_line_before_writing(one_rank_world, tmp_path, capsys):
     from megatron_ext.models.convert.checkpoint import common_state
     from megatron_ext.models.gpt import padded_vocab_size
-    from megatron_ext.training import checkpoint as ckpt
+    from megatron_ext.checkpointing import torch_dist as ckpt
 
     cfg = model({"mtp_num_layers": 1})
     padded = padded_vocab_size(cfg.vocab_size, cfg, 1)

@@ -15,7 +15,7 @@ from megatron_ext.config.schema import ModelConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.models.convert.world import build_model
 from megatron_ext.platform.disk_space import disk_full
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 SMALL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2, vocab_size=100)
 FREE = re.compile(r"no space left on its filesystem \((\d+ B|[\d.]+ [KMGT]iB) free of [\d.]+ [KMGT]?i?B\)")

@@ -19,7 +19,7 @@ from test_lora_sweep import TINY
 
 from megatron_ext.config import compose_config
 from megatron_ext.lora.sweep import jobs_of, run_sweep
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 JOBS = "[{name: a, rank: 4, lr: 0.01}, {name: b, rank: 2, steps: 1, dropout: 0.1}, {name: c, rank: 8, lr: 0.005, seed: 7}]"
 # packed steps: a takes 4 (2 optimizer steps of 2 micro-batches); b 2; c 4 in b's slot from step 2

@@ -44,6 +44,14 @@ def test_from_config_derives_dp_from_the_world():
     assert layout.to_config().dp == 4
 
 
+def test_from_config_leaves_ranks_standing_by_only_for_a_plugin_that_keeps_standby_workers():
+    # An explicit dp=1 at tp2 on a world of 4: the reshard plugin's pool keeps 2 workers on standby.
+    pooled = ParallelLayout.from_config(ParallelConfig(tp=2, dp=1), world=4, plugins=["reshard"])
+    assert (pooled.active, pooled.world) == (2, 4) and pooled.rank_coords(2) == {}
+    with pytest.raises(ConfigError, match=r"must equal the world size \(4\)"):
+        ParallelLayout.from_config(ParallelConfig(tp=2, dp=1), world=4)
+
+
 def test_non_power_of_two_sizes_follow_the_runtime_rules():
     assert ParallelLayout(tp=3, dp=2).violations(SIX_HEADS) == []
     errors = ParallelLayout(tp=4).violations(SIX_HEADS)

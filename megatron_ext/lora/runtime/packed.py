@@ -43,7 +43,7 @@ from megatron_ext.lora.runtime.active_job import ActiveJob, JobResult
 from megatron_ext.lora.runtime.batching import JobData, MicroBatch, pack
 from megatron_ext.lora.runtime.layers import MultiLoraLinear, Routing, install_job, remove_job
 from megatron_ext.lora.runtime.optim import JobOptimizer
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 Wrappers = dict[tuple[int, str], MultiLoraLinear]
 

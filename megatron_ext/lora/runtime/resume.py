@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.planning.plan import Pack, Plan
 from megatron_ext.lora.runtime.packed import PackedTrainer
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 RECORD = "sweep.json"
 

@@ -36,7 +36,7 @@ from megatron_ext.models.convert.source import open_pretrained
 from megatron_ext.models.convert.world import build_model, model_parallel_world
 from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.platform.launch import launch_local
-from megatron_ext.training import checkpoint as ckpt
+from megatron_ext.checkpointing import torch_dist as ckpt
 
 # Beside iter_*/: the Hugging Face tokenizer files of the imported model, for the export.
 TOKENIZER_DIR = "tokenizer"

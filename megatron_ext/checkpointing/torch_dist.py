@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.disk_space import disk_full
-from megatron_ext.training.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (this module's API)
+from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (its API too)
 
 # Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}

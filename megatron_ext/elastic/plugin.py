@@ -242,7 +242,7 @@ class ElasticPlugin(Plugin):
             self.space.clear_gates()
             with self.space.at(sizes):
                 for batches, teacher in zip(rounds, teacher_logits):
-                    for batch, student, parent in zip(batches, self._logits(trainer, self.space.chunks, batches), teacher):
+                    for batch, student, parent in zip(batches, self._logits(trainer, self.space.chunks, batches, sizes), teacher):
                         mask = batch["loss_mask"].to(student.device)
                         per_token = kd_per_token(student, parent, self.cfg.temperature, self.distiller.vocab)
                         if counts:
@@ -291,20 +291,28 @@ class ElasticPlugin(Plugin):
         """One calibration round's batches through the student at its full size."""
         return lambda batches: self._logits(trainer, self.space.chunks, batches)
 
-    def _logits(self, trainer, model, batches: list) -> list:
-        """The logits of `batches` through `model` (the student's or the teacher's chunks), in eval
-        mode and without gradients: through the pipeline's stages under PP (the last stage's, an
-        empty list on the others)."""
+    def _logits(self, trainer, model, batches: list, sizes: Optional[dict[str, int]] = None) -> list:
+        """The logits of `batches` through `model` (the student's chunks, at `sizes` if given, or
+        the teacher's), in eval mode and without gradients: through the pipeline's stages under PP
+        (the last stage's, an empty list on the others)."""
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
 
-        from megatron_ext.elastic.pipeline import chunks_of, forward_only, stages
+        from megatron_ext.elastic.grouped import BudgetGroup, run_groups
+        from megatron_ext.elastic.pipeline import chunks_of, forward_only, holds_logits, stages
+        from megatron_ext.elastic.router import Choice
         from megatron_ext.platform.device import current_device
 
         chunks = chunks_of(model)
         device = current_device()
 
         def run(chunk, batch):
-            return chunk(batch["tokens"].to(device), batch["position_ids"].to(device), None)
+            tokens, positions = batch["tokens"].to(device), batch["position_ids"].to(device)
+            if sizes is None:
+                return chunk(tokens, positions, None)
+            # As in training: under virtual pipeline stages a chunk sends the full hidden size.
+            group = BudgetGroup(0, Choice(sizes, {}, {}, {}), torch.arange(tokens.shape[0]))
+            send_width = self.distiller.send_width
+            return run_groups(chunk, self.space, [group], tokens, positions, lambda g, out: out, holds_logits(chunk), send_width)
 
         was_training = chunks[0].training
         for chunk in chunks:

@@ -292,6 +292,79 @@ def elastic_notes(data: dict) -> list[str]:
     return [data["notes"]] if isinstance(data.get("notes"), str) else []
 
 
+# ---- elastic.py --parent smollm2_135m (elastic_real.py) ----
+
+def elastic_real_tables(data: dict) -> list[Table]:
+    rows = [[f"{num(100 * b['budget'])}%", ", ".join(f"{k} {v}" for k, v in b["sizes"].items()), num(b["params"]),
+             num(b["ppl_parent"]), with_se(b["ppl_elastic"], b.get("ppl_elastic_se")),
+             with_se(b.get("ppl_separate"), b.get("ppl_separate_se")), num(b.get("ppl_pruned")),
+             with_se(b.get("kd_elastic"), b.get("kd_elastic_se")), with_se(b.get("kd_separate"), b.get("kd_separate_se")),
+             num(b.get("latency_ratio"))] for b in data["budgets"]]
+    plan = data["plan"]
+    tables = [Table(["budget", "sizes", "parameters", "parent perplexity", "elastic perplexity", "separate perplexity",
+                     "pruned perplexity", "elastic KD loss", "separate KD loss", "latency over the parent"], rows,
+                    f"Held-out perplexity, mean ± standard error over seeds {plan['seeds']}; sequence {plan['seq']}, "
+                    f"{plan['steps']} steps, {plan['tokens_per_arm']} tokens per arm.")]
+    export = [[f"{budget}%", num(v["max_abs"]), num(v["max_logit"])] for budget, v in data.get("hf_export", {}).items()]
+    if export:
+        tables.append(Table(["budget", "largest absolute logit difference, transformers against elastic", "largest logit"],
+                            export, "The exported submodels in `transformers`."))
+    thinking = [[r["pair"], num(r["tokens_per_s"]), num(r["seconds_per_prompt"])] for r in data.get("thinking", [])]
+    if thinking:
+        tables.append(Table(["think / answer budgets", "tokens/s", "seconds per prompt"], thinking,
+                            "Think-small / answer-large generation."))
+    return tables
+
+
+def elastic_real_targets(data: dict) -> list[Target]:
+    judged = data["targets"]
+    out = []
+    for key, per_budget in judged.items():
+        if key.startswith("elastic_within_") and isinstance(per_budget, dict):
+            for budget, met in per_budget.items():
+                out.append(Target(f"{budget}% budget: elastic perplexity within {threshold(key)}% of the separately "
+                                  "distilled model's", met))
+        elif key.startswith("full_within_"):
+            out.append(Target(f"the elastic model's 100% budget within {threshold(key)}% of the parent's perplexity",
+                              per_budget))
+        elif key.startswith("latency_50_at_most_"):
+            out.append(Target(f"50% model's latency at most {threshold(key.removeprefix('latency_50_at_most_'))}× the "
+                              "parent's", per_budget))
+    for budget, arms in judged.get("trained_beat_pruned", {}).items():
+        for arm, met in arms.items():
+            out.append(Target(f"{budget}% budget: the {arm} model's perplexity below pruning alone", met))
+    return out
+
+
+def elastic_real_notes(data: dict) -> list[str]:
+    return [data["notes"]] if isinstance(data.get("notes"), str) else []
+
+
+# ---- reshard_simulate.py ----
+
+SIMULATE_WITHIN = "within_25pct"  # the key reshard_simulate.py counts its predictions under
+
+
+def simulate_tables(data: dict) -> list[Table]:
+    rows = []
+    for source, parts in data["summary"].items():
+        for part, s in parts.items():
+            if s:
+                rows.append([source, part, f"{s[SIMULATE_WITHIN]} of {s['of']}", pct(s["median_abs_error"]),
+                             pct(s["max_abs_error"])])
+    return [Table(["measured in", "time", f"predicted within {threshold(SIMULATE_WITHIN)}%", "median error",
+                   "largest error"], rows,
+                  "The stall simulator's prediction on this machine's fitted constants against the measured live "
+                  "reshards.")]
+
+
+def simulate_targets(data: dict) -> list[Target]:
+    return [Target(f"{source}: the simulated stall within {threshold(SIMULATE_WITHIN)}% of the measured one, every "
+                   "transition", parts["stall_s"][SIMULATE_WITHIN] == parts["stall_s"]["of"],
+                   f"{parts['stall_s'][SIMULATE_WITHIN]} of {parts['stall_s']['of']}")
+            for source, parts in data["summary"].items() if parts.get("stall_s")]
+
+
 # ---- lora.py ----
 
 def lora_run(r: dict) -> str:
@@ -352,6 +425,9 @@ def lora_sweep_targets(data: dict) -> list[Target]:
 RESHARD_ABOUT = ("One launch of CPU workers changes the parallel layout of a training job by five routes from the same "
                  "state: the live reshard, all-gather then slice, a checkpoint through tmpfs, a checkpoint on disk, "
                  "and a restarted job; every route's state is compared bitwise with the live route's.")
+ELASTIC_REAL_ABOUT = ("SmolLM2-135M-Instruct as the parent, on the Python standard library's text split by file: "
+                      "one elastic run against pruning alone and against pruning then distilling each size "
+                      "separately on the same windows.")
 ELASTIC_ABOUT = ("One elastic distillation run trains nested submodels at every budget; each is compared with pruning "
                  "and distilling that size alone with the same tokens per size.")
 
@@ -368,6 +444,11 @@ BENCHMARKS = [
               "scripts/bench/reshard_transport.py",
               "The reshard executor moves one training state between layouts, through shared memory and as gloo "
               "messages.", transport_tables, no_targets),
+    Benchmark("reshard_simulate_cpu.json", "reshard: the stall simulator against measured reshards", "reshard",
+              "scripts/bench/reshard_simulate.py",
+              "The reshard stall simulator, its constants fitted on this machine, predicts the live reshards measured "
+              "here and in the reshard results files; each prediction is set against the measurement.",
+              simulate_tables, simulate_targets),
     Benchmark("scale.json", "Planners at cluster scale", "all", "scripts/bench/scale.py",
               "Each plugin's planner runs here on the sizes a cluster gives it; its plan is priced by the plugin's "
               "simulator on an H100-class cluster.", scale_tables, scale_targets),
@@ -389,6 +470,11 @@ BENCHMARKS = [
     Benchmark("elastic_hybrid_fp8_cpu.json", "elastic: FP8 quantisation-aware distillation", "elastic",
               "scripts/bench/elastic.py", ELASTIC_ABOUT + " With FP8: QAD against quantising after training.",
               elastic_tables, elastic_targets, elastic_notes),
+    Benchmark("elastic_smollm2_short_cpu.json", "elastic: SmolLM2-135M parent, short run", "elastic",
+              "scripts/bench/elastic.py", ELASTIC_REAL_ABOUT, elastic_real_tables, elastic_real_targets, elastic_real_notes),
+    Benchmark("elastic_smollm2_seq256_short_cpu.json", "elastic: SmolLM2-135M parent, short run at sequence 256",
+              "elastic", "scripts/bench/elastic.py", ELASTIC_REAL_ABOUT, elastic_real_tables, elastic_real_targets,
+              elastic_real_notes),
     Benchmark("lora_throughput.json", "lora: packed throughput", "lora", "scripts/bench/lora.py",
               "K LoRA jobs on one frozen base: packed in one model against one job after another and against K "
               "processes.", lora_tables, lora_targets),

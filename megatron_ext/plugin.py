@@ -50,18 +50,41 @@ class Trainer(Protocol):
     train_ds: Any
     on_cpu: bool
 
-    def note(self, line: str) -> None: ...
-    def data_prefixes(self) -> list[str]: ...
-    def open_datasets(self, dp: Optional[int] = None) -> tuple: ...
-    def build_model(self, parallel: Any, groups: Any = None, initialise: bool = True, load_pretrained: bool = False) -> tuple[list, Any]: ...
-    def build_optimizer(self, model: list, model_config: Any, parallel: Any, groups: Any = None) -> Any: ...
-    def common_state(self) -> dict: ...
-    def load_common_state(self, common: dict) -> None: ...
-    def install(self, layout: ParallelLayout, built: Any = None) -> None: ...
-    def setup(self, from_state: Optional[dict] = None) -> None: ...
-    def train(self) -> dict: ...
-    def save(self) -> None: ...
-    def close(self, in_background: bool = False) -> None: ...
+    def note(self, line: str) -> None:
+        """Write `line` to the run's log (rank 0) and its summary's notes."""
+
+    def data_prefixes(self) -> list[str]:
+        """The run's indexed datasets: data.data_path (a blend, weights included) or the default corpus."""
+
+    def open_datasets(self, dp: Optional[int] = None) -> tuple:
+        """(training, validation) datasets sized for `dp` data-parallel ranks (default: the layout's)."""
+
+    def build_model(self, parallel: Any, groups: Any = None, initialise: bool = True, load_pretrained: bool = False) -> tuple[list, Any]:
+        """Build megatron's DDP-wrapped model chunks for `parallel`: (chunks, TransformerConfig)."""
+
+    def build_optimizer(self, model: list, model_config: Any, parallel: Any, groups: Any = None) -> Any:
+        """Build megatron's optimizer over `model` for `parallel`."""
+
+    def common_state(self) -> dict:
+        """The non-tensor state a checkpoint holds: counters, scheduler, plugin states, config."""
+
+    def load_common_state(self, common: dict) -> None:
+        """Restore counters, scheduler and plugin states from another job's `common_state()`."""
+
+    def install(self, layout: ParallelLayout, built: Any = None) -> None:
+        """Leave the running layout and enter `layout` between two steps (see Trainer.install)."""
+
+    def setup(self, from_state: Optional[dict] = None) -> None:
+        """Build groups, data, model, optimizer and scheduler, and resume (see Trainer.setup)."""
+
+    def train(self) -> dict:
+        """Run the training loop to the end and return the run summary."""
+
+    def save(self) -> None:
+        """Save a checkpoint of this iteration under `checkpoint.save` (collective)."""
+
+    def close(self, in_background: bool = False) -> None:
+        """Leave this layout: megatron's globals and the process groups it created."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +100,18 @@ class Runner:
 
 
 class Plugin:
-    """Base class with no-op hooks; override the ones you need."""
+    """Base class with no-op hooks; override the ones you need.
+
+    A subclass sets `name` (the entry of `plugins=[...]` that selects it) and, for options, a
+    `config_class` (a dataclass that becomes the config section `<name>`), and is made selectable
+    by `register_plugin`. Instances are built with their config section (`self.cfg`) in the
+    launching process and on each rank. The launching process calls `check` and `check_layout` (and `runner`, `multirun`) before
+    anything starts; each rank's Trainer then calls, in the order of `cfg.plugins`: `setup`,
+    `layer_spec` and `after_model_built` while it builds the model (and again for each new layout),
+    `load_state_dict` on resume, `forward_backward_func` for each step's passes, `on_step_begin`
+    and `on_step_end` around each step, `state_dict` with every checkpoint and `on_train_end` at
+    the end.
+    """
 
     name: str = ""
     config_class: Optional[type] = None
@@ -132,14 +166,22 @@ class Plugin:
         return self.cfg
 
     def setup(self, trainer: Trainer) -> None:
-        """After the world exists, before the model is built."""
+        """After the world exists, before the tokenizer, data and model are built: the place to
+        read `trainer.cfg` and `trainer.layout` and make the plugin's own process groups or
+        state. Called on every rank, once per `Trainer.setup`."""
 
     def layer_spec(self, spec: ModuleSpec, trainer: Trainer) -> ModuleSpec:
-        """Swap layers through megatron's ModuleSpec (elastic modules, LoRA linears)."""
+        """Swap layers through megatron's ModuleSpec (elastic modules, LoRA linears): receives
+        the decoder layer's spec as the Trainer (or the previous plugin) made it and returns the
+        spec to build, e.g. with a submodule replaced by the plugin's class. Called whenever a
+        model is built, for every layout."""
         return spec
 
     def after_model_built(self, model_chunks: list, trainer: Trainer) -> list:
-        """Before DDP wrapping: freeze, wrap or replace modules. Return the chunks to use."""
+        """Before DDP wrapping: freeze, wrap or replace modules. `model_chunks` are the bare
+        megatron modules of this rank (one per virtual pipeline stage), already initialised or
+        loaded from `model.pretrained`; return the chunks to use, which DDP then wraps and the
+        optimizer sees (frozen parameters get no gradient buffer and no optimizer state)."""
         return model_chunks
 
     def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
@@ -148,20 +190,29 @@ class Plugin:
         return None
 
     def on_step_begin(self, trainer: Trainer, step: int) -> None:
-        """Between steps, before step `step` runs (grads are zero: a safe point to reshard)."""
+        """Between steps, before step `step` (1-based) runs: gradients are zero and no pass is in
+        flight, so this is where a plugin may change the layout (`trainer.install`), the data or
+        the model. When a hook moves this rank out of the job (`trainer.layout` becomes None),
+        the loop ends on that rank."""
 
     def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
-        """After the optimizer step of `step`."""
+        """After the optimizer step of `step` (1-based), before it is logged: `metrics` is the
+        step's dict (`Trainer.train_step`: loss, lr, grad_norm, ...)."""
 
     def state_dict(self) -> dict:
-        """Extra state saved with every checkpoint (plain, picklable, the same on all ranks)."""
+        """Extra state saved with every checkpoint under `plugins.<name>` of its common state:
+        plain, picklable values, the same on all ranks (one copy is written). Returns an empty dict when the plugin has nothing to keep."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned: on resume from a checkpoint (not with
+        `checkpoint.finetune`), after the model and optimizer are loaded, and when a rank joins a
+        running job (`Trainer.load_common_state`); `state` is empty when the checkpoint was
+        written without this plugin."""
 
     def on_train_end(self, trainer: Trainer) -> None:
-        """After the last step and the final checkpoint."""
+        """After the last step, the final checkpoint and the final evaluation, on every rank
+        still in the job: the place for exports and reports (elastic's nested checkpoint)."""
 
 
 _REGISTRY: dict[str, type[Plugin]] = {}

@@ -36,7 +36,13 @@ register_configs()
 def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
     config/validate.py with each plugin's own `check` and `check_layout`, then the files the run
-    reads and the checkpoint directory it writes (training/preflight.py)."""
+    reads and the checkpoint directory it writes (training/preflight.py).
+
+    `cfg` is the composed run config; the world it is checked for is what torchrun or srun set
+    up, else `launcher.nproc`. Returns nothing when the run can start. Raises ConfigError (one
+    line naming the field and the rule: the command line exits 2 with it) or a plugin's
+    ValueError for the first setting that cannot work.
+    """
     validate_run(cfg, world_size_of(cfg))
     from megatron_ext.training.preflight import check_inputs  # torch: only for a config the rules accept
 
@@ -45,7 +51,18 @@ def preflight(cfg: Config) -> None:
 
 def run(cfg: Config) -> Optional[dict]:
     """Validate, then train in this process or in `launcher.nproc` local workers. Returns the
-    run summary (from rank 0, the reporting rank, when workers were started here)."""
+    run summary (from rank 0, the reporting rank, when workers were started here).
+
+    `cfg` is the composed run config (`config.store.compose_config` builds one from command-line
+    overrides). Under torchrun or srun, or with `launcher.nproc` 1, this process is one rank and
+    runs the Trainer's loop, or the Runner of the plugin that owns the run (`Plugin.runner`);
+    otherwise it starts the local workers and waits for them. The summary is the Runner's dict
+    (the Trainer's: iterations, losses, tokens per second and the checkpoint written); None on
+    the ranks that do not report. Raises ConfigError from `preflight` before anything starts;
+    from the local launcher, LaunchRefused when a worker refused input only the ranks read (a
+    damaged checkpoint), LaunchAborted after a second pre-emption signal or at its deadline, and
+    LaunchFailed when a worker failed.
+    """
     preflight(cfg)
     runner = runner_of(cfg)
     if detect_launch() is None and cfg.launcher.nproc > 1:

@@ -21,25 +21,26 @@ class ModelConfig:
     point (`config/mlm_args.py`) sets those when its flags leave them out.
     """
 
+    # The preset's name (config/store.py); a label in logs and messages: the fields below define the model.
     name: str = "llama_tiny"
-    num_layers: int = 4
-    hidden_size: int = 128
-    ffn_hidden_size: int = 352
-    num_attention_heads: int = 4
+    num_layers: int = 4  # Transformer layers of the decoder (for arch=hybrid: the hybrid_pattern's symbols).
+    hidden_size: int = 128  # Width of the residual stream (the embedding dimension).
+    ffn_hidden_size: int = 352  # Intermediate width of a dense MLP (a gated MLP's fc1 computes two of this width).
+    num_attention_heads: int = 4  # Query heads per attention layer.
     # Key/value heads for grouped-query attention; None means one per attention head (MHA).
     num_query_groups: Optional[int] = None
-    seq_length: int = 128
+    seq_length: int = 128  # Tokens per training sample (the context length trained at).
     # None: taken from the tokenizer. The embedding is padded to a multiple of
     # `make_vocab_size_divisible_by * tp` so every TP rank holds an equal slice.
     vocab_size: Optional[int] = None
-    make_vocab_size_divisible_by: int = 128
-    tie_embeddings: bool = True
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128  # Padding multiple of the embedding's rows (see vocab_size).
+    tie_embeddings: bool = True  # Output layer shares the input embedding's weights (false: its own matrix).
+    rotary_base: float = 10000.0  # RoPE's base (theta): the wavelength scale of its rotation frequencies.
+    norm_epsilon: float = 1e-5  # Epsilon added to the variance in every LayerNorm / RMSNorm.
     # Channels per attention head; None: hidden_size // num_attention_heads. Set when the two
     # are decoupled (e.g. a submodel sliced from an elastic parent keeps the parent's head size).
     head_dim: Optional[int] = None
-    init_method_std: float = 0.02
+    init_method_std: float = 0.02  # Standard deviation of the normal initialisation of the weights.
     # LayerNorm | RMSNorm
     normalization: str = "RMSNorm"
     # swiglu (gated SiLU) | gelu | squared_relu | quick_geglu (gated x*sigmoid(1.702x), gpt-oss)
@@ -48,6 +49,7 @@ class ModelConfig:
     # are clamped to (the gate from above only). Megatron-LM's --glu-linear-offset and
     # --activation-func-clamp-value; None: no clamp.
     glu_linear_offset: float = 0.0
+    # The clamp bound described above (Megatron-LM's --activation-func-clamp-value); None: no clamp.
     activation_func_clamp_value: Optional[float] = None
     # rope | yarn | learned_absolute | none
     position_embedding_type: str = "rope"
@@ -55,6 +57,7 @@ class ModelConfig:
     rotary_percent: float = 1.0
     # RoPE frequency scaling: None, or llama3 (Llama 3.1's bands, `rope_scaling_factor`).
     rope_scaling: Optional[str] = None
+    # What rope_scaling=llama3 divides the low frequencies by (Megatron-LM's --rope-scaling-factor).
     rope_scaling_factor: float = 8.0
     # YaRN (position_embedding_type=yarn, also MLA's): how far RoPE is stretched, the context
     # length trained before the stretch, the band of frequencies blended between interpolation
@@ -63,26 +66,27 @@ class ModelConfig:
     # --rotary-scaling-factor, --yarn-original-max-position-embeddings, --yarn-beta-fast,
     # --yarn-beta-slow, --mscale and --mscale-all-dim, with their defaults.
     yarn_rotary_scaling_factor: float = 1.0
-    yarn_original_max_position_embeddings: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: int = 4096  # YaRN: context length trained before the stretch.
+    yarn_beta_fast: float = 32.0  # YaRN: rotations above which a frequency is extrapolated.
+    yarn_beta_slow: float = 1.0  # YaRN: rotations below which a frequency is interpolated.
+    yarn_mscale: float = 1.0  # YaRN: m in the attention scale's numerator 0.1 * m * ln(factor) + 1.
+    yarn_mscale_all_dim: float = 0.0  # YaRN: m of the scale's denominator (0: the denominator is 1).
     # Rows of the learned position table (learned_absolute) and the context length a
     # Hugging Face export declares; None: seq_length.
     max_position_embeddings: Optional[int] = None
-    add_bias_linear: bool = False
+    add_bias_linear: bool = False  # Biases on every linear layer (attention and MLP); false: none (LLaMA).
     # Bias on the QKV projection alone (Qwen2); add_bias_linear implies it.
     add_qkv_bias: bool = False
     # RMS/LayerNorm on each head's queries and keys (Qwen3, OLMo 2).
     qk_layernorm: bool = False
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0  # Dropout probability after attention and the MLP, before the residual add (0: none).
+    attention_dropout: float = 0.0  # Dropout probability on the attention weights (0: none).
     # Sliding-window attention (Megatron-LM's --window-size "L,R"): a query at position i sees
     # keys i-L .. i+R (R is 0 in a causal decoder); None: full attention. With
     # window_attn_skip_freq N every N-th layer (1-based) keeps full attention (gpt-oss: N=2);
     # None: every layer is windowed.
     window_size: Optional[list[int]] = None
+    # Every N-th layer keeps full attention (see window_size); None: every layer is windowed.
     window_attn_skip_freq: Optional[int] = None
     # vanilla | off-by-one (a zero logit added to every softmax denominator) | learnable (one
     # learned logit, an attention sink, per head: gpt-oss). Megatron-LM's --softmax-type.
@@ -92,25 +96,26 @@ class ModelConfig:
     # the training objective; the reported loss stays the next-token one, as in Megatron-LM.
     # None: no MTP.
     mtp_num_layers: Optional[int] = None
-    mtp_loss_scaling_factor: float = 0.1
+    mtp_loss_scaling_factor: float = 0.1  # Weight of the MTP layers' mean loss in the objective (see mtp_num_layers).
     # Multi-latent attention (DeepSeek-V2/V3): low-rank compressed queries and keys/values.
     multi_latent_attention: bool = False
     # None: queries are not compressed.
     q_lora_rank: Optional[int] = None
-    kv_lora_rank: int = 512
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64
-    v_head_dim: int = 128
+    kv_lora_rank: int = 512  # MLA: rank of the compressed keys / values.
+    qk_head_dim: int = 128  # MLA: query / key channels per head without RoPE.
+    qk_pos_emb_head_dim: int = 64  # MLA: query / key channels per head that carry RoPE.
+    v_head_dim: int = 128  # MLA: value channels per head.
     # Mixture of experts: None means dense MLPs in every layer.
     num_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_aux_loss_coeff: float = 0.0
+    moe_router_topk: int = 2  # Experts each token is routed to.
+    moe_ffn_hidden_size: Optional[int] = None  # Intermediate width of each expert's MLP; None: ffn_hidden_size.
+    moe_aux_loss_coeff: float = 0.0  # Weight of the load-balancing loss (moe_router_load_balancing_type); 0: none.
     # ST-MoE's router z-loss (gpt-oss, Megatron-LM's --moe-z-loss-coeff): the squared
     # log-sum-exp of each token's router logits, times this; None: none.
     moe_z_loss_coeff: Optional[float] = None
     # aux_loss | seq_aux_loss | sinkhorn | none (megatron's moe_router_load_balancing_type)
     moe_router_load_balancing_type: str = "aux_loss"
+    # Softmax over all experts' logits before the top-k (false: over the top-k chosen).
     moe_router_pre_softmax: bool = False
     # softmax | sigmoid
     moe_router_score_function: str = "softmax"
@@ -119,18 +124,21 @@ class ModelConfig:
     # Group-limited routing: experts in `num_groups` groups, tokens routed within the best
     # `group_topk` groups. None: not grouped.
     moe_router_num_groups: Optional[int] = None
+    # Groups each token may route within (see moe_router_num_groups); None: not grouped.
     moe_router_group_topk: Optional[int] = None
+    # Factor on the top-k routing weights (with moe_router_pre_softmax; DeepSeek-V3); None: no scaling.
     moe_router_topk_scaling_factor: Optional[float] = None
     # Width of the shared expert that every token passes through; None: no shared expert.
     moe_shared_expert_intermediate_size: Optional[int] = None
     # MoE in every N-th layer (1: every layer), or megatron's pattern string "([0]+[1]*3)*8".
     moe_layer_freq: str = "1"
+    # All local experts in one grouped GEMM (Transformer Engine); without TE, one GEMM per expert.
     moe_grouped_gemm: bool = False
     # allgather | alltoall (megatron's moe_token_dispatcher_type), both on CPU and CUDA; flex
     # (DeepEP / HybridEP kernels, `moe_flex_dispatcher_backend`) where they are installed on
     # CUDA, else alltoall: the same routing and math.
     moe_token_dispatcher: str = "allgather"
-    moe_flex_dispatcher_backend: str = "deepep"
+    moe_flex_dispatcher_backend: str = "deepep"  # Kernels of the flex dispatcher: deepep | hybridep.
     # megatron's benchmark mode: random router logits, so tokens spread evenly over the experts.
     moe_router_force_load_balancing: bool = False
     # Weights to start from instead of random ones: a .gguf file, a Hugging Face folder, a
@@ -151,9 +159,9 @@ class ModelConfig:
     # Mamba2 mixer sizes (hybrid): heads of mamba_head_dim channels in mamba_num_groups groups
     # that share B/C of size mamba_state_dim. None heads: 2 * hidden_size / mamba_head_dim.
     mamba_num_heads: Optional[int] = None
-    mamba_head_dim: int = 64
-    mamba_num_groups: int = 8
-    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64  # Channels per Mamba2 head.
+    mamba_num_groups: int = 8  # Groups of Mamba2 heads sharing B / C.
+    mamba_state_dim: int = 128  # Size of the SSM state (of B / C) per group.
     # Tokens per chunk of the chunked SSD scan.
     mamba_chunk_size: int = 64
 
@@ -162,21 +170,25 @@ class ModelConfig:
 class ParallelConfig:
     """How the world is cut. world = tp * pp * dp * cp; ep divides dp * cp (megatron's rule)."""
 
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # Tensor-parallel size: ranks that split each layer's weight matrices.
+    pp: int = 1  # Pipeline-parallel size: stages the layers are cut into.
     # None: whatever is left of the world after tp * pp * cp.
     dp: Optional[int] = None
-    ep: int = 1
-    cp: int = 1
+    ep: int = 1  # Expert-parallel size: ranks the MoE experts are spread over.
+    cp: int = 1  # Context-parallel size: ranks that split each sequence.
     # Virtual pipeline stages per rank (interleaved 1F1B); None disables interleaving.
     vpp: Optional[int] = None
     # Uneven pipeline stages (megatron's num_layers_in_first/last_pipeline_stage): transformer
     # layers on the first / last stage, e.g. fewer where the embedding or the loss already costs
     # time. None: that stage gets an even share; the other stages split the rest evenly.
     first_stage_layers: Optional[int] = None
+    # Transformer layers on the last pipeline stage (see first_stage_layers); None: an even share.
     last_stage_layers: Optional[int] = None
+    # Megatron's sequence parallelism: norms and dropout on each TP rank's slice of the tokens.
     sequence_parallel: bool = False
+    # Shard the optimizer state and fp32 main params over the DP ranks (ZeRO-1, megatron's).
     use_distributed_optimizer: bool = True
+    # Start each gradient bucket's DP all-reduce during the backward pass instead of after it.
     overlap_grad_reduce: bool = False
 
 
@@ -192,47 +204,49 @@ class DataConfig:
     # "byte": 256 byte symbols + specials, no training needed. Or a path to a Hugging Face
     # tokenizer.json (or its folder) or a GGUF file whose vocabulary defines the BPE tokenizer.
     tokenizer: str = "auto"
-    split: str = "969,30,1"
+    split: str = "969,30,1"  # Train, validation and test weights of the documents (Megatron-LM's --split).
+    # Where the default corpus, tokenized datasets and their index files are cached.
     cache_dir: str = "~/.cache/megatron_ext"
     # Megatron's mock dataset (random tokens of the model's vocabulary), no files read.
     mock: bool = False
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process).
 
 
 @dataclass
 class OptimConfig:
-    optimizer: str = "adam"
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    optimizer: str = "adam"  # adam | sgd (megatron-core's).
+    lr: float = 3e-3  # Peak learning rate, reached after the warmup.
+    min_lr: float = 3e-4  # Learning rate at the end of the decay (and after it).
+    weight_decay: float = 0.01  # Decoupled weight decay (L2 for sgd); biases and norms are not decayed.
+    adam_beta1: float = 0.9  # Adam's first-moment decay.
+    adam_beta2: float = 0.95  # Adam's second-moment decay.
+    adam_eps: float = 1e-8  # Adam's epsilon, added to the denominator.
+    clip_grad: float = 1.0  # Global gradient-norm clip (0: none).
     # None: 5% of train.iters.
     lr_warmup_iters: Optional[int] = None
     # None: train.iters.
     lr_decay_iters: Optional[int] = None
-    lr_decay_style: str = "cosine"
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root: the decay from lr to min_lr.
     # Megatron-LM's sample-based schedule: warmup and decay counted in samples rather than
     # iterations (exclusive with lr_warmup_iters / lr_decay_iters).
     lr_warmup_samples: Optional[int] = None
-    lr_decay_samples: Optional[int] = None
+    lr_decay_samples: Optional[int] = None  # Samples of the decay (see lr_warmup_samples); None: iteration-based.
     # The lr warmup starts from (Megatron-LM's --lr-warmup-init).
     lr_warmup_init: float = 0.0
     # Megatron-LM's --decoupled-lr / --decoupled-min-lr: the embedding and output layer's own
     # peak and final lr (megatron-core gives them their own parameter group); None: lr / min_lr.
     decoupled_lr: Optional[float] = None
+    # The embedding and output layer's final lr (see decoupled_lr); None: min_lr.
     decoupled_min_lr: Optional[float] = None
 
 
 @dataclass
 class TrainConfig:
-    iters: int = 200
+    iters: int = 200  # Optimizer steps of the run (unless train_samples is set).
     # Megatron-LM's --train-samples: train for this many samples instead of `iters`
     # (iterations = train_samples / global_batch_size).
     train_samples: Optional[int] = None
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # Samples per micro-batch on each data-parallel rank.
     # None: micro_batch_size * dp (one micro-batch per data-parallel rank per step).
     global_batch_size: Optional[int] = 16
     # A global batch that grows with the samples consumed (training/batch_schedule.py); the
@@ -244,10 +258,10 @@ class TrainConfig:
     #   entry whose threshold (tokens, K/M/B/T suffixes) the tokens consumed have reached; the
     #   first threshold is 0. global_batch_size, when set, must be the last entry's batch.
     rampup_batch_size: Optional[list[int]] = None
-    step_batch_size_schedule: Optional[str] = None
-    seed: int = 1234
-    eval_interval: int = 50
-    eval_iters: int = 4
+    step_batch_size_schedule: Optional[str] = None  # The token-threshold schedule described above; None: none.
+    seed: int = 1234  # Seed of the weights' initialisation, the data order and dropout.
+    eval_interval: int = 50  # Validate every N iterations (0: never).
+    eval_iters: int = 4  # Global batches per validation (and of the test set at the end).
     # Stop after this many iterations of this invocation (for tests and preemption drills).
     exit_interval: Optional[int] = None
     # Megatron-LM's --manual-gc: no automatic garbage collection while training, so that no
@@ -256,8 +270,8 @@ class TrainConfig:
     # the same steps: every `manual_gc_interval` steps (0: never) and before and after each
     # evaluation (unless `manual_gc_eval` is false).
     manual_gc: bool = False
-    manual_gc_interval: int = 0
-    manual_gc_eval: bool = True
+    manual_gc_interval: int = 0  # Full collection every N steps with manual_gc (0: never).
+    manual_gc_eval: bool = True  # With manual_gc, also collect before and after each evaluation.
 
 
 @dataclass
@@ -283,12 +297,12 @@ class CheckpointConfig:
     # without the optimizer, its moments and the lr schedule start fresh, with fp32 main
     # params copied from the loaded weights; without the RNG, the streams keep this run's seed.
     load_optim: bool = True
-    load_rng: bool = True
+    load_rng: bool = True  # Restore the RNG streams on resume (see load_optim).
     # What a save writes besides the weights (Megatron-LM's --no-save-optim / --no-save-rng):
     # without the optimizer, neither its state nor the lr schedule, so resuming the checkpoint
     # needs load_optim=false (or finetune); without the RNG, a resume keeps its own seeding.
     save_optim: bool = True
-    save_rng: bool = True
+    save_rng: bool = True  # Write the RNG streams into the checkpoint (see save_optim).
     # Megatron-LM's --finetune: only the weights are loaded; the iteration, the data position,
     # the lr schedule, the optimizer and the RNG start fresh.
     finetune: bool = False
@@ -296,24 +310,24 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
-    progress_bar: bool = True
-    tensorboard_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
+    log_interval: int = 10  # Write a log line every N iterations.
+    progress_bar: bool = True  # A tqdm progress bar (false: log lines only).
+    tensorboard_dir: Optional[str] = None  # Write TensorBoard scalars here; None: no TensorBoard.
+    wandb_project: Optional[str] = None  # Log to this Weights & Biases project (the wandb extra); None: no wandb.
     # Megatron-LM's logging switches, to the log line and TensorBoard.
     log_params_norm: bool = False
-    log_num_zeros_in_grad: bool = False
-    log_throughput: bool = False
-    log_timers_to_tensorboard: bool = False
-    log_memory_to_tensorboard: bool = False
-    log_validation_ppl_to_tensorboard: bool = False
+    log_num_zeros_in_grad: bool = False  # The count of zero gradient entries, each step.
+    log_throughput: bool = False  # TFLOP/s per rank, from the model's analytic operation count.
+    log_timers_to_tensorboard: bool = False  # Seconds of each phase of a step, to TensorBoard.
+    log_memory_to_tensorboard: bool = False  # Memory statistics, to TensorBoard and the log line.
+    log_validation_ppl_to_tensorboard: bool = False  # Validation perplexity beside the loss, to TensorBoard.
 
 
 @dataclass
 class LauncherConfig:
     # Local worker processes to start when not already under torchrun/srun (1 = this process).
     nproc: int = 1
-    master_addr: str = "127.0.0.1"
+    master_addr: str = "127.0.0.1"  # Address of rank 0's rendezvous for local workers.
     # 0: pick a free port.
     master_port: int = 0
     # auto (cuda if available) | cpu | cuda

@@ -18,13 +18,15 @@ class ElasticConfig:
     # None: every kind gets `default_choices` sizes from half to all of its width. (Typed Any:
     # Hydra's struct mode refuses new keys in a typed dict override.)
     grid: Any = None
-    default_choices: int = 8
+    default_choices: int = 8  # Sizes per axis kind of the default grid (from half to all of its width).
     # A budget must be within this (relative) of some submodel of the grid.
     tolerance: float = 0.05
+    # What a budget is a fraction of: params (total) | active_params (MoE: the top-k experts a token uses).
     cost: str = "params"
     # Curriculum: each micro-batch or sample (`budget_draw`) draws its budget, uniformly for
     # `uniform_steps`, then with `skew` (largest budget first).
     uniform_steps: int = 50
+    # Draw probabilities after uniform_steps, in the order of budgets; None: uniform throughout.
     skew: Optional[list[float]] = field(default_factory=lambda: [0.5, 0.3, 0.2])
     # What draws a budget: "micro_batch" (one budget and one router sample per micro-batch, from
     # (seed, step, global micro-batch index)) or "sample" (one budget per sample, from (seed,
@@ -34,13 +36,13 @@ class ElasticConfig:
     # sample: the same budgets row by row). Expert parallelism needs a multiple of parallel.ep
     # (`expert_parallel.py`); a one-process run with the same value draws the same.
     budget_share: int = 1
-    temperature: float = 1.0
-    ce_weight: float = 0.0
+    temperature: float = 1.0  # Softmax temperature of the distillation loss KL(teacher || student) (times its square).
+    ce_weight: float = 0.0  # Weight of the next-token loss added to the distillation loss (0: distillation alone).
     # Micro-batches of the whole run (all replicas together) the importance is measured on.
     calibration_batches: int = 4
-    router_hidden: int = 64
-    router_lr: float = 1e-2
-    anneal_steps: int = 100
+    router_hidden: int = 64  # Hidden width of the router's MLP per axis kind.
+    router_lr: float = 1e-2  # The router's Adam learning rate.
+    anneal_steps: int = 100  # Steps over which the router's Gumbel temperature falls and logit scale rises.
     # Where the router starts: "quality", each budget's grid submodel of least KD loss to the
     # parent on the calibration batches (pruned, scored before the first step); "cost", any
     # submodel of the budget's cost (no model forward).
@@ -51,6 +53,7 @@ class ElasticConfig:
     # to e4m3 with the parent's per-tensor scales (`fp8.py`; evaluation too, as deployed); the
     # teacher stays in full precision. The nested checkpoint is then written in FP8.
     fp8: bool = False
+    # Write the nested checkpoint of every budget and report.json here at the end; None: no export.
     export_dir: Optional[str] = None
 
 

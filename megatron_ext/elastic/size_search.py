@@ -38,7 +38,15 @@ def best_sizes(
     cost: str = "params",
 ) -> list[dict[str, int]]:
     """For each budget, the candidate with the lowest `loss` (the first of equal ones). Each
-    submodel is scored once, however many budgets it is a candidate of."""
+    submodel is scored once, however many budgets it is a candidate of.
+
+    The candidates of a budget are the submodels of `grid` (sizes per axis kind) whose `cost`
+    (params, or active_params for MoE) is within `tolerance` (relative) of the budget times the
+    parent's, in the grid's order; `loss` scores one submodel's sizes (the pruned submodel's KD
+    loss to the parent on calibration batches, in the real-model benchmark). Returns one size
+    dict per budget, in the order of `budgets`, where the router then starts. Raises ValueError
+    naming the budget when no submodel of the grid is within the tolerance of it.
+    """
     scores: dict[tuple, float] = {}
     chosen = []
     for budget in budgets:

@@ -73,7 +73,17 @@ def submodel_config(parent: ModelConfig, space: ElasticSpace, sizes: Mapping[str
 def export_submodel(
     model: nn.Module, parent: ModelConfig, space: ElasticSpace, sizes: Mapping[str, Size], padded_vocab: int, tag: str = ""
 ) -> tuple[nn.Module, ModelConfig]:
-    """A standalone GPTModel (TP=1, PP=1, in this process) equal to `model` at `sizes`."""
+    """A standalone GPTModel (TP=1, PP=1, in this process) equal to `model` at `sizes`.
+
+    `model` is the elastic parent (one chunk whose layers carry the axes of `space`), `parent`
+    its config, `sizes` one size per axis kind (or per axis) from the grid, as the router picked
+    them for a budget, and `padded_vocab` the embedding's rows. The parent's tensors are cut at
+    those sizes (a prefix of the reordered parent, per group for heads) and loaded into a plain
+    megatron model built from the parent's config with the submodel's sizes: no training, no
+    calibration, and its forward equals the elastic forward at `sizes`. Returns (the model, its
+    config, named `<parent>-<tag>` when `tag` is given). Raises ValueError for a size an axis
+    does not allow.
+    """
     cfg = submodel_config(parent, space, sizes, tag)
     space.clear_gates()
     with space.at(sizes):
@@ -150,7 +160,13 @@ def load_megatron(path: str | os.PathLike) -> tuple[nn.Module, ModelConfig]:
 
 
 def save_hf(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, vocab_size: int) -> Path:
-    """A Hugging Face LlamaForCausalLM folder of a dense submodel."""
+    """A Hugging Face LlamaForCausalLM folder of a dense submodel.
+
+    `sub` and `cfg` are what `export_submodel` returned, `vocab_size` the tokenizer's size (the
+    padding rows are dropped). Writes the weights as safetensors and the matching config.json
+    under `out`, which `transformers` loads as it is; returns the folder. Raises ValueError for
+    a model whose network no Hugging Face family of the converters has (models/convert/families.py).
+    """
     tensors = logical_to_hf(gather_logical([sub]), cfg, vocab_size)
     return write_hf(out, tensors, hf_config_from_model(cfg, vocab_size))
 
@@ -165,7 +181,15 @@ def save_nested(
     fp8_scales: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Path:
     """One checkpoint for every budget: the reordered parent's tensors and each budget's sizes;
-    with `fp8_scales` (`fp8.scales` of the parent) its quantised weights as FP8 codes."""
+    with `fp8_scales` (`fp8.scales` of the parent) its quantised weights as FP8 codes.
+
+    `model` is the elastic parent in this process, `budgets` maps each budget's name (e.g.
+    "0.5") to its sizes, `extra` adds entries to the manifest. Writes `model.safetensors` (the
+    parent once: every budget is a prefix of it) and `elastic.json` (the parent's config, the
+    padded vocabulary, the budgets) under `out` and returns the folder; `slice_nested` and
+    `python -m megatron_ext.elastic.slicing` cut any budget out of it. Raises ValueError, before
+    anything is written, for an FP8 scale that names no tensor of the parent.
+    """
     return save_nested_state(out, parent_state(model), parent, padded_vocab, budgets, extra, fp8_scales)
 
 

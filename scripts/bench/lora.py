@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Union
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
 for path in (REPO, REPO / "scripts" / "bench"):
@@ -321,6 +322,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         result["pass_rates"] = pass_rates(args)
     if not args.skip_sweep:
         result["sweep"] = lora_sweep.sweep(args)
+    result["provenance"] = provenance(__file__, argv)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)

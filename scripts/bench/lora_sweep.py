@@ -44,6 +44,7 @@ from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel 
 from megatron_ext.lora.planning.plan import Pack, Plan  # noqa: E402
 from megatron_ext.lora.planning.simulate import Schedule, simulate  # noqa: E402
 from megatron_ext.lora.planning.workload import shapes_of  # noqa: E402
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 STRATEGIES = ("planner", "sequential", "per_job", "pack_all")
 ATTENTION = ("linear_qkv", "linear_proj")
@@ -278,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     add_arguments(p)
     args = p.parse_args(argv)
     result = sweep(args)
-    Path(args.json).write_text(json.dumps({"sweep": result}, indent=1))
+    Path(args.json).write_text(json.dumps({"sweep": result, "provenance": provenance(__file__, argv)}, indent=1))
     if args.plot:
         plot(result, args.plot)
 

@@ -38,6 +38,7 @@ if ROOT not in sys.path:
 from megatron_ext.config.schema import ModelConfig  # noqa: E402
 from megatron_ext.config.store import MODEL_PRESETS  # noqa: E402
 from megatron_ext.parallel.layout import ParallelLayout as L  # noqa: E402
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 LLAMA_70B = ModelConfig(
     name="llama3_70b", num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
@@ -191,6 +192,7 @@ def main() -> None:
         result["scale_machine_at_start"] = machine()
         result["scale"] = scale(args.bytes)
         result["scale_machine_at_end"] = machine()
+    result["provenance"] = provenance(__file__)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 

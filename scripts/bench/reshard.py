@@ -78,6 +78,7 @@ from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_st
 from megatron_ext.reshard.vps import Piece, layout_pieces, rank_pieces  # noqa: E402
 from megatron_ext.checkpointing import torch_dist as ckpt  # noqa: E402
 from megatron_ext.training.trainer import Trainer, TrainState  # noqa: E402
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 # The measured transitions: one chain of layouts of the same world per line. Each arrow is one
 # transition, started from the state the previous one left; a chain that ends where it began
@@ -837,7 +838,7 @@ def check_targets(transitions: list[dict]) -> dict[str, dict]:
 
 
 def write_json(args: argparse.Namespace, report: dict) -> None:
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    Path(args.json).write_text(json.dumps({**report, "provenance": provenance(__file__, args.argv)}, indent=2) + "\n")
 
 
 def write_outputs(args: argparse.Namespace, report: dict) -> None:
@@ -928,6 +929,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # for the provenance record rank 0 writes
     launched = detect_launch()
     try:
         check_layouts(args, launched.world_size if launched else args.nproc)

@@ -53,6 +53,7 @@ for path in (REPO, REPO / "scripts" / "bench"):
         sys.path.insert(0, str(path))
 
 from megatron_ext.reshard import simulate as sim  # noqa: E402
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 RESULTS = REPO / "scripts" / "bench" / "results"
 MEASURED = (RESULTS / "reshard_tiny_cpu.json", RESULTS / "reshard_100m_cpu.json")
@@ -622,6 +623,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "run_to_run": run_to_run(rows),
         "live_moves": ran["live"],
         "h100_class": sim.describe(sim.H100_CLASS),
+        "provenance": provenance(__file__, argv),
     }
     Path(args.json).write_text(json.dumps(sim.jsonable(out), indent=2) + "\n")
     for name, table in (("", out["summary"]), (" (the moves' collective)", out["summary_with_the_moves_collective"])):

@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -117,6 +118,7 @@ def write_report(args, p, steps, seconds: dict[str, list[float]], arrived: bool)
         "median_s": medians,
         "ratio_messages_over_shared_memory": medians["messages"] / medians["shared memory"],
         "state_arrived": arrived,
+        "provenance": provenance(__file__, args.argv),
     }
     Path(args.json).write_text(json.dumps(report, indent=1))
     for name, median in medians.items():
@@ -130,6 +132,7 @@ def main(argv=None) -> None:
     from megatron_ext.platform.launch import free_port
 
     args = parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # for the provenance record rank 0 writes
     mp.spawn(worker, args=(args, free_port()), nprocs=args.nproc)
 
 

@@ -54,6 +54,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron_ext.reshard.simulate import H100_CLASS  # noqa: E402
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 # The cluster every simulated figure is priced on: the reshard simulator's H100-class cluster
 # (its links, node size and HBM) and the GPU's compute and memory (H100-SXM5-80GB datasheet);
@@ -609,7 +610,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.update and Path(args.json).exists():
         kept = [r for r in json.loads(Path(args.json).read_text())["rows"] if r["plugin"] not in args.plugins]
         rows = sorted(kept + rows, key=lambda r: list(ROWS).index(r["plugin"]) if r["plugin"] in ROWS else len(ROWS))
-    out = {"cluster": CLUSTER, "machine": "2 CPU cores shared with other work (each row has the load average)", "rows": rows}
+    out = {"cluster": CLUSTER, "machine": "2 CPU cores shared with other work (each row has the load average)", "rows": rows,
+           "provenance": provenance(__file__, argv)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     if args.plot:

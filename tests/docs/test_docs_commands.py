@@ -89,9 +89,6 @@ COMMANDS: dict[str, tuple] = {
              "packed sweeps of a tiny model"),
     ),
     # docs/
-    "python scripts/bench/reshard.py --model llama_tiny --transitions 'tp2,pp2->dp4' --repeats 1 --json x.json": (
-        Skip(BENCH),
-    ),
     "python scripts/bench/dpp.py --json out.json --plot out.png": (Skip(BENCH),),
     "python scripts/bench/dpp_measured.py --json m.json --plot m.png": (Skip(BENCH),),
     "python scripts/bench/elastic.py --json out.json --plot out.png --seeds 0 1 2 3 4 5": (Skip(BENCH),),

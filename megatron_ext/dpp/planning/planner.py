@@ -291,8 +291,9 @@ def plan_step(lengths: Sequence[int], cost_model: CostModel, pp: int, budget_byt
     order on each stage (1F1B over chunks of unequal size) and the layers each stage recomputes
     for each chunk. `policy` "dpp" is InfiniPipe's planner (balanced chunking, grouping and the
     recompute integer program); the others are the static baselines it is measured against.
-    Raises BudgetTooSmall when no plan fits the budget. `plan_step_info` also returns the
-    planner's time and the simulated step."""
+    Raises ValueError for an unknown policy or a batch without sequences, and BudgetTooSmall
+    (naming the minimum feasible budget) when no plan fits the budget. `plan_step_info` also
+    returns the planner's time and the simulated step."""
     return plan_step_info(lengths, cost_model, pp, budget_bytes, policy, **kw)[0]
 
 

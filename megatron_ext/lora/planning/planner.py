@@ -444,7 +444,17 @@ def heuristic(problem: Problem, rounds: int = 30) -> Plan:
 
 def plan(problem: Problem, exact_limit: int = 6) -> Schedule:
     """The planner: exact on sweeps of at most `exact_limit` jobs, the heuristic beyond, and
-    never worse than a baseline strategy. Refuses a sweep that cannot fit before planning."""
+    never worse than a baseline strategy. Refuses a sweep that cannot fit before planning.
+
+    `problem` holds the jobs (LoRA settings, batch, sequence length, steps), the devices, the
+    memory model and the cost model that times a pack. Candidate plans: the heuristic's
+    (packs of jobs on device groups of a TP / DP shape, improved by local search), the exact
+    solver's on small sweeps (CP-SAT with the `lora` extra, else brute force), and the baselines
+    of `BASELINES` (sequential, per_job, pack_all); each is simulated and the shortest makespan
+    wins. Returns its Schedule: the plan, when each job and pack starts and ends, and each
+    device's peak memory. Raises ValueError, before planning, when a job does not fit on any
+    device group even alone.
+    """
     check_feasible(problem)
     plans = [heuristic(problem)]
     if len(problem.jobs) <= exact_limit:

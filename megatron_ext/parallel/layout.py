@@ -28,8 +28,8 @@ class ParallelLayout:
     another, and the reshard planner compares two (`megatron_ext.reshard.plan.plan(model, a, b)`).
     `from_config` resolves dp from a run's `parallel` section once; `check` names the runtime's
     rules a layout breaks for a model or run (ConfigError); `rank_coords`, `ranks_of` and
-    `group` map ranks to positions and groups in megatron's rank order. Raises ValueError for a size below 1 or a world
-    smaller than the ranks that train."""
+    `group` map ranks to positions and groups in megatron's rank order. Raises ValueError for
+    a size below 1 or a world smaller than the ranks that train."""
 
     tp: int = 1
     pp: int = 1

@@ -82,6 +82,10 @@ def test_requeued_job_resumes_bitwise(slurm_conf, tmp_path, srun_run):
     saved = sorted(int(p.name.removeprefix("iter_")) for p in root.glob("iter_*"))
     assert len(saved) == 2 and 2 <= saved[0] < ITERS, f"no checkpoint from the requeue's SIGTERM: {saved}"
     assert assert_complete_checkpoint(root) == ITERS
-    assert_bitwise_equal(checkpoint_tensors(root, ITERS), checkpoint_tensors(srun_run[0], ITERS))
+    losses, reference = logged_losses(job.output()), logged_losses(srun_run[1])
     # The second start went on from the first one's checkpoint, not from scratch.
-    assert min(logged_losses(job.output())) > saved[0]
+    assert min(losses) > saved[0]
+    # Where the runs part, if they do: the first iteration whose logged loss differs.
+    parted = next((i for i in sorted(losses) if losses[i] != reference[i]), None)
+    assert parted is None, f"resumed from {saved[0]}; losses differ from iteration {parted}:\n{job.output()[-3000:]}"
+    assert_bitwise_equal(checkpoint_tensors(root, ITERS), checkpoint_tensors(srun_run[0], ITERS))

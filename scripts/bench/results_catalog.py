@@ -333,9 +333,19 @@ def elastic_real_targets(data: dict) -> list[Target]:
         elif key.startswith("latency_50_at_most_"):
             out.append(Target(f"50% model's latency at most {threshold(key.removeprefix('latency_50_at_most_'))}× the "
                               "parent's", per_budget))
+    for budget, gap in judged.get("elastic_minus_separate", {}).items():
+        out.append(Target(f"{budget}% budget: elastic minus separate perplexity within two combined standard errors",
+                          gap.get("within_noise"), f"{num(gap['difference'])} against {num(gap['two_combined_se'])}"))
     for budget, arms in judged.get("trained_beat_pruned", {}).items():
         for arm, met in arms.items():
             out.append(Target(f"{budget}% budget: the {arm} model's perplexity below pruning alone", met))
+    ratio = judged.get("elastic_tokens_over_separate_total")
+    if ratio is not None:
+        # One elastic run against one separate run per budget (the 100 % one included):
+        # 1/3 with three budgets.
+        per = 1 / len(data["budgets"])
+        out.append(Target(f"the elastic run's tokens at most 1/{len(data['budgets'])} of the separate runs' total",
+                          ratio <= per + 1e-12, f"{num(ratio)}"))
     return out
 
 

@@ -19,28 +19,25 @@ parent sliced at the elastic run's sizes, no training: also where both trained a
 then distilling that size alone (`elastic.measure.distil_alone`) on the same windows in the same
 order as the whole elastic run (so each separate arm spends the elastic run's tokens). The 100 %
 budget's pruned model is the parent itself, whose KD loss to itself is zero, so it is not distilled
-alone (`--separate-full`: it is anyway; so is any budget whose sizes are not the parent's). Each seed draws the batch order, the elastic run's budget
-draws and router noise; both trained arms are repeated over `--seeds` and reported as mean and
-standard error. Also: the median forward latency of each exported submodel (seed 0) over the
+alone (`--separate-full`: it is anyway; so is any budget whose sizes are not the parent's).
+Each seed draws the batch order, the elastic run's budget draws and router noise; both trained
+arms are repeated over `--seeds` and reported as mean and standard error. Also: the median forward latency of each exported submodel (seed 0) over the
 parent's, the exported 75 % and 50 % models' logits in `transformers` against the elastic forward,
 and a think-small / answer-large timing on a few instruction prompts (seed 0).
 
-Defaults and why: the whole table must take at most about 90 minutes on 2 quiet cores. Measured
-on these machines: SmolLM2-135M's forward / backward at sequence length 256 runs at 110-126
-tokens/s on one thread when the machine is quiet, its forward alone at about 430 tokens/s, so the
-elastic step at the full size (student forward / backward and teacher forward) runs at about 95
-tokens/s, faster at the smaller budgets (with six other jobs on the 2 cores the same step ran at
-49 / 43 / 67 tokens/s at 100 / 75 / 50 %). The estimate assumes 80 tokens/s at the full size.
-Sequence length 256 (code needs context; shorter windows are barely faster per token), 4
-windows per step (2 micro-batches of 2: two budget draws per step), 64 steps: 65,536 tokens per
-arm. 2 seeds (the least that gives a standard error). Per seed one elastic run and two separate
-runs (75 %, 50 %), so 2 x 3 x 65,536 = 393K training tokens in all (524K counting a distilled
-100 % arm, `--separate-full`, as the issue counts its 4 arms); about 68 minutes at the assumed
-rate, and less with 2 threads (`--threads`, default 2). Held-out set: 24 windows (6,144 tokens;
-the teacher's logits on it are computed once and kept, about 1.2 GB). Learning rate 1e-4 for
-both arms (Adam, falling linearly to zero): the 100 % budget, already the parent, drifts more
-the higher it is. The plan and its estimate are printed at the start, and again with the rate
-the first elastic run measured.
+Defaults and why: the whole table is sized to take at most about 90 minutes on 2 quiet cores.
+The time estimate assumes `ASSUMED_TRAIN_RATE` tokens/s for the elastic step at the full size
+(student forward / backward and teacher forward; the smaller budgets run faster) and
+`ASSUMED_EVAL_RATE` for forwards alone. Sequence length 256 (code needs context; shorter windows
+are barely faster per token), 4 windows per step (2 micro-batches of 2: two budget draws per
+step), 64 steps: 65,536 tokens per arm. 2 seeds (the least that gives a standard error). Per seed
+one elastic run and two separate runs (75 %, 50 %), so 2 x 3 x 65,536 = 393K training tokens in
+all (524K counting a distilled 100 % arm, `--separate-full`, as the issue counts its 4 arms);
+about 68 minutes at the assumed rate, and less with 2 threads (`--threads`, default 2). Held-out
+set: 24 windows (6,144 tokens; the teacher's logits on it are computed once and kept in memory).
+Learning rate 1e-4 for both arms (Adam, falling linearly to zero): the 100 % budget, already the
+parent, drifts more the higher it is. The plan and its estimate are printed at the start, and
+again with the rate the first elastic run measured.
 """
 
 from __future__ import annotations

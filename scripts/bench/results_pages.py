@@ -5,7 +5,7 @@
 
 For each benchmark of `results_catalog.BENCHMARKS`, a page with how it was measured (the command,
 the commit, the machine, the date: the JSON's `provenance` record, which `provenance.py` writes;
-for a file written before the record existed, what the file holds, the commit that recorded it,
+for a file without the record, what the file holds, the commit that recorded it,
 and "not recorded" for the rest), its targets each met or missed, its plot and its tables. The
 pages link the JSON and PNG through docs/results/files, a link to scripts/bench/results, so that
 mkdocs serves them. docs/benchmarks.md is the index: a line per page with its targets' count.

@@ -4,12 +4,13 @@
     python scripts/bench/rank_plan.py --balance --old-root /path/to/a/checkout/of/main
 
 --scale    the issue's three targets and the 70B move at 512 ranks (`SCALE`): per sampled
-           rank, from empty caches except its own stage of the running layout, the wall-clock and CPU time of rank_plan on one core (the slowest rank is the
-           figure; on a shared machine the CPU time is the one the load does not inflate), the
-           RSS before planning and its peak while planning; with --bytes, for the moves on at
-           most 1,024 ranks, also the network bytes summed over every destination rank against
-           their minimum and the bytes each source rank sends, max over mean (no world plan: the
-           405B move's would plan all 16,384 ranks).
+           rank, from empty caches except its own stage of the running layout, the wall-clock
+           and CPU time of rank_plan on one core (the slowest rank is the figure; on a shared
+           machine the CPU time is the one the load does not inflate), the RSS before planning
+           and its peak while planning; with --bytes, for the moves on at most 1,024 ranks,
+           also the network bytes summed over every destination rank against their minimum
+           and the bytes each source rank sends, max over mean (no world plan: the 405B
+           move's would plan all 16,384 ranks).
 --balance  the 100M benchmark's transitions (scripts/bench/reshard.py TRANSITIONS) at 64 MiB:
            max / mean bytes sent per sending rank and the round count, with this checkout's
            planner, and with --old-root, the same for the planner of another checkout, run in a

@@ -1,6 +1,6 @@
 """The results pages are generated from the benchmarks' JSON and current; each carries the provenance
-its JSON records (or says what is not recorded); and every measured number on README.md and
-docs/benchmarks.md is a value of a results file the page names."""
+its JSON records (or says what is not recorded); and every measured number on README.md,
+docs/benchmarks.md and scripts/bench/README.md is a value of a results file the page names."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def unsourced_numbers(page_text: str, results: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md", "scripts/bench/README.md"])
 def test_every_measured_number_is_in_a_named_results_file(page):
     found = unsourced_numbers((REPO / page).read_text(), BENCH / "results")
     assert not found, f"{page}: numbers in no results file the page names: {found}"

@@ -20,6 +20,11 @@ HISTORY_WORDS = (
     "used to",
     "the previous run",
     "earlier run",
+    "earlier runs",
+    "re-run",
+    "re-measured",
+    "measured again",
+    "since then",
 )
 PATTERN = re.compile("|".join(rf"\b{re.escape(w)}\b" for w in HISTORY_WORDS), re.IGNORECASE)
 

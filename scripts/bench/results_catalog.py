@@ -483,11 +483,8 @@ BENCHMARKS = [
     Benchmark("elastic_hybrid_fp8_cpu.json", "elastic: FP8 quantisation-aware distillation", "elastic",
               "scripts/bench/elastic.py", ELASTIC_ABOUT + " With FP8: QAD against quantising after training.",
               elastic_tables, elastic_targets, elastic_notes),
-    Benchmark("elastic_smollm2_short_cpu.json", "elastic: SmolLM2-135M parent, short run", "elastic",
+    Benchmark("elastic_smollm2_cpu.json", "elastic: SmolLM2-135M parent on the standard library's text", "elastic",
               "scripts/bench/elastic.py", ELASTIC_REAL_ABOUT, elastic_real_tables, elastic_real_targets, elastic_real_notes),
-    Benchmark("elastic_smollm2_seq256_short_cpu.json", "elastic: SmolLM2-135M parent, short run at sequence 256",
-              "elastic", "scripts/bench/elastic.py", ELASTIC_REAL_ABOUT, elastic_real_tables, elastic_real_targets,
-              elastic_real_notes),
     Benchmark("lora_throughput.json", "lora: packed throughput", "lora", "scripts/bench/lora.py",
               "K LoRA jobs on one frozen base: packed in one model against one job after another and against K "
               "processes.", lora_tables, lora_targets),

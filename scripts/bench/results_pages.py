@@ -64,14 +64,17 @@ def provenance_rows(bench: Benchmark, data: dict, commit: Optional[tuple[str, st
     record = data.get("provenance")
     if record:
         dirty = " (the tree had uncommitted changes)" if record.get("dirty") else ""
-        load = " / ".join(num(x, 2) for x in record.get("load_average") or [])
-        return [
+        load = record.get("load_average")
+        load = f"load average {' / '.join(num(x, 2) for x in load)} (1 / 5 / 15 min)" if load else f"load {NOT_RECORDED}"
+        rows = [
             ("command", f"`{record['command']}`"),
             ("commit", f"`{record['commit']}`{dirty}" if record.get("commit") else NOT_RECORDED),
-            ("machine", f"{record['cpu_model']}, {record['cpu_cores']} cores; load average {load} (1 / 5 / 15 min)"),
+            ("machine", f"{record['cpu_model']}, {record['cpu_cores']} cores; {load}"),
             ("date", record["date"]),
             ("versions", f"Python {record['python']}, torch {record['torch']}, megatron-core {record['megatron_core']}"),
         ]
+        # A record written after the run says how it was made.
+        return rows + ([("note", record["note"])] if record.get("note") else [])
     recorded = f"{NOT_RECORDED}; the file was recorded in commit `{commit[0]}` ({commit[1]})" if commit else NOT_RECORDED
     return [
         ("command", f"{NOT_RECORDED} (the file is written by `{bench.script}`)"),

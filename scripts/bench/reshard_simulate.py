@@ -396,7 +396,10 @@ def describe_machine(raw: dict, world: int) -> dict:
     fixed, per_byte = fit_line(_keyed(raw[f"exchange_{cores}"]))
     collective_step = raw["collective"] / steps
     # A ring round of the phased transport: a barrier after packing, one after unpacking; a
-    # pack and an unpack per byte, every worker of the ring at once.
+    # pack and an unpack per byte, every worker of the ring at once. Its fixed part less those
+    # is the latency of a message. Its bytes are copies into and out of shared memory, as
+    # fast as a worker's copies: the link's bandwidth is the copy bandwidth (the exchange's own
+    # per-byte rate, with every worker of the ring copying at once, is the node's memory's).
     latency = max(0.0, fixed - 2 * collective_step * steps - 2 * raw["copy_overhead"]) / 2
     setup_fixed, setup_per_byte = fit_line(_keyed(raw["setup"]))
     return {
@@ -405,7 +408,8 @@ def describe_machine(raw: dict, world: int) -> dict:
         "cores_per_node": cores,
         # all workers copying at once against one a core: how many cores the copies found
         "cores_seen_by_copies": world * copy_per_byte_cores / copy_per_byte_all,
-        "link_bandwidth": 2 / per_byte,
+        "link_bandwidth": 1 / copy_per_byte,
+        "exchange_bandwidth_per_worker": 2 / per_byte,  # a check: the ring's workers at once
         "link_latency_s": latency,
         "exchange_fixed_s": fixed,
         "collective_step_s": collective_step,

@@ -35,7 +35,8 @@ The JSON has the micro-benchmark, the machine's description, per transition the 
 measured parts (agree, switch, transfer), stall (and where measured the stall built at the
 switch and the tmpfs checkpoint route) with errors and the timed round cutting, the same move on
 the H100-class cluster, summaries per source, the stall of each transition here against the
-stored runs' (`run_to_run`: the machine's own spread), and every live move's record.
+stored runs' (`run_to_run`, and `run_to_run_spread` counted as the errors are: the machine's
+own spread), and every live move's record.
 """
 
 from __future__ import annotations
@@ -640,10 +641,21 @@ def run_to_run(rows: list[dict]) -> list[dict]:
     ]
 
 
+def spread(pairs: list[dict]) -> dict:
+    """Per stored run, how far the stalls measured here are from its (this run / stored - 1),
+    counted as `summary` counts a prediction's errors: what the machine alone does."""
+    by_source: dict[str, list[float]] = {}
+    for pair in pairs:
+        by_source.setdefault(pair["stored"], []).append(abs(pair["ratio"] - 1))
+    return {source: _counted(errors) for source, errors in by_source.items()}
+
+
 def summary(rows: list[dict], key: str) -> dict:
     errors = [abs(r[key]["error"]) for r in rows if key in r]
-    if not errors:
-        return {}
+    return _counted(errors) if errors else {}
+
+
+def _counted(errors: list[float]) -> dict:
     return {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors),
             "within_25pct": sum(e <= TARGET_ERROR for e in errors), "of": len(errors)}
 
@@ -708,6 +720,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "transitions": rows,
         "summary": summaries(rows),
         "run_to_run": run_to_run(rows),
+        "run_to_run_spread": spread(run_to_run(rows)),
         "live_moves": ran["live"],
         "h100_class": sim.describe(sim.H100_CLASS),
         "provenance": provenance(__file__, argv),

@@ -30,8 +30,8 @@ bytes its ranks copy, all together, at that rate:
     round     = round_collectives · collective + shared(work)
     shared(w) = max(max_r w(r), max_node Σ_{r on node} w(r) / cores,
                     max_node Σ_{r on node} copied(r) / node_copy_bandwidth)
-copied(r) = sent(r) + received(r) + local(r), over both link classes (only the terms a
-cluster sets count).
+copied(r) = sent(r) + received(r) + local(r), over both link classes; the second term counts
+only where `cores_per_node` is set, the third only where `node_copy_bandwidth` is.
 A phased transport (shared memory: every rank packs, a barrier, every rank unpacks) has two
 such maxima per round, one over the send phase's work (packs, local copies, sends) and one
 over the receive phase's (unpacks, receives), each with only its own messages, copies and

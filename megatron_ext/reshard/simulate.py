@@ -24,16 +24,22 @@ copies(r) the packs, unpacks and local copies it issues; local(r) the bytes it c
 The link classes are separate engines (NVLink and the NIC), so the longer of the two counts.
 A round ends when its slowest rank finishes; on a node whose ranks share `cores_per_node`
 processors (a CPU host: every copy is a core's work) also no sooner than the node's total
-work spread over them:
-    round     = round_collectives · collective + max(max_r work(r),
-                                                     max_node Σ_{r on node} work(r) / cores)
+work spread over them, and on a node whose ranks share one memory (`node_copy_bandwidth`: a
+CPU host, where sends and receives are copies through shared memory too) no sooner than the
+bytes its ranks copy, all together, at that rate:
+    round     = round_collectives · collective + shared(work)
+    shared(w) = max(max_r w(r), max_node Σ_{r on node} w(r) / cores,
+                    max_node Σ_{r on node} copied(r) / node_copy_bandwidth)
+copied(r) = sent(r) + received(r) + local(r), over both link classes; the second term counts
+only where `cores_per_node` is set, the third only where `node_copy_bandwidth` is.
 A phased transport (shared memory: every rank packs, a barrier, every rank unpacks) has two
 such maxima per round, one over the send phase's work (packs, local copies, sends) and one
-over the receive phase's (unpacks, receives), each with only its own messages and copies.
+over the receive phase's (unpacks, receives), each with only its own messages, copies and
+copied bytes.
     transfer  = setup_s + arena / setup_bandwidth + Σ rounds + collective
 where arena is the largest bytes a rank sends in one round (what the shared-memory transport
 reserves per move; no setup when nothing crosses the network), and the final collective is the
-ranks' success report.
+ranks' success report (live.py `_gather_errors`: one all-reduce when nothing failed).
 
 Topology: inter-node traffic crosses a full-bisection fat tree, so a rank's inter-node sends
 and receives are limited only by its own NIC, whatever the pattern (no congestion, no
@@ -44,10 +50,19 @@ A small collective (all-gather of a digest, all-reduce of a flag) over `world` r
     collective = collective_step_s · ceil(log2(world))     (recursive doubling / tree)
 
 The stall has the live reports' parts (live.py):
-    agree     = collective                          (the all-gather of the plan digests)
+    agree     = 3 · collective + shared(cut)        (execute.py `schedule`: an all-reduce of
+                                                     every rank's plan digest and byte counts,
+                                                     then each rank cuts its own rounds, then
+                                                     an all-reduce of the round counts and
+                                                     staging; live.py `_agree`: an all-reduce
+                                                     of the build failures)
     switch    = switch_s + collective               (install the layout built ahead, then
                                                      the ranks' success report)
               + build(B) when it is built at the switch instead
+cut(r) is rank r's own work between the first two collectives (execute.py `traffic`,
+`rank_rounds`, `peak_bytes` on its plan: Python, growing with its ops), an input measured by
+timing those pure functions (0 where not given); shared() is the round's rule above without
+the copied bytes (the work is a core's, not the memory's).
     transfer  as above
     build(B)  = build_fixed_s + max_r held_B(r) / build_bandwidth
 
@@ -125,6 +140,7 @@ class Cluster:
     setup_s: float = 0.0  # the transport's setup per move
     setup_bandwidth: float = math.inf  # arena bytes per second reserved at setup
     cores_per_node: Optional[float] = None  # copy engines a node's ranks share; None: each its own
+    node_copy_bandwidth: Optional[float] = None  # bytes/s a node's ranks copy together; None: no cap
     phased: bool = False  # a barrier between a round's sends and its receives (shared memory)
     topology: str = "full-bisection fat tree between nodes, non-blocking NVSwitch within a node"
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
@@ -157,6 +173,12 @@ class CheckpointRoute:
 
 def collective_seconds(cluster: Cluster, world: int) -> float:
     return cluster.collective_step_s * math.ceil(math.log2(max(world, 2)))
+
+
+# The small collectives each part of a live move runs when nothing fails (module docstring).
+AGREE_COLLECTIVES = 3
+SWITCH_COLLECTIVES = 1
+TRANSFER_COLLECTIVES = 1
 
 
 # The parts of a round a rank's work is counted for: all of it, or (a phased transport) the
@@ -221,22 +243,41 @@ def rank_work(transfers: Round, cluster: Cluster, part: str = ALL) -> dict[int, 
     return {rank: _work(share, cluster, part) for rank, share in _shares(transfers, cluster).items()}
 
 
-def _longest(work: dict[int, float], cluster: Cluster) -> float:
-    """Until the slowest rank is done, and on shared cores the busiest node's work spread."""
+def _copied(share: _RankRound, part: str) -> int:
+    """Bytes `part` of a rank's round copies: its packs (sends) and local copies, its unpacks."""
+    sent, received = sum(share.sent.values()), sum(share.received.values())
+    return {ALL: sent + received + share.local, SEND: sent + share.local, RECEIVE: received}[part]
+
+
+def shared_seconds(work: Mapping[int, float], cluster: Cluster, copied: Optional[Mapping[int, int]] = None) -> float:
+    """Until the slowest rank is done; on shared cores also the busiest node's work spread over
+    them, and on a shared memory the most bytes a node's ranks copy at the node's rate (the
+    module docstring's shared())."""
     longest = max(work.values(), default=0.0)
     if cluster.cores_per_node:
-        per_node: dict[int, float] = defaultdict(float)
-        for rank, seconds in work.items():
-            per_node[cluster.node(rank)] += seconds
-        longest = max(longest, max(per_node.values(), default=0.0) / cluster.cores_per_node)
+        longest = max(longest, max(_per_node(work, cluster).values(), default=0.0) / cluster.cores_per_node)
+    if cluster.node_copy_bandwidth and copied:
+        longest = max(longest, max(_per_node(copied, cluster).values(), default=0) / cluster.node_copy_bandwidth)
     return longest
+
+
+def _per_node(values: Mapping[int, float], cluster: Cluster) -> dict[int, float]:
+    per_node: dict[int, float] = defaultdict(float)
+    for rank, value in values.items():
+        per_node[cluster.node(rank)] += value
+    return per_node
 
 
 def round_seconds(transfers: Round, cluster: Cluster, world: int) -> float:
     """One round: its barriers, then until its slowest rank (or busiest shared node) is done;
     with a phased transport, the send phase's and then the receive phase's."""
     parts = (SEND, RECEIVE) if cluster.phased else (ALL,)
-    work = sum(_longest(rank_work(transfers, cluster, part), cluster) for part in parts)
+    shares = _shares(transfers, cluster)
+    work = sum(
+        shared_seconds({r: _work(s, cluster, part) for r, s in shares.items()}, cluster,
+                       {r: _copied(s, part) for r, s in shares.items()})
+        for part in parts
+    )
     return cluster.round_collectives * collective_seconds(cluster, world) + work
 
 
@@ -244,7 +285,7 @@ def transfer_seconds(traffic: list[Round], cluster: Cluster, world: int) -> floa
     arena = max((_most_sent(r) for r in traffic), default=0)
     setup = cluster.setup_s + arena / cluster.setup_bandwidth if arena else 0.0
     rounds_s = sum(round_seconds(r, cluster, world) for r in traffic)
-    return setup + rounds_s + collective_seconds(cluster, world)
+    return setup + rounds_s + TRANSFER_COLLECTIVES * collective_seconds(cluster, world)
 
 
 def _most_sent(transfers: Round) -> int:
@@ -259,22 +300,29 @@ def build_seconds(held_b: Mapping[int, int], cluster: Cluster) -> float:
     return cluster.build_fixed_s + max(held_b.values(), default=0) / cluster.build_bandwidth
 
 
+def agree_seconds(cluster: Cluster, world: int, cut: Optional[Mapping[int, float]] = None) -> float:
+    """The agreement: its collectives and the ranks' own round cutting (`cut`: seconds per
+    rank, measured; module docstring)."""
+    return AGREE_COLLECTIVES * collective_seconds(cluster, world) + shared_seconds(cut or {}, cluster)
+
+
 def stall(
     traffic: list[Round],
     cluster: Cluster,
     world: int,
     held_b: Optional[Mapping[int, int]] = None,
     built_ahead: bool = True,
+    cut: Optional[Mapping[int, float]] = None,
 ) -> Stall:
     """The live move's stall; `held_b` (bytes each rank holds in B) is needed when the new
-    layout is built at the switch (`built_ahead=False`)."""
-    collective = collective_seconds(cluster, world)
-    switch = cluster.switch_s + collective
+    layout is built at the switch (`built_ahead=False`); `cut`: each rank's seconds of cutting
+    its rounds in the agreement (timed; none: not counted)."""
+    switch = cluster.switch_s + SWITCH_COLLECTIVES * collective_seconds(cluster, world)
     if not built_ahead:
         if held_b is None:
             raise ValueError("simulate: a layout built at the switch needs held_b")
         switch += build_seconds(held_b, cluster)
-    return Stall(collective, switch, transfer_seconds(traffic, cluster, world))
+    return Stall(agree_seconds(cluster, world, cut), switch, transfer_seconds(traffic, cluster, world))
 
 
 def checkpoint_route(
@@ -366,6 +414,10 @@ H100_CLASS = Cluster(
         "each byte, so half of it: an upper bound, achieved copies reach ~80-90%",
         "copy_overhead_s": "5 us per copy kernel launched: assumption",
         "collective_step_s": "10 us per step of a small NCCL collective: assumption",
+        "node_copy_bandwidth": "none: each GPU copies in its own HBM (a shared memory bus is this "
+        "repository's CPU host's only)",
+        "agree": "3 small collectives; the ranks' round cutting is priced where the caller times it "
+        "(`stall(cut=...)`), else not counted",
         "switch_s": "installing a layout built ahead is host-side Python: measured on this "
         "repository's CPU benchmark (0.02-0.06 s); assumed the same on a GPU host",
         "build": "building a layout at the switch (new NCCL communicators at scale, model, DDP, "

@@ -8,29 +8,35 @@ against measured live reshards.
 One launch of `--nproc` local gloo workers (the reshard benchmark's world):
 
 1. A micro-benchmark describes the machine: a small all-reduce right after each rank copied a
-   buffer (the collective as a move meets it), concurrent local copies (copy bandwidth),
-   exchanges through the executor's own shared-memory transport (its bandwidth), the
-   transport's setup, each at several sizes and fitted as a fixed part + bytes / bandwidth, and
-   one element of each piece of a llama_tiny trainer's state read and written back through
-   megatron's state access (the cost of a copy apart from its bytes). Cores: the CPUs this
-   process may run on.
+   buffer (the collective as a move meets it); copies by one worker alone (its copy
+   bandwidth), by as many workers as there are cores at once (the node's memory bandwidth, all
+   together) and by all workers; exchanges through the executor's own shared-memory transport
+   (its bandwidth), every copy reading and writing places not touched lately (buffers larger
+   than the caches, walked through: a move's state is not in the cache); the transport's setup;
+   each at several sizes and fitted as a fixed part + bytes / bandwidth; one element of each
+   piece of a llama_tiny trainer's state read and written back through megatron's state access
+   (the cost of a copy apart from its bytes); and the switch's own work on that trainer (a
+   layout built beforehand installed: `Trainer.install`). Cores: the CPUs this process may run
+   on.
 2. In the same run, live reshards of the benchmark's transitions (scripts/bench/reshard.py's
    TRANSITIONS, each chain closed into a cycle and run `--live-repeats` times) for each model
    pair of `--live-models`: prepare (plan, build B ahead), wait, barrier, reshard; each part of
    the stall the max over ranks, the median over repeats.
 3. Each transition, of this run and of the `--measured` reshard.py JSONs (other runs, other
-   load on this shared machine), is planned again (its bytes and rounds must match) and
-   predicted from the micro-benchmark's description. The switch constant is the median of the
-   in-run tiny switches less a collective; the build and checkpoint constants are fitted to
-   the `--measured` JSONs (least squares: no micro-benchmark exercises megatron's build or
-   dist_checkpointing), so their errors are fits, not predictions.
+   load on this shared machine), is planned again (its bytes and rounds must match: a stored
+   run of another planner is skipped) and predicted from the micro-benchmark's description,
+   with each rank's round cutting in the agreement timed on its own plan here, after the
+   workers are gone (`cut_seconds`: pure functions; --reuse takes the earlier run's). The build
+   and checkpoint constants are fitted to the `--measured` JSONs (least squares: no
+   micro-benchmark exercises megatron's build or dist_checkpointing), so their errors are fits,
+   not predictions.
 
 The JSON has the micro-benchmark, the machine's description, per transition the predicted and
 measured parts (agree, switch, transfer), stall (and where measured the stall built at the
-switch and the tmpfs checkpoint route) with errors, the same move on the H100-class cluster,
-summaries per source, the same summaries with the collective as this run's moves met it (their
-median agree part: a diagnostic, fitted), the stall of each transition here against the stored
-runs' (`run_to_run`: the machine's own spread), and every live move's record.
+switch and the tmpfs checkpoint route) with errors and the timed round cutting, the same move on
+the H100-class cluster, summaries per source, the stall of each transition here against the
+stored runs' (`run_to_run`, and `run_to_run_spread` counted as the errors are: the machine's
+own spread), and every live move's record.
 """
 
 from __future__ import annotations
@@ -57,8 +63,11 @@ from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, b
 
 RESULTS = REPO / "scripts" / "bench" / "results"
 MEASURED = (RESULTS / "reshard_tiny_cpu.json", RESULTS / "reshard_100m_cpu.json")
-COPY_SIZES = (1 << 22, 1 << 24, 1 << 26)  # above the caches: memory, not cache, bandwidth
+COPY_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 EXCHANGE_SIZES = (1 << 12, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+# Copies read and write places walked through buffers of this size, larger than the caches (this
+# host's L3 is 300 MiB, shared): a move reads and writes state it has not touched lately.
+COLD_BYTES = 1 << 29
 TARGET_ERROR = 0.25
 LIVE_PARTS = ("agree", "switch", "transfer")
 
@@ -103,11 +112,13 @@ def worker(args: argparse.Namespace) -> Optional[dict]:
         bench = MicroBench(args.repeats)
         cores = min(len(os.sched_getaffinity(0)), dist.get_world_size())
         raw = {"collective": bench.collective(), "cores": cores}
-        for active in sorted({cores, dist.get_world_size()}):
+        for active in sorted({1, cores, dist.get_world_size()}):
             raw[f"copy_{active}"] = {s: bench.copy(s, active) for s in COPY_SIZES}
+        for active in sorted({2, cores, dist.get_world_size()}):  # a ring of at least two
             raw[f"exchange_{active}"] = {s: bench.exchange(s, active) for s in EXCHANGE_SIZES}
         raw["setup"] = {s: bench.setup(s) for s in EXCHANGE_SIZES}
-        raw["copy_overhead"] = bench.state_copies(active=cores)  # a core each: no sharing
+        raw["copy_overhead"], raw["switch"] = bench.state_copies_and_switch(active=cores)  # a core each
+        bench.release()
         live = [m for pair in args.live_models for m in live_moves(pair, args)]
         return {"micro_benchmark": raw, "live": live} if dist.get_rank() == 0 else None
     finally:
@@ -125,6 +136,7 @@ class MicroBench:
         self.repeats = repeats
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.channel = GroupChannel()
+        self.cold = ColdPlaces()
 
     def timed(self, fn, inner: int) -> float:
         """Seconds per call of `fn`, called `inner` times between barriers."""
@@ -159,29 +171,31 @@ class MicroBench:
         return statistics.median(once() for _ in range(samples))
 
     def copy(self, nbytes: int, active: int) -> float:
-        """Ranks below `active` each copy `nbytes` from one tensor into another."""
-        import torch
-
-        source, target = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        """Ranks below `active` each copy `nbytes` from a place not touched lately to another."""
         busy = self.rank < active
-        return self.timed(lambda: target.copy_(source) if busy else None, _inner(nbytes))
+
+        def once() -> None:
+            if busy:
+                target, source = self.cold.next(nbytes)
+                target.copy_(source)
+
+        return self.timed(once, _inner(nbytes))
+
+    def release(self) -> None:
+        self.cold = None
 
     def exchange(self, nbytes: int, active: int) -> float:
         """One round of the executor's shared-memory transport: ranks below `active` in a ring,
         each packs `nbytes` for the next, a barrier, each unpacks what the previous one sent."""
-        import torch
-
         from megatron_ext.reshard.transport import open_shared_memory
 
-        ops = tuple(_op(r, (r + 1) % active, nbytes) for r in range(active))
-        transport = open_shared_memory(self.channel, [ops], self.world)
+        outgoing, incoming = self._ring(nbytes, active)
+        transport = open_shared_memory(self.channel, [(outgoing, incoming)], self.world)
         if transport is None:
             raise RuntimeError("reshard_simulate: the shared-memory transport could not open")
-        outgoing = {op.dst: [op] for op in ops if op.src == self.rank}
-        incoming = {op.src: [op] for op in ops if op.dst == self.rank}
-        source, target = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
 
         def one_round() -> None:
+            target, source = self.cold.next(nbytes)  # the state packed from, unpacked into
             send = transport.send_buffers(outgoing)
             for buffer in send.values():
                 buffer.copy_(source)
@@ -198,15 +212,31 @@ class MicroBench:
         """Opening the shared-memory transport for a ring of `nbytes` messages."""
         from megatron_ext.reshard.transport import open_shared_memory
 
-        ops = tuple(_op(r, (r + 1) % self.world, nbytes) for r in range(self.world))
-        return self.timed(lambda: open_shared_memory(self.channel, [ops], self.world).close(), 3)
+        by_round = [self._ring(nbytes, self.world)]
+        return self.timed(lambda: open_shared_memory(self.channel, by_round, self.world).close(), 3)
 
-    def state_copies(self, active: int) -> float:
-        """Seconds per copy apart from its bytes, as the executor makes them: one element of
-        each piece of a llama_tiny trainer's state read and written back through megatron's
-        state access (state_access.py), on ranks below `active`. Half of a read + write: a
-        network op is a read and a pack on one rank, an unpack and a write on another."""
+    def _ring(self, nbytes: int, active: int) -> tuple[dict, dict]:
+        """This rank's messages of one round (by peer, out and in) of a ring of ranks below
+        `active`, each sending `nbytes` to the next."""
+        ops = [_op(r, (r + 1) % active, nbytes) for r in range(active)]
+        return ({op.dst: [op] for op in ops if op.src == self.rank},
+                {op.src: [op] for op in ops if op.dst == self.rank})
+
+    def state_copies_and_switch(self, active: int) -> tuple[float, float]:
+        """On a llama_tiny trainer: (seconds per copy apart from its bytes, the switch's work).
+
+        A copy as the executor makes it: one element of each piece of the state read and
+        written back through megatron's state access (state_access.py), on ranks below
+        `active`; half of a read + write: a network op is a read and a pack on one rank, an
+        unpack and a write on another. The switch as a move's is, apart from its success
+        report: the old state's access made, a layout built beforehand (prebuild.py) installed
+        (`Trainer.install`), the new optimizer's states ensured; every rank at once, the max
+        over ranks, the median of `repeats` switches to the layout the trainer runs."""
+        import torch.distributed as dist
+
+        from megatron_ext.platform.device import current_device
         from megatron_ext.reshard.live import planner_model
+        from megatron_ext.reshard.prebuild import prebuild
         from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
         from megatron_ext.reshard.vps import rank_pieces
 
@@ -223,9 +253,39 @@ class MicroBench:
                     for piece, box in corners:
                         state.write(piece, box, state.read(piece, box))
 
-            return self.timed(copies, 5) / max(len(corners), 1) / 2
+            per_copy = self.timed(copies, 5) / max(len(corners), 1) / 2
+            switches = []
+            for _ in range(self.repeats):
+                built = prebuild(trainer, trainer.cfg.parallel, current_device())
+                dist.barrier()
+                start = time.perf_counter()
+                ensure_optimizer_states(trainer.optimizer)
+                MegatronState(trainer.model, trainer.optimizer)
+                trainer.install(layout, built)
+                ensure_optimizer_states(trainer.optimizer)
+                switches.append(_max_over_ranks(time.perf_counter() - start))
+            return per_copy, statistics.median(switches)
         finally:
             trainer.close()
+
+
+class ColdPlaces:
+    """(target, source) views of `nbytes` that walk two buffers of COLD_BYTES each, so that
+    consecutive copies touch places the caches no longer hold."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.source = torch.ones(COLD_BYTES, dtype=torch.uint8)
+        self.target = torch.zeros(COLD_BYTES, dtype=torch.uint8)
+        self.offset = 0
+
+    def next(self, nbytes: int):
+        if self.offset + nbytes > COLD_BYTES:
+            self.offset = 0
+        place = slice(self.offset, self.offset + nbytes)
+        self.offset += nbytes
+        return self.target[place], self.source[place]
 
 
 def live_moves(pair: str, args: argparse.Namespace) -> list[dict]:
@@ -329,25 +389,33 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 def describe_machine(raw: dict, world: int) -> dict:
     """The simulator's link, copy and transport numbers for this machine, from the micro-benchmark."""
     steps, cores = math.ceil(math.log2(world)), raw["cores"]
-    # Measured on as many workers as there are cores (each its own core), and on all of them.
-    _, copy_per_byte = fit_line(_keyed(raw[f"copy_{cores}"]))
+    # Copies by one worker alone (its own rate), by as many as there are cores (the node's
+    # memory, all of them together), by all workers (a check: the cores they found).
+    _, copy_per_byte = fit_line(_keyed(raw["copy_1"]))
+    _, copy_per_byte_cores = fit_line(_keyed(raw[f"copy_{cores}"]))
     _, copy_per_byte_all = fit_line(_keyed(raw[f"copy_{world}"]))
     fixed, per_byte = fit_line(_keyed(raw[f"exchange_{cores}"]))
     collective_step = raw["collective"] / steps
     # A ring round of the phased transport: a barrier after packing, one after unpacking; a
-    # pack and an unpack per byte.
+    # pack and an unpack per byte, every worker of the ring at once. Its fixed part less those
+    # is the latency of a message. Its bytes are copies into and out of shared memory, as
+    # fast as a worker's copies: the link's bandwidth is the copy bandwidth (the exchange's own
+    # per-byte rate, with every worker of the ring copying at once, is the node's memory's).
     latency = max(0.0, fixed - 2 * collective_step * steps - 2 * raw["copy_overhead"]) / 2
     setup_fixed, setup_per_byte = fit_line(_keyed(raw["setup"]))
     return {
         "copy_bandwidth": 1 / copy_per_byte,
+        "node_copy_bandwidth": cores / copy_per_byte_cores,
         "cores_per_node": cores,
         # all workers copying at once against one a core: how many cores the copies found
-        "cores_seen_by_copies": world * copy_per_byte / copy_per_byte_all,
-        "link_bandwidth": 2 / per_byte,
+        "cores_seen_by_copies": world * copy_per_byte_cores / copy_per_byte_all,
+        "link_bandwidth": 1 / copy_per_byte,
+        "exchange_bandwidth_per_worker": 2 / per_byte,  # a check: the ring's workers at once
         "link_latency_s": latency,
         "exchange_fixed_s": fixed,
         "collective_step_s": collective_step,
         "copy_overhead_s": raw["copy_overhead"],
+        "switch_s": raw["switch"],
         "setup_s": setup_fixed,
         "setup_bandwidth": 1 / setup_per_byte if setup_per_byte > 0 else math.inf,
     }
@@ -367,7 +435,7 @@ def machine_cluster(m: dict, world: int, constants: dict) -> sim.Cluster:
         copy_bandwidth=m["copy_bandwidth"],
         copy_overhead_s=m["copy_overhead_s"],
         collective_step_s=m["collective_step_s"],
-        switch_s=constants["switch_s"],
+        switch_s=m["switch_s"],
         build_fixed_s=constants["build_fixed_s"],
         build_bandwidth=constants["build_bandwidth"],
         storage=sim.Storage(
@@ -382,11 +450,12 @@ def machine_cluster(m: dict, world: int, constants: dict) -> sim.Cluster:
         setup_s=m["setup_s"],
         setup_bandwidth=m["setup_bandwidth"],
         cores_per_node=m["cores_per_node"],
+        node_copy_bandwidth=m["node_copy_bandwidth"],
         topology="one host: every worker on one node, messages through shared memory",
         sources={
-            "links, copies, collective, copy_overhead, setup": "the micro-benchmark of this run",
+            "links, copies, collective, copy_overhead, setup, switch_s": "the micro-benchmark of this run",
             "cores_per_node": "the CPUs this process may run on",
-            "switch_s": "median of this run's tiny switches, less a collective",
+            "node_copy_bandwidth": "the micro-benchmark's copies by as many workers as cores, all together",
             "build, storage": "least squares over the --measured transitions (stall built at the "
             "switch less the stall; tmpfs save; tmpfs load less the build)",
         },
@@ -404,6 +473,7 @@ class Case:
     held_a: dict
     held_b: dict
     state: int
+    cut: dict  # rank -> seconds of cutting its own rounds in the agreement (cut_seconds)
 
 
 def stored_transitions(path: str) -> tuple[int, float, list[dict]]:
@@ -436,8 +506,10 @@ def median_records(records: list[dict]) -> list[dict]:
     ]
 
 
-def cases_of(source: str, world: int, budget_mb: float, transitions: list[dict]) -> list[Case]:
-    """Each transition planned again as its live move planned it."""
+def cases_of(source: str, world: int, budget_mb: float, transitions: list[dict], cuts: dict) -> list[Case]:
+    """Each transition planned again as its live move planned it, its round cutting timed
+    (`cut_seconds`) or taken from `cuts` ((source, model, label) -> rank -> seconds: timed
+    by the run --reuse reads)."""
     from megatron_ext.config import compose_config
     from megatron_ext.data import build_tokenizer
     from megatron_ext.models.gpt import padded_vocab_size
@@ -461,11 +533,42 @@ def cases_of(source: str, world: int, budget_mb: float, transitions: list[dict])
             print(f"skipped: {why}", file=sys.stderr)  # a stored run of an older planner
             continue
         pieces_a = layout_pieces(model, a)
+        cut = cuts.get((source, t["model"], t["label"])) or cut_seconds(model, a, b, int(budget_mb * 2**20))
         cases.append(Case(
             source, t, sim.traffic_from_rounds(steps), p.world, sim.held_bytes(pieces_a),
-            sim.held_bytes(layout_pieces(model, b)), sim.state_bytes(pieces_a),
+            sim.held_bytes(layout_pieces(model, b)), sim.state_bytes(pieces_a), cut,
         ))
     return cases
+
+
+def cut_seconds(model, a, b, budget_bytes: int, repeats: int = 5) -> dict[int, float]:
+    """Each rank's work between the agreement's first two collectives (execute.py `schedule`):
+    its byte counts (`traffic`), its own rounds from every rank's (`rank_rounds`), its staging
+    peak (`peak_bytes`), on its own plan; pure functions, timed here one rank after another
+    (one core), the median of `repeats`."""
+    from megatron_ext.reshard.execute import peak_bytes, rank_rounds, traffic
+    from megatron_ext.reshard.plan import rank_plan
+
+    world = max(a.world, b.world)
+    plans = [rank_plan(model, a, b, r) for r in range(world)]
+    everyone = [traffic(p, r) for r, p in enumerate(plans)]
+
+    def once(rank: int) -> float:
+        start = time.perf_counter()
+        traffic(plans[rank], rank)
+        peak_bytes(plans[rank], rank_rounds(plans[rank], rank, budget_bytes, everyone))
+        return time.perf_counter() - start
+
+    return {r: statistics.median(once(r) for _ in range(repeats)) for r in range(world)}
+
+
+def earlier_cuts(path: Optional[str]) -> dict:
+    """(source, model, label) -> rank -> seconds: the round cutting an earlier --json timed."""
+    if not path:
+        return {}
+    rows = json.loads(Path(path).read_text())["transitions"]
+    return {(r["source"], r["model"], r["label"]): {int(k): v for k, v in r["agree_cut_s"].items()}
+            for r in rows if "agree_cut_s" in r}
 
 
 def layout_of(label: str, world: int):
@@ -477,21 +580,17 @@ def layout_of(label: str, world: int):
     return ParallelLayout(**sizes, world=world)
 
 
-def fit_constants(live: list[Case], stored: list[Case], m: dict, world: int) -> dict:
-    """The constants no micro-benchmark gives: switch, build, checkpoint save and load."""
-    collective = m["collective_step_s"] * math.ceil(math.log2(world))
-    switches = [c.measured["switch_s"] for c in live if "tiny" in c.measured["model"]]
-    switches = switches or [c.measured["switch_s"] for c in live + stored]
-    constants = {"switch_s": max(0.0, statistics.median(switches) - collective)}
+def fit_constants(stored: list[Case], m: dict, world: int) -> dict:
+    """The constants no micro-benchmark gives: build, checkpoint save and load."""
     if not stored:  # nothing measured them: the fit has no data
-        return {**constants, "build_fixed_s": math.nan, "build_bandwidth": math.nan,
+        return {"build_fixed_s": math.nan, "build_bandwidth": math.nan,
                 "save_fixed_s": math.nan, "serialize_bandwidth": math.nan, "load_fixed_s": math.nan}
     build = [(max(c.held_b.values()), c.measured["stall_built_at_switch_s"] - c.measured["stall_s"]) for c in stored]
     build_fixed, build_per_byte = fit_line(build)
     save = [(max(c.held_a.values()), c.measured["ckpt_tmpfs_save_s"]) for c in stored]
     save_fixed, save_per_byte = fit_line(save)
-    constants.update(build_fixed_s=build_fixed, build_bandwidth=1 / build_per_byte,
-                     save_fixed_s=save_fixed, serialize_bandwidth=1 / save_per_byte)
+    constants = {"build_fixed_s": build_fixed, "build_bandwidth": 1 / build_per_byte,
+                 "save_fixed_s": save_fixed, "serialize_bandwidth": 1 / save_per_byte}
     # The tmpfs load (build + load) less the build and the per-rank term: the load's fixed part.
     partial = machine_cluster(m, world, {**constants, "load_fixed_s": 0.0})
     load = [
@@ -503,16 +602,16 @@ def fit_constants(live: list[Case], stored: list[Case], m: dict, world: int) -> 
 
 
 def predict(case: Case, cluster: sim.Cluster) -> dict:
-    live = sim.stall(case.traffic, cluster, case.world)
+    live = sim.stall(case.traffic, cluster, case.world, cut=case.cut)
     predicted = {"agree_s": live.agree, "switch_s": live.switch, "transfer_s": live.transfer, "stall_s": live.total}
     t = case.measured
     if "stall_built_at_switch_s" in t:
-        built = sim.stall(case.traffic, cluster, case.world, case.held_b, built_ahead=False)
+        built = sim.stall(case.traffic, cluster, case.world, case.held_b, built_ahead=False, cut=case.cut)
         ckpt = sim.checkpoint_route(case.held_a, case.held_b, case.state, cluster)
         predicted.update(stall_built_at_switch_s=built.total, ckpt_tmpfs_save_s=ckpt.save,
                          ckpt_tmpfs_load_s=ckpt.build + ckpt.load, ckpt_tmpfs_s=ckpt.total)
     row = {"source": case.source, "label": t["label"], "model": t["model"], "bytes_moved": t["bytes_moved"],
-           "rounds": t["rounds"], "repeats": t.get("repeats", 1)}
+           "rounds": t["rounds"], "repeats": t.get("repeats", 1), "agree_cut_s": case.cut}
     # The predicted stall is agree + switch + transfer; the measured one also has prepare and
     # finish (waiting for a finished preparation, handing the old layout to a thread: ~0).
     for key, p in predicted.items():
@@ -522,8 +621,9 @@ def predict(case: Case, cluster: sim.Cluster) -> dict:
 
 
 def on_h100(case: Case) -> dict:
-    """The same move's stall and checkpoint route on the H100-class cluster (one node here)."""
-    live = sim.stall(case.traffic, sim.H100_CLASS, case.world)
+    """The same move's stall and checkpoint route on the H100-class cluster (one node here; the
+    ranks' round cutting as timed here: the same Python on the GPU hosts' cores)."""
+    live = sim.stall(case.traffic, sim.H100_CLASS, case.world, cut=case.cut)
     ckpt = sim.checkpoint_route(case.held_a, case.held_b, case.state, sim.H100_CLASS)
     return {"stall_s": live.total, "transfer_s": live.transfer, "ckpt_s": ckpt.total,
             "ratio_ckpt_over_stall": ckpt.total / live.total}
@@ -541,10 +641,21 @@ def run_to_run(rows: list[dict]) -> list[dict]:
     ]
 
 
+def spread(pairs: list[dict]) -> dict:
+    """Per stored run, how far the stalls measured here are from its (this run / stored - 1),
+    counted as `summary` counts a prediction's errors: what the machine alone does."""
+    by_source: dict[str, list[float]] = {}
+    for pair in pairs:
+        by_source.setdefault(pair["stored"], []).append(abs(pair["ratio"] - 1))
+    return {source: _counted(errors) for source, errors in by_source.items()}
+
+
 def summary(rows: list[dict], key: str) -> dict:
     errors = [abs(r[key]["error"]) for r in rows if key in r]
-    if not errors:
-        return {}
+    return _counted(errors) if errors else {}
+
+
+def _counted(errors: list[float]) -> dict:
     return {"max_abs_error": max(errors), "median_abs_error": statistics.median(errors),
             "within_25pct": sum(e <= TARGET_ERROR for e in errors), "of": len(errors)}
 
@@ -573,15 +684,6 @@ def measure(args: argparse.Namespace) -> dict:
     return launch_local(args.nproc, worker, (args,), "127.0.0.1", 0)[0]
 
 
-def with_move_collective(cluster: sim.Cluster, live: list[Case], world: int) -> Optional[sim.Cluster]:
-    """`cluster` with the collective as the moves of this run met it: the median agree part
-    (one all-gather) in place of the micro-benchmark's all-reduce."""
-    if not live:
-        return None
-    agree = statistics.median(c.measured["agree_s"] for c in live)
-    return dataclasses.replace(cluster, collective_step_s=agree / math.ceil(math.log2(world)))
-
-
 def summaries(rows: list[dict]) -> dict:
     by_source: dict[str, list[dict]] = {}
     for r in rows:
@@ -593,19 +695,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     ran = measure(args)
     machine = describe_machine(ran["micro_benchmark"], args.nproc)
-    live = cases_of("this run", args.nproc, args.budget_mb, median_records(ran["live"]))
+    cuts = earlier_cuts(args.reuse)
+    live = cases_of("this run", args.nproc, args.budget_mb, median_records(ran["live"]), cuts)
     stored = []
     for path in args.measured:
         world, budget, transitions = stored_transitions(path)
         if world != args.nproc:
             raise SystemExit(f"--measured: {path} ran {world} workers, this run --nproc {args.nproc}")
-        stored += cases_of(str(Path(path).name), world, budget, transitions)
-    constants = fit_constants(live, stored, machine, args.nproc)
+        stored += cases_of(str(Path(path).name), world, budget, transitions, cuts)
+    constants = fit_constants(stored, machine, args.nproc)
     cluster = machine_cluster(machine, args.nproc, constants)
     rows = [predict(c, cluster) for c in live + stored]
     print_table(rows)
-    moved = with_move_collective(cluster, live, args.nproc)
-    rows_moved = [predict(c, moved) for c in live + stored] if moved else []
     out = {
         "benchmark": "scripts/bench/reshard_simulate.py: the stall simulator against measured live reshards",
         "world": args.nproc,
@@ -618,19 +719,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         "cluster": sim.describe(cluster),
         "transitions": rows,
         "summary": summaries(rows),
-        "collective_as_moves_met_it_s": moved.collective_step_s * math.ceil(math.log2(args.nproc)) if moved else None,
-        "summary_with_the_moves_collective": summaries(rows_moved),
         "run_to_run": run_to_run(rows),
+        "run_to_run_spread": spread(run_to_run(rows)),
         "live_moves": ran["live"],
         "h100_class": sim.describe(sim.H100_CLASS),
         "provenance": provenance(__file__, argv),
     }
     Path(args.json).write_text(json.dumps(sim.jsonable(out), indent=2) + "\n")
-    for name, table in (("", out["summary"]), (" (the moves' collective)", out["summary_with_the_moves_collective"])):
-        for source, s in table.items():
-            stall = s["stall_s"]
-            print(f"{source}{name}: stall within 25% in {stall['within_25pct']}/{stall['of']}, "
-                  f"median error {stall['median_abs_error']:.0%}, max {stall['max_abs_error']:.0%}")
+    for source, parts in out["summary"].items():
+        for part in LIVE_PARTS + ("stall",):
+            if s := parts.get(f"{part}_s"):
+                print(f"{source}: {part} within 25% in {s['within_25pct']}/{s['of']}, "
+                      f"median error {s['median_abs_error']:.0%}, max {s['max_abs_error']:.0%}")
     print(f"wrote {args.json}")
     return 0
 

@@ -365,10 +365,18 @@ def simulate_tables(data: dict) -> list[Table]:
             if s:
                 rows.append([source, part, f"{s[SIMULATE_WITHIN]} of {s['of']}", pct(s["median_abs_error"]),
                              pct(s["max_abs_error"])])
-    return [Table(["measured in", "time", f"predicted within {threshold(SIMULATE_WITHIN)}%", "median error",
-                   "largest error"], rows,
-                  "The stall simulator's prediction on this machine's fitted constants against the measured live "
-                  "reshards.")]
+    tables = [Table(["measured in", "time", f"predicted within {threshold(SIMULATE_WITHIN)}%", "median error",
+                     "largest error"], rows,
+                    "The stall simulator's prediction on this machine's fitted constants against the measured live "
+                    "reshards.")]
+    spread = [[source, f"{s[SIMULATE_WITHIN]} of {s['of']}", pct(s["median_abs_error"]), pct(s["max_abs_error"])]
+              for source, s in data.get("run_to_run_spread", {}).items()]
+    if spread:
+        tables.append(Table(["stored run", f"this run's stall within {threshold(SIMULATE_WITHIN)}%", "median difference",
+                             "largest difference"], spread,
+                            "The machine's own spread: the same transitions' stalls measured in this run against a "
+                            "stored run (no model can predict both closer than they agree)."))
+    return tables
 
 
 def simulate_targets(data: dict) -> list[Target]:

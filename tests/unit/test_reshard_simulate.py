@@ -49,13 +49,33 @@ def test_two_ranks_hand_worked():
     # The round ends with the slowest rank: 6.4 s (no barriers per round in this cluster).
     # Transfer: no setup, 6.4 s, then the success report: a collective over 2 ranks,
     #   ceil(log2 2) = 1 step of 0.2 s -> 6.6 s.
-    # Stall: agree = one collective, 0.2 s; switch = 1.0 + 0.2 = 1.2 s; total 0.2 + 1.2 + 6.6 = 8.0 s.
+    # Stall: agree = three collectives (no round cutting given), 0.6 s; switch = 1.0 + 0.2 =
+    #   1.2 s; total 0.6 + 1.2 + 6.6 = 8.4 s.
     work = sim.rank_work(HAND_ROUND, CLUSTER)
     assert work == pytest.approx({0: 6.4, 1: 4.3})
     assert sim.round_seconds(HAND_ROUND, CLUSTER, world=2) == pytest.approx(6.4)
     s = sim.stall([HAND_ROUND], CLUSTER, world=2)
-    assert (s.agree, s.switch, s.transfer) == pytest.approx((0.2, 1.2, 6.6))
-    assert s.total == pytest.approx(8.0)
+    assert (s.agree, s.switch, s.transfer) == pytest.approx((0.6, 1.2, 6.6))
+    assert s.total == pytest.approx(8.4)
+
+
+# name -> (cluster changes, world, each rank's round cutting, expected agree seconds).
+AGREE_CASES = {
+    # Two ranks on two nodes: 3 collectives of 1 step (0.6 s), then the slower cut, 0.5 s.
+    "own cores": ({}, 2, {0: 0.3, 1: 0.5}, 0.6 + 0.5),
+    # Four ranks on one node sharing 2 cores: 3 collectives of 2 steps (1.2 s); the node's
+    # 0.3 + 0.5 + 0.4 + 0.4 = 1.6 s of cutting over 2 cores, 0.8 s, is longer than any rank's.
+    "shared cores": ({"gpus_per_node": 4, "cores_per_node": 2}, 4, {0: 0.3, 1: 0.5, 2: 0.4, 3: 0.4}, 1.2 + 0.8),
+    # The memory cap counts copied bytes; cutting copies none, so it does not apply.
+    "memory cap ignored": ({"gpus_per_node": 2, "node_copy_bandwidth": 1.0}, 2, {0: 0.3, 1: 0.5}, 0.6 + 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(AGREE_CASES))
+def test_agree_table(name):
+    changes, world, cut, expected = AGREE_CASES[name]
+    cluster = dataclasses.replace(CLUSTER, **changes)
+    assert sim.stall([], cluster, world, cut=cut).agree == pytest.approx(expected)
 
 
 # name -> (cluster changes, rounds, world, expected transfer seconds), each worked by hand.
@@ -87,6 +107,17 @@ CASES = {
     # the node's 8.4 s over 2 cores, 4.2 s, is longer than any rank's 2.1 s.
     "shared cores": (
         {"gpus_per_node": 4, "cores_per_node": 2}, [tuple(T(r, r, 100) for r in range(4))], 4, 4.2 + 0.4
+    ),
+    # Four ranks on one node sharing a memory that copies 100 B/s: each copies 100 bytes
+    # locally (2.1 s of work), the node's 400 bytes take 4.0 s, longer than any rank's work.
+    "shared memory bus": (
+        {"gpus_per_node": 4, "node_copy_bandwidth": 100.0}, [tuple(T(r, r, 100) for r in range(4))], 4, 4.0 + 0.4
+    ),
+    # Phased on one node with a memory of 80 B/s. Send phase: rank 0 packs 300 and copies 100
+    # locally, rank 1 packs 100: 500 bytes, 6.25 s, over rank 0's 0.3 + (0.01 + 0.3) + 2.0 =
+    # 2.61 s. Receive phase: 400 bytes unpacked, 5.0 s, over rank 1's 0.2 + 0.01 + 0.3 = 0.51 s.
+    "phased, shared memory bus": (
+        {"gpus_per_node": 2, "phased": True, "node_copy_bandwidth": 80.0}, [HAND_ROUND], 2, 6.25 + 5.0 + 0.2
     ),
     # The transport's setup: 0.5 s + the largest round of sends, rank 0's 300 bytes, at 600 B/s.
     "setup": ({"setup_s": 0.5, "setup_bandwidth": 600.0}, [HAND_ROUND], 2, 0.5 + 0.5 + 6.4 + 0.2),

@@ -1,7 +1,7 @@
 """A restarted job, timed: new worker processes resume from a checkpoint in a new layout.
 
     python scripts/bench/restart_probe.py model=llama_100m parallel.dp=4 launcher.nproc=4 \
-        checkpoint.load=/tmp/ckpt
+        checkpoint.load=runs/ckpt
 
 This is what changing the layout of a job costs today once it has saved a checkpoint and
 stopped: a fresh launch (`launcher.nproc` processes, like `python -m megatron_ext.train`), the

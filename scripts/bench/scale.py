@@ -80,12 +80,12 @@ PAPERS = {
                   "cost stays below the iteration time up to 128 GPUs (InfiniPipe, Fig. 12; 32-128 A800-80GB, "
                   "LLaMA 7B-30B, contexts 48K-192K)",
         "planner_below_iteration": True,
-        "source": "/work/shared/reference/dpp.md section 2 (Accuracy and overhead)",
+        "source": "the project's paper notes, dpp.md section 2 (Accuracy and overhead)",
     },
     "lora": {
         "figure": "up to 7.52x lower sweep makespan than existing approaches (PLoRA abstract, arXiv 2508.02932)",
         "makespan_reduction_max": 7.52,
-        "source": "/work/shared/reference/plora.md section 0 and 1.7; /work/shared/seeds/000_e9d28edf31e35b50.txt",
+        "source": "the project's paper notes, plora.md section 0 and 1.7; the DynaTrain abstract",
     },
 }
 
@@ -368,11 +368,11 @@ RESHARD_RSS_TARGET_MB = 300
 RESHARD_PAPER = {
     "70b": {"figure": "a 70B dense model reconfigured end to end in under 2 s (DynaTrain abstract; its GPUs and "
                       "layouts are not given)", "stall_s": 2.0,
-            "source": "/work/shared/seeds/000_e9d28edf31e35b50.txt (abstract); /work/shared/reference/dynatrain.md "
+            "source": "the DynaTrain abstract (abstract); the project's paper notes, dynatrain.md "
                       "lines 17, 44, 126"},
     "235b_moe": {"figure": "a 235B MoE model reconfigured in 4.36 s (DynaTrain abstract; its GPUs and layouts are not "
                            "given)", "stall_s": 4.36,
-                 "source": "/work/shared/seeds/000_e9d28edf31e35b50.txt (abstract); /work/shared/reference/dynatrain.md "
+                 "source": "the DynaTrain abstract (abstract); the project's paper notes, dynatrain.md "
                            "lines 17, 44, 126"},
 }
 
@@ -532,7 +532,7 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
             "met": met_time and met_bytes and (case.target_s is None or t["peak_rss_mb"] <= RESHARD_RSS_TARGET_MB),
             "met_cpu": met_cpu_time and met_bytes,
             "paper": RESHARD_PAPER[case.paper] if case.paper else
-                     {"figure": None, "source": "/work/notes/issue27.md (target only; DynaTrain gives no 405B figure)"},
+                     {"figure": None, "source": "issue 27's target (DynaTrain gives no 405B figure)"},
             "setup": {"a": str(case.a), "b": str(case.b), "world": max(case.a.world, case.b.world),
                       "model": case.model.name, "cluster": describe(H100_CLASS)},
         })

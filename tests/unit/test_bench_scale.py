@@ -6,24 +6,18 @@ planner is never worse than a baseline."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = str(Path(__file__).parents[2] / "scripts" / "bench")
+from tests.unit._bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def scale():
-    # imported by name from its folder, so that a spawned process (`measured`) finds it too
-    sys.path.insert(0, BENCH)
-    try:
-        yield importlib.import_module("scale")
-    finally:
-        sys.path.remove(BENCH)
+    # imported by name from its folder, so that a spawned process finds it too
+    with bench_script("scale") as module:
+        yield module
 
 
 def common_fields(row: dict, plugin: str) -> None:

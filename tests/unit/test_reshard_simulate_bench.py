@@ -4,27 +4,22 @@ against numbers worked out by hand, and its timing of each rank's round cutting.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_ext.config.store import MODEL_PRESETS
 from megatron_ext.parallel.layout import ParallelLayout as L
+from tests.unit._bench_scripts import bench_script
 
-BENCH = str(Path(__file__).parents[2] / "scripts" / "bench")
 SIZES = (1 << 20, 1 << 22, 1 << 24)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, BENCH)
-    try:
-        yield importlib.import_module("reshard_simulate")
-    finally:
-        sys.path.remove(BENCH)
+    # imported by name from its folder, so that a spawned process finds it too
+    with bench_script("reshard_simulate") as module:
+        yield module
 
 
 def line(fixed: float, bandwidth: float) -> dict:

@@ -15,6 +15,7 @@ from hydra.errors import HydraException
 
 from megatron_ext.config.mlm_args import MlmArgsError, flag_table_markdown, translate
 from megatron_ext.config.validate import ConfigError
+from megatron_ext.platform.launch_env import detect_launch
 
 
 def _named(error: ConfigError, sources: Mapping[str, str]) -> str:
@@ -37,8 +38,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         translation = translate(argv)
         sources = translation.sources
-        for line in translation.notices:
-            print(f"notice: {line}", file=sys.stderr)
+        launch = detect_launch()
+        if launch is None or launch.rank == 0:  # under torchrun / srun every rank reads the flags
+            for line in translation.notices:
+                print(f"notice: {line}", file=sys.stderr)
         # Late: the trainer pulls in torch and megatron-core; mapping flags does not need them.
         from megatron_ext.train import run_from_overrides
 

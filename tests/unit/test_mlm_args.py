@@ -462,6 +462,17 @@ def test_rule_errors_name_the_typed_flag(capsys):
     ]
 
 
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)], ids=["rank0", "rank1"])
+def test_notices_printed_once_per_launch(monkeypatch, capsys, rank, printed):
+    """Under torchrun every rank reads the flags; only rank 0 prints their notices."""
+    for name, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        main(shlex.split("--num-layers 2 --num-attention-heads 4 --tensor-model-parallel-size 3 --attention-backend auto"))
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: ")]
+    assert len(notices) == (1 if printed else 0)
+
+
 def test_interleaved_micro_batches_refused_before_launch(capsys):
     command = (
         "--num-layers 4 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "

@@ -57,12 +57,11 @@ class Plugin:
     `config_class` (a dataclass that becomes the config section `<name>`), and is made selectable
     by `register_plugin`. Instances are built with their config section (`self.cfg`) in the
     launching process and on each rank. The launching process calls `check` and `check_layout` (and `runner`, `multirun`) before
-    anything starts; each rank's Trainer then calls, in the order of `cfg.plugins` and with its
-    `PluginContext` where a hook takes one: `setup`,
+    anything starts; each rank's Trainer then calls, in the order of `cfg.plugins`: `setup`,
     `layer_spec` and `after_model_built` while it builds the model (and again for each new layout),
     `load_state_dict` on resume, `forward_backward_func` for each step's passes, `on_step_begin`
     and `on_step_end` around each step, `state_dict` with every checkpoint and `on_train_end` at
-    the end.
+    the end. Those that take a `ctx` receive the Trainer's `PluginContext`.
     """
 
     name: str = ""

@@ -29,10 +29,10 @@ class PluginContext:
     still empty or None (in `setup`: the model, optimizer, tokenizer, vocabulary and datasets).
 
     Changing the layout (a step hook, between two steps: `on_step_begin`): `install()` enters
-    another layout, `close()` leaves this one (a rank a move leaves out of the world). Building
-    a layout ahead, beside the running one (from `on_step_begin`, also in a thread it starts
-    that runs while the steps do): `build_model()`, `build_optimizer()`, `open_datasets()` and
-    `common_state()`.
+    another layout, `close()` leaves this one (on a rank that a move leaves out of the world).
+    Building a layout ahead, beside the running one (from `on_step_begin`, also in a thread it
+    starts that runs while the steps do): `build_model()`, `build_optimizer()`,
+    `open_datasets()` and `common_state()`.
 
     Every hook receives this same object, `layer_spec` and `after_model_built` included, which
     read no more than the config: one signature for all hooks reads simpler than a different

@@ -122,6 +122,8 @@ class Trainer:
         self.model_config = None  # megatron's TransformerConfig of the current layout
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
+        self.tokenizer = None  # built by setup(), after the plugins' setup hooks
+        self.train_ds = None
         self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
         # The indexed datasets' prefixes, resolved once per run: a new layout and a trainer set
         # up from a running job's state reuse them (resolving the default corpus walks its files).

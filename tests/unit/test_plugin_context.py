@@ -27,8 +27,12 @@ TINY = [
 HOOKS = ("setup", "layer_spec", "after_model_built", "forward_backward_func", "on_step_begin", "on_step_end", "on_train_end")
 
 
+PROPERTIES = sorted(n for n in dir(PluginContext) if isinstance(getattr(PluginContext, n), property))
+
+
 class Recorder(Plugin):
-    """Records (hook, its context argument, the number of model chunks the context shows)."""
+    """Records (hook, its context argument, the number of model chunks the context shows), after
+    reading every property of the context (each one readable in every hook)."""
 
     name = "recorder"
 
@@ -37,6 +41,8 @@ class Recorder(Plugin):
         self.calls: list[tuple[str, object, int]] = []
 
     def _record(self, hook: str, ctx) -> None:
+        for name in PROPERTIES:
+            getattr(ctx, name)
         self.calls.append((hook, ctx, len(ctx.model)))
 
     def setup(self, ctx) -> None:
@@ -99,7 +105,7 @@ def test_the_context_reads_the_trainer_live(run):
     assert (seen["setup"], seen["on_step_begin"], seen["on_train_end"]) == (0, 1, 1)
 
 
-@pytest.mark.parametrize("member", sorted(n for n in dir(PluginContext) if isinstance(getattr(PluginContext, n), property)))
+@pytest.mark.parametrize("member", PROPERTIES)
 def test_each_property_is_the_trainers_own_member(run, member):
     trainer, _ = run
     got, want = getattr(trainer.plugin_context, member), getattr(trainer, member)

@@ -26,7 +26,9 @@ class PluginContext:
     `tokenizer`, `vocab_size`, `train_ds`, `on_cpu`, `plugins`, and `note()`; `data_prefixes()`
     from `layer_spec` on. Each property reads the Trainer at the time of the call, so it follows
     a change of layout (a new model, optimizer and layout); what the Trainer has not built yet is
-    still empty or None (in `setup`: the model, optimizer, tokenizer, vocabulary and datasets).
+    still empty or None (in `setup`: the model, optimizer, tokenizer, vocabulary and datasets),
+    and while it builds a model (`layer_spec`, `after_model_built`) the model, optimizer and
+    datasets are those before it, if any.
 
     Changing the layout (a step hook, between two steps: `on_step_begin`): `install()` enters
     another layout, `close()` leaves this one (on a rank that a move leaves out of the world).

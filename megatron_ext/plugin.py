@@ -10,7 +10,11 @@ reach into each other.
         name = "mine"
         config_class = MyConfig
 
-        def on_step_end(self, trainer, step, metrics): ...
+        def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None: ...
+
+Every hook that runs inside a Trainer receives its `PluginContext` (plugin_context.py):
+what a plugin may read of the run and the layout changes a step hook may make, never the
+Trainer itself.
 
 The configuration knows a plugin by its section (config/plugin_sections.py): its config class
 and the checks `check` / `check_layout`, which need nothing but the config. A plugin that keeps
@@ -24,67 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, import_external_plugins, no_check, register_section
 from megatron_ext.config.sweep import Sweep
+from megatron_ext.plugin_context import PluginContext
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_ext.parallel.layout import ParallelLayout
-
-
-class Trainer(Protocol):
-    """What a plugin may use of the Trainer (training/trainer.py, which documents each member):
-    the hooks receive the Trainer, and plugins read and call these members only."""
-
-    cfg: Any  # the run's Config, its `parallel` the running layout's
-    plugins: list
-    layout: Optional[ParallelLayout]  # None once a move left this rank out of the job's world
-    model: list  # the DDP-wrapped model chunks
-    model_config: Any  # megatron's TransformerConfig of the model
-    optimizer: Any
-    vocab_size: Optional[int]  # the padded vocabulary
-    tokenizer: Any
-    train_ds: Any
-    on_cpu: bool
-
-    def note(self, line: str) -> None:
-        """Write `line` to the run's log (rank 0) and its summary's notes."""
-
-    def data_prefixes(self) -> list[str]:
-        """The run's indexed datasets: data.data_path (a blend, weights included) or the default corpus."""
-
-    def open_datasets(self, dp: Optional[int] = None) -> tuple:
-        """(training, validation) datasets sized for `dp` data-parallel ranks (default: the layout's)."""
-
-    def build_model(self, parallel: Any, groups: Any = None, initialise: bool = True, load_pretrained: bool = False) -> tuple[list, Any]:
-        """Build megatron's DDP-wrapped model chunks for `parallel`: (chunks, TransformerConfig)."""
-
-    def build_optimizer(self, model: list, model_config: Any, parallel: Any, groups: Any = None) -> Any:
-        """Build megatron's optimizer over `model` for `parallel`."""
-
-    def common_state(self) -> dict:
-        """The non-tensor state a checkpoint holds: counters, scheduler, plugin states, config."""
-
-    def load_common_state(self, common: dict) -> None:
-        """Restore counters, scheduler and plugin states from another job's `common_state()`."""
-
-    def install(self, layout: ParallelLayout, built: Any = None) -> None:
-        """Leave the running layout and enter `layout` between two steps (see Trainer.install)."""
-
-    def setup(self, from_state: Optional[dict] = None) -> None:
-        """Build groups, data, model, optimizer and scheduler, and resume (see Trainer.setup)."""
-
-    def train(self) -> dict:
-        """Run the training loop to the end and return the run summary."""
-
-    def save(self) -> None:
-        """Save a checkpoint of this iteration under `checkpoint.save` (collective)."""
-
-    def close(self, in_background: bool = False) -> None:
-        """Leave this layout: megatron's globals and the process groups it created."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +61,7 @@ class Plugin:
     `layer_spec` and `after_model_built` while it builds the model (and again for each new layout),
     `load_state_dict` on resume, `forward_backward_func` for each step's passes, `on_step_begin`
     and `on_step_end` around each step, `state_dict` with every checkpoint and `on_train_end` at
-    the end.
+    the end. Those that take a `ctx` receive the Trainer's `PluginContext`.
     """
 
     name: str = ""
@@ -165,37 +116,37 @@ class Plugin:
             return self.config_class()
         return self.cfg
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, ctx: PluginContext) -> None:
         """After the world exists, before the tokenizer, data and model are built: the place to
-        read `trainer.cfg` and `trainer.layout` and make the plugin's own process groups or
-        state. Called on every rank, once per `Trainer.setup`."""
+        read `ctx.cfg` and `ctx.layout` and make the plugin's own process groups or state.
+        Called on every rank, once per `Trainer.setup`."""
 
-    def layer_spec(self, spec: ModuleSpec, trainer: Trainer) -> ModuleSpec:
+    def layer_spec(self, spec: ModuleSpec, ctx: PluginContext) -> ModuleSpec:
         """Swap layers through megatron's ModuleSpec (elastic modules, LoRA linears): receives
         the decoder layer's spec as the Trainer (or the previous plugin) made it and returns the
         spec to build, e.g. with a submodule replaced by the plugin's class. Called whenever a
         model is built, for every layout."""
         return spec
 
-    def after_model_built(self, model_chunks: list, trainer: Trainer) -> list:
+    def after_model_built(self, model_chunks: list, ctx: PluginContext) -> list:
         """Before DDP wrapping: freeze, wrap or replace modules. `model_chunks` are the bare
         megatron modules of this rank (one per virtual pipeline stage), already initialised or
         loaded from `model.pretrained`; return the chunks to use, which DDP then wraps and the
         optimizer sees (frozen parameters get no gradient buffer and no optimizer state)."""
         return model_chunks
 
-    def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
+    def forward_backward_func(self, ctx: PluginContext) -> Optional[Callable]:
         """Supply the forward/backward function of a step (same signature as megatron's
         `get_forward_backward_func()` result), or None to keep megatron's schedule."""
         return None
 
-    def on_step_begin(self, trainer: Trainer, step: int) -> None:
+    def on_step_begin(self, ctx: PluginContext, step: int) -> None:
         """Between steps, before step `step` (1-based) runs: gradients are zero and no pass is in
-        flight, so this is where a plugin may change the layout (`trainer.install`), the data or
-        the model. When a hook moves this rank out of the job (`trainer.layout` becomes None),
-        the loop ends on that rank."""
+        flight, so this is the one hook that may change the layout (`ctx.install`, `ctx.close`),
+        the data or the model, and where building a layout ahead starts. When a hook moves this
+        rank out of the job (`ctx.layout` becomes None), the loop ends on that rank."""
 
-    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+    def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None:
         """After the optimizer step of `step` (1-based), before it is logged: `metrics` is the
         step's dict (`Trainer.train_step`: loss, lr, grad_norm, ...)."""
 
@@ -210,7 +161,7 @@ class Plugin:
         running job (`Trainer.load_common_state`); `state` is empty when the checkpoint was
         written without this plugin."""
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, ctx: PluginContext) -> None:
         """After the last step, the final checkpoint and the final evaluation, on every rank
         still in the job: the place for exports and reports (elastic's nested checkpoint)."""
 

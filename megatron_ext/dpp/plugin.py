@@ -40,7 +40,7 @@ from megatron_ext.dpp.runtime.loop import (
     validate_plan,
 )
 from megatron_ext.dpp.runtime.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
-from megatron_ext.plugin import Plugin, Trainer, register_plugin
+from megatron_ext.plugin import Plugin, PluginContext, register_plugin
 
 
 @register_plugin
@@ -61,15 +61,15 @@ class DppPlugin(Plugin):
         self.tokens_total, self.train_seconds = 0, 0.0
         self.planning_s = self.waited_s = 0.0  # of the streams closed so far (one per layout)
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup(self, ctx: PluginContext) -> None:
         # A Trainer built without train.run() has not been through preflight. Its cost model
         # is checked when the first batch is planned (the calibration's own runs have none).
-        refuse_layout(trainer.cfg)
+        refuse_layout(ctx.cfg)
 
-    def layer_spec(self, spec, trainer: Trainer):
+    def layer_spec(self, spec, ctx: PluginContext):
         return dpp_layer_spec(spec, self.context)
 
-    def after_model_built(self, model_chunks: list, trainer: Trainer) -> list:
+    def after_model_built(self, model_chunks: list, ctx: PluginContext) -> list:
         prepare_model(model_chunks, self.context)
         if self._stream is not None:
             # A live reshard built the model of another layout: plan again for it (cost model
@@ -79,14 +79,14 @@ class DppPlugin(Plugin):
             self._relayout = True
         return model_chunks
 
-    def forward_backward_func(self, trainer: Trainer) -> Optional[Callable]:
+    def forward_backward_func(self, ctx: PluginContext) -> Optional[Callable]:
         if self._func is None:
-            p = trainer.cfg.parallel
-            planner = StepPlanner(self.cfg, trainer.cfg.model.num_layers, p.pp, _cost_model(self.cfg, trainer, self.context),
+            p = ctx.cfg.parallel
+            planner = StepPlanner(self.cfg, ctx.cfg.model.num_layers, p.pp, _cost_model(self.cfg, ctx, self.context),
                                   token_multiple=p.tp if p.sequence_parallel else 1)
-            self._stream = self.plan_stream(open_documents(trainer), trainer.cfg.train.seed, planner)
+            self._stream = self.plan_stream(open_documents(ctx), ctx.cfg.train.seed, planner)
             first = next(self._stream)  # plans (and refuses a hopeless budget) before training
-            trainer.note(self._stream.position.counts.line() + (" (first batch on the new layout)" if self._relayout else " (first batch)"))
+            ctx.note(self._stream.position.counts.line() + (" (first batch on the new layout)" if self._relayout else " (first batch)"))
             self._func = dpp_forward_backward_func(self.step, _prepend(first, self._stream))
         return self._func
 
@@ -105,10 +105,10 @@ class DppPlugin(Plugin):
     def load_state_dict(self, state: dict) -> None:
         self._resume = StreamPosition.from_dict(state["stream"]) if "stream" in state else None
 
-    def on_step_begin(self, trainer: Trainer, step: int) -> None:
+    def on_step_begin(self, ctx: PluginContext, step: int) -> None:
         self._step_began = time.perf_counter()
 
-    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+    def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None:
         """The step's real tokens (document positions trained, over all replicas) for the
         trainer's tokens/s, which otherwise counts global_batch_size x seq_length."""
         if self._stream is None:  # another plugin's forward_backward_func ran the step
@@ -119,13 +119,13 @@ class DppPlugin(Plugin):
         self.train_seconds += seconds
         metrics["tokens"] = tokens
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self, ctx: PluginContext) -> None:
         if self._stream is None:
             return
-        trainer.note(self._stream.position.counts.line())
+        ctx.note(self._stream.position.counts.line())
         self._close_stream()
         tps = self.tokens_total / self.train_seconds if self.train_seconds else 0.0
-        trainer.note(
+        ctx.note(
             f"dpp: {self.tokens_total} tokens of whole documents in {self.train_seconds:.2f} s of steps "
             f"({tps:,.0f} tokens/s); planning took {self.planning_s:.2f} s, of which steps waited {self.waited_s:.2f} s"
         )
@@ -140,25 +140,25 @@ class DppPlugin(Plugin):
         self._stream = None
 
 
-def open_documents(trainer: Trainer):
+def open_documents(ctx: PluginContext):
     """The run's documents: its indexed dataset, a blend of them (`data.data_path` with or
     without weights, see runtime/blend.py), or the default corpus."""
-    prefixes, weights = get_blend_from_list(trainer.data_prefixes())
+    prefixes, weights = get_blend_from_list(ctx.data_prefixes())
     if len(prefixes) == 1:
         return IndexedDataset(prefixes[0])
-    return DocumentBlend([IndexedDataset(p) for p in prefixes], weights, seed=trainer.cfg.train.seed)
+    return DocumentBlend([IndexedDataset(p) for p in prefixes], weights, seed=ctx.cfg.train.seed)
 
 
-def _cost_model(cfg: DppConfig, trainer: Trainer, context):
+def _cost_model(cfg: DppConfig, ctx: PluginContext, chunk_context: ChunkContext):
     """The calibrated cost model, its activation terms refitted to this run's model and
     runtime (a few single-chunk forwards per stage, counted exactly) and its model states
     counted on this run's model and optimizer."""
-    refuse_cost_model(cfg.cost_model, trainer.cfg)
-    cost = fit_activation_bytes(trainer.model, context, CostModel.from_json(cfg.cost_model))[0]
-    run = trainer.cfg
+    refuse_cost_model(cfg.cost_model, ctx.cfg)
+    cost = fit_activation_bytes(ctx.model, chunk_context, CostModel.from_json(cfg.cost_model))[0]
+    run = ctx.cfg
     per_param = state_bytes_per_param(run.model.precision, run.optim.optimizer, run.parallel.use_distributed_optimizer,
                                       parallel_state.get_data_parallel_world_size(with_context_parallel=True))
-    return fit_model_states(trainer.model, cost, per_param)
+    return fit_model_states(ctx.model, cost, per_param)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext.elastic.config import SECTION, WITH_RESHARD
-from megatron_ext.plugin import Plugin, register_plugin
+from megatron_ext.plugin import Plugin, PluginContext, register_plugin
 
 
 def default_grid(space, choices: int) -> dict[str, list[int]]:
@@ -94,10 +94,10 @@ def _multiples_of(sizes: list[int], unit: int) -> list[int]:
 class ElasticPlugin(Plugin):
     section = SECTION
 
-    def setup(self, trainer) -> None:
-        if "reshard" in trainer.cfg.plugins:  # a Trainer built without train.run(): check here too
+    def setup(self, ctx: PluginContext) -> None:
+        if "reshard" in ctx.cfg.plugins:  # a Trainer built without train.run(): check here too
             raise ValueError(f"plugins: {WITH_RESHARD}")
-        p = trainer.cfg.parallel
+        p = ctx.cfg.parallel
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
@@ -112,14 +112,14 @@ class ElasticPlugin(Plugin):
         self.router_state: Optional[dict] = None
         self.history: list[dict] = []
 
-    def after_model_built(self, model_chunks: list, trainer) -> list:
+    def after_model_built(self, model_chunks: list, ctx: PluginContext) -> list:
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.elastic.distill import CurriculumConfig
         from megatron_ext.elastic.router import BudgetRouter, RouterConfig, check_budgets, check_grid
         from megatron_ext.elastic.space import ElasticSpace
 
         c = self.cfg
-        if trainer.cfg.parallel.pp > 1 and not trainer.cfg.parallel.vpp:
+        if ctx.cfg.parallel.pp > 1 and not ctx.cfg.parallel.vpp:
             # The micro-batch's (widest) hidden size is the shape one stage sends the next:
             # megatron's p2p must communicate shapes first. (Under VPP every chunk sends the full
             # hidden size instead: `grouped.py` says why.)
@@ -137,7 +137,7 @@ class ElasticPlugin(Plugin):
             list(c.budgets),
             self.grid,
             RouterConfig(hidden=c.router_hidden, lr=c.router_lr, anneal_steps=c.anneal_steps, cost=c.cost),
-            seed=trainer.cfg.train.seed,
+            seed=ctx.cfg.train.seed,
         )
         self.curriculum = CurriculumConfig(
             budgets=list(c.budgets),
@@ -145,7 +145,7 @@ class ElasticPlugin(Plugin):
             skew=list(c.skew) if c.skew is not None else None,
             temperature=c.temperature,
             ce_weight=c.ce_weight,
-            seed=trainer.cfg.train.seed,
+            seed=ctx.cfg.train.seed,
             budget_draw=c.budget_draw,
             budget_share=c.budget_share,
         )
@@ -153,7 +153,7 @@ class ElasticPlugin(Plugin):
 
     # --- before the first step ------------------------------------------------------------------
 
-    def _prepare(self, trainer) -> None:
+    def _prepare(self, ctx: PluginContext) -> None:
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron.core import parallel_state
 
@@ -167,13 +167,13 @@ class ElasticPlugin(Plugin):
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         check_peers_share(self.cfg.budget_share, dp_rank, dp, parallel_state.get_expert_model_parallel_group())
         fresh = self.orders is None  # a resumed run restored the reordered weights and the router
-        rounds = self._calibration_rounds(trainer) if fresh else []
+        rounds = self._calibration_rounds(ctx) if fresh else []
         if fresh:
-            calibrate(self.space.axes, rounds, self._full_forward(trainer), dp_group)
+            calibrate(self.space.axes, rounds, self._full_forward(ctx), dp_group)
             # Every stage's: a checkpoint keeps rank 0's plugin state, and a resumed stage
             # rebuilds its teacher from it.
             self.orders = merge_stages(reorder(self.space.axes))
-        teacher = self._build_teacher(trainer)
+        teacher = self._build_teacher(ctx)
         # Megatron's schedules call the config's end-of-step hook after every training step (not
         # in forward-only runs); set once, it first brings the model back to its full size.
         config = self.space.model.config
@@ -194,18 +194,18 @@ class ElasticPlugin(Plugin):
             teacher,
             self.router,
             self.curriculum,
-            trainer.tokenizer.vocab_size if trainer.cfg.model.vocab_size is None else trainer.cfg.model.vocab_size,
+            ctx.tokenizer.vocab_size if ctx.cfg.model.vocab_size is None else ctx.cfg.model.vocab_size,
             # Megatron's sampler deals micro-batches to the replicas in turn: rank r's m-th is
             # the global batch's (m * dp + r)-th, so every layout gives a sample one global index
             # (hence one draw).
             micro_batch_index=lambda m: m * dp + dp_rank,
-            send_width=trainer.model_config.hidden_size if trainer.cfg.parallel.vpp else None,
+            send_width=ctx.model_config.hidden_size if ctx.cfg.parallel.vpp else None,
         )
         if fresh:
-            self._start_router(trainer, rounds)
+            self._start_router(ctx, rounds)
         self.ready = True
 
-    def _start_router(self, trainer, rounds: list[list]) -> None:
+    def _start_router(self, ctx: PluginContext, rounds: list[list]) -> None:
         """Fit the router before the first step, identically on every rank: to the budgets' costs
         alone (`router_start=cost`: seeded draws, no model forward), or to each budget's grid
         submodel of least KD loss to the parent on the calibration batches, pruned
@@ -217,12 +217,12 @@ class ElasticPlugin(Plugin):
         if c.router_start == "cost":
             self.distiller.warm_up_router(c.router_warmup_steps)
             return
-        targets = best_sizes(self.space, self.grid, list(c.budgets), c.tolerance, self._kd_to_parent(trainer, rounds), c.cost)
+        targets = best_sizes(self.space, self.grid, list(c.budgets), c.tolerance, self._kd_to_parent(ctx, rounds), c.cost)
         self.distiller.start_router_at(targets, c.router_warmup_steps)
         chosen = ", ".join(f"{b:g}: {sizes}" for b, sizes in zip(c.budgets, targets))
-        trainer.note(f"elastic: each budget starts at its pruned submodel closest to the parent ({chosen})")
+        ctx.note(f"elastic: each budget starts at its pruned submodel closest to the parent ({chosen})")
 
-    def _kd_to_parent(self, trainer, rounds: list[list]):
+    def _kd_to_parent(self, ctx: PluginContext, rounds: list[list]):
         """sizes -> the student's mean KD loss per token to the teacher at those sizes on the
         calibration `rounds` (every replica's share; collective, the same value on every rank)."""
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
@@ -232,7 +232,7 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic.vocab_loss import kd_per_token
         from megatron_ext.platform.device import current_device
 
-        teacher_logits = [self._logits(trainer, self.distiller.teacher, batches) for batches in rounds]
+        teacher_logits = [self._logits(ctx, self.distiller.teacher, batches) for batches in rounds]
         # The last stage's TP rank 0 of each replica counts its tokens once; the sum over the world
         # is then the same number on every rank, so every rank picks the same sizes.
         counts = parallel_state.get_tensor_model_parallel_rank() == 0
@@ -242,7 +242,7 @@ class ElasticPlugin(Plugin):
             self.space.clear_gates()
             with self.space.at(sizes):
                 for batches, teacher in zip(rounds, teacher_logits):
-                    for batch, student, parent in zip(batches, self._logits(trainer, self.space.chunks, batches, sizes), teacher):
+                    for batch, student, parent in zip(batches, self._logits(ctx, self.space.chunks, batches, sizes), teacher):
                         mask = batch["loss_mask"].to(student.device)
                         per_token = kd_per_token(student, parent, self.cfg.temperature, self.distiller.vocab)
                         if counts:
@@ -252,7 +252,7 @@ class ElasticPlugin(Plugin):
 
         return loss
 
-    def _calibration_rounds(self, trainer) -> list[list]:
+    def _calibration_rounds(self, ctx: PluginContext) -> list[list]:
         """The first `calibration_batches` micro-batches of the run, split over the replicas
         (each rank reads its share, as in training), so every layout scores the same samples:
         one round per batch, or under PP one round of all of them (one run of megatron's
@@ -270,15 +270,15 @@ class ElasticPlugin(Plugin):
                 f"data-parallel size ({dp})"
             )
         per_rank, pp = self.cfg.calibration_batches // dp, stages()
-        if trainer.cfg.parallel.vpp and per_rank % pp:
+        if ctx.cfg.parallel.vpp and per_rank % pp:
             raise ValueError(
                 f"elastic.calibration_batches ({self.cfg.calibration_batches}) must be a multiple of the "
                 f"data-parallel size times the pipeline size ({dp} * {pp}) under parallel.vpp: megatron's "
                 f"interleaved schedule runs a multiple of pp micro-batches"
             )
         iterator = build_data_iterator(
-            trainer.train_ds,
-            trainer.cfg.train.micro_batch_size,
+            ctx.train_ds,
+            ctx.cfg.train.micro_batch_size,
             parallel_state.get_data_parallel_rank(),
             dp,
             0,
@@ -287,11 +287,11 @@ class ElasticPlugin(Plugin):
         batches = [next(iterator) for _ in range(per_rank)]
         return [batches] if pp > 1 else [[batch] for batch in batches]
 
-    def _full_forward(self, trainer):
+    def _full_forward(self, ctx: PluginContext):
         """One calibration round's batches through the student at its full size."""
-        return lambda batches: self._logits(trainer, self.space.chunks, batches)
+        return lambda batches: self._logits(ctx, self.space.chunks, batches)
 
-    def _logits(self, trainer, model, batches: list, sizes: Optional[dict[str, int]] = None) -> list:
+    def _logits(self, ctx: PluginContext, model, batches: list, sizes: Optional[dict[str, int]] = None) -> list:
         """The logits of `batches` through `model` (the student's chunks, at `sizes` if given, or
         the teacher's), in eval mode and without gradients: through the pipeline's stages under PP
         (the last stage's, an empty list on the others)."""
@@ -320,16 +320,16 @@ class ElasticPlugin(Plugin):
         try:
             with torch.no_grad():
                 if stages() > 1:
-                    return forward_only(chunks, batches, run, **self._schedule_shape(trainer))
+                    return forward_only(chunks, batches, run, **self._schedule_shape(ctx))
                 return [run(chunks[0], batch) for batch in batches]
         finally:
             for chunk in chunks:
                 chunk.train(was_training)
 
-    def _schedule_shape(self, trainer) -> dict:
-        return {"seq_length": trainer.cfg.model.seq_length, "micro_batch_size": trainer.cfg.train.micro_batch_size}
+    def _schedule_shape(self, ctx: PluginContext) -> dict:
+        return {"seq_length": ctx.cfg.model.seq_length, "micro_batch_size": ctx.cfg.train.micro_batch_size}
 
-    def _build_teacher(self, trainer):
+    def _build_teacher(self, ctx: PluginContext):
         """The parent, rebuilt from its source (seeded initialisation or `model.pretrained`) and
         reordered like the student: also right after a resume, when the student has trained."""
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
@@ -341,13 +341,13 @@ class ElasticPlugin(Plugin):
 
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
 
-        cfg = trainer.cfg
+        cfg = ctx.cfg
         # The student's own family (GPT or hybrid), not always a GPT.
         arch = architecture(cfg.model)
         # The student's config without the runtime's schedule hooks (DDP's gradient sync, the
         # optimizer's loss scale): the teacher never trains, and megatron's MoE experts deep-copy
         # their config, which the hooks' process groups refuse.
-        config = copy.copy(trainer.model_config)
+        config = copy.copy(ctx.model_config)
         config.finalize_model_grads_func = config.no_sync_func = config.grad_sync_func = None
         config.param_sync_func = config.grad_scale_func = None
         # The teacher holds this rank's pipeline stage (its chunks under VPP), like the student.
@@ -355,8 +355,8 @@ class ElasticPlugin(Plugin):
             arch.build(
                 cfg.model,
                 config,
-                arch.spec(cfg.model, trainer.on_cpu),
-                trainer.vocab_size,
+                arch.spec(cfg.model, ctx.on_cpu),
+                ctx.vocab_size,
                 pre_process=student.pre_process,
                 post_process=student.post_process,
                 vp_stage=getattr(student, "vp_stage", None),
@@ -365,7 +365,7 @@ class ElasticPlugin(Plugin):
         ]
         init_weights_layout_independent(teacher, config, cfg.train.seed)
         if cfg.model.pretrained:
-            pretrained.load_into(teacher, cfg.model, trainer.vocab_size)
+            pretrained.load_into(teacher, cfg.model, ctx.vocab_size)
         space = ElasticSpace(teacher)
         for axis in space.axes:
             axis.permute(torch.tensor(self.orders[axis.name]))
@@ -375,13 +375,13 @@ class ElasticPlugin(Plugin):
 
     # --- the step ---------------------------------------------------------------------------------
 
-    def on_step_begin(self, trainer, step: int) -> None:
+    def on_step_begin(self, ctx: PluginContext, step: int) -> None:
         if not self.ready:
-            self._prepare(trainer)
+            self._prepare(ctx)
         self.distiller.begin_step(step - 1)
         self.router_optimizer.zero_grad()
 
-    def forward_backward_func(self, trainer):
+    def forward_backward_func(self, ctx: PluginContext):
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -461,7 +461,7 @@ class ElasticPlugin(Plugin):
         replay = [iter(chunk_batches) for chunk_batches in per_chunk]
         return replay if isinstance(iterators, list) else replay[0]
 
-    def on_step_end(self, trainer, step: int, metrics: dict) -> None:
+    def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None:
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
         from megatron.core import parallel_state
@@ -523,7 +523,7 @@ class ElasticPlugin(Plugin):
         """The router's sizes of every budget now."""
         return {f"{b:g}": self.router.select(i) for i, b in enumerate(self.cfg.budgets)}
 
-    def on_train_end(self, trainer) -> None:
+    def on_train_end(self, ctx: PluginContext) -> None:
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
@@ -533,10 +533,10 @@ class ElasticPlugin(Plugin):
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_text(json.dumps({"history": self.history, "choices": self.choices()}, indent=1))
-        self._export(trainer, out)
+        self._export(ctx, out)
         dist.barrier()
 
-    def _export(self, trainer, out: Path) -> None:
+    def _export(self, ctx: PluginContext, out: Path) -> None:
         """The nested checkpoint, written by rank 0 from the pieces of every TP and pipeline rank
         of its replica, as one process holding the whole model would write it (`gather.py`)."""
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
@@ -553,6 +553,6 @@ class ElasticPlugin(Plugin):
         if state is None:  # not rank 0
             return
         nested = out / "nested"
-        slicing.save_nested_state(nested, state, trainer.cfg.model, trainer.vocab_size, self.choices(), fp8_scales=scales)
+        slicing.save_nested_state(nested, state, ctx.cfg.model, ctx.vocab_size, self.choices(), fp8_scales=scales)
         kind = "FP8 nested" if self.cfg.fp8 else "nested"
-        trainer.note(f"elastic: {kind} checkpoint of budgets {list(self.choices())} in {nested}")
+        ctx.note(f"elastic: {kind} checkpoint of budgets {list(self.choices())} in {nested}")

@@ -6,6 +6,9 @@
     ...                                                 # training goes on meanwhile
     report = reshard(trainer, prepared.target, prepared=prepared)
 
+`trainer` is a Trainer or, from a plugin's `on_step_begin`, the PluginContext it receives: this
+module, prebuild.py and pool.py use only the context's members of it.
+
 1. Check the new layout against the model (the runtime's rules) before anything changes.
 2. Prepare: plan this rank's part of the move (`rank_plan`: pure, from the layouts alone); then
    build the new layout's process groups, model, DDP and optimizer beside the

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_ext.parallel.layout import ParallelLayout
-from megatron_ext.plugin import Plugin, Runner, register_plugin
+from megatron_ext.plugin import Plugin, PluginContext, Runner, register_plugin
 from megatron_ext.reshard.config import SECTION, check_schedule, target_config
 from megatron_ext.reshard.request import RequestError, read_request, retire
 
@@ -60,7 +60,7 @@ class ReshardPlugin(Plugin):
 
         return Runner(pooled_worker)
 
-    def setup(self, trainer) -> None:
+    def setup(self, ctx: PluginContext) -> None:
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
@@ -69,58 +69,58 @@ class ReshardPlugin(Plugin):
         self.reports: list = []
         self._due = {int(entry["step"]): dict(entry["layout"]) for entry in self.cfg.schedule}
         pool = current_pool()  # a Trainer built without train.run(): check here too
-        check_schedule(trainer.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size())
+        check_schedule(ctx.cfg, self.cfg.schedule, pool.size if pool else dist.get_world_size())
         self._next: Optional[tuple[int, _Planned]] = None  # the next scheduled move
         self._requested_move: Optional[_Planned] = None
         self._stuck: Optional[tuple] = None  # a request file (rank 0's view) that cannot be renamed
 
-    def on_step_begin(self, trainer, step: int) -> None:
-        self._prepare_next(trainer, step - 1)  # at the first step (fresh or resumed)
+    def on_step_begin(self, ctx: PluginContext, step: int) -> None:
+        self._prepare_next(ctx, step - 1)  # at the first step (fresh or resumed)
         if step in self._due:
-            target = target_config(trainer.cfg.parallel, self._due[step])
-            if target == trainer.cfg.parallel:
+            target = target_config(ctx.cfg.parallel, self._due[step])
+            if target == ctx.cfg.parallel:
                 return  # a rank that joined at this step: the move is done
-            self._apply(trainer, step, self._scheduled(trainer, step, target))
+            self._apply(ctx, step, self._scheduled(ctx, step, target))
         elif self._requested_move is not None:
             if _everywhere(self._requested_move.done()):
                 planned, self._requested_move = self._requested_move, None
-                self._apply(trainer, step, planned)
+                self._apply(ctx, step, planned)
         else:
-            self._poll(trainer, step)
-        if trainer.layout is not None:  # still in the job's world
-            self._prepare_next(trainer, step)
+            self._poll(ctx, step)
+        if ctx.layout is not None:  # still in the job's world
+            self._prepare_next(ctx, step)
 
-    def _prepare_next(self, trainer, step: int) -> None:
+    def _prepare_next(self, ctx: PluginContext, step: int) -> None:
         """Plan the next scheduled move in the background, from the layout it will leave."""
         upcoming = [s for s in sorted(self._due) if s > step]
         if not upcoming or upcoming[0] - step > self.cfg.prepare_steps_ahead:
             return
         if self._next is not None and self._next[0] == upcoming[0]:
             return
-        target = target_config(trainer.cfg.parallel, self._due[upcoming[0]])
-        if target != trainer.cfg.parallel:
-            self._next = (upcoming[0], self._prepare(trainer, target))
+        target = target_config(ctx.cfg.parallel, self._due[upcoming[0]])
+        if target != ctx.cfg.parallel:
+            self._next = (upcoming[0], self._prepare(ctx, target))
 
-    def _scheduled(self, trainer, step: int, target) -> _Planned:
+    def _scheduled(self, ctx: PluginContext, step: int, target) -> _Planned:
         if self._next is not None and self._next[0] == step and self._next[1].target == target:
             planned, self._next = self._next[1], None
             return planned
         # Prepared from another layout (a request came in between), or not at all: again.
-        return self._prepare(trainer, target)
+        return self._prepare(ctx, target)
 
-    def _prepare(self, trainer, target) -> _Planned:
+    def _prepare(self, ctx: PluginContext, target) -> _Planned:
         budget = self.cfg.memory_budget_mb
-        if _changes_world(trainer, target):
+        if _changes_world(ctx, target):
             # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
             from megatron_ext.reshard.pool import prepare_resize
 
-            return _Planned(target, prepare_resize(trainer, target, budget, self.cfg.prebuild))
+            return _Planned(target, prepare_resize(ctx, target, budget, self.cfg.prebuild))
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.reshard.live import prepare
 
-        return _Planned(target, prepare(trainer, target, budget, self.cfg.prebuild))
+        return _Planned(target, prepare(ctx, target, budget, self.cfg.prebuild))
 
-    def _poll(self, trainer, step: int) -> None:
+    def _poll(self, ctx: PluginContext, step: int) -> None:
         """Take the request file's layout, if there is one. Nothing in the file may stop the
         job: a request that cannot be taken is refused in one line and renamed aside."""
         request = self._requested()
@@ -130,21 +130,21 @@ class ReshardPlugin(Plugin):
         path = self.cfg.request_file
         if problem is None:
             try:
-                target = target_config(trainer.cfg.parallel, layout)
-                if _same_layout(trainer, target):
-                    trainer.note(f"step {step}: reshard request for {layout} in {path}: already there, "
+                target = target_config(ctx.cfg.parallel, layout)
+                if _same_layout(ctx, target):
+                    ctx.note(f"step {step}: reshard request for {layout} in {path}: already there, "
                                  f"no move{self._consume('done')}")
                     return
                 # prepare checks the target (the config rules, every plugin's check_layout) first
-                self._requested_move = self._prepare(trainer, target)
+                self._requested_move = self._prepare(ctx, target)
             except ValueError as e:
                 problem = " ".join(str(e).split())  # a ConfigError names each rule on a line
         if problem is not None:
-            trainer.note(f"step {step}: reshard request refused: {path}: {problem}{self._consume('rejected')}")
+            ctx.note(f"step {step}: reshard request refused: {path}: {problem}{self._consume('rejected')}")
             return
-        trainer.note(f"step {step}: reshard request to {layout} accepted; planning{self._consume('done')}")
+        ctx.note(f"step {step}: reshard request to {layout} accepted; planning{self._consume('done')}")
 
-    def _apply(self, trainer, step: int, planned: _Planned) -> None:
+    def _apply(self, ctx: PluginContext, step: int, planned: _Planned) -> None:
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         from megatron_ext.reshard.live import ReshardFailed, reshard
         from megatron_ext.reshard.pool import resize
@@ -152,20 +152,20 @@ class ReshardPlugin(Plugin):
         budget = self.cfg.memory_budget_mb
         self._discard_prepared()  # from the layout this move leaves: of no use after it
         try:
-            if _changes_world(trainer, planned.target):
-                report = resize(trainer, planned.target, budget, planned.prepared, self.cfg.shared_memory)
+            if _changes_world(ctx, planned.target):
+                report = resize(ctx, planned.target, budget, planned.prepared, self.cfg.shared_memory)
             else:
-                report = reshard(trainer, planned.target, budget, planned.prepared, self.cfg.shared_memory)
+                report = reshard(ctx, planned.target, budget, planned.prepared, self.cfg.shared_memory)
         except ReshardFailed as e:
-            trainer.note(f"step {step}: {e}; training goes on")
+            ctx.note(f"step {step}: {e}; training goes on")
             return
         except ValueError as e:  # refused before anything moved (e.g. a budget below one element)
             planned.prepared.discard()
-            trainer.note(f"step {step}: reshard refused: {e}")
+            ctx.note(f"step {step}: reshard refused: {e}")
             return
         self.reports.append(report)
-        trainer.note(f"step {step}: {report}")
-        self._record(trainer, step, report)
+        ctx.note(f"step {step}: {report}")
+        self._record(ctx, step, report)
 
     def _discard_prepared(self) -> None:
         """Drop the moves prepared but not applied, freeing what they built (after waiting for
@@ -175,15 +175,15 @@ class ReshardPlugin(Plugin):
                 planned.prepared.discard()
         self._next = self._requested_move = None
 
-    def on_train_end(self, trainer) -> None:
+    def on_train_end(self, ctx: PluginContext) -> None:
         self._discard_prepared()
 
-    def _record(self, trainer, step: int, report) -> None:
+    def _record(self, ctx: PluginContext, step: int, report) -> None:
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
         import torch.distributed as dist
 
         # Rank 0 is in every world; a rank that just left the world has no rank.
-        if self.cfg.report_file and trainer.layout is not None and dist.get_rank() == 0:
+        if self.cfg.report_file and ctx.layout is not None and dist.get_rank() == 0:
             with open(self.cfg.report_file, "a") as f:
                 f.write(json.dumps({"step": step, **dataclasses.asdict(report)}) + "\n")
 
@@ -226,7 +226,8 @@ class ReshardPlugin(Plugin):
 
 def reshard_to(trainer, layout: dict, budget_mb: float = 64.0):
     """Move `trainer` to `layout` (the sizes that change) now, between two steps: within the
-    same workers (live.py) or to another number of them (pool.py). Returns the ReshardReport."""
+    same workers (live.py) or to another number of them (pool.py). `trainer`: a Trainer, or the
+    PluginContext a plugin's `on_step_begin` receives. Returns the ReshardReport."""
     target = target_config(trainer.cfg.parallel, layout)
     if _changes_world(trainer, target):
         # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)

@@ -62,6 +62,7 @@ from megatron_ext.platform.device import current_device
 from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
+from megatron_ext.plugin_context import PluginContext
 from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
@@ -94,11 +95,14 @@ class Trainer:
     lr scheduler, and resumes from checkpoint.load; `train()` runs megatron's schedules step by
     step, evaluates, saves and stops on a pre-emption signal at a step boundary; `install()`
     changes the parallel layout between two steps. The plugins' hooks are called in their order
-    (`megatron_ext.plugin.Plugin`)."""
+    (`megatron_ext.plugin.Plugin`), each with `plugin_context`: what of this Trainer they may use."""
 
     def __init__(self, cfg: Config, plugins: list[Plugin] = ()) -> None:
         self.cfg = cfg
         self.plugins = list(plugins)
+        # What the plugins' hooks receive, the same object for the whole run: it reads this
+        # Trainer live, so it follows a change of layout.
+        self.plugin_context = PluginContext(self)
         self.state = TrainState()
         self.on_cpu = current_device().type == "cpu"
         # The running layout, dp resolved for this world (None once the trainer left it).
@@ -118,6 +122,8 @@ class Trainer:
         self.model_config = None  # megatron's TransformerConfig of the current layout
         self.scheduler: Optional[OptimizerParamScheduler] = None
         self.vocab_size: Optional[int] = None
+        self.tokenizer = None  # built by setup(), after the plugins' setup hooks
+        self.train_ds = None
         self.resumed_from: Optional[int] = None  # the checkpoint iteration setup() loaded
         # The indexed datasets' prefixes, resolved once per run: a new layout and a trainer set
         # up from a running job's state reuse them (resolving the default corpus walks its files).
@@ -141,7 +147,7 @@ class Trainer:
         reset_mtp_tracker()
         self._init_layout()
         for p in self.plugins:
-            p.setup(self)
+            p.setup(self.plugin_context)
         self.tokenizer_spec = self._tokenizer_spec()
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
         resume = self._resume_point() if from_state is None else None
@@ -265,7 +271,7 @@ class Trainer:
             config.embedding_init_method = _leave_as_allocated
         spec = arch.spec(cfg.model, self.on_cpu)
         for p in self.plugins:
-            spec = p.layer_spec(spec, self)
+            spec = p.layer_spec(spec, self.plugin_context)
         pp_group = groups.pp if groups is not None else parallel_state.get_pipeline_model_parallel_group()
         chunks = []
         for vp_stage in range(parallel.vpp or 1):
@@ -287,7 +293,7 @@ class Trainer:
         if cfg.model.pretrained and load_pretrained:
             pretrained.load_into(chunks, cfg.model, self.vocab_size)
         for p in self.plugins:
-            chunks = p.after_model_built(chunks, self)
+            chunks = p.after_model_built(chunks, self.plugin_context)
         wrapped = wrap_in_ddp(config, parallel, chunks, groups)
         self._wire_schedule_hooks(config, wrapped, parallel)
         return wrapped, config
@@ -432,7 +438,7 @@ class Trainer:
         pipelining, 1F1B or interleaved 1F1B). It takes megatron's schedule arguments and returns
         the losses of the micro-batches on the last pipeline stage."""
         for p in self.plugins:
-            func = p.forward_backward_func(self)
+            func = p.forward_backward_func(self.plugin_context)
             if func is not None:
                 return func
         return get_forward_backward_func()
@@ -527,7 +533,7 @@ class Trainer:
             while self.state.iteration < stop_at:
                 self._save_before_batch_change()
                 for p in self.plugins:
-                    p.on_step_begin(self, self.state.iteration + 1)
+                    p.on_step_begin(self.plugin_context, self.state.iteration + 1)
                 if self.layout is None:  # a hook moved the job to a layout without this rank
                     return {}
                 start = time.perf_counter()
@@ -536,7 +542,7 @@ class Trainer:
                 if cfg.logging.log_params_norm:
                     metrics["params_norm"] = params_l2_norm(self.model)
                 for p in self.plugins:
-                    p.on_step_end(self, self.state.iteration, metrics)
+                    p.on_step_end(self.plugin_context, self.state.iteration, metrics)
                 # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
                 batch = metrics["global_batch_size"]
                 reporter.step(
@@ -563,7 +569,7 @@ class Trainer:
                     eval_loss, test_loss = self._final_evaluation(eval_loss, evaluated_at)
             self._finalize_saves()  # the final save, written while the final evaluation ran
             for p in self.plugins:
-                p.on_train_end(self)
+                p.on_train_end(self.plugin_context)
             return reporter.summary(metrics.get("loss"), eval_loss, test_loss)
 
     def _final_evaluation(

@@ -40,27 +40,29 @@ class FaultPlugin(Plugin):
     name = "fault"
     config_class = FaultConfig
 
-    def setup(self, trainer) -> None:
+    def setup(self, ctx) -> None:
         import torch.distributed as dist
 
         from megatron_ext.reshard.state_access import MegatronState
+        from megatron_ext.training.trainer import Trainer
 
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if not first_attempt or dist.get_rank() != self.cfg.rank:
             return
+        # The hooks receive the Trainer's narrow context: a fault goes into the Trainer class.
         if self.cfg.kind == "raise_ahead":
-            build = trainer.build_optimizer
+            build = Trainer.build_optimizer
 
-            def failing_build(*args, **kwargs):
+            def failing_build(trainer, *args, **kwargs):
                 if threading.current_thread() is not threading.main_thread() and not _FAILED_SETUP:
                     _FAILED_SETUP.append(True)
                     raise RuntimeError("injected fault while building ahead")
-                return build(*args, **kwargs)
+                return build(trainer, *args, **kwargs)
 
-            trainer.build_optimizer = failing_build
+            Trainer.build_optimizer = failing_build
             return
         if self.cfg.kind == "raise_in_stop_save":
-            _fail_the_stops_save(trainer)
+            _fail_the_stops_save(Trainer)
             return
         if self.cfg.kind == "raise_in_setup":
             if not _FAILED_SETUP:
@@ -80,7 +82,7 @@ class FaultPlugin(Plugin):
         MegatronState.write = failing_write
 
 
-def _fail_the_stops_save(trainer) -> None:
+def _fail_the_stops_save(trainer_class: type) -> None:
     from megatron_ext.platform.signals import preemption_signals
 
     with preemption_signals() as signals:  # the worker's own, from its start
@@ -92,7 +94,7 @@ def _fail_the_stops_save(trainer) -> None:
 
     def stop_then_fail_the_save() -> None:
         stopping()
-        trainer.save = failing_save
+        trainer_class.save = failing_save
 
     signals.stopping = stop_then_fail_the_save
 

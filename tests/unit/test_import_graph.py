@@ -18,8 +18,8 @@ first) and imports only from its own layer and those below:
     foundations    data, checkpointing (megatron's checkpoint format), parallel (the layout as a value)
     models         megatron-core models, pretrained weights, conversion
     training       training/, plugin.py (the protocol through which the Trainer calls plugins, so
-                   below every plugin), evaluation/ and generation/ (the loss and the generation loop
-                   the Trainer and plugins call)
+                   below every plugin) and plugin_context.py (what its hooks receive), evaluation/ and
+                   generation/ (the loss and the generation loop the Trainer and plugins call)
     plugins        reshard/, dpp/, elastic/, lora/: each imports none of the others
     entry points   train.py, pretrain_gpt.py, the evaluation and generation command lines
 
@@ -222,7 +222,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("megatron_ext.models",)),
     (
         "training",
-        ("megatron_ext.training", "megatron_ext.plugin", "megatron_ext.evaluation", "megatron_ext.generation"),
+        (
+            "megatron_ext.training",
+            "megatron_ext.plugin",
+            "megatron_ext.plugin_context",
+            "megatron_ext.evaluation",
+            "megatron_ext.generation",
+        ),
     ),
     ("plugins", ("megatron_ext.reshard", "megatron_ext.dpp", "megatron_ext.elastic", "megatron_ext.lora")),
     (

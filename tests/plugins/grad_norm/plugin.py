@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from megatron_ext.plugin import Plugin, Trainer, register_plugin
+from megatron_ext.plugin import Plugin, PluginContext, register_plugin
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -31,12 +31,12 @@ class GradNormPlugin(Plugin):
         if self.cfg.every < 1:
             raise ConfigError("grad_norm.every", f"must be at least 1, got {self.cfg.every}")
 
-    def on_step_end(self, trainer: Trainer, step: int, metrics: dict) -> None:
+    def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None:
         if step % self.cfg.every:
             return
-        norms = {name: math.sqrt(sq) for name, sq in _squared_norms(trainer.model).items()}
+        norms = {name: math.sqrt(sq) for name, sq in _squared_norms(ctx.model).items()}
         total = math.sqrt(sum(n * n for n in norms.values()))
-        trainer.note(f"step {step}: grad norm {total:.4g}; " + ", ".join(f"{k} {v:.4g}" for k, v in norms.items()))
+        ctx.note(f"step {step}: grad norm {total:.4g}; " + ", ".join(f"{k} {v:.4g}" for k, v in norms.items()))
         if self.cfg.file:
             with open(self.cfg.file, "a") as f:
                 f.write(json.dumps({"step": step, "layers": norms, "total": total, "megatron": metrics["grad_norm"]}) + "\n")

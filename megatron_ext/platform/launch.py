@@ -33,6 +33,7 @@ from megatron_ext.platform.local_workers import (
     REFUSED_EXIT_CODE,
     LaunchFailed,
     LocalWorkers,
+    note_failure,
     note_refusal,
     note_stop_request,
     register,
@@ -314,3 +315,6 @@ class _LocalWorker:
             except self.refusals as e:
                 note_refusal(self.folder, e)
                 sys.exit(REFUSED_EXIT_CODE)
+            except Exception as e:
+                note_failure(self.folder, e)
+                raise

@@ -8,7 +8,9 @@ aborts: the agent kills the workers (SIGKILL) and the launch raises LaunchAborte
 
 Failures: when a worker dies, the others fail on the connections to it soon after, and torch's
 agent reports whichever of them it looked at first. A watcher thread notes the order in which
-the workers end, so that the launch names the first that failed (LaunchFailed). A worker that
+the workers end, and each worker that raises notes its error's first line (`note_failure`), so
+that the launch names the first that failed of its own accord, not on a lost connection
+(LaunchFailed): under load the one that raised may end after a peer it took down. A worker that
 refuses its input (bad input only the ranks can see: a damaged checkpoint) notes its one line in
 the launch's folder and exits with REFUSED_EXIT_CODE; the launch then raises LaunchRefused, and
 torch's agent's report of the failure (its tracebacks and tables) is not printed.
@@ -70,6 +72,9 @@ class LaunchRefused(RuntimeError):
 REFUSED_EXIT_CODE = 2
 _REGISTERED = re.compile(r"(\d+)_(\d+)")  # attempt_localrank: a worker's pid
 _REFUSED = re.compile(r"refused\.(\d+)")  # refused.rank: its one line
+_FAILED = re.compile(r"failed\.(\d+)_(\d+)")  # failed.attempt_localrank: its error's first line
+# How gloo and torch word a connection that a failed peer took down.
+_LOST_CONNECTION = re.compile(r"connection (closed|reset)|(closed|reset) by peer|broken pipe", re.IGNORECASE)
 _STOP_REQUESTED = "stop_requested"  # the launcher or a worker noted a pre-emption request
 
 
@@ -99,6 +104,12 @@ def why_not_restart(folder: str) -> Optional[str]:
 def note_refusal(folder: str, error: BaseException) -> None:
     """In a worker: record the first line of the input error it is about to exit on."""
     Path(folder, f"refused.{os.environ['RANK']}").write_text(first_line(error))
+
+
+def note_failure(folder: str, error: BaseException) -> None:
+    """In a worker: record the first line of the error it is about to fail on."""
+    attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ["LOCAL_RANK"]
+    Path(folder, f"failed.{attempt}_{rank}").write_text(first_line(error))
 
 
 @dataclasses.dataclass
@@ -258,14 +269,24 @@ class LocalWorkers:
         self._done.set()
         self._watcher.join()
         last = max((e.attempt for e in self._ended), default=0)
-        for ended in self._ended:
-            code = ended.process.exitcode
-            if ended.attempt == last and code not in (0, None):
-                return LaunchFailed(
-                    f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(code)}; "
-                    "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
-                )
+        failed = [e for e in self._ended if e.attempt == last and e.process.exitcode not in (0, None)]
+        errors = self._noted_failures()
+        # A worker killed by a signal notes nothing: it failed of its own accord too.
+        causes = [e for e in failed if not _LOST_CONNECTION.search(errors.get((e.attempt, e.rank), ""))]
+        for ended in causes or failed:
+            return LaunchFailed(
+                f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(ended.process.exitcode)}; "
+                "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
+            )
         return LaunchFailed(first_line(error))
+
+    def _noted_failures(self) -> dict[tuple[int, int], str]:
+        """(attempt, local rank) -> the first line of the error each failed worker noted."""
+        noted = {}
+        for path in Path(self.folder).iterdir():
+            if name := _FAILED.fullmatch(path.name):
+                noted[int(name.group(1)), int(name.group(2))] = path.read_text()
+        return noted
 
 
 class _QuietAfterRefusal(logging.Filter):

@@ -155,7 +155,7 @@ def _fail(message: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-m" in argv or "--multirun" in argv:
-        owned = _multirun_of_a_plugin(argv)
+        owned = multirun_of_a_plugin(argv)
         if owned is not None:
             cfg, run_all = owned
             try:
@@ -176,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _run_or_exit(cfg)
 
 
-def _multirun_of_a_plugin(argv: list[str]) -> Optional[tuple[Config, Callable[[], Any]]]:
+def multirun_of_a_plugin(argv: list[str]) -> Optional[tuple[Config, Callable[[], Any]]]:
     """A multirun that a plugin its first run lists runs as one run of its own
     (`Plugin.multirun`), or None for Hydra."""
     try:

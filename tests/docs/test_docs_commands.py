@@ -220,14 +220,15 @@ def train_overrides(command: str) -> list[str]:
 def test_command_passes_the_launch_checks(command, check, tmp_path, monkeypatch):
     from megatron_ext.config.store import compose_config
     from megatron_ext.config.validate import validate
-    from megatron_ext.plugin import build_plugins, registered_plugins
-    from megatron_ext.train import world_size_of
+    from megatron_ext.plugin import build_plugins
+    from megatron_ext.train import multirun_of_a_plugin, world_size_of
 
     monkeypatch.chdir(tmp_path)
     argv = shlex.split(command)
     if "-m" in argv[argv.index("megatron_ext.train"):]:  # a sweep a plugin runs as one run
-        multirun = ["-m", *train_overrides(command)]
-        cfg = next(owned for p in registered_plugins().values() if (owned := p.multirun(multirun)))[0]
+        owned = multirun_of_a_plugin(["-m", *train_overrides(command)])
+        assert owned is not None, "no plugin runs this multirun"
+        cfg = owned[0]
     else:
         cfg = compose_config(train_overrides(command))
     world = check.world or world_size_of(cfg)

@@ -33,10 +33,10 @@ def test_multirun_combinations_become_jobs_of_one_sweep():
 
 
 def test_a_multirun_without_the_lora_plugin_is_left_to_hydra():
-    from megatron_ext.train import _multirun_of_a_plugin
+    from megatron_ext.train import multirun_of_a_plugin
 
-    assert _multirun_of_a_plugin(["-m", "experiment=none", "optim.lr=1e-3,3e-3"]) is None
-    assert _multirun_of_a_plugin(["-m", *TINY, "lora.rank=4,8"]) is not None
+    assert multirun_of_a_plugin(["-m", "experiment=none", "optim.lr=1e-3,3e-3"]) is None
+    assert multirun_of_a_plugin(["-m", *TINY, "lora.rank=4,8"]) is not None
 
 
 def test_a_multirun_may_not_vary_the_shared_base():

@@ -10,9 +10,9 @@ One launch of `--nproc` local gloo workers (the reshard benchmark's world):
 1. A micro-benchmark describes the machine: the agreement's collectives as a move runs them
    (execute.py `schedule` on a plan of no ops and the build failures' all-reduce, right after a
    barrier: a move's collective; a small all-reduce after a copy in a quiet loop is kept as a
-   check); copies by one worker alone (its copy
-   bandwidth), by as many workers as there are cores at once (the node's memory bandwidth, all
-   together) and by all workers; exchanges through the executor's own shared-memory transport
+   check); copies by one worker alone (its copy bandwidth), by as many workers as there are
+   cores at once (the node's memory bandwidth, all together) and by all workers; exchanges
+   through the executor's own shared-memory transport
    (its bandwidth), every copy reading and writing places not touched lately (buffers larger
    than the caches, walked through: a move's state is not in the cache), and the first round
    on a transport just opened (its arenas' pages touched first: the extra per byte over its

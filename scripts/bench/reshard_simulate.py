@@ -373,15 +373,19 @@ def live_moves(pair: str, args: argparse.Namespace) -> list[dict]:
 
 def _live_move(trainer, a: dict, b: dict, model: str, budget_mb: float) -> dict:
     """One move as reshard.py's live route makes it: prepared (plan, build B ahead), waited
-    for, every rank's stall starting together."""
+    for, every rank's stall starting together. The previous move's layout is released first
+    (release.py's thread: its collection takes a core for a tenth of a second or more): moves
+    here follow one another at once, where reshard.py runs its other routes in between."""
     import torch.distributed as dist
 
     import reshard as bench
+    from megatron_ext.parallel.release import wait_released
     from megatron_ext.reshard.config import target_config
     from megatron_ext.reshard.live import prepare, reshard
 
     base = dataclasses.replace(trainer.cfg.parallel, tp=1, pp=1, ep=1, cp=1, vpp=None)
     target = target_config(base, b)
+    wait_released()
     bench.return_free_memory()
     prepared = prepare(trainer, target, budget_mb)
     prepared.result()

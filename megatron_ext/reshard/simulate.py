@@ -444,7 +444,10 @@ H100_CLASS = Cluster(
         "copy_bandwidth": "HBM3 3.35 TB/s (H100 SXM datasheet); a device copy reads and writes "
         "each byte, so half of it: an upper bound, achieved copies reach ~80-90%",
         "copy_overhead_s": "5 us per copy kernel launched: assumption",
-        "collective_step_s": "10 us per step of a small NCCL collective: assumption",
+        "collective_step_s": "10 us per step of a small NCCL collective: assumption; it prices every "
+        "collective of a move (on this repository's CPU host the step is measured as a move's agreement "
+        "runs it, about twice a quiet loop's there, where 4 ranks share 2 cores; a GPU rank has host "
+        "cores of its own)",
         "touch_bandwidth": "none (infinite): staging in device memory is mapped when allocated "
         "(cudaMalloc, then reused by the caching allocator; NCCL's buffers are set up once), so no "
         "page is faulted in during a move",

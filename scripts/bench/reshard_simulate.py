@@ -177,11 +177,12 @@ class MicroBench:
 
         return statistics.median(once() for _ in range(samples))
 
-    def agree(self) -> float:
+    def agree(self, samples: int = 30) -> float:
         """The agreement's collectives as a move runs them (live.py: right after the ranks left
         a barrier, execute.py `schedule`, then the all-reduce of the build failures), on a plan
         of no ops, so that no rank has rounds to cut: the max over ranks of that part, the
-        median of `repeats`."""
+        median of `samples` (as many as the collective's: a move's agreement is a few ms, and
+        its spread on shared cores as large)."""
         import torch
         import torch.distributed as dist
 
@@ -200,7 +201,7 @@ class MicroBench:
             return _max_over_ranks(time.perf_counter() - start)
 
         once()  # warm-up
-        return statistics.median(once() for _ in range(self.repeats))
+        return statistics.median(once() for _ in range(samples))
 
     def copy(self, nbytes: int, active: int) -> float:
         """Ranks below `active` each copy `nbytes` from a place not touched lately to another."""

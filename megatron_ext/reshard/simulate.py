@@ -44,9 +44,9 @@ ranks' success report (live.py `_gather_errors`: one all-reduce when nothing fai
 is the first touch of staging memory the move has not used before: each round a rank packs into
 its own arena from its start (so it touches its largest round's sends once) and reads what each
 peer p left for it in p's arena (counted as p's largest message to it: a pair's rounds are alike,
-each as full as the pair's capacity allows, but the last); fresh shared-memory
-pages are mapped on first access, a core's work (shared() without the copied bytes); none where
-`touch_bandwidth` is infinite (staging mapped when allocated, or reused).
+each as full as the pair's capacity allows, but the last); fresh shared-memory pages are mapped
+on first access, a core's work (shared() without the copied bytes); none where `touch_bandwidth`
+is infinite (staging mapped when allocated, or reused).
 
 Topology: inter-node traffic crosses a full-bisection fat tree, so a rank's inter-node sends
 and receives are limited only by its own NIC, whatever the pattern (no congestion, no

@@ -36,10 +36,17 @@ A phased transport (shared memory: every rank packs, a barrier, every rank unpac
 such maxima per round, one over the send phase's work (packs, local copies, sends) and one
 over the receive phase's (unpacks, receives), each with only its own messages, copies and
 copied bytes.
-    transfer  = setup_s + arena / setup_bandwidth + Σ rounds + collective
+    transfer  = setup_s + arena / setup_bandwidth + shared(touch) + Σ rounds + collective
+    touch(r)  = (max_k sent_k(r) + Σ_p max_k received_k(p → r)) / touch_bandwidth
 where arena is the largest bytes a rank sends in one round (what the shared-memory transport
 reserves per move; no setup when nothing crosses the network), and the final collective is the
-ranks' success report (live.py `_gather_errors`: one all-reduce when nothing failed).
+ranks' success report (live.py `_gather_errors`: one all-reduce when nothing failed). touch(r)
+is the first touch of staging memory the move has not used before: each round a rank packs into
+its own arena from its start (so it touches its largest round's sends once) and reads what each
+peer p left for it in p's arena (counted as p's largest message to it: a pair's rounds are alike,
+each as full as the pair's capacity allows, but the last); fresh shared-memory pages are mapped
+on first access, a core's work (shared() without the copied bytes); none where `touch_bandwidth`
+is infinite (staging mapped when allocated, or reused).
 
 Topology: inter-node traffic crosses a full-bisection fat tree, so a rank's inter-node sends
 and receives are limited only by its own NIC, whatever the pattern (no congestion, no
@@ -139,6 +146,7 @@ class Cluster:
     round_collectives: int = 0  # barriers the transport needs per round
     setup_s: float = 0.0  # the transport's setup per move
     setup_bandwidth: float = math.inf  # arena bytes per second reserved at setup
+    touch_bandwidth: float = math.inf  # staging bytes/s a rank touches first (page faults); inf: none
     cores_per_node: Optional[float] = None  # copy engines a node's ranks share; None: each its own
     node_copy_bandwidth: Optional[float] = None  # bytes/s a node's ranks copy together; None: no cap
     phased: bool = False  # a barrier between a round's sends and its receives (shared memory)
@@ -284,8 +292,31 @@ def round_seconds(transfers: Round, cluster: Cluster, world: int) -> float:
 def transfer_seconds(traffic: list[Round], cluster: Cluster, world: int) -> float:
     arena = max((_most_sent(r) for r in traffic), default=0)
     setup = cluster.setup_s + arena / cluster.setup_bandwidth if arena else 0.0
+    touch = shared_seconds({r: n / cluster.touch_bandwidth for r, n in touched_bytes(traffic).items()}, cluster)
     rounds_s = sum(round_seconds(r, cluster, world) for r in traffic)
-    return setup + rounds_s + TRANSFER_COLLECTIVES * collective_seconds(cluster, world)
+    return setup + touch + rounds_s + TRANSFER_COLLECTIVES * collective_seconds(cluster, world)
+
+
+def touched_bytes(traffic: list[Round]) -> dict[int, int]:
+    """Each rank's staging bytes touched first in a move (the module docstring's touch(r) less
+    the bandwidth): its largest round of sends, and per sender the largest message it read."""
+    own: dict[int, int] = defaultdict(int)
+    heard: dict[tuple[int, int], int] = defaultdict(int)  # (sender, receiver) -> largest message
+    for transfers in traffic:
+        sent: dict[int, int] = defaultdict(int)
+        pair: dict[tuple[int, int], int] = defaultdict(int)
+        for t in transfers:
+            if not t.local:
+                sent[t.src] += t.nbytes
+                pair[t.src, t.dst] += t.nbytes
+        for rank, n in sent.items():
+            own[rank] = max(own[rank], n)
+        for key, n in pair.items():
+            heard[key] = max(heard[key], n)
+    out = dict(own)
+    for (_, dst), n in heard.items():
+        out[dst] = out.get(dst, 0) + n
+    return out
 
 
 def _most_sent(transfers: Round) -> int:
@@ -413,7 +444,13 @@ H100_CLASS = Cluster(
         "copy_bandwidth": "HBM3 3.35 TB/s (H100 SXM datasheet); a device copy reads and writes "
         "each byte, so half of it: an upper bound, achieved copies reach ~80-90%",
         "copy_overhead_s": "5 us per copy kernel launched: assumption",
-        "collective_step_s": "10 us per step of a small NCCL collective: assumption",
+        "collective_step_s": "10 us per step of a small NCCL collective: assumption; it prices every "
+        "collective of a move (on this repository's CPU host the step is measured as a move's agreement "
+        "runs it, about twice a quiet loop's there, where 4 ranks share 2 cores; a GPU rank has host "
+        "cores of its own)",
+        "touch_bandwidth": "none (infinite): staging in device memory is mapped when allocated "
+        "(cudaMalloc, then reused by the caching allocator; NCCL's buffers are set up once), so no "
+        "page is faulted in during a move",
         "node_copy_bandwidth": "none: each GPU copies in its own HBM (a shared memory bus is this "
         "repository's CPU host's only)",
         "agree": "3 small collectives; the ranks' round cutting is priced where the caller times it "

@@ -7,12 +7,16 @@ against measured live reshards.
 
 One launch of `--nproc` local gloo workers (the reshard benchmark's world):
 
-1. A micro-benchmark describes the machine: a small all-reduce right after each rank copied a
-   buffer (the collective as a move meets it); copies by one worker alone (its copy
-   bandwidth), by as many workers as there are cores at once (the node's memory bandwidth, all
-   together) and by all workers; exchanges through the executor's own shared-memory transport
+1. A micro-benchmark describes the machine: the agreement's collectives as a move runs them
+   (execute.py `schedule` on a plan of no ops and the build failures' all-reduce, right after a
+   barrier: a move's collective; a small all-reduce after a copy in a quiet loop is kept as a
+   check); copies by one worker alone (its copy bandwidth), by as many workers as there are
+   cores at once (the node's memory bandwidth, all together) and by all workers; exchanges
+   through the executor's own shared-memory transport
    (its bandwidth), every copy reading and writing places not touched lately (buffers larger
-   than the caches, walked through: a move's state is not in the cache); the transport's setup;
+   than the caches, walked through: a move's state is not in the cache), and the first round
+   on a transport just opened (its arenas' pages touched first: the extra per byte over its
+   later rounds is the first-touch rate); the transport's setup;
    each at several sizes and fitted as a fixed part + bytes / bandwidth; one element of each
    piece of a llama_tiny trainer's state read and written back through megatron's state access
    (the cost of a copy apart from its bytes); and the switch's own work on that trainer (a
@@ -65,6 +69,7 @@ RESULTS = REPO / "scripts" / "bench" / "results"
 MEASURED = (RESULTS / "reshard_tiny_cpu.json", RESULTS / "reshard_100m_cpu.json")
 COPY_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 EXCHANGE_SIZES = (1 << 12, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+FIRST_ROUND_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
 # Copies read and write places walked through buffers of this size, larger than the caches (this
 # host's L3 is 300 MiB, shared): a move reads and writes state it has not touched lately.
 COLD_BYTES = 1 << 29
@@ -111,11 +116,13 @@ def worker(args: argparse.Namespace) -> Optional[dict]:
     try:
         bench = MicroBench(args.repeats)
         cores = min(len(os.sched_getaffinity(0)), dist.get_world_size())
-        raw = {"collective": bench.collective(), "cores": cores}
+        raw = {"collective": bench.collective(), "agree": bench.agree(), "cores": cores}
         for active in sorted({1, cores, dist.get_world_size()}):
             raw[f"copy_{active}"] = {s: bench.copy(s, active) for s in COPY_SIZES}
         for active in sorted({2, cores, dist.get_world_size()}):  # a ring of at least two
             raw[f"exchange_{active}"] = {s: bench.exchange(s, active) for s in EXCHANGE_SIZES}
+        ring = max(2, cores)
+        raw[f"first_round_{ring}"] = {s: bench.first_round(s, ring) for s in FIRST_ROUND_SIZES}
         raw["setup"] = {s: bench.setup(s) for s in EXCHANGE_SIZES}
         raw["copy_overhead"], raw["switch"] = bench.state_copies_and_switch(active=cores)  # a core each
         bench.release()
@@ -170,6 +177,32 @@ class MicroBench:
 
         return statistics.median(once() for _ in range(samples))
 
+    def agree(self, samples: int = 30) -> float:
+        """The agreement's collectives as a move runs them (live.py: right after the ranks left
+        a barrier, execute.py `schedule`, then the all-reduce of the build failures), on a plan
+        of no ops, so that no rank has rounds to cut: the max over ranks of that part, the
+        median of `samples` (as many as the collective's: a move's agreement is a few ms, and
+        its spread on shared cores as large)."""
+        import torch
+        import torch.distributed as dist
+
+        from megatron_ext.parallel.layout import ParallelLayout
+        from megatron_ext.reshard.execute import schedule
+        from megatron_ext.reshard.plan import RankPlan
+
+        layout = ParallelLayout(dp=self.world, world=self.world)
+        nothing = RankPlan(layout, layout, self.rank, (), "micro-benchmark")
+
+        def once() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            schedule(nothing, 1 << 20, self.channel)
+            dist.all_reduce(torch.zeros(1, dtype=torch.int64))
+            return _max_over_ranks(time.perf_counter() - start)
+
+        once()  # warm-up
+        return statistics.median(once() for _ in range(samples))
+
     def copy(self, nbytes: int, active: int) -> float:
         """Ranks below `active` each copy `nbytes` from a place not touched lately to another."""
         busy = self.rank < active
@@ -207,6 +240,35 @@ class MicroBench:
             return self.timed(one_round, _inner(nbytes))
         finally:
             transport.close()
+
+    def first_round(self, nbytes: int, active: int) -> float:
+        """`exchange`'s round, but the first one on a transport just opened (its arenas' pages
+        not touched yet, as in a move): the opening not timed; the max over ranks, the median
+        of `repeats`."""
+        import torch.distributed as dist
+
+        from megatron_ext.reshard.transport import open_shared_memory
+
+        outgoing, incoming = self._ring(nbytes, active)
+
+        def once() -> float:
+            transport = open_shared_memory(self.channel, [(outgoing, incoming)], self.world)
+            try:
+                target, source = self.cold.next(nbytes)
+                dist.barrier()
+                start = time.perf_counter()
+                send = transport.send_buffers(outgoing)
+                for buffer in send.values():
+                    buffer.copy_(source)
+                for buffer in transport.start(0, send, incoming)().values():
+                    target.copy_(buffer)
+                transport.finish()
+                return _max_over_ranks(time.perf_counter() - start)
+            finally:
+                transport.close()
+
+        once()  # warm-up
+        return statistics.median(once() for _ in range(self.repeats))
 
     def setup(self, nbytes: int) -> float:
         """Opening the shared-memory transport for a ring of `nbytes` messages."""
@@ -312,15 +374,19 @@ def live_moves(pair: str, args: argparse.Namespace) -> list[dict]:
 
 def _live_move(trainer, a: dict, b: dict, model: str, budget_mb: float) -> dict:
     """One move as reshard.py's live route makes it: prepared (plan, build B ahead), waited
-    for, every rank's stall starting together."""
+    for, every rank's stall starting together. The previous move's layout is released first
+    (release.py's thread: its collection takes a core for a tenth of a second or more): moves
+    here follow one another at once, where reshard.py runs its other routes in between."""
     import torch.distributed as dist
 
     import reshard as bench
+    from megatron_ext.parallel.release import wait_released
     from megatron_ext.reshard.config import target_config
     from megatron_ext.reshard.live import prepare, reshard
 
     base = dataclasses.replace(trainer.cfg.parallel, tp=1, pp=1, ep=1, cp=1, vpp=None)
     target = target_config(base, b)
+    wait_released()
     bench.return_free_memory()
     prepared = prepare(trainer, target, budget_mb)
     prepared.result()
@@ -395,13 +461,22 @@ def describe_machine(raw: dict, world: int) -> dict:
     _, copy_per_byte_cores = fit_line(_keyed(raw[f"copy_{cores}"]))
     _, copy_per_byte_all = fit_line(_keyed(raw[f"copy_{world}"]))
     fixed, per_byte = fit_line(_keyed(raw[f"exchange_{cores}"]))
-    collective_step = raw["collective"] / steps
-    # A ring round of the phased transport: a barrier after packing, one after unpacking; a
-    # pack and an unpack per byte, every worker of the ring at once. Its fixed part less those
-    # is the latency of a message. Its bytes are copies into and out of shared memory, as
-    # fast as a worker's copies: the link's bandwidth is the copy bandwidth (the exchange's own
-    # per-byte rate, with every worker of the ring copying at once, is the node's memory's).
-    latency = max(0.0, fixed - 2 * collective_step * steps - 2 * raw["copy_overhead"]) / 2
+    # A move's collectives cost what its agreement's do (each rank arriving after its own work,
+    # on cores the other workers share): the bare collective of a quiet loop is kept as a check.
+    collective_step = raw["agree"] / sim.AGREE_COLLECTIVES / steps
+    # The first round on fresh arenas against the same ring's later rounds: the extra is the
+    # first touch of a worker's own arena (written) and its peer's (read), 2 bytes a byte.
+    ring = max(2, cores)
+    _, first_per_byte = fit_line(_keyed(raw[f"first_round_{ring}"]))
+    _, warm_per_byte = fit_line(_keyed(raw[f"exchange_{ring}"]))
+    touch_per_byte = (first_per_byte - warm_per_byte) / 2
+    # A ring round of the phased transport: a barrier after packing, one after unpacking (in a
+    # loop: the bare collective's); a pack and an unpack per byte, every worker of the ring at
+    # once. Its fixed part less those is the latency of a message. Its bytes are copies into and
+    # out of shared memory, as fast as a worker's copies: the link's bandwidth is the copy
+    # bandwidth (the exchange's own per-byte rate, with every worker of the ring copying at
+    # once, is the node's memory's).
+    latency = max(0.0, fixed - 2 * raw["collective"] - 2 * raw["copy_overhead"]) / 2
     setup_fixed, setup_per_byte = fit_line(_keyed(raw["setup"]))
     return {
         "copy_bandwidth": 1 / copy_per_byte,
@@ -414,6 +489,8 @@ def describe_machine(raw: dict, world: int) -> dict:
         "link_latency_s": latency,
         "exchange_fixed_s": fixed,
         "collective_step_s": collective_step,
+        "loop_collective_step_s": raw["collective"] / steps,  # a check: a collective in a quiet loop
+        "touch_bandwidth": 1 / touch_per_byte if touch_per_byte > 0 else math.inf,
         "copy_overhead_s": raw["copy_overhead"],
         "switch_s": raw["switch"],
         "setup_s": setup_fixed,
@@ -449,6 +526,7 @@ def machine_cluster(m: dict, world: int, constants: dict) -> sim.Cluster:
         phased=True,  # every rank packs, a barrier, every rank unpacks
         setup_s=m["setup_s"],
         setup_bandwidth=m["setup_bandwidth"],
+        touch_bandwidth=m["touch_bandwidth"],
         cores_per_node=m["cores_per_node"],
         node_copy_bandwidth=m["node_copy_bandwidth"],
         topology="one host: every worker on one node, messages through shared memory",
@@ -678,6 +756,9 @@ def measure(args: argparse.Namespace) -> dict:
     """The micro-benchmark and the live moves: run now, or those of an earlier run (--reuse)."""
     if args.reuse:
         earlier = json.loads(Path(args.reuse).read_text())
+        if "agree" not in earlier["micro_benchmark"]:
+            raise SystemExit(f"--reuse: {args.reuse} is of an older micro-benchmark (no 'agree' "
+                             "timing): measure again")
         return {"micro_benchmark": earlier["micro_benchmark"], "live": earlier["live_moves"]}
     from megatron_ext.platform.launch import launch_local
 

@@ -121,7 +121,38 @@ CASES = {
     ),
     # The transport's setup: 0.5 s + the largest round of sends, rank 0's 300 bytes, at 600 B/s.
     "setup": ({"setup_s": 0.5, "setup_bandwidth": 600.0}, [HAND_ROUND], 2, 0.5 + 0.5 + 6.4 + 0.2),
+    # First touches at 100 B/s: rank 0 packs 300 bytes (its largest round) and reads rank 1's
+    # 100: 4.0 s; rank 1 packs 100 and reads 300: 4.0 s.
+    "first touch": ({"touch_bandwidth": 100.0}, [HAND_ROUND], 2, 4.0 + 6.4 + 0.2),
+    # First touches over two rounds on three ranks, each on its own node and core, at 100 B/s.
+    # Round 1: 0 -> 1 300 bytes, 0 -> 2 100, 2 -> 1 50; round 2: 0 -> 1 200, 1 -> 2 400.
+    # Rank 0 packs at most 400 (round 1), reads nothing: 4.0 s. Rank 1 packs 400 (round 2),
+    # reads rank 0's largest 300 and rank 2's 50: 7.5 s. Rank 2 packs 50, reads rank 0's 100
+    # and rank 1's 400: 5.5 s. The touch: the slowest rank, 7.5 s.
+    # Rounds: round 1 rank 0 copies 2 (0.2) + 2 messages (1.0) + 400 / 100 = 5.2 (the slowest:
+    # rank 1 0.2 + 1.0 + 350 / 100 = 4.7, rank 2 0.2 + 1.0 + 1.5 = 2.7); round 2 rank 1 0.2 +
+    # 1.0 + 600 / 100 = 7.2 (not duplex). Report: ceil(log2 3) = 2 steps, 0.4 s.
+    "first touch, two rounds, three ranks": (
+        {"touch_bandwidth": 100.0, "inter": sim.Link(bandwidth=100.0, latency_s=0.5, duplex=False)},
+        [(T(0, 1, 300), T(0, 2, 100), T(2, 1, 50)), (T(0, 1, 200), T(1, 2, 400))], 3,
+        7.5 + 5.2 + 7.2 + 0.4,
+    ),
+    # First touches of four ranks on one node sharing 2 cores, at 100 B/s: a ring of 100-byte
+    # messages, each rank touching 200 bytes (2.0 s); the node's 8.0 s over 2 cores: 4.0 s.
+    # The round: each rank copies 2 (0.2) + 2 messages * 0.01 + duplex max(100, 100) / 1000 =
+    # 0.32 s; the node's 1.28 s over 2 cores: 0.64 s. Report: 2 steps, 0.4 s.
+    "first touch, shared cores": (
+        {"touch_bandwidth": 100.0, "gpus_per_node": 4, "cores_per_node": 2},
+        [tuple(T(r, (r + 1) % 4, 100) for r in range(4))], 4, 4.0 + 0.64 + 0.4,
+    ),
 }
+
+
+def test_touched_bytes_hand_worked():
+    # The two-round case above: rank 0 packs 400, rank 1 packs 400 and reads 300 + 50, rank 2
+    # packs 50 and reads 100 + 400; a local copy touches no staging.
+    traffic = [(T(0, 1, 300), T(0, 2, 100), T(2, 1, 50), T(2, 2, 999)), (T(0, 1, 200), T(1, 2, 400))]
+    assert sim.touched_bytes(traffic) == {0: 400, 1: 750, 2: 550}
 
 
 @pytest.mark.parametrize("name", list(CASES))

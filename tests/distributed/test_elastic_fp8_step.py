@@ -53,6 +53,6 @@ def test_each_step_and_evaluation_computes_every_scale_once(tmp_path, monkeypatc
         [*COMMON, f"data.cache_dir={tmp_path / 'cache'}", "elastic.fp8=true", "train.iters=3",
          "train.eval_interval=2", "train.eval_iters=1"]
     )
-    assert len(per_step) == 3 and len(per_eval) == 1
+    assert len(per_step) == 3 and len(per_eval) == 2  # iteration 2's and the final evaluation
     for ids in [*per_step, *per_eval]:
         assert len(ids) == len(set(ids)) == LINEARS, len(ids)

@@ -35,10 +35,15 @@ HYBRID = [
     "elastic.budget_draw=sample",
     "elastic.budgets=[0.8,0.6,0.4]",
 ]
+# Both grids start the router by cost alone: these runs check the distillation's layout
+# equality on sizes that cut every axis, not the start (the quality start keeps every Mamba head
+# channel of the dense grid, and scores the MoE grid's best candidates within the layouts'
+# rounding of each other; tests/unit/test_elastic_router_start.py checks it).
 DENSE = [
     "model.hybrid_pattern=M*M-M-",
     "model.num_experts=null",
     "elastic.grid={hidden: [32,48,64], heads: [2,4], ffn: [64,128], mamba_heads: [4,6,8], mamba_head_dim: [8,16]}",
+    "elastic.router_start=cost",
 ]
 TP2 = ["launcher.nproc=2", "parallel.tp=2"]
 REL = 2e-5
@@ -73,6 +78,7 @@ MOE = [
     "elastic.grid={hidden: [48,64], heads: [4], ffn: [128], mamba_heads: [8], mamba_head_dim: [16], "
     "moe_experts: [2,3,4], moe_ffn: [16,48,64]}",
     "elastic.budgets=[0.95,0.85,0.75]",
+    "elastic.router_start=cost",
 ]
 MOE_LAYOUTS = {"tp2_sp": [*TP2, "parallel.sequence_parallel=true"]}
 # The experts' partial outputs are reduce-scattered over TP too: the KD losses measured up to

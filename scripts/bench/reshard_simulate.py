@@ -759,7 +759,9 @@ def measure(args: argparse.Namespace) -> dict:
         if "agree" not in earlier["micro_benchmark"]:
             raise SystemExit(f"--reuse: {args.reuse} is of an older micro-benchmark (no 'agree' "
                              "timing): measure again")
-        return {"micro_benchmark": earlier["micro_benchmark"], "live": earlier["live_moves"]}
+        # the measurements' own record: where, when and on which code they were taken
+        reused_from = {"file": Path(args.reuse).name, **earlier.get("provenance", {})}
+        return {"micro_benchmark": earlier["micro_benchmark"], "live": earlier["live_moves"], "reused_from": reused_from}
     from megatron_ext.platform.launch import launch_local
 
     return launch_local(args.nproc, worker, (args,), "127.0.0.1", 0)[0]
@@ -806,6 +808,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "h100_class": sim.describe(sim.H100_CLASS),
         "provenance": provenance(__file__, argv),
     }
+    if "reused_from" in ran:
+        out["reused_from"] = ran["reused_from"]
     Path(args.json).write_text(json.dumps(sim.jsonable(out), indent=2) + "\n")
     for source, parts in out["summary"].items():
         for part in LIVE_PARTS + ("stall",):

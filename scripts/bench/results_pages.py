@@ -73,8 +73,14 @@ def provenance_rows(bench: Benchmark, data: dict, commit: Optional[tuple[str, st
             ("date", record["date"]),
             ("versions", f"Python {record['python']}, torch {record['torch']}, megatron-core {record['megatron_core']}"),
         ]
-        # A record written after the run says how it was made.
-        return rows + ([("note", record["note"])] if record.get("note") else [])
+        # A record written after the run says how it was made; a run that reused an earlier
+        # one's measurements (--reuse) names that run.
+        if record.get("note"):
+            rows.append(("note", record["note"]))
+        if reused := data.get("reused_from"):
+            rows.append(("measurements", f"reused from `{reused['file']}` as measured at commit "
+                                         f"`{reused.get('commit', NOT_RECORDED)}` on {reused.get('date', NOT_RECORDED)}"))
+        return rows
     recorded = f"{NOT_RECORDED}; the file was recorded in commit `{commit[0]}` ({commit[1]})" if commit else NOT_RECORDED
     return [
         ("command", f"{NOT_RECORDED} (the file is written by `{bench.script}`)"),

@@ -359,8 +359,6 @@ class ReshardCase:
     target_s: Optional[float]  # per-rank plan time target (issue 27), None where none is set
     paper: Optional[str]  # a key of RESHARD_PAPER: DynaTrain's figure for this model
     stall_ranks: str = "ends"  # "ends": the first and last rank and the slowest planner; "all": every rank
-    exact_bytes: bool = True  # moved_bytes over every destination rank (9 s CPU at 70B x 1,024 ranks, 101 s
-    # for the 235B MoE; not run at 405B x 16,384)
 
 
 RESHARD_BUDGET_BYTES = 1 << 30  # a rank's staging budget per round on an 80 GB GPU: assumption
@@ -378,18 +376,16 @@ RESHARD_PAPER = {
 
 
 def reshard_cases() -> tuple[ReshardCase, ...]:
-    """rank_plan.py's three SCALE targets (the stall from three ranks' own rounds; bytes checked
-    for 70B only: moved_bytes takes 101 s CPU for the MoE at 1,024 ranks, which rank_plan.py
-    --bytes checks, and is not run for 405B),
-    and DynaTrain's two claims as moves on 64 and 128 GPUs (the paper names neither its GPUs
-    nor its layouts: these are small worlds that hold the training state in 80 GB GPUs), with
-    every rank's rounds and the bytes checked."""
+    """rank_plan.py's three SCALE targets (the stall from three ranks' own rounds, the bytes
+    from every destination rank's fills), and DynaTrain's two claims as moves on 64 and 128
+    GPUs (the paper names neither its GPUs nor its layouts: these are small worlds that hold
+    the training state in 80 GB GPUs), with every rank's rounds and the bytes checked."""
     from megatron_ext.parallel.layout import ParallelLayout as L
     from rank_plan import LLAMA_70B, QWEN3_235B, SCALE
 
     scale_cases = list(SCALE.items())[:3]
     papers = ("70b", None, "235b_moe")
-    out = [ReshardCase(name, model, a, b, target, paper, exact_bytes="70B" in name)
+    out = [ReshardCase(name, model, a, b, target, paper)
            for (name, (model, a, b, target)), paper in zip(scale_cases, papers)]
     out.append(ReshardCase("DynaTrain 70B: tp8·pp8 -> tp8·pp4·dp2 (64 ranks)", LLAMA_70B, L(tp=8, pp=8),
                            L(tp=8, pp=4, dp=2), None, "70b", stall_ranks="all"))
@@ -475,10 +471,10 @@ def _reshard_case(case: ReshardCase) -> dict:
     held_b, _ = held_and_state(case.model, case.b)
     route = checkpoint_route(held_a, held_b, state, H100_CLASS)
     sim_s = time.process_time() - cpu
-    moved = None
-    if case.exact_bytes:
-        cpu = time.process_time()
-        moved = {**moved_bytes(case.model, case.a, case.b), "cpu_s": time.process_time() - cpu}
+    # every destination rank's fills: 9 s CPU at 70B x 1,024 ranks, 67 s at 405B x 16,384, 101 s
+    # for the 235B MoE at 1,024
+    cpu = time.process_time()
+    moved = {**moved_bytes(case.model, case.a, case.b), "cpu_s": time.process_time() - cpu}
     return {"timing": timing, "stall": dataclasses.asdict(live), "stall_total_s": live.total, "rounds": len(steps),
             "coverage": coverage, "route": dataclasses.asdict(route), "route_total_s": route.total,
             "state_bytes": state, "max_held_a": max(held_a.values()), "max_held_b": max(held_b.values()),
@@ -500,7 +496,7 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
         moved = r["moved"]
         met_time = case.target_s is None or t["seconds"] <= case.target_s
         met_cpu_time = case.target_s is None or t["cpu_seconds"] <= case.target_s
-        met_bytes = moved is None or moved["network_bytes"] == moved["min_bytes"]
+        met_bytes = moved["network_bytes"] == moved["min_bytes"]
         rows.append({
             "plugin": "reshard", "case": case.name,
             # each the slowest sampled rank's by its own measure: the wall clock counts the load
@@ -508,14 +504,8 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
             "planner_peak_rss_mb": t["peak_rss_mb"], "import_rss_mb": t["import_rss_mb"],
             "planner_added_rss_mb": t["planner_added_mb"], "slowest_rank": t["slowest_rank"],
             "slowest_rank_cpu": t["slowest_rank_cpu"], "ranks_timed": len(t["ranks"]), **_measures(rss),
-            "bytes": {"network_bytes": None if moved is None else moved["network_bytes"],
-                      "min_bytes": None if moved is None else moved["min_bytes"],
-                      "equal_min": None if moved is None else moved["network_bytes"] == moved["min_bytes"],
-                      "how": ("plan_scale.moved_bytes: every destination rank's fills, exact"
-                              f" ({moved['cpu_s']:.0f} s CPU)") if moved else
-                             "not checked here: moved_bytes takes 101 s CPU for the MoE at 1,024 ranks "
-                             "(rank_plan.py --bytes checks it; its DynaTrain row checks the same model's move at "
-                             "128) and is not run for 405B (16,384 ranks)"},
+            "bytes": {"network_bytes": moved["network_bytes"], "min_bytes": moved["min_bytes"], "equal_min": met_bytes,
+                      "how": f"plan_scale.moved_bytes: every destination rank's fills, exact ({moved['cpu_s']:.0f} s CPU)"},
             "simulated": {
                 "cluster": H100_CLASS.name, "budget_bytes_per_round": RESHARD_BUDGET_BYTES,
                 "stall": r["stall"], "stall_s": r["stall_total_s"], "rounds": r["rounds"],
@@ -537,7 +527,7 @@ def reshard_rows(cases: Optional[Sequence[ReshardCase]] = None, fresh: bool = Tr
                       "model": case.model.name, "cluster": describe(H100_CLASS)},
         })
         row = rows[-1]
-        checked = "not checked" if moved is None else "= min" if met_bytes else "!= min"
+        checked = "= min" if met_bytes else "!= min"
         print(f"reshard {case.name}: plan {t['seconds']:.2f} s ({t['cpu_seconds']:.2f} s CPU), "
               f"{t['peak_rss_mb']:.0f} MB ({t['planner_added_mb']:.0f} MB the planner's), bytes {checked} "
               f"({row['bytes']['network_bytes']}), stall {r['stall_total_s']:.2f} s "

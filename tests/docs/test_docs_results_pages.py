@@ -85,13 +85,22 @@ NAMED = re.compile(r"([\w.-]+)\.(?:json|md)\b")
 SCALE = {"%": (100,), "GiB": (2**-30,), "MiB": (2**-20,), "GB": (1e-9, 2**-30), "MB": (1e-6, 2**-20), "ms": (1e3,)}
 
 
-def _values(node) -> list[float]:
+def _values(node, key: str = "") -> list[tuple[str, float]]:
+    """Every number of a JSON document, with the key that holds it."""
     if isinstance(node, bool):
         return []
     if isinstance(node, (int, float)):
-        return [float(node)]
-    children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else []
-    return [v for child in children for v in _values(child)]
+        return [(key, float(node))]
+    children = node.items() if isinstance(node, dict) else [(key, c) for c in node] if isinstance(node, list) else []
+    return [v for k, child in children for v in _values(child, k)]
+
+
+def _scales(unit: str, key: str) -> tuple[float, ...]:
+    """How a value of `key` is shown in `unit`: seconds and bytes are scaled; a field named in
+    megabytes (`..._mb`, /proc's KiB / 1024) is shown as it is."""
+    if unit in ("MB", "MiB") and key.endswith("_mb"):
+        return (1,)
+    return SCALE.get(unit, (1,))
 
 
 def _shown_as(text: str, value: float) -> bool:
@@ -112,8 +121,10 @@ def unsourced_numbers(page_text: str, results: Path) -> list[str]:
         named = {results / f"{stem}.json" for stem in NAMED.findall(block)}
         values = [v for path in named if path.exists() for v in _values(json.loads(path.read_text()))]
         for *numbers, unit in MEASURED.findall(block):
-            scales = SCALE.get(unit, (1,))
-            out += [f"{n}{unit}" for n in numbers if n and not any(_shown_as(n, v * s) for v in values for s in scales)]
+            out += [
+                f"{n}{unit}" for n in numbers
+                if n and not any(_shown_as(n, v * s) for key, v in values for s in _scales(unit, key))
+            ]
     return out
 
 

@@ -229,12 +229,7 @@ class MicroBench:
 
         def one_round() -> None:
             target, source = self.cold.next(nbytes)  # the state packed from, unpacked into
-            send = transport.send_buffers(outgoing)
-            for buffer in send.values():
-                buffer.copy_(source)
-            for buffer in transport.start(0, send, incoming)().values():
-                target.copy_(buffer)
-            transport.finish()
+            _ring_round(transport, outgoing, incoming, source, target)
 
         try:
             return self.timed(one_round, _inner(nbytes))
@@ -257,12 +252,7 @@ class MicroBench:
                 target, source = self.cold.next(nbytes)
                 dist.barrier()
                 start = time.perf_counter()
-                send = transport.send_buffers(outgoing)
-                for buffer in send.values():
-                    buffer.copy_(source)
-                for buffer in transport.start(0, send, incoming)().values():
-                    target.copy_(buffer)
-                transport.finish()
+                _ring_round(transport, outgoing, incoming, source, target)
                 return _max_over_ranks(time.perf_counter() - start)
             finally:
                 transport.close()
@@ -419,6 +409,17 @@ def _layout(parallel):
     from megatron_ext.parallel.layout import ParallelLayout
 
     return ParallelLayout.from_config(parallel, dist.get_world_size())
+
+
+def _ring_round(transport, outgoing, incoming, source, target) -> None:
+    """One round of the ring through `transport`: pack `source` into each message to send, and
+    unpack each message received into `target`."""
+    send = transport.send_buffers(outgoing)
+    for buffer in send.values():
+        buffer.copy_(source)
+    for buffer in transport.start(0, send, incoming)().values():
+        target.copy_(buffer)
+    transport.finish()
 
 
 def _max_over_ranks(value: float) -> float:

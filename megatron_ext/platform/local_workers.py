@@ -273,12 +273,13 @@ class LocalWorkers:
         errors = self._noted_failures()
         # A worker killed by a signal notes nothing: it failed of its own accord too.
         causes = [e for e in failed if not _LOST_CONNECTION.search(errors.get((e.attempt, e.rank), ""))]
-        for ended in causes or failed:
-            return LaunchFailed(
-                f"rank {ended.rank} (pid {ended.process.pid}) failed first: {_exit_status(ended.process.exitcode)}; "
-                "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
-            )
-        return LaunchFailed(first_line(error))
+        if not failed:
+            return LaunchFailed(first_line(error))
+        first = (causes or failed)[0]
+        return LaunchFailed(
+            f"rank {first.rank} (pid {first.process.pid}) failed first: {_exit_status(first.process.exitcode)}; "
+            "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
+        )
 
     def _noted_failures(self) -> dict[tuple[int, int], str]:
         """(attempt, local rank) -> the first line of the error each failed worker noted."""

@@ -133,7 +133,7 @@ class ReshardPlugin(Plugin):
                 target = target_config(ctx.cfg.parallel, layout)
                 if _same_layout(ctx, target):
                     ctx.note(f"step {step}: reshard request for {layout} in {path}: already there, "
-                                 f"no move{self._consume('done')}")
+                             f"no move{self._consume('done')}")
                     return
                 # prepare checks the target (the config rules, every plugin's check_layout) first
                 self._requested_move = self._prepare(ctx, target)

@@ -17,6 +17,11 @@ def moe_layer_pattern(model: ModelConfig) -> list[int]:
     if text.isdigit():
         freq = int(text)
         return [int(i % freq == 0) for i in range(model.num_layers)] if freq else []
+    return pattern_expression(text)
+
+
+def pattern_expression(text: str) -> list[int]:
+    """Megatron's list expression of 0s and 1s ("([0]+[1]*3)*2") as the list it makes."""
     return _list_expression(ast.parse(text, mode="eval").body)
 
 

@@ -11,22 +11,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.schema import ModelConfig
 
 # forward + backward (weight and data gradients), 2 operations per multiply-add
 _GEMM = 3 * 2
-
-
-def moe_layer_pattern(model: ModelConfig) -> list[int]:
-    """1 for each layer with MoE MLPs: `moe_layer_freq` is N (every N-th layer, from the first)
-    or Megatron-LM's pattern expression, e.g. "([0]+[1]*3)*2"."""
-    if model.num_experts is None:
-        return [0] * model.num_layers
-    freq = str(model.moe_layer_freq).strip()
-    if freq.isdigit():
-        return [int(i % int(freq) == 0) for i in range(model.num_layers)]
-    # Megatron-LM evaluates the same expression (arguments.py, moe_freq_type).
-    return list(eval(freq, {"__builtins__": {}}))
 
 
 def _attention(m: ModelConfig) -> tuple[float, float]:
@@ -54,7 +43,7 @@ def flops_per_iteration(model: ModelConfig, padded_vocab_size: int, global_batch
         return None
     m = model
     gated = 3 if m.activation == "swiglu" else 2  # SwiGLU's up projection is two GEMMs wide
-    moe_layers = sum(moe_layer_pattern(m))
+    moe_layers = sum(moe_layer_pattern(m)) if m.num_experts is not None else 0
     dense_layers = m.num_layers - moe_layers
     expert_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
     mlp = (

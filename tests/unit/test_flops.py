@@ -9,7 +9,8 @@ import pytest
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.models.arch import architecture
-from megatron_ext.training.flops import flops_per_iteration, moe_layer_pattern
+from megatron_ext.config.moe_pattern import moe_layer_pattern
+from megatron_ext.training.flops import flops_per_iteration
 
 VOCAB, GBS = 384, 3
 

@@ -43,60 +43,63 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.disk_space import disk_full
+from megatron_ext.checkpointing.megatron_lm import from_saved, loading_metadata
 from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (its API too)
 
-# Megatron's distributed optimizer sharding that can be reloaded under any TP/PP/DP.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # The top-level keys of the optimizer's and the RNG's states in a checkpoint.
 OPTIMIZER_KEY, RNG_KEY = "optimizer", "rng_state"
 
 
-def _model_sharded_state_dict(model_chunks: list) -> dict:
+def _model_sharded_state_dict(model_chunks: list, metadata: dict) -> dict:
     if len(model_chunks) == 1:
-        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap_model(m).sharded_state_dict() for i, m in enumerate(model_chunks)}
+        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": unwrap_model(m).sharded_state_dict(metadata=metadata) for i, m in enumerate(model_chunks)}
 
 
-def _rng_sharded_object(layout_key: tuple[int, int]) -> ShardedObject:
-    """Each (pp, tp) position keeps its own RNG states; data-parallel replicas share them."""
-    state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
+def _rng_state() -> dict:
+    """This process's RNG streams under Megatron-LM's names. Without CUDA the CUDA stream is
+    the CPU one, as megatron's RNG tracker keeps it here."""
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
-    pp, tp = layout_key
-    return ShardedObject(
-        "rng_state",
-        state,
-        (
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-        ),
-        (pp, tp),
-        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
-    )
 
 
-def _layout_key() -> tuple[int, int]:
-    return (
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_rank(),
-    )
+def _rng_sharded_object(old_layout: bool = False) -> ShardedObject:
+    """Megatron-LM's sharding of the RNG states: one per (pp, tp) position, data-parallel
+    replicas sharing it; with expert parallelism one per (pp, tp, dp) rank. `old_layout`: the
+    runtime's earlier checkpoints (one per (pp, tp), a dict of its own names)."""
+    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    if old_layout:
+        return ShardedObject(RNG_KEY, {}, (pp_size, tp_size), (pp, tp), replica_id=dp)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return ShardedObject(RNG_KEY, [_rng_state()], (pp_size, tp_size, dp_size), (pp, tp, dp), replica_id=0)
+    return ShardedObject(RNG_KEY, [_rng_state()], (pp_size, tp_size), (pp, tp), replica_id=dp)
 
 
-def sharded_state_dict(model_chunks: list, optimizer, is_loading: bool = False, rng: bool = True) -> dict:
-    """What a checkpoint holds: the model, the optimizer unless it is None, the RNG states if `rng`."""
-    state = _model_sharded_state_dict(model_chunks)
+def sharded_state_dict(
+    model_chunks: list, optimizer, metadata: dict, is_loading: bool = False, rng: bool = True, old_layout: bool = False
+) -> dict:
+    """What a checkpoint holds: the model, the optimizer unless it is None, the RNG states if
+    `rng`; `metadata` is the content metadata that shapes the sharded state dicts (its
+    `distrib_optim_sharding_type` the distributed optimizer's format)."""
+    metadata = {**metadata, "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    state = _model_sharded_state_dict(model_chunks, metadata)
     if optimizer is not None:
         state[OPTIMIZER_KEY] = optimizer.sharded_state_dict(
-            _model_sharded_state_dict(model_chunks) if len(model_chunks) > 1 else state["model"],
+            _model_sharded_state_dict(model_chunks, metadata) if len(model_chunks) > 1 else state["model"],
             is_loading=is_loading,
-            metadata=OPTIMIZER_METADATA,
+            metadata=metadata,
         )
     if rng:
-        state[RNG_KEY] = _rng_sharded_object(_layout_key())
+        state[RNG_KEY] = _rng_sharded_object(old_layout)
     return state
 
 
@@ -105,22 +108,30 @@ def save_checkpoint(
     iteration: int,
     model_chunks: list,
     optimizer,
-    common: dict[str, Any],
+    plain: dict[str, Any],
+    metadata: dict[str, Any],
     keep_last: Optional[int] = None,
     async_queue: Optional[AsyncCallsQueue] = None,
     save_rng: bool = True,
 ) -> Path:
-    """Write checkpoint `iteration` under `root`; `common` is plain state (same on all ranks).
-    Without `optimizer` (None) the checkpoint holds no optimizer state, without `save_rng` no
-    RNG states (Megatron-LM's --no-save-optim / --no-save-rng). With `async_queue` (no save of
-    it outstanding), the tensors are written in the background and the checkpoint is published
-    when the queue finalises the request."""
-    state = sharded_state_dict(model_chunks, optimizer, rng=save_rng)
-    state["common"] = common
+    """Write checkpoint `iteration` under `root`: the tensors, and `plain` as the top-level
+    plain entries (megatron_lm.to_saved: the same on all ranks); `metadata` is the content
+    metadata (megatron_lm.content_metadata), saved with them. Without `optimizer` (None) the
+    checkpoint holds no optimizer state, without `save_rng` no RNG states (Megatron-LM's
+    --no-save-optim / --no-save-rng). With `async_queue` (no save of it outstanding), the
+    tensors are written in the background and the checkpoint is published when the queue
+    finalises the request."""
+    state = sharded_state_dict(model_chunks, optimizer, metadata, rng=save_rng) | plain
+
+    def write(folder: Path, async_sharded_save: bool = False):
+        return dist_checkpointing.save(
+            state, str(folder), async_sharded_save=async_sharded_save, content_metadata=metadata
+        )
+
     if async_queue is None:
-        return write_staged(root, iteration, lambda folder: dist_checkpointing.save(state, str(folder)), keep_last)
+        return write_staged(root, iteration, write, keep_last)
     staging = _open_staging(root, iteration)
-    request = dist_checkpointing.save(state, str(staging), async_sharded_save=True)
+    request = write(staging, async_sharded_save=True)
     # megatron's finalisation raises what the background writers met: a full disk named too
     request.finalize_fns[:] = [_naming_a_full_disk(fn, Path(root), staging) for fn in request.finalize_fns]
     request.add_finalize_fn(lambda: _publish(root, iteration, keep_last))
@@ -231,9 +242,12 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def load_common(root: str | os.PathLike, iteration: int) -> dict[str, Any]:
-    """The plain (non-sharded) state of a checkpoint: counters, scheduler, config, vocab size."""
-    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
-    return common["common"]
+    """The plain state of a checkpoint as the runtime reads it (megatron_lm.from_saved), whoever
+    wrote it, with its content metadata under "content_metadata" (None when it has none)."""
+    saved = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
+    common = from_saved(saved)
+    common["content_metadata"] = dist_checkpointing.load_content_metadata(preloaded_state_dict=saved)
+    return common
 
 
 def held_states(root: str | os.PathLike, iteration: int, field: str = "checkpoint.load") -> frozenset[str]:
@@ -275,16 +289,19 @@ def load_checkpoint(
     load_rng: bool,
     field: str = "checkpoint.load",
 ) -> dict[str, Any]:
-    """Load model (and optimizer) state of `iteration` into the current layout; returns the
-    common state. RNG states are restored only when `load_rng` (same TP x PP layout) and the
+    """Load model (and optimizer) state of `iteration` into the current layout; returns its
+    `load_common`. RNG states are restored only when `load_rng` (same TP x PP layout) and the
     checkpoint holds them. A checkpoint that cannot be read (a shard cut short, another model's
     shapes, no optimizer state for an `optimizer`) raises one line naming `field` and its path."""
     path = str(iteration_dir(root, iteration))
+    common = load_common(root, iteration)
     held = held_states(root, iteration, field)
     if optimizer is not None:
         check_holds_optimizer(root, iteration, field, held)
     load_rng = load_rng and RNG_KEY in held  # Megatron-LM ignores a missing one
-    template = sharded_state_dict(model_chunks, optimizer, is_loading=True, rng=load_rng)
+    old_layout = common["format"] == "megatron_ext_v1"
+    metadata = loading_metadata(common["content_metadata"], None if old_layout else common["args"])
+    template = sharded_state_dict(model_chunks, optimizer, metadata, is_loading=True, rng=load_rng, old_layout=old_layout)
     try:
         state = dist_checkpointing.load(template, path)
     except (Exception, CheckpointException) as e:  # every rank raises it: torch gathers the readers' failures
@@ -298,7 +315,7 @@ def load_checkpoint(
         optimizer.load_state_dict(state[OPTIMIZER_KEY])
     if load_rng:
         _restore_rng(state[RNG_KEY])
-    return load_common(root, iteration)
+    return common
 
 
 def _cause(error: BaseException) -> str:
@@ -311,10 +328,16 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _restore_rng(rng: dict) -> None:
-    random.setstate(rng["random"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    get_cuda_rng_tracker().set_states(rng["tracker"])
+def _restore_rng(rng: list | dict) -> None:
+    """Megatron-LM's RNG entry (a list holding one rank's states), or the runtime's earlier one."""
+    if isinstance(rng, dict):
+        rng = {"random_rng_state": rng["random"], "np_rng_state": rng["numpy"], "torch_rng_state": rng["torch"],
+               "cuda_rng_state": rng["cuda"], "rng_tracker_states": rng["tracker"]}
+    else:
+        rng = rng[0]
+    random.setstate(rng["random_rng_state"])
+    np.random.set_state(rng["np_rng_state"])
+    torch.set_rng_state(rng["torch_rng_state"])
+    if rng["cuda_rng_state"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda_rng_state"])
+    get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])

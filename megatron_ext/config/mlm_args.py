@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from megatron_ext.config.mlm_namespace import layout_fields, model_fields
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
 from megatron_ext.config.tokenizer_spec import gpt2_files_spec, null_tokenizer_spec
 from megatron_ext.platform import optional
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _hydra_value(v: Any) -> str:
+def hydra_value(v: Any) -> str:
     """A Python value in Hydra's override grammar."""
     if v is None:
         return "null"
@@ -112,7 +113,7 @@ def _hydra_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, list):
-        return "[" + ",".join(_hydra_value(item) for item in v) + "]"
+        return "[" + ",".join(hydra_value(item) for item in v) + "]"
     if re.fullmatch(r"[A-Za-z_/.][\w\-./:+@]*", v) and v.lower() not in ("true", "false", "null"):
         return v
     # Quoted: commas (a sweep otherwise), spaces, `~`... `\` before a quote or at the end and
@@ -417,6 +418,51 @@ def _attention_window(b: _Builder) -> None:
             b.problem("--window-attn-skip-freq", "an integer N (full attention in every N-th layer); per-layer patterns are not supported")
 
 
+# What --use-checkpoint-args leaves to the command line when it gives them (Megatron-LM's
+# load_args_from_checkpoint sets these only where the argument is unset).
+_COMMAND_LINE_FIRST = {
+    "--num-layers": "num_layers", "--hidden-size": "hidden_size", "--ffn-hidden-size": "ffn_hidden_size",
+    "--seq-length": "seq_length", "--num-attention-heads": "num_attention_heads", "--kv-channels": "head_dim",
+    "--max-position-embeddings": "max_position_embeddings",
+}
+
+
+def _checkpoint_args(b: _Builder) -> None:
+    """--use-checkpoint-args: the model's flags from the `args` of the checkpoint --load names
+    (--use-mp-args-from-checkpoint-args: its parallel sizes too); without a checkpoint there,
+    the command line's, as Megatron-LM does."""
+    if not b.has("--use-checkpoint-args"):
+        if b.has("--use-mp-args-from-checkpoint-args"):
+            b.problem("--use-mp-args-from-checkpoint-args", "needs --use-checkpoint-args")
+        return
+    args = _saved_args(b.get("--load"), b.get("--ckpt-step"))
+    if args is None:
+        b.notice("--use-checkpoint-args", "no checkpoint in --load: the command line's model flags are used")
+        return
+    given = {name for flag, name in _COMMAND_LINE_FIRST.items() if b.has(flag)}
+    for name, value in model_fields(args).items():
+        if name not in given:
+            b.set(f"model.{name}", value, "--use-checkpoint-args")
+    if b.has("--use-mp-args-from-checkpoint-args"):
+        for name, value in layout_fields(args).items():
+            b.set(f"parallel.{name}", value, "--use-mp-args-from-checkpoint-args")
+
+
+def _saved_args(load: Optional[str], step: Optional[int]):
+    """The `args` Namespace of checkpoint `step` (default: the latest) under `load`; None when
+    there is none."""
+    from megatron_ext.checkpointing.tracker import iteration_dir, latest_iteration
+
+    if load is None:
+        return None
+    iteration = step if step is not None else latest_iteration(load)
+    if iteration is None or not iteration_dir(load, iteration).is_dir():
+        return None
+    from megatron_ext.checkpointing.torch_dist import load_common  # torch and megatron: only here
+
+    return load_common(load, iteration).get("args")
+
+
 def _derived(b: _Builder) -> None:
     """Overrides that depend on several flags, following Megatron-LM's arguments.py."""
     _model_shape(b)
@@ -427,6 +473,7 @@ def _derived(b: _Builder) -> None:
     _tokenizer(b)
     _implementation(b)
     _checkpoint_format(b)
+    _checkpoint_args(b)
     for name in ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"):
         if b.has(name):
             _single(b, name)
@@ -478,7 +525,7 @@ def translate(argv: Sequence[str]) -> Translation:
         raise MlmArgsError(b.problems)
     _defaults(b, keep_model=any(arg.startswith("model=") for arg in passthrough))
     # Hydra applies overrides in order, so a passed-through `experiment=...` replaces ours.
-    mapped = [f"{key}={_hydra_value(v)}" for key, v in b.values.items()]
+    mapped = [f"{key}={hydra_value(v)}" for key, v in b.values.items()]
     return Translation(["experiment=none", *mapped, *passthrough], b.notices, b.sources)
 
 
@@ -496,7 +543,7 @@ def _what(flag: Flag) -> str:
     if flag.status == MAPPED:
         text = f"`{flag.target}`" + (" (with other flags)" if flag.derived else "")
         if flag.is_switch:
-            text += f" = `{_hydra_value(flag.value)}`"
+            text += f" = `{hydra_value(flag.value)}`"
     else:
         text = flag.target
     if flag.only is not None:
@@ -504,7 +551,7 @@ def _what(flag: Flag) -> str:
     if flag.note:
         text += f"; {flag.note}"
     if flag.default is not UNSET:
-        text += f"; absent: Megatron-LM's `{_hydra_value(flag.default)}`"
+        text += f"; absent: Megatron-LM's `{hydra_value(flag.default)}`"
     return _cell(text)
 
 

@@ -972,19 +972,24 @@ FLAGS: tuple[Flag, ...] = (
             choices=('fully_parallel', 'atomic'),
         ),
         mapped('--finetune', 'on', 'checkpoint.finetune'),
-        refused('--pretrained-checkpoint', 'str', 'use model.pretrained=<checkpoint folder>'),
-        mapped('--ckpt-step', 'int', 'checkpoint.step'),
-        refused(
-            '--use-checkpoint-args', 'on',
-            'checkpoint args are not read here: give the model flags',
+        mapped(
+            '--pretrained-checkpoint', 'str', 'model.pretrained',
+            note='its weights start a run whose --load holds no checkpoint, as Megatron-LM finetunes from it',
         ),
-        refused(
-            '--use-mp-args-from-checkpoint-args', 'on',
-            'checkpoint args are not read here: give the parallel flags',
+        mapped('--ckpt-step', 'int', 'checkpoint.step'),
+        mapped(
+            '--use-checkpoint-args', 'on', 'model', derived=True,
+            note="the model's flags from the args of the checkpoint in --load (the command line's "
+            "--num-layers, --hidden-size, --ffn-hidden-size, --seq-length, --num-attention-heads, "
+            "--kv-channels, --max-position-embeddings first)",
+        ),
+        mapped(
+            '--use-mp-args-from-checkpoint-args', 'on', 'parallel', derived=True,
+            note="with --use-checkpoint-args: the checkpoint's TP / PP / VPP / EP / CP sizes and stage cut",
         ),
         notice(
             '--no-use-tokenizer-model-from-checkpoint-args --disable-use-tokenizer-model-from-checkpoint-args',
-            'off', 'checkpoint args are not read here',
+            'off', "--use-checkpoint-args takes the model's flags only: the tokenizer is always the command line's",
         ),
         mapped(
             '--exit-on-missing-checkpoint', 'on', 'checkpoint.load_optional', const=False,

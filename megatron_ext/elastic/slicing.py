@@ -32,7 +32,7 @@ from megatron_ext.config.schema import ModelConfig
 from megatron_ext.elastic import fp8
 from megatron_ext.elastic.axes import Size
 from megatron_ext.elastic.space import ElasticSpace
-from megatron_ext.models.convert.checkpoint import common_state
+from megatron_ext.models.convert.checkpoint import save_model_only
 from megatron_ext.models.convert.hf import write_hf
 from megatron_ext.models.convert.hf_config import hf_config_from_model
 from megatron_ext.models.convert.llama import logical_to_hf
@@ -145,7 +145,7 @@ def param_count(model: nn.Module) -> int:
 
 def save_megatron(out: str | os.PathLike, sub: nn.Module, cfg: ModelConfig, padded_vocab: int) -> Path:
     """A model-only megatron dist checkpoint (iteration 0), usable as `model.pretrained`."""
-    ckpt.save_checkpoint(str(out), 0, [sub], None, common_state(cfg, padded_vocab, 1, 1, {}))
+    save_model_only(str(out), [sub], cfg, padded_vocab)
     return Path(out)
 
 

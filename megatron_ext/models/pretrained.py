@@ -26,6 +26,7 @@ from megatron_ext.models.convert.source import open_pretrained
 from megatron_ext.models.convert.world import build_model
 from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.checkpointing import torch_dist as ckpt
+from megatron_ext.checkpointing.megatron_lm import saved_model_config
 
 if TYPE_CHECKING:
     from megatron_ext.data.tokenizers import Tokenizer
@@ -93,15 +94,13 @@ def tokenizer_spec(spec: str) -> str:
         return path
     if Path(path, TOKENIZER_DIR).is_dir():
         return str(Path(path, TOKENIZER_DIR))
-    return ckpt.load_common(path, ckpt.latest_iteration(path)).get("tokenizer", "byte")
+    return ckpt.load_common(path, ckpt.latest_iteration(path)).get("tokenizer") or "byte"
 
 
 def source_config(spec: str) -> ModelConfig:
     path = resolve(spec)
     if _is_megatron_checkpoint(path):
-        saved = ckpt.load_common(path, ckpt.latest_iteration(path))["config"]["model"]
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        return ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        return saved_model_config(ckpt.load_common(path, ckpt.latest_iteration(path)))
     return open_pretrained(path).config
 
 

@@ -12,6 +12,7 @@ The Trainer only wires them together and calls the plugins' hooks.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import os
@@ -44,6 +45,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
@@ -64,6 +66,7 @@ from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
 from megatron_ext.plugin_context import PluginContext
 from megatron_ext.checkpointing import torch_dist as ckpt
+from megatron_ext.checkpointing.megatron_lm import content_metadata, scheduler_from_samples, to_saved
 from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
@@ -71,7 +74,7 @@ from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
-from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
+from megatron_ext.training.schedule import build_scheduler, counts_samples, scheduler_increment, train_iters
 from megatron_ext.training.skipped_steps import SkippedSteps
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 from megatron_ext.training.timers import Timers
@@ -87,6 +90,7 @@ class TrainState:
 
     iteration: int = 0
     consumed_samples: int = 0
+    flops: float = 0.0  # Megatron-LM's num_floating_point_operations_so_far
 
 
 class Trainer:
@@ -471,6 +475,7 @@ class Trainer:
             self.scheduler.step(increment=scheduler_increment(self.cfg.train, self.batches, global_batch))
         self.state.iteration += 1
         self.state.consumed_samples += global_batch
+        self.state.flops += flops_per_iteration(self.cfg.model, self.vocab_size, global_batch) or 0.0
         skipped = self.skipped_steps.record(self.state.iteration, update_ok, loss_scale, self.optimizer)
         if skipped is not None:
             self.note(skipped)
@@ -615,12 +620,13 @@ class Trainer:
 
     def common_state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the model and optimizer tensors, the same on every
-        rank: the iteration, consumed samples, lr scheduler state, padded vocabulary size,
-        tokenizer, data path, the layout keys that decide the RNG streams, each plugin's
-        `state_dict()` and the whole config."""
+        rank: the iteration, consumed samples, operations so far, lr scheduler state, padded
+        vocabulary size, tokenizer, data path, the layout keys that decide the RNG streams,
+        each plugin's `state_dict()` and the whole config."""
         return {
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
+            "flops": self.state.flops,
             "scheduler": self.scheduler.state_dict(),
             "padded_vocab_size": self.vocab_size,
             "tokenizer": self.tokenizer_spec,
@@ -629,6 +635,24 @@ class Trainer:
             "plugins": {p.name: p.state_dict() for p in self.plugins},
             "config": dataclasses.asdict(self.cfg),
         }
+
+    def megatron_lm_args(self) -> argparse.Namespace:
+        """This run as Megatron-LM's `args`, what its checkpoints carry (config/mlm_namespace.py)."""
+        return megatron_lm_args(
+            self.cfg,
+            RunFacts(
+                world_size=self.layout.world,
+                data_parallel_size=self.layout.dp,
+                padded_vocab_size=self.vocab_size,
+                global_batch_size=self._global_batch_size(),
+                iteration=self.state.iteration,
+                consumed_train_samples=self.state.consumed_samples,
+            ),
+        )
+
+    def _samples_per_step(self) -> int:
+        """What one step of this run's scheduler is in Megatron-LM's samples (megatron_lm.py)."""
+        return 1 if counts_samples(self.cfg.train, self.batches) else self._global_batch_size()
 
     def _layout_key(self) -> dict:
         """What decides which model-parallel RNG stream each rank has."""
@@ -658,7 +682,8 @@ class Trainer:
             self.state.iteration,
             self.model,
             self.optimizer if c.save_optim else None,
-            common,
+            to_saved(common, self.megatron_lm_args(), self._samples_per_step()),
+            content_metadata(self.cfg.parallel.use_distributed_optimizer, fully_reshardable=True),
             keep_last=c.keep_last,
             async_queue=self._async_saves,
             save_rng=c.save_rng,
@@ -693,10 +718,14 @@ class Trainer:
             self._restore_common(common, load_scheduler=load_optim)
 
     def _restore_common(self, common: dict, load_scheduler: bool = True) -> None:
-        """Counters, scheduler (unless not `load_scheduler`) and plugin states from `common_state()`."""
-        self.state = TrainState(common["iteration"], common["consumed_samples"])
+        """Counters, scheduler (unless not `load_scheduler`) and plugin states from
+        `common_state()` or a checkpoint's `load_common`."""
+        self.state = TrainState(common["iteration"], common["consumed_samples"], common.get("flops", 0.0))
         if load_scheduler:
-            self.scheduler.load_state_dict(common["scheduler"])
+            scheduler = common.get("scheduler")
+            if "scheduler_samples" in common:
+                scheduler = scheduler_from_samples(common["scheduler_samples"], self._samples_per_step())
+            self.scheduler.load_state_dict(scheduler)
         for plugin in self.plugins:
             plugin.load_state_dict(common["plugins"].get(plugin.name, {}))
 

@@ -221,13 +221,12 @@ def test_run_settings_change_no_config(case):
 
 
 def test_convert_script_refuses_an_mtp_checkpoint_with_one_line_before_writing(one_rank_world, tmp_path, capsys):
-    from megatron_ext.models.convert.checkpoint import common_state
+    from megatron_ext.models.convert.checkpoint import save_model_only
     from megatron_ext.models.gpt import padded_vocab_size
-    from megatron_ext.checkpointing import torch_dist as ckpt
 
     cfg = model({"mtp_num_layers": 1})
     padded = padded_vocab_size(cfg.vocab_size, cfg, 1)
-    ckpt.save_checkpoint(tmp_path / "ckpt", 0, random_megatron(cfg), None, common_state(cfg, padded, 1, 1, {}))
+    save_model_only(tmp_path / "ckpt", random_megatron(cfg), cfg, padded)
     spec = importlib.util.spec_from_file_location("convert_checkpoint", Path(__file__).parents[2] / "scripts" / "convert_checkpoint.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -16,6 +16,7 @@ from megatron_ext.config.validate import ConfigError
 from megatron_ext.models.convert.world import build_model
 from megatron_ext.platform.disk_space import disk_full
 from megatron_ext.checkpointing import torch_dist as ckpt
+from megatron_ext.checkpointing.megatron_lm import content_metadata
 
 SMALL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2, vocab_size=100)
 FREE = re.compile(r"no space left on its filesystem \((\d+ B|[\d.]+ [KMGT]iB) free of [\d.]+ [KMGT]?i?B\)")
@@ -34,14 +35,21 @@ def _full_at_fsync(folder: str, monkeypatch) -> None:
     monkeypatch.setattr(os, "fsync", failing_fsync)
 
 
+METADATA = content_metadata(distributed_optimizer=False, fully_reshardable=False)
+
+
+def _plain(iteration: int) -> dict:
+    return {"iteration": iteration, "checkpoint_version": 3.0}
+
+
 def test_a_checkpoint_save_on_a_full_disk_names_the_folder_and_keeps_the_last_one(one_rank_world, tmp_path, monkeypatch):
     model = build_model(SMALL, padded_vocab=128)
-    ckpt.save_checkpoint(tmp_path, 1, model, None, {"iteration": 1})
+    ckpt.save_checkpoint(tmp_path, 1, model, None, _plain(1), METADATA)
     staging = tmp_path / f".{ckpt.iteration_dir(tmp_path, 2).name}.tmp"
     with monkeypatch.context() as patch:
         _full_at_fsync(str(staging), patch)
         with pytest.raises(ConfigError) as full:
-            ckpt.save_checkpoint(tmp_path, 2, model, None, {"iteration": 2})
+            ckpt.save_checkpoint(tmp_path, 2, model, None, _plain(2), METADATA)
     message = str(full.value)
     assert "\n" not in message
     assert message.startswith(f"checkpoint.save: {staging}: ") and FREE.search(message), message
@@ -78,13 +86,13 @@ def test_an_async_save_on_a_full_disk_names_the_folder_when_it_is_finalised(one_
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     model = build_model(SMALL, padded_vocab=128)
-    ckpt.save_checkpoint(tmp_path, 1, model, None, {"iteration": 1})
+    ckpt.save_checkpoint(tmp_path, 1, model, None, _plain(1), METADATA)
     staging = tmp_path / f".{ckpt.iteration_dir(tmp_path, 2).name}.tmp"
     queue = AsyncCallsQueue()
     try:
         with monkeypatch.context() as patch:
             _full_at_fsync(str(staging), patch)  # the background writer is forked from here
-            ckpt.save_checkpoint(tmp_path, 2, model, None, {"iteration": 2}, async_queue=queue)
+            ckpt.save_checkpoint(tmp_path, 2, model, None, _plain(2), METADATA, async_queue=queue)
             with pytest.raises(ConfigError) as full:
                 queue.maybe_finalize_async_calls(blocking=True)
     finally:

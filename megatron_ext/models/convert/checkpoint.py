@@ -19,11 +19,16 @@ renamed into place, and every input problem is raised before anything is written
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+import torch.distributed as dist
+
+from megatron_ext.checkpointing.megatron_lm import content_metadata, saved_model_config, to_saved
+from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
 from megatron_ext.config.schema import Config, LauncherConfig, ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
 from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
@@ -53,6 +58,20 @@ def common_state(model: ModelConfig, padded_vocab: int, tp: int, pp: int, token_
         "plugins": {},
         "token_ids": token_ids,
     }
+
+
+def save_model_only(
+    out: str | os.PathLike, chunks: list, model: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, token_ids: Optional[dict] = None
+) -> None:
+    """A model-only checkpoint of iteration 0 (no optimizer, no RNG) at `out`, its `args` those
+    of a Megatron-LM run of `model` at TP=`tp` x PP=`pp` (collective over this world)."""
+    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp, use_distributed_optimizer=False))
+    world = dist.get_world_size()
+    args = megatron_lm_args(
+        cfg, RunFacts(world, world // (tp * pp), padded_vocab, cfg.train.global_batch_size or 1, 0, 0, fully_reshardable=False)
+    )
+    common = common_state(model, padded_vocab, tp, pp, token_ids or {})
+    ckpt.save_checkpoint(out, 0, chunks, None, to_saved(common, args, 1), content_metadata(False, False), save_rng=False)
 
 
 def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
@@ -88,8 +107,7 @@ def save_imported(source: str, out: str, tp: int, pp: int, max_seq_length: int =
         padded = padded_vocab_size(pretrained.config.vocab_size, pretrained.config, tp)
         chunks = build_model(pretrained.config, padded)
         load_pretrained(chunks, pretrained, padded)
-        common = common_state(pretrained.config, padded, tp, pp, pretrained.token_ids)
-        ckpt.save_checkpoint(out, 0, chunks, None, common)
+        save_model_only(out, chunks, pretrained.config, padded, tp, pp, pretrained.token_ids)
 
 
 def _write_tokenizer(pretrained: Pretrained, folder: Path) -> None:
@@ -110,7 +128,7 @@ def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> P
     if iteration is None or not ckpt.iteration_dir(load, iteration).is_dir():
         raise FileNotFoundError(f"{load}: no checkpoint" + (f" of iteration {iteration}" if iteration is not None else ""))
     common = ckpt.load_common(load, iteration)
-    model = _model_config(common["config"]["model"])
+    model = saved_model_config(common)
     padded = common["padded_vocab_size"]
     vocab = model.vocab_size or padded
     # Before the slow part: a model no transformers family has is refused here.
@@ -122,8 +140,3 @@ def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> P
         tensors = logical_to_hf(gather_logical(chunks), model, vocab)
     tokenizer = Path(load, TOKENIZER_DIR)
     return write_hf(out, tensors, config, tokenizer if tokenizer.is_dir() else None)
-
-
-def _model_config(saved: dict) -> ModelConfig:
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in saved.items() if k in known})

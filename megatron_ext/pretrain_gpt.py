@@ -8,11 +8,13 @@ applied after them. Launch it the way Megatron-LM is launched (torchrun / srun),
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Mapping, Optional, Sequence
 
 from hydra.errors import HydraException
 
+from megatron_ext.checkpointing.tracker import iteration_dir, latest_iteration
 from megatron_ext.config.mlm_args import MlmArgsError, flag_table_markdown, translate
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.launch_env import detect_launch
@@ -26,6 +28,17 @@ def _named(error: ConfigError, sources: Mapping[str, str]) -> str:
     )
 
 
+def saved_args(load: str, step: Optional[int]) -> Optional[argparse.Namespace]:
+    """The `args` of checkpoint `step` (default: the latest) under `load`; None without one."""
+    iteration = step if step is not None else latest_iteration(load)
+    if iteration is None or not iteration_dir(load, iteration).is_dir():
+        return None
+    # Late: torch and megatron-core, only for a command line that reads a checkpoint's args.
+    from megatron_ext.checkpointing.torch_dist import load_common
+
+    return load_common(load, iteration).get("args")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if list(argv) == ["--flag-table"]:
@@ -36,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     sources: Mapping[str, str] = {}
     try:
-        translation = translate(argv)
+        translation = translate(argv, saved_args)
         sources = translation.sources
         launch = detect_launch()
         if launch is None or launch.rank == 0:  # under torchrun / srun every rank reads the flags

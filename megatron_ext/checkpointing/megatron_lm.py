@@ -33,7 +33,7 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
-from megatron_ext.config.mlm_namespace import checkpoint_layout, model_config, tokenizer_spec
+from megatron_ext.config.mlm_namespace import layout_fields, model_config, tokenizer_spec
 from megatron_ext.config.schema import ModelConfig
 
 CHECKPOINT_VERSION = 3.0
@@ -74,6 +74,28 @@ def loading_metadata(saved: Optional[dict], args: Optional[argparse.Namespace]) 
         return dict(OLD_LAYOUT_METADATA)
     parallel_save = getattr(args, "ckpt_fully_parallel_save", False)
     return {"distrib_optim_sharding_type": "fully_sharded_model_space" if parallel_save else "dp_zero_gather_scatter"}
+
+
+def layout_key(tp: int, pp: int, vpp: Optional[int], first_stage_layers: Optional[int], last_stage_layers: Optional[int]) -> dict:
+    """What decides which RNG stream each rank holds and how a `dp_reshardable` optimizer state
+    is cut into buckets: the model-parallel cut of the layers."""
+    return {"tp": tp, "pp": pp, "vpp": vpp, "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+
+
+def optimizer_layout_problem(common: dict[str, Any], run_layout: dict) -> Optional[str]:
+    """Why the optimizer state of a checkpoint (its `load_common`) cannot be read in
+    `run_layout` (a `layout_key`), or None. Megatron's `dp_reshardable` and
+    `dp_zero_gather_scatter` states are cut by the buckets of the layout that saved them."""
+    sharding = loading_metadata(common.get("content_metadata"), common.get("args")).get("distrib_optim_sharding_type")
+    saved = common.get("layout")
+    if sharding in (None, *RESHARDABLE) or saved is None or saved == run_layout:
+        return None
+    where = ", ".join(f"{k}={v}" for k, v in saved.items() if v is not None)
+    return (
+        f"its optimizer state is {sharding}, which loads only in the layout that saved it ({where}): "
+        "resume in that layout, or without the optimizer state (checkpoint.load_optim=false, "
+        "--no-load-optim), or rewrite the checkpoint in this layout with python -m megatron_ext.reshard.convert"
+    )
 
 
 def scheduler_to_samples(state: dict[str, Any], samples_per_step: int) -> dict[str, Any]:
@@ -132,10 +154,17 @@ def from_saved(saved: dict[str, Any]) -> dict[str, Any]:
         "padded_vocab_size": getattr(args, "padded_vocab_size", None),
         "tokenizer": tokenizer_spec(args) if args is not None else None,
         "data_path": None,
-        "layout": checkpoint_layout(args) if args is not None else None,
+        "layout": _saved_layout(args) if args is not None else None,
         "plugins": {},
         "config": None,
     }
+
+
+def _saved_layout(args: argparse.Namespace) -> dict:
+    sizes = layout_fields(args)
+    return layout_key(
+        sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("vpp"), sizes.get("first_stage_layers"), sizes.get("last_stage_layers")
+    )
 
 
 def saved_model_config(common: dict[str, Any]) -> ModelConfig:

@@ -27,7 +27,7 @@ import argparse
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_ext.config.mlm_namespace import layout_fields, model_fields
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
@@ -427,7 +427,12 @@ _COMMAND_LINE_FIRST = {
 }
 
 
-def _checkpoint_args(b: _Builder) -> None:
+# Reads the `args` Namespace of checkpoint `step` (None: the latest) under a --load directory;
+# None when there is none. The entry point gives it: reading a checkpoint is below this layer.
+SavedArgsReader = Callable[[str, Optional[int]], Optional[argparse.Namespace]]
+
+
+def _checkpoint_args(b: _Builder, read_saved_args: Optional[SavedArgsReader]) -> None:
     """--use-checkpoint-args: the model's flags from the `args` of the checkpoint --load names
     (--use-mp-args-from-checkpoint-args: its parallel sizes too); without a checkpoint there,
     the command line's, as Megatron-LM does."""
@@ -435,7 +440,8 @@ def _checkpoint_args(b: _Builder) -> None:
         if b.has("--use-mp-args-from-checkpoint-args"):
             b.problem("--use-mp-args-from-checkpoint-args", "needs --use-checkpoint-args")
         return
-    args = _saved_args(b.get("--load"), b.get("--ckpt-step"))
+    load = b.get("--load")
+    args = read_saved_args(load, b.get("--ckpt-step")) if load is not None and read_saved_args else None
     if args is None:
         b.notice("--use-checkpoint-args", "no checkpoint in --load: the command line's model flags are used")
         return
@@ -448,21 +454,6 @@ def _checkpoint_args(b: _Builder) -> None:
             b.set(f"parallel.{name}", value, "--use-mp-args-from-checkpoint-args")
 
 
-def _saved_args(load: Optional[str], step: Optional[int]):
-    """The `args` Namespace of checkpoint `step` (default: the latest) under `load`; None when
-    there is none."""
-    from megatron_ext.checkpointing.tracker import iteration_dir, latest_iteration
-
-    if load is None:
-        return None
-    iteration = step if step is not None else latest_iteration(load)
-    if iteration is None or not iteration_dir(load, iteration).is_dir():
-        return None
-    from megatron_ext.checkpointing.torch_dist import load_common  # torch and megatron: only here
-
-    return load_common(load, iteration).get("args")
-
-
 def _derived(b: _Builder) -> None:
     """Overrides that depend on several flags, following Megatron-LM's arguments.py."""
     _model_shape(b)
@@ -473,7 +464,6 @@ def _derived(b: _Builder) -> None:
     _tokenizer(b)
     _implementation(b)
     _checkpoint_format(b)
-    _checkpoint_args(b)
     for name in ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"):
         if b.has(name):
             _single(b, name)
@@ -511,9 +501,10 @@ def _unknown(flag_args: Sequence[str], unknown: Sequence[str]) -> list[str]:
     return problems
 
 
-def translate(argv: Sequence[str]) -> Translation:
+def translate(argv: Sequence[str], read_saved_args: Optional[SavedArgsReader] = None) -> Translation:
     """Megatron-LM flags (and Hydra overrides) -> Hydra overrides on our config, the notices
-    to print, and the typed flag behind each key. Raises MlmArgsError listing every problem."""
+    to print, and the typed flag behind each key. Raises MlmArgsError listing every problem.
+    `read_saved_args` reads a checkpoint's `args` for --use-checkpoint-args."""
     flag_args, passthrough = _split(argv)
     namespace, unknown = build_parser().parse_known_args(flag_args)
     given = vars(namespace)
@@ -521,6 +512,7 @@ def translate(argv: Sequence[str]) -> Translation:
     b.problems += _unknown(flag_args, unknown)
     _read_rows(b)
     _derived(b)
+    _checkpoint_args(b, read_saved_args)
     if b.problems:
         raise MlmArgsError(b.problems)
     _defaults(b, keep_model=any(arg.startswith("model=") for arg in passthrough))

@@ -17,8 +17,6 @@ import argparse
 import dataclasses
 from typing import Any, Optional
 
-import torch
-
 from megatron_ext.config.moe_pattern import pattern_expression
 from megatron_ext.config.schema import Config, ModelConfig
 from megatron_ext.config.tokenizer_spec import GPT2_FILES_PREFIX, NULL_PREFIX
@@ -68,7 +66,7 @@ PARALLEL_FIELDS = {
 }
 
 _GATED = {"swiglu": "swiglu", "squared_relu": "squared_relu", "quick_geglu": "quick_geglu"}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +88,8 @@ class RunFacts:
 def megatron_lm_args(cfg: Config, run: RunFacts) -> argparse.Namespace:
     """`cfg` as the Namespace Megatron-LM's parser and `validate_args` would have made for the
     same run, with the counters Megatron-LM's training loop keeps in it."""
+    import torch  # the workers' import: this module is read by the launcher too
+
     m, p, o, t, c = cfg.model, cfg.parallel, cfg.optim, cfg.train, cfg.checkpoint
     args: dict[str, Any] = {name: getattr(m, field) for name, field in MODEL_FIELDS.items()}
     args |= {name: getattr(p, field) for name, field in PARALLEL_FIELDS.items()}
@@ -102,7 +102,7 @@ def megatron_lm_args(cfg: Config, run: RunFacts) -> argparse.Namespace:
         num_layers_per_virtual_pipeline_stage=None,
         fp16=m.precision == "fp16",
         bf16=m.precision == "bf16",
-        params_dtype=_DTYPES[m.precision],
+        params_dtype=getattr(torch, _DTYPES[m.precision]),
         micro_batch_size=t.micro_batch_size,
         global_batch_size=run.global_batch_size,
         rampup_batch_size=t.rampup_batch_size,
@@ -267,15 +267,3 @@ def _first(value: Any) -> Any:
 
 def _freq_text(freq: Any) -> str:
     return str(freq) if isinstance(freq, int) else repr(list(freq))
-
-
-def checkpoint_layout(args: argparse.Namespace) -> dict[str, Optional[int]]:
-    """The TP / PP / VPP / stage cut a Megatron-LM checkpoint was saved in, as the runtime's
-    layout key (what decides whether its RNG streams can be restored)."""
-    return {
-        "tp": getattr(args, "tensor_model_parallel_size", 1),
-        "pp": getattr(args, "pipeline_model_parallel_size", 1),
-        "vpp": getattr(args, "virtual_pipeline_model_parallel_size", None),
-        "first_stage_layers": getattr(args, "decoder_first_pipeline_num_layers", None),
-        "last_stage_layers": getattr(args, "decoder_last_pipeline_num_layers", None),
-    }

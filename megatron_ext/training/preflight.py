@@ -21,7 +21,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_ext.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig
+from megatron_ext.checkpointing.megatron_lm import layout_key, optimizer_layout_problem
+from megatron_ext.config.mlm_namespace import model_fields
+from megatron_ext.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.checkpoint_storage import UncheckedTorch, checkpoint_files
 from megatron_ext.checkpointing import tracker
@@ -62,7 +64,7 @@ def check_inputs(cfg: Config) -> None:
     check_vocabulary(cfg)
     if cfg.model.pretrained:
         check_pretrained(cfg.model)
-    check_load(cfg.checkpoint, cfg.model)
+    check_load(cfg.checkpoint, cfg.model, cfg.parallel)
     if cfg.checkpoint.save:
         check_save(cfg.checkpoint.save)  # last: it creates the directory
 
@@ -174,10 +176,11 @@ def _check_hf_folder(path: str) -> None:
 # --- checkpoints ------------------------------------------------------------------------------
 
 
-def check_load(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
+def check_load(checkpoint: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig) -> None:
     """`checkpoint.load` must hold a checkpoint, except where it may be missing: with
     `load_optional`, or when it is also `checkpoint.save` (resume-if-present: the first run of
-    `checkpoint.save=runs/x checkpoint.load=runs/x` finds nothing yet)."""
+    `checkpoint.save=runs/x checkpoint.load=runs/x` finds nothing yet); its optimizer state, when
+    it is restored, must be readable in `parallel`'s layout."""
     load = checkpoint.load
     if not load:
         return
@@ -200,7 +203,14 @@ def check_load(checkpoint: CheckpointConfig, model: ModelConfig) -> None:
             return
     _check_checkpoint("checkpoint.load", root, checkpoint.step, model, field_of_step="checkpoint.step")
     if checkpoint.load_optim and not checkpoint.finetune:
-        _checkpoint_module().check_holds_optimizer(root, checkpoint.step or tracker.latest_iteration(root))
+        ckpt, iteration = _checkpoint_module(), checkpoint.step or tracker.latest_iteration(root)
+        ckpt.check_holds_optimizer(root, iteration)
+        p = parallel
+        problem = optimizer_layout_problem(
+            ckpt.load_common(root, iteration), layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+        )
+        if problem is not None:
+            raise ConfigError("checkpoint.load", f"{tracker.iteration_dir(root, iteration)}: {problem}")
 
 
 def _same_dir(a: str, b: Optional[str]) -> bool:
@@ -253,6 +263,8 @@ def _saved_model(field: str, root: str, iteration: int) -> dict[str, Any]:
         common = _checkpoint_module().load_common(root, iteration)
     except Exception as e:  # a missing or damaged common.pt, whatever megatron raises for it
         raise ConfigError(field, f"{tracker.iteration_dir(root, iteration)} is not a readable checkpoint ({_one_line(e)})") from None
+    if common.get("config") is None and common.get("args") is not None:  # Megatron-LM's: what its args say
+        return model_fields(common["args"])
     model = (common.get("config") or {}).get("model") or {}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return {k: v for k, v in model.items() if k in known}

@@ -66,7 +66,13 @@ from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
 from megatron_ext.plugin_context import PluginContext
 from megatron_ext.checkpointing import torch_dist as ckpt
-from megatron_ext.checkpointing.megatron_lm import content_metadata, scheduler_from_samples, to_saved
+from megatron_ext.checkpointing.megatron_lm import (
+    content_metadata,
+    layout_key,
+    optimizer_layout_problem,
+    scheduler_from_samples,
+    to_saved,
+)
 from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
@@ -657,13 +663,7 @@ class Trainer:
     def _layout_key(self) -> dict:
         """What decides which model-parallel RNG stream each rank has."""
         p = self.cfg.parallel
-        return {
-            "tp": p.tp,
-            "pp": p.pp,
-            "vpp": p.vpp,
-            "first_stage_layers": p.first_stage_layers,
-            "last_stage_layers": p.last_stage_layers,
-        }
+        return layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
 
     def save(self) -> None:
         """Save a checkpoint of this iteration under `checkpoint.save` (megatron's
@@ -704,6 +704,9 @@ class Trainer:
         c = self.cfg.checkpoint
         same_layout = common["layout"] == self._layout_key()
         load_optim = c.load_optim and not c.finetune
+        problem = optimizer_layout_problem(common, self._layout_key()) if load_optim else None
+        if problem is not None:
+            raise ConfigError("checkpoint.load", f"{ckpt.iteration_dir(root, iteration)}: {problem}")
         ckpt.load_checkpoint(
             root,
             iteration,

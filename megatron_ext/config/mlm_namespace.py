@@ -221,9 +221,11 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
         model["head_dim"] = None if args.kv_channels * args.num_attention_heads == args.hidden_size else args.kv_channels
     if hasattr(args, "untie_embeddings_and_output_weights"):
         model["tie_embeddings"] = not args.untie_embeddings_and_output_weights
-    for name, field in (("max_position_embeddings", "max_position_embeddings"), ("rotary_base", "rotary_base")):
-        if getattr(args, name, None) is not None:
-            model[field] = getattr(args, name)
+    if getattr(args, "max_position_embeddings", None) is not None:  # None: the sequence length
+        same = args.max_position_embeddings == getattr(args, "seq_length", None)
+        model["max_position_embeddings"] = None if same else args.max_position_embeddings
+    if getattr(args, "rotary_base", None) is not None:
+        model["rotary_base"] = float(args.rotary_base)
     if getattr(args, "use_rope_scaling", False):
         model["rope_scaling"] = "llama3"
     if hasattr(args, "moe_layer_freq"):

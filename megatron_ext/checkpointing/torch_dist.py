@@ -16,8 +16,10 @@ rank's write has completed. So a background write that fails or is cut off publi
 The caller finalises outstanding saves before it saves again and before it exits.
 
 Where each tensor lives comes from megatron's own metadata: the model's and the optimizer's
-`sharded_state_dict()`. The distributed optimizer's state is saved "fully reshardable", so a
-checkpoint written at TP2 x PP2 resumes at PP2 x DP2.
+`sharded_state_dict()`, shaped by the content metadata saved with them (megatron_lm.py, which
+also says what the plain entries mean). The distributed optimizer's state is saved "fully
+reshardable", so a checkpoint written at TP2 x PP2 resumes at PP2 x DP2; a checkpoint is read
+with its own content metadata, so Megatron-LM's `dp_reshardable` ones load in their layout.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ MODEL_FIELDS: dict[str, str] = {
     for name in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
         "make_vocab_size_divisible_by", "norm_epsilon", "init_method_std", "normalization",
-        "position_embedding_type", "rotary_percent", "add_bias_linear", "add_qkv_bias",
+        "position_embedding_type", "rotary_percent", "add_bias_linear",
         "qk_layernorm", "hidden_dropout", "attention_dropout", "glu_linear_offset",
         "activation_func_clamp_value", "window_attn_skip_freq", "softmax_type", "mtp_num_layers",
         "mtp_loss_scaling_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank",
@@ -158,6 +158,7 @@ def _model_derived(m: ModelConfig) -> dict[str, Any]:
         swiglu=m.activation == "swiglu",
         squared_relu=m.activation == "squared_relu",
         quick_geglu=m.activation == "quick_geglu",
+        add_qkv_bias=m.add_qkv_bias or m.add_bias_linear,  # Megatron-LM's validate_args: biases imply it
         group_query_attention=m.num_query_groups is not None,
         num_query_groups=m.num_query_groups if m.num_query_groups is not None else 1,
         kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
@@ -213,6 +214,8 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     }
     if getattr(args, "disable_bias_linear", None) is not None:  # older checkpoints' spelling
         model["add_bias_linear"] = not args.disable_bias_linear
+    if hasattr(args, "add_qkv_bias"):  # here add_bias_linear implies the QKV bias, unsaid
+        model["add_qkv_bias"] = args.add_qkv_bias and not model.get("add_bias_linear", False)
     gated = [kind for name, kind in _GATED.items() if getattr(args, name, False)]
     model["activation"] = gated[0] if gated else "gelu"
     if hasattr(args, "group_query_attention"):

@@ -360,7 +360,9 @@ def _fix_torch_adam_checkpointing() -> None:
       initial state (step 0, zero moments) first: the next step runs exactly as from empty.
     - Loading a "fully reshardable" checkpoint copies every per-parameter state key from the
       saved tensors, but `step` is saved per param group (and restored from there): copy the
-      keys that were saved.
+      keys that were saved. A "dp_reshardable" one also hands over its bucket entries' padding
+      flag: copy the optimizer's own keys only, and outside autograd (that path copies into
+      an fp32 model's parameters, which its "model space" counterpart does under no_grad).
     - That restore puts one `step` tensor object into every parameter's state, and torch's
       Adam increments each parameter's step in place, so a shared tensor would count once per
       parameter: give each parameter its own.
@@ -386,8 +388,10 @@ def _fix_torch_adam_checkpointing() -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, saved in tensors.items():
-            destination[key].copy_(saved)
+        with torch.no_grad():  # an fp32 model's main params are its parameters (leaves that need grad)
+            for key, saved in tensors.items():
+                if key in destination:
+                    destination[key].copy_(saved)
 
     @functools.wraps(original_load_state_dict)
     def load_state_dict(self, state_dict):

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_ext.config.moe_pattern import pattern_expression
-from megatron_ext.config.schema import Config, ModelConfig
+from megatron_ext.config.schema import Config, ModelConfig, ParallelConfig
 from megatron_ext.config.tokenizer_spec import GPT2_FILES_PREFIX, NULL_PREFIX
 
 # Megatron-LM argument <- model config field, the same value and meaning on both sides.
@@ -65,6 +65,8 @@ PARALLEL_FIELDS = {
     "overlap_grad_reduce": "overlap_grad_reduce",
 }
 
+# The parallel fields that are the layout (the others are training settings).
+LAYOUT = ("tp", "pp", "vpp", "ep", "cp", "first_stage_layers", "last_stage_layers")
 _GATED = {"swiglu": "swiglu", "squared_relu": "squared_relu", "quick_geglu": "quick_geglu"}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -258,11 +260,7 @@ def tokenizer_spec(args: argparse.Namespace) -> Optional[str]:
 
 def layout_fields(args: argparse.Namespace) -> dict[str, Optional[int]]:
     """The parallel sizes a Megatron-LM `args` ran with (--use-mp-args-from-checkpoint-args)."""
-    return {
-        field: getattr(args, name)
-        for name, field in PARALLEL_FIELDS.items()
-        if hasattr(args, name) and field in ("tp", "pp", "vpp", "ep", "cp", "first_stage_layers", "last_stage_layers")
-    }
+    return {field: getattr(args, name) for name, field in PARALLEL_FIELDS.items() if hasattr(args, name) and field in LAYOUT}
 
 
 def _first(value: Any) -> Any:
@@ -272,3 +270,32 @@ def _first(value: Any) -> Any:
 
 def _freq_text(freq: Any) -> str:
     return str(freq) if isinstance(freq, int) else repr(list(freq))
+
+
+# Megatron-LM argument -> optimizer config field, where they mean the same.
+OPTIM_FIELDS = {
+    name: name
+    for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+                 "decoupled_lr", "decoupled_min_lr", "lr_decay_style", "lr_warmup_init")
+}
+
+
+def optim_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The optimizer settings a Megatron-LM `args` ran with (what shapes its param groups)."""
+    return {field: getattr(args, name) for name, field in OPTIM_FIELDS.items() if getattr(args, name, None) is not None}
+
+
+def relaid_args(args: argparse.Namespace, parallel: ParallelConfig, world_size: int, fully_reshardable: bool) -> argparse.Namespace:
+    """`args` of a checkpoint rewritten in layout `parallel` by `world_size` ranks: the layout
+    fields changed, no RNG states (they belong to the old ranks), the optimizer format named."""
+    fields = vars(args) | {name: getattr(parallel, field) for name, field in PARALLEL_FIELDS.items() if field in LAYOUT}
+    model_parallel = parallel.tp * parallel.pp * parallel.cp
+    return argparse.Namespace(**{
+        **fields,
+        "world_size": world_size,
+        "data_parallel_size": world_size // model_parallel,
+        "expert_tensor_parallel_size": parallel.tp,
+        "num_layers_per_virtual_pipeline_stage": None,
+        "dist_ckpt_optim_fully_reshardable": fully_reshardable,
+        "no_save_rng": True,
+    })

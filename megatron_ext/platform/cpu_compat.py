@@ -361,8 +361,10 @@ def _fix_torch_adam_checkpointing() -> None:
     - Loading a "fully reshardable" checkpoint copies every per-parameter state key from the
       saved tensors, but `step` is saved per param group (and restored from there): copy the
       keys that were saved. A "dp_reshardable" one also hands over its bucket entries' padding
-      flag: copy the optimizer's own keys only, and outside autograd (that path copies into
-      an fp32 model's parameters, which its "model space" counterpart does under no_grad).
+      flag, and its `step` entry is the loading optimizer's own (not saved; the param groups
+      restored it already): copy the other optimizer keys only, and outside autograd (that
+      path copies into an fp32 model's parameters, which its "model space" counterpart does
+      under no_grad).
     - That restore puts one `step` tensor object into every parameter's state, and torch's
       Adam increments each parameter's step in place, so a shared tensor would count once per
       parameter: give each parameter its own.
@@ -390,7 +392,7 @@ def _fix_torch_adam_checkpointing() -> None:
         destination = {"param": main_param, **self.optimizer.state[main_param]}
         with torch.no_grad():  # an fp32 model's main params are its parameters (leaves that need grad)
             for key, saved in tensors.items():
-                if key in destination:
+                if key in destination and key != "step":
                     destination[key].copy_(saved)
 
     @functools.wraps(original_load_state_dict)

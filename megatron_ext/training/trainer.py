@@ -72,7 +72,7 @@ from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
 from megatron_ext.training.schedule import build_scheduler, scheduler_increment, train_iters
-from megatron_ext.training.skipped_steps import SkippedSteps
+from megatron_ext.training.skipped_steps import SkippedSteps, gradient_stats
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 from megatron_ext.training.timers import Timers
 
@@ -449,8 +449,9 @@ class Trainer:
         (`forward_backward_func`), the optimizer step (skipped, and counted, on an fp16 overflow)
         and the lr scheduler's. Advances `state.iteration` and `state.consumed_samples`. Returns
         the step's metrics, the same on every rank: loss (per-token mean over the global batch),
-        lr, grad_norm, loss_scale, skipped_iterations, global_batch_size and consumed_samples, with
-        num_zeros_in_grad and the MTP losses when those are on. Collective: every rank calls it."""
+        lr, loss_scale, skipped_iterations, global_batch_size and consumed_samples; grad_norm,
+        and num_zeros_in_grad when it is on, except on a step the loss scaler skipped (see
+        `gradient_stats`); the MTP losses when those are on. Collective: every rank calls it."""
         global_batch = self._follow_schedule()
         for m in self.model:
             m.zero_grad_buffer()
@@ -477,14 +478,13 @@ class Trainer:
         metrics = {
             "loss": broadcast_from_last_rank(reduce_loss(losses)),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
             "loss_scale": loss_scale,
             "skipped_iterations": self.skipped_steps.total,
             "global_batch_size": global_batch,
             "consumed_samples": self.state.consumed_samples,
         }
-        if self.cfg.logging.log_num_zeros_in_grad:
-            metrics["num_zeros_in_grad"] = float(num_zeros_in_grad)
+        zeros = num_zeros_in_grad if self.cfg.logging.log_num_zeros_in_grad else None
+        metrics.update(gradient_stats(grad_norm, zeros))
         if self.cfg.model.mtp_num_layers:
             metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
         return metrics

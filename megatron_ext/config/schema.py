@@ -261,7 +261,9 @@ class TrainConfig:
     step_batch_size_schedule: Optional[str] = None  # The token-threshold schedule described above; None: none.
     seed: int = 1234  # Seed of the weights' initialisation, the data order and dropout.
     eval_interval: int = 50  # Validate every N iterations (0: never).
-    eval_iters: int = 4  # Global batches per validation (and of the test set at the end).
+    # Global batches per validation (and of the test set at the end); 0: no validation and no
+    # test (Megatron-LM's --eval-iters 0).
+    eval_iters: int = 4
     # Stop after this many iterations of this invocation (for tests and preemption drills).
     exit_interval: Optional[int] = None
     # Megatron-LM's --manual-gc: no automatic garbage collection while training, so that no

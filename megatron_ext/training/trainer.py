@@ -354,6 +354,8 @@ class Trainer:
         self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
 
     def _evaluates(self) -> bool:
+        """Whether the run evaluates at all: every `eval_interval` steps and at the end.
+        Megatron-LM's --eval-iters 0 turns off validation and test alike."""
         return bool(self.cfg.train.eval_interval and self.cfg.train.eval_iters)
 
     def open_datasets(self, dp: Optional[int] = None) -> tuple:
@@ -363,7 +365,7 @@ class Trainer:
         cfg = self.cfg
         gbs = self._global_batch_size(dp)
         # Every evaluation reads the same held-out batches, so one round of them is enough.
-        eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
+        eval_samples = cfg.train.eval_iters * gbs if self._evaluates() else 0
         batches = BatchSchedule.of(cfg.train, cfg.model.seq_length, gbs)
         train_ds, valid_ds, _ = self._datasets((batches.samples(cfg.train.iters), eval_samples, 0))
         return train_ds, valid_ds
@@ -550,7 +552,7 @@ class Trainer:
                     self.timers.pop(), flops_per_iteration(cfg.model, self.vocab_size, batch),
                 )
                 collector.after_step(self.state.iteration)
-                if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
+                if self._evaluates() and self.state.iteration % cfg.train.eval_interval == 0:
                     with collector.evaluation():
                         eval_loss, evaluated_at = self.evaluate(), self.state.iteration
                     reporter.eval(self.state.iteration, eval_loss)

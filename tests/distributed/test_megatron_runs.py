@@ -3,6 +3,8 @@ evaluation on the validation and test sets."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -91,3 +93,20 @@ def test_run_stopped_early_has_no_final_evaluation(tmp_path):
     ])
     assert len(summary["losses"]) == 2
     assert summary["eval_loss"] is None and summary["test_loss"] is None
+
+
+def test_eval_iters_0_evaluates_nothing(tmp_path, capsys):
+    """Megatron-LM's --eval-iters 0: no validation, periodic or final, and no test, so the
+    split needs no held-out documents."""
+    tb = tmp_path / "tb"
+    summary = run_from_overrides([
+        *COMMON, "train.iters=6", "train.eval_interval=2", "train.eval_iters=0", "data.split='100,0,0'",
+        "logging.log_interval=2", f"data.cache_dir={tmp_path / 'cache'}", f"logging.tensorboard_dir={tb}",
+    ])
+    assert len(summary["losses"]) == 6
+    assert summary["eval_loss"] is None and summary["test_loss"] is None
+    printed = capsys.readouterr().out
+    assert "iter      6/6" in printed and not re.search(r"^(eval|test) ", printed, re.M)
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert not [tag for tag in events.Tags()["scalars"] if tag.startswith(("eval/", "test/"))]

@@ -266,6 +266,12 @@ class TrainConfig:
     eval_iters: int = 4
     # Stop after this many iterations of this invocation (for tests and preemption drills).
     exit_interval: Optional[int] = None
+    # Megatron-LM's --skip-train: no training step; the weights set up (checkpoint.load's, else
+    # the initial ones) are evaluated on `eval_iters` batches of the validation and test sets
+    # (whatever eval_interval), and the run ends writing no checkpoint and no TensorBoard or W&B
+    # scalars. The optimizer state loads as checkpoint.load_optim says (pretrain_gpt's
+    # --skip-train turns it off, as Megatron-LM does).
+    skip_train: bool = False
     # Megatron-LM's --manual-gc: no automatic garbage collection while training, so that no
     # rank stops at a moment of its own (a full collection of a worker's objects takes tenths
     # of a second) while the others wait in a collective; instead a full one on every rank at

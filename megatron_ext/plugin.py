@@ -148,7 +148,8 @@ class Plugin:
 
     def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None:
         """After the optimizer step of `step` (1-based), before it is logged: `metrics` is the
-        step's dict (`Trainer.train_step`: loss, lr, grad_norm, ...)."""
+        step's dict (`Trainer.train_step`: loss, lr, grad_norm, ...); on a step the fp16 loss
+        scaler skipped the keys grad_norm and num_zeros_in_grad are absent (nothing measured)."""
 
     def state_dict(self) -> dict:
         """Extra state saved with every checkpoint under `plugins.<name>` of its common state:

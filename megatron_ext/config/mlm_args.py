@@ -464,6 +464,8 @@ def _derived(b: _Builder) -> None:
     _tokenizer(b)
     _implementation(b)
     _checkpoint_format(b)
+    if b.has("--skip-train"):  # Megatron-LM's arguments.py: no optimizer to load into
+        b.set("checkpoint.load_optim", False, "--skip-train")
     for name in ("--moe-router-load-balancing-type", "--moe-aux-loss-coeff"):
         if b.has(name):
             _single(b, name)

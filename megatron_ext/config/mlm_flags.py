@@ -1243,7 +1243,10 @@ FLAGS: tuple[Flag, ...] = (
         refused('--start-eval-at-iter', 'int', NO_KEY),
         refused('--eval-global-batch-size', 'int', NO_KEY),
         refused('--eval-micro-batch-size', 'int', NO_KEY),
-        refused('--skip-train', 'on', NO_KEY),
+        mapped(
+            '--skip-train', 'on', 'train.skip_train',
+            note='with checkpoint.load_optim = false, as Megatron-LM implies --no-load-optim',
+        ),
         refused('--test-mode', 'on', NO_KEY),
         refused('--full-validation', 'on', NO_KEY),
         refused('--multiple-validation-sets', 'on', NO_KEY),

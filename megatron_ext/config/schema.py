@@ -261,9 +261,17 @@ class TrainConfig:
     step_batch_size_schedule: Optional[str] = None  # The token-threshold schedule described above; None: none.
     seed: int = 1234  # Seed of the weights' initialisation, the data order and dropout.
     eval_interval: int = 50  # Validate every N iterations (0: never).
-    eval_iters: int = 4  # Global batches per validation (and of the test set at the end).
+    # Global batches per validation (and of the test set at the end); 0: no validation and no
+    # test (Megatron-LM's --eval-iters 0).
+    eval_iters: int = 4
     # Stop after this many iterations of this invocation (for tests and preemption drills).
     exit_interval: Optional[int] = None
+    # Megatron-LM's --skip-train: no training step; the weights set up (checkpoint.load's, else
+    # the initial ones) are evaluated on `eval_iters` batches of the validation and test sets
+    # (whatever eval_interval), and the run ends writing no checkpoint and no TensorBoard or W&B
+    # scalars. The optimizer state loads as checkpoint.load_optim says (pretrain_gpt's
+    # --skip-train turns it off, as Megatron-LM does).
+    skip_train: bool = False
     # Megatron-LM's --manual-gc: no automatic garbage collection while training, so that no
     # rank stops at a moment of its own (a full collection of a worker's objects takes tenths
     # of a second) while the others wait in a collective; instead a full one on every rank at

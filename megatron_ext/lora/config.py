@@ -85,6 +85,9 @@ def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
     if cfg.model.softmax_type != "vanilla":
         raise ConfigError("model.softmax_type", f"{peft} softmax offsets (softmax_type={cfg.model.softmax_type}): "
                                                 "the adapter would meet another network")
+    if cfg.train.skip_train:  # the packed loop has no evaluation-only run: it would train
+        raise ConfigError("train.skip_train", "lora runs its own packed loop, which trains its jobs: "
+                                              "it has no evaluation-only run")
     others = [name for name in cfg.plugins if name != "lora"]
     if others:  # they hook into the Trainer, which a sweep does not run
         raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "

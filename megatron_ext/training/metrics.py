@@ -100,10 +100,11 @@ class MetricsReporter:
         timers: Optional[dict] = None,
         flops: Optional[float] = None,
     ) -> None:
-        """Record a finished training step; `metrics` holds loss, lr, grad_norm, the step's
-        global batch and the samples consumed, and what the logging switches add
-        (params_norm, num_zeros_in_grad); `timers`: seconds per phase; `flops`: the step's
-        operations over the whole world (None: not counted for this model)."""
+        """Record a finished training step; `metrics` holds loss, lr, the step's global batch
+        and the samples consumed, grad_norm (not on a step the fp16 loss scaler skipped) and
+        what the logging switches add (params_norm, num_zeros_in_grad); `timers`: seconds per
+        phase; `flops`: the step's operations over the whole world (None: not counted for
+        this model)."""
         self.losses.append(metrics["loss"])
         self.tokens_total += tokens
         self.train_seconds += seconds
@@ -150,10 +151,10 @@ class MetricsReporter:
     def _write_line(self, iteration: int, m: dict) -> None:
         now = time.perf_counter()
         tps = self._window_tokens / max(now - self._window_start, 1e-9)
-        line = (
-            f"iter {iteration:6d}/{self.total_iters} | loss {m['loss']:.4f} | lr {m['lr']:.3e}"
-            f" | grad norm {m['grad_norm']:.3f} | tokens/s {tps:,.0f}"
-        )
+        line = f"iter {iteration:6d}/{self.total_iters} | loss {m['loss']:.4f} | lr {m['lr']:.3e}"
+        if "grad_norm" in m:  # not on a step the fp16 loss scaler skipped (Megatron-LM's line)
+            line += f" | grad norm {m['grad_norm']:.3f}"
+        line += f" | tokens/s {tps:,.0f}"
         if "consumed_samples" in m:
             line += f" | consumed samples {m['consumed_samples']} | global batch {m['global_batch_size']}"
         if "params_norm" in m:

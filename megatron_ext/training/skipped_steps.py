@@ -1,6 +1,10 @@
 """Steps the fp16 loss scaler skips: counted and logged as Megatron-LM does, and the one run of
 them that stops training.
 
+A skipped step has no gradient norm and no count of zeros in the gradients: megatron's optimizer
+returns None for both, and Megatron-LM's training_log then leaves them out of its log line,
+TensorBoard and W&B (`gradient_stats`).
+
 Megatron-LM (`train_step` in megatron/training/training.py) calls a step whose optimizer update
 was unsuccessful a skipped iteration: the iteration and the consumed samples advance, the
 learning-rate schedule does not, and its log counts "number of skipped iterations". With dynamic
@@ -20,6 +24,14 @@ logged and counted and training goes on.
 from __future__ import annotations
 
 from typing import Optional
+
+
+def gradient_stats(grad_norm: Optional[float], num_zeros_in_grad: Optional[float]) -> dict[str, float]:
+    """The step's metrics grad_norm and num_zeros_in_grad, each only where megatron's optimizer
+    measured it (not on a skipped step; no grad norm without clipping on the fp32 optimizer):
+    a made-up value would be logged as if measured."""
+    stats = {"grad_norm": grad_norm, "num_zeros_in_grad": num_zeros_in_grad}
+    return {key: float(value) for key, value in stats.items() if value is not None}
 
 
 class SkippedSteps:

@@ -46,7 +46,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
-from megatron_ext.config.schema import Config, ParallelConfig
+from megatron_ext.config.schema import Config, LoggingConfig, ParallelConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.data.datasets import split_has_documents
@@ -81,7 +81,7 @@ from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
 from megatron_ext.training.schedule import build_scheduler, counts_samples, scheduler_increment, train_iters
-from megatron_ext.training.skipped_steps import SkippedSteps
+from megatron_ext.training.skipped_steps import SkippedSteps, gradient_stats
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 from megatron_ext.training.timers import Timers
 
@@ -361,21 +361,28 @@ class Trainer:
     def _build_data(self) -> None:
         self.train_ds, self.valid_ds = self.open_datasets()
         self.test_ds = self._open_test_dataset()
-        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+        # train.skip_train reads no training batch (the checkpoint evaluated may have consumed
+        # more samples than its train.iters cover).
+        self.train_iter = None if self.train_ds is None else self._iterator(self.train_ds, self.state.consumed_samples)
 
     def _evaluates(self) -> bool:
-        return bool(self.cfg.train.eval_interval and self.cfg.train.eval_iters)
+        """Whether the run evaluates at all: every `eval_interval` steps and at the end, or
+        once with `skip_train`. Megatron-LM's --eval-iters 0 turns off validation and test alike."""
+        t = self.cfg.train
+        return bool(t.eval_iters and (t.eval_interval or t.skip_train))
 
     def open_datasets(self, dp: Optional[int] = None) -> tuple:
         """(training, validation) datasets, sized for `dp` data-parallel ranks (default: this
-        layout's). Collective: megatron's builder has the other ranks wait for rank 0's index
-        files."""
+        layout's); each None where the run reads none of it (no training set with skip_train,
+        no validation set without evaluations). Collective: megatron's builder has the other
+        ranks wait for rank 0's index files."""
         cfg = self.cfg
         gbs = self._global_batch_size(dp)
         # Every evaluation reads the same held-out batches, so one round of them is enough.
-        eval_samples = cfg.train.eval_iters * gbs if cfg.train.eval_interval else 0
+        eval_samples = cfg.train.eval_iters * gbs if self._evaluates() else 0
         batches = BatchSchedule.of(cfg.train, cfg.model.seq_length, gbs)
-        train_ds, valid_ds, _ = self._datasets((batches.samples(cfg.train.iters), eval_samples, 0))
+        train_samples = 0 if cfg.train.skip_train else batches.samples(cfg.train.iters)
+        train_ds, valid_ds, _ = self._datasets((train_samples, eval_samples, 0))
         return train_ds, valid_ds
 
     def _open_test_dataset(self):
@@ -459,8 +466,9 @@ class Trainer:
         (`forward_backward_func`), the optimizer step (skipped, and counted, on an fp16 overflow)
         and the lr scheduler's. Advances `state.iteration` and `state.consumed_samples`. Returns
         the step's metrics, the same on every rank: loss (per-token mean over the global batch),
-        lr, grad_norm, loss_scale, skipped_iterations, global_batch_size and consumed_samples, with
-        num_zeros_in_grad and the MTP losses when those are on. Collective: every rank calls it."""
+        lr, loss_scale, skipped_iterations, global_batch_size and consumed_samples; grad_norm,
+        and num_zeros_in_grad when it is on, except on a step the loss scaler skipped (see
+        `gradient_stats`); the MTP losses when those are on. Collective: every rank calls it."""
         global_batch = self._follow_schedule()
         for m in self.model:
             m.zero_grad_buffer()
@@ -488,14 +496,13 @@ class Trainer:
         metrics = {
             "loss": broadcast_from_last_rank(reduce_loss(losses)),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
             "loss_scale": loss_scale,
             "skipped_iterations": self.skipped_steps.total,
             "global_batch_size": global_batch,
             "consumed_samples": self.state.consumed_samples,
         }
-        if self.cfg.logging.log_num_zeros_in_grad:
-            metrics["num_zeros_in_grad"] = float(num_zeros_in_grad)
+        zeros = num_zeros_in_grad if self.cfg.logging.log_num_zeros_in_grad else None
+        metrics.update(gradient_stats(grad_norm, zeros))
         if self.cfg.model.mtp_num_layers:
             metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
         return metrics
@@ -522,19 +529,22 @@ class Trainer:
         `checkpoint.interval`; a pre-emption signal the ranks agree on stops it after the current
         step. At the end: the final checkpoint (with `checkpoint.save`), the final evaluation on
         the validation and test sets (when trained to the end), the plugins' `on_train_end`.
+        With `train.skip_train` only that final evaluation runs (`_evaluate_only`).
         Returns the run summary: final_loss, eval_loss, test_loss, tokens, train_seconds,
         tokens_per_s, plus the per-step losses and the log's notes; an empty dict on a rank a
         plugin moved out of the job."""
         cfg = self.cfg
         # Rank 0 reports: it is in every world a worker pool forms (the loss is on every rank).
         self.reporter = reporter = MetricsReporter(
-            cfg.logging,
+            self._logging(),
             cfg.train.iters,
             self.state.iteration,
             dist.get_rank() == 0,
             self.layout.world,
         )
         self._note_restart()
+        if cfg.train.skip_train:
+            return self._evaluate_only()
         stop_at = cfg.train.iters
         if cfg.train.exit_interval:
             stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
@@ -561,7 +571,7 @@ class Trainer:
                     self.timers.pop(), flops_per_iteration(cfg.model, self.vocab_size, batch),
                 )
                 collector.after_step(self.state.iteration)
-                if cfg.train.eval_interval and self.state.iteration % cfg.train.eval_interval == 0:
+                if self._evaluates() and self.state.iteration % cfg.train.eval_interval == 0:
                     with collector.evaluation():
                         eval_loss, evaluated_at = self.evaluate(), self.state.iteration
                     reporter.eval(self.state.iteration, eval_loss)
@@ -582,6 +592,25 @@ class Trainer:
             for p in self.plugins:
                 p.on_train_end(self.plugin_context)
             return reporter.summary(metrics.get("loss"), eval_loss, test_loss)
+
+    def _logging(self) -> LoggingConfig:
+        """logging, less what a skip_train run leaves alone: Megatron-LM writes its evaluation
+        to neither TensorBoard nor W&B, whose curves are the training run's (a point there
+        would sit beside the one that run logged), and there is no step to show progress of."""
+        if not self.cfg.train.skip_train:
+            return self.cfg.logging
+        return dataclasses.replace(self.cfg.logging, progress_bar=False, tensorboard_dir=None, wandb_project=None)
+
+    def _evaluate_only(self) -> dict:
+        """Megatron-LM's --skip-train: the final evaluation of the weights as set up, at the
+        iteration they were saved at, with no step before it and no save after it; no plugin's
+        `on_train_end` either (nothing was trained to export)."""
+        if not self._evaluates():
+            self.note("skipping training (train.skip_train) with train.eval_iters=0: nothing to evaluate")
+            return self.reporter.summary(None, None)
+        self.note(f"skipping training (train.skip_train): evaluating the weights of iteration {self.state.iteration}")
+        eval_loss, test_loss = self._final_evaluation(None, None)
+        return self.reporter.summary(None, eval_loss, test_loss)
 
     def _final_evaluation(
         self, eval_loss: Optional[float], evaluated_at: Optional[int]

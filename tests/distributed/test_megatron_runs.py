@@ -3,10 +3,15 @@ evaluation on the validation and test sets."""
 
 from __future__ import annotations
 
+import re
+import shlex
+from pathlib import Path
+
 import pytest
 from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_ext import pretrain_gpt
 from megatron_ext.data import ByteTokenizer
 from megatron_ext.train import run_from_overrides
 
@@ -91,3 +96,50 @@ def test_run_stopped_early_has_no_final_evaluation(tmp_path):
     ])
     assert len(summary["losses"]) == 2
     assert summary["eval_loss"] is None and summary["test_loss"] is None
+
+
+def test_eval_iters_0_evaluates_nothing(tmp_path, capsys):
+    """Megatron-LM's --eval-iters 0: no validation, periodic or final, and no test, so the
+    split needs no held-out documents."""
+    tb = tmp_path / "tb"
+    summary = run_from_overrides([
+        *COMMON, "train.iters=6", "train.eval_interval=2", "train.eval_iters=0", "data.split='100,0,0'",
+        "logging.log_interval=2", f"data.cache_dir={tmp_path / 'cache'}", f"logging.tensorboard_dir={tb}",
+    ])
+    assert len(summary["losses"]) == 6
+    assert summary["eval_loss"] is None and summary["test_loss"] is None
+    printed = capsys.readouterr().out
+    assert "iter      6/6" in printed and not re.search(r"^(eval|test) ", printed, re.M)
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert not [tag for tag in events.Tags()["scalars"] if tag.startswith(("eval/", "test/"))]
+
+
+SKIP_TRAIN_RUN = """
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
+    --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --train-iters 4
+    --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 512
+    --data-cache-path {cache} --eval-interval 4 --eval-iters 2 --log-interval 1
+    --save {ckpt} --load {ckpt} --tensorboard-dir {tb} logging.progress_bar=false
+"""
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_skip_train_evaluates_the_loaded_checkpoint(tmp_path, capsys):
+    """Megatron-LM's --skip-train: the checkpoint of --load is evaluated on --eval-iters
+    batches of the validation and test sets, as the final evaluation of the run that saved it
+    did; no step, no checkpoint and no TensorBoard scalars are written."""
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    argv = shlex.split(SKIP_TRAIN_RUN.format(cache=tmp_path / "cache", ckpt=ckpt, tb=tb))
+    pretrain_gpt.main(argv)
+    trained = capsys.readouterr().out
+    written = _files(ckpt), _files(tb)
+    pretrain_gpt.main([*argv, "--skip-train"])
+    evaluated = capsys.readouterr().out
+    assert re.findall(r"^iter ", trained, re.M) and not re.findall(r"^iter ", evaluated, re.M)
+    final = re.findall(r"^(?:eval|test)  iter +4 .*$", trained, re.M)
+    assert len(final) == 2 and re.findall(r"^(?:eval|test)  iter +4 .*$", evaluated, re.M) == final
+    assert (_files(ckpt), _files(tb)) == written

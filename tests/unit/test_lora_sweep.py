@@ -127,3 +127,15 @@ def test_other_plugins_beside_lora_are_refused_before_launch(tmp_path, capsys, m
     assert stopped.value.code == 2
     assert "['reshard'] would be ignored" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_skip_train_is_refused_before_launch(tmp_path, capsys):
+    """Megatron-LM's --skip-train evaluates instead of training; the packed loop cannot."""
+    from megatron_ext.train import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        main([*TINY, "train.skip_train=true", f"lora.output_dir={out}"])
+    assert stopped.value.code == 2
+    assert "error: train.skip_train: lora runs its own packed loop" in capsys.readouterr().err
+    assert not out.exists()

@@ -180,6 +180,13 @@ CASES = [
          "logging.log_memory_to_tensorboard": True,
          "logging.log_validation_ppl_to_tensorboard": True},
     ),
+    (
+        # Megatron-LM's arguments.py: --skip-train implies --no-load-optim.
+        "skip_train",
+        "--skip-train --load /ck",
+        {"train.skip_train": "true", "checkpoint.load_optim": "false"},
+        {"train.skip_train": True, "checkpoint.load_optim": False},
+    ),
     ("bf16", "--bf16", {"model.precision": "bf16"}, {"model.precision": "bf16"}),
     ("fp16", "--fp16", {"model.precision": "fp16"}, {"model.precision": "fp16"}),
     ("impl_local", "--transformer-impl local", {"model.spec": "local"}, {"model.spec": "local"}),

@@ -39,7 +39,7 @@ class GradNormPlugin(Plugin):
         ctx.note(f"step {step}: grad norm {total:.4g}; " + ", ".join(f"{k} {v:.4g}" for k, v in norms.items()))
         if self.cfg.file:
             with open(self.cfg.file, "a") as f:
-                f.write(json.dumps({"step": step, "layers": norms, "total": total, "megatron": metrics["grad_norm"]}) + "\n")
+                f.write(json.dumps({"step": step, "layers": norms, "total": total, "megatron": metrics.get("grad_norm")}) + "\n")
 
 
 def _squared_norms(model_chunks: list) -> dict[str, float]:

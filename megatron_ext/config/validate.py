@@ -616,12 +616,6 @@ def mla_fits(cfg: Config, world: int, device: str) -> list[str]:
         )
     if m.num_query_groups not in (None, m.num_attention_heads):
         found.append("model.multi_latent_attention has no grouped-query attention: set model.num_query_groups to null")
-    if _local_layers(cfg, device) and p.tp > 1:
-        found.append(
-            "model.multi_latent_attention on local layers needs parallel.tp = 1: megatron-core 0.16's local "
-            "MLA takes the shared rotary key's gradient from each rank's own heads only (Transformer Engine "
-            "builds it otherwise)"
-        )
     if _local_layers(cfg, device) and p.cp > 1:
         found.append("model.multi_latent_attention on local layers has no context parallelism (parallel.cp must be 1)")
     return found

@@ -1239,7 +1239,11 @@ FLAGS: tuple[Flag, ...] = (
         refused('--eval-global-batch-size', 'int', NO_KEY),
         refused('--eval-micro-batch-size', 'int', NO_KEY),
         refused('--skip-train', 'on', NO_KEY),
-        refused('--test-mode', 'on', NO_KEY),
+        mapped(
+            '--test-mode', 'on', 'train.test_mode',
+            note="megatron-core's real-time test: the QK-norms' weights and biases compared across "
+            'DP and TP ranks in every attention forward (with --qk-layernorm and LayerNorm)',
+        ),
         refused('--full-validation', 'on', NO_KEY),
         refused('--multiple-validation-sets', 'on', NO_KEY),
         refused('--validation-set-names', 'str+', NO_KEY),

@@ -637,6 +637,18 @@ def glu_extras_fit(cfg: Config, world: int, device: str) -> list[str]:
     return found
 
 
+def realtime_test_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    """megatron-core's real-time test (train.test_mode) compares each QK-norm's weight and bias;
+    megatron reads the bias of an RMSNorm too, which has none, and stops there."""
+    m = cfg.model
+    if cfg.train.test_mode and m.qk_layernorm and not m.multi_latent_attention and m.normalization == "RMSNorm":
+        return (
+            "train.test_mode compares the QK-norms' weights and biases (megatron-core's real-time test), and "
+            "RMSNorm has no bias: use model.normalization=LayerNorm, or turn model.qk_layernorm off"
+        )
+    return None
+
+
 def window_fits(cfg: Config, world: int, device: str) -> list[str]:
     """megatron's sliding window: (keys before, keys after) a query; the local attention builds
     its own window mask over the whole sequence, which a context-parallel rank does not hold."""
@@ -903,6 +915,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.activation", glu_extras_fit),
     ("model.softmax_type", one_of("model.softmax_type", ("vanilla", "off-by-one", "learnable"))),
     ("model.window_size", window_fits),
+    ("train.test_mode", realtime_test_fits),
     ("model.arch", attention_variants_need_gpt),
     ("model.mtp_num_layers", mtp_fits),
     (

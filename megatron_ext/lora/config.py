@@ -85,6 +85,9 @@ def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
     if cfg.model.softmax_type != "vanilla":
         raise ConfigError("model.softmax_type", f"{peft} softmax offsets (softmax_type={cfg.model.softmax_type}): "
                                                 "the adapter would meet another network")
+    if cfg.train.test_mode:  # set on the Trainer's models
+        raise ConfigError("train.test_mode", "lora runs its own packed loop, not the Trainer's: megatron's real-time "
+                                             "test would not run; run it without lora")
     others = [name for name in cfg.plugins if name != "lora"]
     if others:  # they hook into the Trainer, which a sweep does not run
         raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "

@@ -10,9 +10,6 @@ TP=2, TP=2 with sequence parallelism and TP=2 x PP=2, from the same layout-indep
 weights on the same batches: the first step's gradients of every parameter, the losses of
 every step and the trained weights, put together whole from the ranks' shards, must equal the
 reference's up to fp32 reduction order.
-
-The 4-rank TP=2 x PP=2 launch takes most of a minute on a shared 2-core machine: it is `slow`;
-the default suite runs the two-rank layouts.
 """
 
 from __future__ import annotations
@@ -163,6 +160,5 @@ def test_mla_at_tp2_equals_one_rank(reference, two_ranks, layout):
     check(reference, reports(two_ranks, 2, layout), layout)
 
 
-@pytest.mark.slow
 def test_mla_at_tp2_pp2_equals_one_rank(reference, tmp_path):
     check(reference, reports(launch(tmp_path, 4), 4, "tp2_pp2"), "tp2_pp2")

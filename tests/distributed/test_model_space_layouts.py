@@ -137,15 +137,14 @@ SINKHORN_LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2)}
 
 def layouts(case: str) -> dict:
     fields = ALL_CASES[case]
-    if fields.get("multi_latent_attention"):
-        return SP_LAYOUTS
     if fields.get("moe_router_load_balancing_type") == "sinkhorn":
         return SINKHORN_LAYOUTS
     if fields.get("moe_aux_loss_coeff"):
         return AUX_LOSS_LAYOUTS
     if "num_experts" in fields:
         return MOE_LAYOUTS
-    return SP_LAYOUTS if case in ("gpt3", "qwen3_like") else LAYOUTS
+    # MLA's latent norms are split by sequence under sequence parallelism, its rotary key is not.
+    return SP_LAYOUTS if case in ("gpt3", "qwen3_like") or fields.get("multi_latent_attention") else LAYOUTS
 
 
 # --- the worker: every case of one world, one after another -------------------------------

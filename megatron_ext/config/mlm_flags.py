@@ -1247,7 +1247,11 @@ FLAGS: tuple[Flag, ...] = (
             '--skip-train', 'on', 'train.skip_train',
             note='with checkpoint.load_optim = false, as Megatron-LM implies --no-load-optim',
         ),
-        refused('--test-mode', 'on', NO_KEY),
+        mapped(
+            '--test-mode', 'on', 'train.test_mode',
+            note="megatron-core's real-time test: the QK-norms' weights and biases compared across "
+            'DP and TP ranks in every attention forward (with --qk-layernorm and LayerNorm)',
+        ),
         refused('--full-validation', 'on', NO_KEY),
         refused('--multiple-validation-sets', 'on', NO_KEY),
         refused('--validation-set-names', 'str+', NO_KEY),

@@ -280,6 +280,11 @@ class TrainConfig:
     manual_gc: bool = False
     manual_gc_interval: int = 0  # Full collection every N steps with manual_gc (0: never).
     manual_gc_eval: bool = True  # With manual_gc, also collect before and after each evaluation.
+    # Megatron-LM's --test-mode, megatron-core's real-time test: with model.qk_layernorm, each
+    # attention layer's forward all-gathers its QK-norms' weights and biases over the data- and
+    # tensor-parallel ranks and stops the run where a replica differs (silent memory or network
+    # corruption). No effect without qk_layernorm or with multi-latent attention.
+    test_mode: bool = False
 
 
 @dataclass

@@ -616,12 +616,6 @@ def mla_fits(cfg: Config, world: int, device: str) -> list[str]:
         )
     if m.num_query_groups not in (None, m.num_attention_heads):
         found.append("model.multi_latent_attention has no grouped-query attention: set model.num_query_groups to null")
-    if _local_layers(cfg, device) and p.tp > 1:
-        found.append(
-            "model.multi_latent_attention on local layers needs parallel.tp = 1: megatron-core 0.16's local "
-            "MLA takes the shared rotary key's gradient from each rank's own heads only (Transformer Engine "
-            "builds it otherwise)"
-        )
     if _local_layers(cfg, device) and p.cp > 1:
         found.append("model.multi_latent_attention on local layers has no context parallelism (parallel.cp must be 1)")
     return found
@@ -641,6 +635,18 @@ def glu_extras_fit(cfg: Config, world: int, device: str) -> list[str]:
     if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
         found.append(f"model.activation_func_clamp_value must be > 0, got {m.activation_func_clamp_value}")
     return found
+
+
+def realtime_test_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    """megatron-core's real-time test (train.test_mode) compares each QK-norm's weight and bias;
+    megatron reads the bias of an RMSNorm too, which has none, and stops there."""
+    m = cfg.model
+    if cfg.train.test_mode and m.qk_layernorm and not m.multi_latent_attention and m.normalization == "RMSNorm":
+        return (
+            "train.test_mode compares the QK-norms' weights and biases (megatron-core's real-time test), and "
+            "RMSNorm has no bias: use model.normalization=LayerNorm, or turn model.qk_layernorm off"
+        )
+    return None
 
 
 def window_fits(cfg: Config, world: int, device: str) -> list[str]:
@@ -909,6 +915,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.activation", glu_extras_fit),
     ("model.softmax_type", one_of("model.softmax_type", ("vanilla", "off-by-one", "learnable"))),
     ("model.window_size", window_fits),
+    ("train.test_mode", realtime_test_fits),
     ("model.arch", attention_variants_need_gpt),
     ("model.mtp_num_layers", mtp_fits),
     (

@@ -88,6 +88,10 @@ def refuse_layout(cfg: Config) -> None:
         raise ConfigError("model.moe_router_enable_expert_bias", "dpp with sequence parallelism does not support "
                           "the expert bias: the padding of chunks would enter its expert counts")
     refuse_model_space(model)
+    if cfg.train.test_mode and model.qk_layernorm:
+        # As for expert parallelism below: the replicas' plans differ.
+        raise ConfigError("train.test_mode", "dpp's data-parallel replicas forward different chunks, and megatron's "
+                          "real-time test all-gathers over them in every attention forward: not supported")
     if p.ep > 1:
         # Expert-parallel ranks sit in different data-parallel replicas, whose plans differ:
         # their MoE layers' token exchanges would not pair up chunk by chunk.

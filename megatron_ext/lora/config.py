@@ -88,6 +88,9 @@ def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
     if cfg.train.skip_train:  # the packed loop has no evaluation-only run: it would train
         raise ConfigError("train.skip_train", "lora runs its own packed loop, which trains its jobs: "
                                               "it has no evaluation-only run")
+    if cfg.train.test_mode:  # set on the Trainer's models
+        raise ConfigError("train.test_mode", "lora runs its own packed loop, not the Trainer's: megatron's real-time "
+                                             "test would not run; run it without lora")
     others = [name for name in cfg.plugins if name != "lora"]
     if others:  # they hook into the Trainer, which a sweep does not run
         raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "

@@ -3,9 +3,9 @@
 Megatron-Core writes `torch.cuda.current_device()`, `device="cuda"`, CUDA streams/events and the
 CUDA RNG into code that is otherwise device-agnostic. On a machine without CUDA those calls can
 only raise, so redirecting them to the CPU changes nothing that worked: the CPU fixes apply only
-when `torch.cuda.is_available()` is False. Three fixes are plain bugs of megatron-core (two
-without Transformer Engine/Apex, one of its Float16 optimizer's checkpoint) and apply on every
-device (`cpu_only=False`).
+when `torch.cuda.is_available()` is False. The others are plain bugs of megatron-core (without
+Transformer Engine/Apex, in its optimizers' checkpoints, in multi-latent attention under tensor
+parallelism) and apply on every device (`cpu_only=False`).
 
 Each fix is a named entry of `FIXES` with the upstream diff that would make it unnecessary
 (`patches/NNNN-<name>.diff`, checked against megatron-core 0.16.1 by scripts/check_patches.py). The mechanism of most fixes
@@ -30,6 +30,8 @@ import torch
 from megatron_ext.platform.adam_initial_state import materialise_initial_adam_state
 from megatron_ext.platform.distributed_optimizer_mixed_groups import fix_distributed_optimizer_mixed_groups
 from megatron_ext.platform.float16_optimizer_checkpoint import fix_float16_optimizer_checkpoint
+from megatron_ext.platform.mla_latent_norm_grads import fix_mla_latent_norm_grads
+from megatron_ext.platform.mla_rotary_key_grad import fix_mla_rotary_key_grad
 
 CPU = torch.device("cpu")
 
@@ -486,6 +488,8 @@ FIXES: tuple[Fix, ...] = (
     Fix("uneven_tp_collectives", _fix_uneven_tp_collectives),
     Fix("mla_without_te", _fix_mla_without_te, cpu_only=False),
     Fix("distributed_optimizer_mixed_groups", fix_distributed_optimizer_mixed_groups, cpu_only=False),
+    Fix("mla_rotary_key_grad", fix_mla_rotary_key_grad, cpu_only=False),
+    Fix("mla_latent_norm_grads", fix_mla_latent_norm_grads, cpu_only=False),
 )
 
 _applied: list[str] = []

@@ -50,6 +50,8 @@ CHECKED: dict[str, Checked] = {
     "blended_dataset_rank": Checked(MEGATRON, "0.16", "0.16"),  # BlendedDataset's unguarded get_rank()
     "distributed_optimizer_internals": Checked(MEGATRON, "0.16", "0.16"),  # DistributedOptimizer's private methods
     "distributed_optimizer_mixed_groups": Checked(MEGATRON, "0.16", "0.16"),  # DistributedOptimizer.__init__
+    "mla_rotary_key_grad": Checked(MEGATRON, "0.16", "0.16"),  # MLA's module-level gather, MLASelfAttention.__init__
+    "mla_latent_norm_grads": Checked(MEGATRON, "0.16", "0.16"),  # finalize_model_grads' TP reduction of norms
 }
 
 

@@ -274,6 +274,7 @@ class Trainer:
         cfg = dataclasses.replace(self.cfg, parallel=parallel)
         arch = architecture(cfg.model)
         config = arch.transformer_config(cfg.model, parallel, self.on_cpu)
+        config.test_mode = cfg.train.test_mode  # a run's setting, as Megatron-LM's TrainingConfig has it
         if not initialise:
             # Not `perform_initialization=False`: megatron then also skips marking weights as
             # tensor-parallel, and the grad norm counts TP shards once instead of per rank.

@@ -43,7 +43,7 @@ CASES = {
     # Four layers: also at PP=2 with two virtual stages each (MTP on the last one).
     "mtp": dict(UNTIED, mtp_num_layers=2, num_layers=4),
     "mtp_scale_0": dict(UNTIED, mtp_num_layers=1, mtp_loss_scaling_factor=0.0),
-    # DeepSeek-V3's combination (MLA runs at PP=2 only on local layers).
+    # DeepSeek-V3's combination.
     "mtp_mla_moe": dict(UNTIED, **harness.MLA, **harness.MOE, moe_layer_freq="[0,1]", mtp_num_layers=1),
 }
 BASELINES = {"untied_baseline": UNTIED}

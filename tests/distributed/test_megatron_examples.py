@@ -1,10 +1,11 @@
 """Megatron-LM's own example launch commands through `python -m megatron_ext.pretrain_gpt`.
 
 Each case is the flag list of one script under Megatron-LM's examples/ (its default branch:
-mock data where the script defaults to it, no W&B, no profiler wrapper), written out here with
-the sizes shrunk (layers, hidden, heads, experts, seq, iterations or samples, batches, the
-vocabulary of NullTokenizer, parallel sizes to at most two ranks, and the save/eval/log
-intervals to the shrunk iteration count) and the data, tokenizer and output paths pointed at
+mock data where the script defaults to it, no W&B, no profiler wrapper), or the MODEL_ARGS of
+one of its functional test cases, written out here with the sizes shrunk (layers, hidden,
+heads, experts, seq, iterations or samples, batches, the vocabulary of NullTokenizer, parallel
+sizes to at most two ranks except a test case's TP=2 x PP=2, and the save/eval/log intervals
+to the shrunk iteration count) and the data, tokenizer and output paths pointed at
 local files; every other flag is as the script has it. Each case trains, saves, resumes from
 its checkpoint with more iterations, and exits 0 both times.
 
@@ -264,6 +265,28 @@ GPT_OSS = Example(
     nproc=2,
 )
 
+# Megatron-LM's functional test of multi-latent attention at TP=2 x PP=2 (its MODEL_ARGS).
+GPT3_TP2_PP2_MLA = Example(
+    "gpt3_tp2_pp2_mla", "tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp2_pp2_mla/model_config.yaml",
+    """
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --multi-latent-attention
+    --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16
+    --log-params-norm --log-num-zeros-in-grad --log-validation-ppl-to-tensorboard
+    --log-timers-to-tensorboard --tensorboard-dir {tb} --micro-batch-size 1
+    --global-batch-size 4 --seq-length 64 --max-position-embeddings 64 --train-iters {iters}
+    --timing-log-level 0 --lr-decay-iters 320000 --save {ckpt} --load {ckpt} --data-path {data}
+    --vocab-file {vocab} --merge-file {merges} --split 949,50,1 --distributed-backend nccl
+    --lr 0.00015 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0
+    --lr-warmup-fraction .01 --log-interval 1 --save-interval 2 --eval-interval 2
+    --eval-iters 1 --transformer-impl transformer_engine --tensor-model-parallel-size 2
+    --pipeline-model-parallel-size 2 --sequence-parallel --untie-embeddings-and-output-weights
+    --deterministic-mode --no-gradient-accumulation-fusion --attention-softmax-in-fp32
+    --use-mcore-models --ckpt-format torch_dist --data-cache-path {cache} --bf16
+    --attention-backend unfused --log-memory-to-tensorboard
+    """,
+    nproc=4,
+)
+
 _MODELOPT_LAUNCH = """
     --tensor-model-parallel-size 1 --expert-tensor-parallel-size 1 --expert-model-parallel-size 1
     --pipeline-model-parallel-size 1 --context-parallel-size 1 --cp-comm-type p2p
@@ -301,7 +324,7 @@ QWEN3_06B = Example(
 )
 
 EXAMPLES = [GPT3_175B, LLAMA3_8B_FP8, LLAMA3_8B_FSDP_FP8, MIXTRAL_8X7B, DEEPSEEK_V3, GPT_OSS,
-            LLAMA32_1B, QWEN3_06B]
+            GPT3_TP2_PP2_MLA, LLAMA32_1B, QWEN3_06B]
 
 
 def _run(example: Example, files: dict[str, str], out: Path, iters: int) -> subprocess.CompletedProcess:

@@ -13,13 +13,13 @@ builder ignored cannot pass; grouped GEMM, which runs megatron's SequentialMLP o
 equal plain MoE exactly.
 
 MoE layers run at TP=2 with sequence parallelism (megatron's MoE layer needs it), and the cases
-with a load-balancing loss at CP=2 too. Three things cannot match by design and are left out:
+with a load-balancing loss at CP=2 too. Two things cannot match by design and are left out:
 dropout (megatron draws its masks from per-TP-rank generators: its cases run with dropout 0,
 and tests/unit/test_model_space.py checks the dropout modules), sinkhorn balancing under TP/CP
-(it balances over the tokens a rank holds; checked at PP=2 and DP=2), and MLA at TP > 1 (refused
-on local layers, config/validate.py; checked at PP=2). All cases of a world run in one launch;
-the default suite runs a few combined cases that together set every option, `-m slow` one case
-per option.
+(it balances over the tokens a rank holds; checked at PP=2 and DP=2). MLA runs at TP=2 with and
+without sequence parallelism too (its gradients at TP=2 x PP=2 and after one step:
+test_mla_tensor_parallel.py). All cases of a world run in one launch; the default suite runs a
+few combined cases that together set every option, `-m slow` one case per option.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _logical_shards import weight_shards, whole
 
 STEPS = 3
 # Plain SGD: a weight's change is the learning rate times its gradients, so a wrong gradient
@@ -132,22 +133,18 @@ SP_LAYOUTS = {**LAYOUTS, "tp2_sp": dict(tp=2, sequence_parallel=True)}
 # sequence parallelism (which MoE needs) and CP hand each rank a part of the micro-batch, so it
 # routes differently there by design. Pipeline and data parallelism keep whole micro-batches.
 SINKHORN_LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2)}
-# Local MLA is refused at TP > 1 (config/validate.py: megatron-core 0.16 reduces the shared
-# rotary key's gradient over this rank's heads only).
-MLA_LAYOUTS = {"pp2": dict(pp=2)}
 
 
 def layouts(case: str) -> dict:
     fields = ALL_CASES[case]
-    if fields.get("multi_latent_attention"):
-        return MLA_LAYOUTS
     if fields.get("moe_router_load_balancing_type") == "sinkhorn":
         return SINKHORN_LAYOUTS
     if fields.get("moe_aux_loss_coeff"):
         return AUX_LOSS_LAYOUTS
     if "num_experts" in fields:
         return MOE_LAYOUTS
-    return SP_LAYOUTS if case in ("gpt3", "qwen3_like") else LAYOUTS
+    # MLA's latent norms are split by sequence under sequence parallelism, its rotary key is not.
+    return SP_LAYOUTS if case in ("gpt3", "qwen3_like") or fields.get("multi_latent_attention") else LAYOUTS
 
 
 # --- the worker: every case of one world, one after another -------------------------------
@@ -174,22 +171,6 @@ def config(case: str, parallel: dict, cache: str):
         train=TrainConfig(iters=STEPS, micro_batch_size=2, global_batch_size=4, eval_interval=0),
         logging=LoggingConfig(progress_bar=False),
     )
-
-
-def weight_shards(model_chunks) -> list:
-    """((logical key, global index), whole shape, box as (start, stop) pairs, values) of every
-    weight shard this rank holds."""
-    from megatron_ext.models.logical import local_box, local_shards
-
-    return [
-        (
-            (name.key, name.index),
-            tuple(shape),
-            tuple((b.start, b.stop) for b in local_box(sh)),
-            sh.data.detach().clone().reshape(sh.local_shape),
-        )
-        for name, shape, sh in local_shards(model_chunks)
-    ]
 
 
 def run(case: str, parallel: dict, cache: str) -> dict:
@@ -232,25 +213,6 @@ if __name__ == "__main__":
 pytestmark = pytest.mark.distributed
 
 
-def whole(reports: list, layout: str) -> dict:
-    """Every logical weight put together from all ranks' boxes; overlapping boxes (replicas)
-    must agree exactly."""
-    found, conflicts = {}, []
-    for report in reports:
-        for name, shape, box, values in report[layout]["weights"]:
-            tensor, seen = found.setdefault(
-                name, (torch.full(shape, float("nan")), torch.zeros(shape, dtype=torch.bool))
-            )
-            region = tuple(slice(a, b) for a, b in box)
-            if seen[region].any() and not torch.equal(tensor[region][seen[region]], values[seen[region]]):
-                conflicts.append(name)
-            tensor[region], seen[region] = values, True
-    assert not conflicts, f"{layout}: replicas differ in {conflicts}"
-    holes = [name for name, (tensor, seen) in found.items() if not seen.all()]
-    assert not holes, f"{layout}: no rank holds all of {holes}"
-    return {name: tensor for name, (tensor, _) in found.items()}
-
-
 def launch(out: Path, cases: dict) -> Path:
     from _torchrun import torchrun
 
@@ -266,12 +228,12 @@ def reference_losses(out: Path, case: str) -> list:
 def check(out: Path, case: str) -> None:
     reference = torch.load(out / f"{case}_world1_rank0.pt")["reference"]
     ranks = [torch.load(out / f"{case}_world2_rank{r}.pt") for r in range(2)]
-    expected = whole([{"reference": reference}], "reference")
+    expected = whole([reference["weights"]], "reference")
     for layout in ranks[0]:
         losses = ranks[0][layout]["losses"]
         assert len(set(reference["losses"])) == STEPS, f"{case}: the reference did not train"
         assert losses == pytest.approx(reference["losses"], rel=LOSS_RTOL), f"{case} {layout}: losses"
-        weights = whole(ranks, layout)
+        weights = whole([rank[layout]["weights"] for rank in ranks], layout)
         assert weights.keys() == expected.keys(), f"{case} {layout}: other tensors"
         differ = {
             k: (weights[k] - expected[k]).abs().max().item()

@@ -10,6 +10,9 @@
   replicas from different ones.
 - uneven_tp_collectives: megatron's tensor-parallel gather (and its backward) and
   reduce-scatter in unequal parts, as the all-to-all MoE dispatcher calls them at TP > 1.
+- mla_rotary_key_grad, mla_latent_norm_grads: a GPT with multi-latent attention (megatron's
+  local spec, latent norms on) at TP=2 gives, after megatron DDP's `finalize_model_grads`, the
+  gradients of every parameter of the same GPT at TP=1.
 
 Each check runs with the runtime layer (`cpu_compat.apply()`) and, without it, on megatron-core
 with patches/*.diff applied. This file is also the worker script `torchrun` starts; megatron is
@@ -28,6 +31,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, SEQ, MBS, MICROBATCHES, SEED = 32, 8, 2, 4, 123
 TOLERANCE = 1e-5
+# Relative to a parameter's largest gradient: fp32 reduction order only.
+MLA_TOLERANCE = 1e-5
 
 
 # --- the worker (two ranks) ------------------------------------------------------------------
@@ -212,6 +217,69 @@ def uneven_tp_check() -> dict:
     }
 
 
+def tiny_mla_gpt(tp: int):
+    """A one-layer MLA GPT (megatron's local spec; core attention: megatron_ext's local one,
+    which takes MLA's head sizes), wrapped in megatron's DDP."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import MLATransformerConfig
+
+    from megatron_ext.models.mla import MLACoreAttention
+
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, rope_type="rope",
+        qk_layernorm=True,
+    )
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)
+    spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    return DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+
+
+def mla_grads(tp: int, weights: dict | None) -> tuple[list, list]:
+    """(weight shards, gradient shards) of the MLA GPT at `tp` after one forward-backward and
+    `finalize_model_grads`, from `weights` (whole tensors by logical name; None: its own)."""
+    import torch
+    from _logical_shards import grad_shards, weight_shards
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_ext.models.logical import fill_from_logical
+
+    parallel_state.initialize_model_parallel(tp, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    model = tiny_mla_gpt(tp)
+    if weights is not None:
+        fill_from_logical([model], lambda name, shape: weights[(name.key, name.index)])
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(0))
+    model(tokens, torch.arange(SEQ).expand(MBS, SEQ), None, labels=tokens).mean().backward()
+    finalize_model_grads([model])
+    found = weight_shards([model]), grad_shards([model])
+    parallel_state.destroy_model_parallel()
+    return found
+
+
+def mla_check() -> dict:
+    """Per parameter, the largest |gradient difference| between TP=2 and TP=1 relative to its
+    largest TP=1 gradient (each rank runs both; at TP=1 the two ranks are data-parallel
+    replicas of one batch)."""
+    from _logical_shards import whole
+
+    weights, reference = mla_grads(1, None)
+    weights, reference = whole([weights], "TP=1 weights"), whole([reference], "TP=1 gradients")
+    _, shards = mla_grads(2, weights)
+    diffs = {}
+    for name, _, box, grad in shards:
+        expected = reference[name][tuple(slice(a, b) for a, b in box)]
+        relative = ((grad - expected).abs().max() / reference[name].abs().max()).item()
+        diffs[name[0]] = max(diffs.get(name[0], 0.0), relative)
+    return {"mla_grad_diffs": diffs}
+
+
 def worker(out_dir: str, runtime_layer: str) -> None:
     import megatron.core
     import torch.distributed as dist
@@ -223,6 +291,7 @@ def worker(out_dir: str, runtime_layer: str) -> None:
     dist.init_process_group("gloo")
     results = {"megatron_core": megatron.core.__file__, **pipeline_check(), **param_hash_check()}
     results.update(uneven_tp_check())
+    results.update(mla_check())
     results.update(checkpoint_check(str(Path(out_dir) / "ckpt")))
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -266,6 +335,7 @@ def test_two_ranks(runtime_layer, tmp_path):
         assert rank["same_layout_equal"] and rank["replicated_equal"]
         assert rank["uneven_gather_equal"] and rank["uneven_gather_grad_equal"], rank
         assert rank["uneven_reduce_scatter_equal"], rank
+        assert max(rank["mla_grad_diffs"].values()) < MLA_TOLERANCE, rank["mla_grad_diffs"]
     first, last = sorted(ranks, key=lambda r: r["stage"])
     assert first["stage"] == 0 and last["stage"] == 1
     assert abs(last["loss"] - last["reference_loss"]) < TOLERANCE

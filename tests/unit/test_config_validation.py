@@ -128,6 +128,9 @@ BAD = [
      "plugins", "unknown plugin 'nope'"),
     ("two_step_plugins", {"plugins": ["dpp", "elastic"]}, 1, "cpu",
      "plugins", "dpp and elastic each run the training step"),
+    ("realtime_test_rmsnorm", {"train.test_mode": True, "model.qk_layernorm": True,
+                               "model.normalization": "RMSNorm"}, 1, "cpu",
+     "train.test_mode", "RMSNorm has no bias"),
 ]
 
 
@@ -177,6 +180,13 @@ GOOD = [
     # The platform layer maps the all-to-all dispatcher's CUDA uses (cpu_compat.py).
     ("alltoall_on_cpu", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
      1, "cpu"),
+    ("realtime_test_layernorm", {"train.test_mode": True, "model.qk_layernorm": True,
+                                 "model.normalization": "LayerNorm"}, 1, "cpu"),
+    # MLA's attention does not run the test.
+    ("realtime_test_mla", {"train.test_mode": True, "model.qk_layernorm": True,
+                           "model.multi_latent_attention": True, "model.q_lora_rank": 32,
+                           "model.kv_lora_rank": 16, "model.qk_head_dim": 16,
+                           "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": 16}, 1, "cpu"),
 ]
 
 

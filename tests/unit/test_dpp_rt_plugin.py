@@ -80,6 +80,19 @@ def test_unsupported_layouts_are_refused(case, calibrated):
     assert refused.value.field == field
 
 
+def test_megatron_realtime_test_is_refused(calibrated):
+    """Its all-gather over the data-parallel replicas in every attention forward would not pair
+    up: the replicas' plans differ."""
+    from megatron_ext.config.schema import TrainConfig
+
+    run = dataclasses.replace(
+        run_config({}, {"qk_layernorm": True, "normalization": "LayerNorm"}), train=TrainConfig(test_mode=True)
+    )
+    with pytest.raises(ConfigError, match="real-time test") as refused:
+        DppPlugin(DppConfig(cost_model=calibrated)).check_layout(run, 1)
+    assert refused.value.field == "train.test_mode"
+
+
 @pytest.mark.parametrize("cost_model, message", [(None, "give a cost model"), ("missing.json", "is not a file")])
 def test_a_missing_cost_model_is_refused(cost_model, message):
     with pytest.raises(ConfigError, match=message) as refused:

@@ -77,6 +77,18 @@ def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     assert not out.exists()
 
 
+def test_megatron_realtime_test_is_refused_before_launch():
+    """train.test_mode is set on the Trainer's models; a sweep runs its own loop."""
+    from megatron_ext.config.validate import ConfigError
+    from megatron_ext.plugin import build_plugins
+
+    cfg = compose_config([*TINY, "train.test_mode=true"])
+    with pytest.raises(ConfigError, match="real-time test would not run") as refused:
+        for plugin in build_plugins(cfg.plugins, cfg):
+            plugin.check(cfg, 1)
+    assert refused.value.field == "train.test_mode"
+
+
 def test_the_pass_cap_reaches_the_planners_memory():
     """Four equal jobs of 32 tokens a micro-batch in four slots hold four jobs' activations in a
     step, two under a cap of 64 tokens, one under a cap of one token."""

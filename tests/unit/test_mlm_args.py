@@ -187,6 +187,12 @@ CASES = [
         {"train.skip_train": "true", "checkpoint.load_optim": "false"},
         {"train.skip_train": True, "checkpoint.load_optim": False},
     ),
+    (
+        "test_mode",
+        "--test-mode --qk-layernorm",
+        {"train.test_mode": "true", "model.qk_layernorm": "true"},
+        {"train.test_mode": True, "model.qk_layernorm": True, "model.normalization": "LayerNorm"},
+    ),
     ("bf16", "--bf16", {"model.precision": "bf16"}, {"model.precision": "bf16"}),
     ("fp16", "--fp16", {"model.precision": "fp16"}, {"model.precision": "fp16"}),
     ("impl_local", "--transformer-impl local", {"model.spec": "local"}, {"model.spec": "local"}),

@@ -276,7 +276,7 @@ BAD = {
         "must be rope or yarn",
     ),
     "mla_gqa": ({**MLA, "model.num_query_groups": 2}, 1, "model.multi_latent_attention", "no grouped-query attention"),
-    "mla_tp_on_cpu": ({**MLA, "parallel.tp": 2}, 2, "model.multi_latent_attention", "needs parallel.tp = 1"),
+    "mla_cp_on_cpu": ({**MLA, "parallel.cp": 2}, 2, "model.multi_latent_attention", "no context parallelism"),
     "balancing_type": (
         {**MOE, "model.moe_router_load_balancing_type": "global"},
         1,
@@ -388,6 +388,7 @@ GOOD = {
         **{f"model.{k}": v for k, v in dataclasses.asdict(MODEL_PRESETS["gpt3_tiny"]).items()},
     },
     "mla_pp2": ({**MLA, "parallel.pp": 2}),
+    "mla_tp2": ({**MLA, "parallel.tp": 2}),
     "deepseek_router": {
         **MOE,
         "model.moe_router_score_function": "sigmoid",

@@ -382,6 +382,14 @@ CASES = {
         "another param's place",
         after_other_fixes=True,
     ),
+    # Tensor parallelism (TP = 2 against TP = 1): tests/distributed/test_platform_multirank.py. No
+    # error is raised: the gradients are wrong.
+    "mla_rotary_key_grad": Case(
+        None, "megatron/core/transformer/multi_latent_attention.py", "gather_from_tensor_model_parallel_region(kv"
+    ),
+    "mla_latent_norm_grads": Case(
+        None, "megatron/core/distributed/finalize_model_grads.py", 'config.qk_layernorm and ("q_layernorm" in name'
+    ),
 }
 
 
@@ -552,7 +560,7 @@ def test_with_cuda_only_the_plain_bug_fixes_apply(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.apply() == ran == [
         "te_general_gemm", "torch_adam_checkpointing", "float16_optimizer_checkpoint", "mla_without_te",
-        "distributed_optimizer_mixed_groups",
+        "distributed_optimizer_mixed_groups", "mla_rotary_key_grad", "mla_latent_norm_grads",
     ]
     assert cpu_compat.apply(on_cpu=False) == ran  # idempotent here too
 

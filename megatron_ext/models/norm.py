@@ -35,7 +35,9 @@ class LocalNorm:
             raise ValueError(f"LocalNorm supports {', '.join(NORMS)}; got {config.normalization!r}")
         if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
             raise ValueError("LocalNorm (torch's norms) has no zero-centred gamma, persistent or memory-efficient variant")
-        norm = NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
+        # In the model's dtype, as Megatron-LM's Float16Module casts every norm of a bf16 / fp16
+        # model (whose optimizer then keeps their fp32 main copies).
+        norm = NORMS[config.normalization](normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         if config.sequence_parallel:
             for param in norm.parameters():
                 param.sequence_parallel = True

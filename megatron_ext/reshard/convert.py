@@ -59,11 +59,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         source = read_source(flags.load, flags.ckpt_step)
-        out = relayout(source, flags.save, layout(flags), flags.dist_ckpt_optim_fully_reshardable)
+        rewritten = relayout(source, flags.save, layout(flags), flags.dist_ckpt_optim_fully_reshardable)
     except ConfigError as error:
         print("error: " + "; ".join(f"{field}: {rule}" for field, rule in error.violations), file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {out} (iteration {source.iteration})")
+    print(f"wrote iteration {source.iteration} to {rewritten}")
 
 
 if __name__ == "__main__":

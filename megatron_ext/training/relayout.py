@@ -25,6 +25,7 @@ import dataclasses
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -100,9 +101,37 @@ def target_config(source: Source, parallel: ParallelConfig) -> Config:
     return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One load-and-save of a rewrite, summed over its ranks: bytes read and written through
+    the file system (Linux's per-process I/O counters; None elsewhere), and its slowest rank's
+    seconds loading and saving."""
+
+    ranks: int
+    read_bytes: Optional[int]
+    written_bytes: Optional[int]
+    load_s: float
+    save_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    path: Path
+    passes: tuple[Pass, ...]  # two for a dp_reshardable source in another layout, else one
+
+    def __str__(self) -> str:
+        io = [p for p in self.passes if p.read_bytes is not None]
+        moved = (
+            f": read {sum(p.read_bytes for p in io) / 1e6:.1f} MB, wrote {sum(p.written_bytes for p in io) / 1e6:.1f} MB"
+            if len(io) == len(self.passes) else ""
+        )
+        seconds = sum(p.load_s + p.save_s for p in self.passes)
+        return f"{self.path} in {len(self.passes)} pass(es){moved}, {seconds:.1f} s loading and saving"
+
+
 def relayout(
     source: Source, out: str | os.PathLike, parallel: ParallelConfig, fully_reshardable: bool = True
-) -> Path:
+) -> Rewritten:
     """Write `source` at `out` in layout `parallel`, its optimizer state `fully_reshardable`
     or `dp_reshardable`. `out` must not exist or be empty."""
     target = target_config(source, parallel)
@@ -111,20 +140,21 @@ def relayout(
         raise ConfigError("--save", f"{out} already exists and is not empty")
     staging = out.parent / f".{out.name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
+    passes = []
     try:
         src = source
         if source.sharding not in (None, *RESHARDABLE) and _layout(source.config.parallel) != _layout(target.parallel):
             # Megatron reads a dp_reshardable state only in its own layout: through it first.
-            _rewrite(source, source.config, staging / "via", fully_reshardable=True)
+            passes.append(_rewrite(source, source.config, staging / "via", fully_reshardable=True))
             src = dataclasses.replace(source, root=str(staging / "via"), sharding="fully_reshardable")
-        _rewrite(src, target, staging / "out", fully_reshardable)
+        passes.append(_rewrite(src, target, staging / "out", fully_reshardable))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.is_dir():
             out.rmdir()
         os.replace(staging / "out", out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return Rewritten(out, tuple(passes))
 
 
 def _layout(parallel: ParallelConfig) -> dict:
@@ -132,14 +162,33 @@ def _layout(parallel: ParallelConfig) -> dict:
     return {**layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers), "ep": p.ep, "cp": p.cp}
 
 
-def _rewrite(source: Source, cfg: Config, out: Path, fully_reshardable: bool) -> None:
+def _rewrite(source: Source, cfg: Config, out: Path, fully_reshardable: bool) -> Pass:
     nproc = world_of(cfg.parallel)
-    launch_local(nproc, rewrite_rank, (source, cfg, str(out), fully_reshardable), "127.0.0.1", 0)
+    ranks = list(launch_local(nproc, rewrite_rank, (source, cfg, str(out), fully_reshardable), "127.0.0.1", 0).values())
+    counted = all(r["read_bytes"] is not None for r in ranks)
+    return Pass(
+        ranks=nproc,
+        read_bytes=sum(r["read_bytes"] for r in ranks) if counted else None,
+        written_bytes=sum(r["written_bytes"] for r in ranks) if counted else None,
+        load_s=max(r["load_s"] for r in ranks),
+        save_s=max(r["save_s"] for r in ranks),
+    )
 
 
-def rewrite_rank(source: Source, cfg: Config, out: str, fully_reshardable: bool) -> None:
+def _io_bytes() -> Optional[tuple[int, int]]:
+    """(bytes read, bytes written) by this process through read/write calls, page cache
+    included (Linux's /proc/self/io rchar / wchar); None where there is no such file."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    except OSError:
+        return None
+    return int(fields["rchar"]), int(fields["wchar"])
+
+
+def rewrite_rank(source: Source, cfg: Config, out: str, fully_reshardable: bool) -> dict[str, Any]:
     """One rank's part of a rewrite, in a world of `world_of(cfg.parallel)` workers: build its
-    model and optimizer in `cfg`'s layout, load the source into them, save them to `out`."""
+    model and optimizer in `cfg`'s layout, load the source into them, save them to `out`.
+    Returns its bytes read and written and its seconds loading and saving."""
     join_world(cfg.launcher.device)
     parallel_state.initialize_model_parallel(**parallel_state_sizes(cfg.parallel))
     model_parallel_cuda_manual_seed(cfg.train.seed)
@@ -151,10 +200,20 @@ def rewrite_rank(source: Source, cfg: Config, out: str, fully_reshardable: bool)
         trainer.optimizer = trainer.build_optimizer(trainer.model, trainer.model_config, cfg.parallel)
         has_optimizer = ckpt.OPTIMIZER_KEY in ckpt.held_states(source.root, source.iteration)
         optimizer = trainer.optimizer if has_optimizer else None
-        ckpt.load_checkpoint(source.root, source.iteration, trainer.model, optimizer, load_rng=False, field="--load")
         plain = _relaid_plain(source, cfg, fully_reshardable)
         metadata = content_metadata(distributed_optimizer=True, fully_reshardable=fully_reshardable)
+        before, start = _io_bytes(), time.perf_counter()
+        ckpt.load_checkpoint(source.root, source.iteration, trainer.model, optimizer, load_rng=False, field="--load")
+        loaded, middle = _io_bytes(), time.perf_counter()
         ckpt.save_checkpoint(out, source.iteration, trainer.model, optimizer, plain, metadata, save_rng=False)
+        after, end = _io_bytes(), time.perf_counter()
+        counted = before is not None
+        return {
+            "read_bytes": loaded[0] - before[0] if counted else None,
+            "written_bytes": after[1] - loaded[1] if counted else None,
+            "load_s": middle - start,
+            "save_s": end - middle,
+        }
     finally:
         trainer.close()
         dist.destroy_process_group()

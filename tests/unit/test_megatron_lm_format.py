@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,3 +202,24 @@ def test_a_checkpoint_of_the_earlier_layout_resumes_to_the_same_state(saved, tmp
     assert old["counters"] == new["counters"] == (ITERS, ITERS * 4)
     assert old["scheduler"] == new["scheduler"]
     assert torch.equal(old["rng"], new["written"])
+
+
+MEGATRON_LM_FIXTURE = Path(__file__).parents[1] / "fixtures" / "megatron_lm" / "gpt3_tp2pp2_dp_reshardable" / "iter_0000003"
+
+
+def test_a_save_has_the_keys_metadata_and_args_fields_megatron_lms_own_save_has(saved):
+    """Against a checkpoint Megatron-LM's own save_checkpoint wrote: the same top-level keys and
+    content-metadata keys, and every args field its loaders read, of the same type."""
+    tmp, _ = saved
+    ours = dist_checkpointing.load_common_state_dict(str(ckpt.iteration_dir(tmp / "run", ITERS)))
+    theirs = dist_checkpointing.load_common_state_dict(str(MEGATRON_LM_FIXTURE))
+    plain = {k for k in theirs if k not in ("optimizer", "model")}  # non-tensor parts of sharded entries
+    assert plain <= set(ours), plain - set(ours)
+    assert set(theirs["content_metadata"]) <= set(ours["content_metadata"])
+    wrong = {
+        field: (type(getattr(ours["args"], field)).__name__, type(getattr(theirs["args"], field)).__name__)
+        for field in (*CHECKED, *READ_BY_LOAD_ARGS, *READ_BY_LOAD)
+        if None not in (getattr(ours["args"], field), getattr(theirs["args"], field, None))
+        and type(getattr(ours["args"], field)) is not type(getattr(theirs["args"], field))
+    }
+    assert not wrong, wrong

@@ -39,13 +39,21 @@ def preflight(cfg: Config) -> None:
     reads and the checkpoint directory it writes (training/preflight.py).
 
     `cfg` is the composed run config; the world it is checked for is what torchrun or srun set
-    up, else `launcher.nproc`. Returns nothing when the run can start. Raises ConfigError (one
+    up, else `launcher.nproc`. A run whose workers start here and that resumes a
+    `dp_reshardable` checkpoint of another layout has it rewritten in its layout first
+    (training/relayout.py). Returns nothing when the run can start. Raises ConfigError (one
     line naming the field and the rule: the command line exits 2 with it) or a plugin's
     ValueError for the first setting that cannot work.
     """
     validate_run(cfg, world_size_of(cfg))
     from megatron_ext.training.preflight import check_inputs  # torch: only for a config the rules accept
 
+    if detect_launch() is None:  # workers started here: a checkpoint of another layout can be rewritten first
+        from megatron_ext.training.relayout import prepare_resume  # torch and megatron: as check_inputs
+
+        note = prepare_resume(cfg)
+        if note is not None:
+            print(f"notice: {note}", file=sys.stderr)
     check_inputs(cfg)
 
 

@@ -34,7 +34,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_ext.config.mlm_namespace import layout_fields, model_config, tokenizer_spec
-from megatron_ext.config.schema import ModelConfig
+from megatron_ext.config.schema import ModelConfig, ParallelConfig
 
 CHECKPOINT_VERSION = 3.0
 EXTENSION_KEY = "megatron_ext"
@@ -76,10 +76,12 @@ def loading_metadata(saved: Optional[dict], args: Optional[argparse.Namespace]) 
     return {"distrib_optim_sharding_type": "fully_sharded_model_space" if parallel_save else "dp_zero_gather_scatter"}
 
 
-def layout_key(tp: int, pp: int, vpp: Optional[int], first_stage_layers: Optional[int], last_stage_layers: Optional[int]) -> dict:
+def layout_key(parallel: ParallelConfig) -> dict:
     """What decides which RNG stream each rank holds and how a `dp_reshardable` optimizer state
-    is cut into buckets: the model-parallel cut of the layers."""
-    return {"tp": tp, "pp": pp, "vpp": vpp, "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
+    is cut into buckets: the model-parallel cut of the layers and experts."""
+    p = parallel
+    return {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "first_stage_layers": p.first_stage_layers,
+            "last_stage_layers": p.last_stage_layers, "ep": p.ep}
 
 
 def optimizer_layout_problem(common: dict[str, Any], run_layout: dict) -> Optional[str]:
@@ -135,6 +137,8 @@ def from_saved(saved: dict[str, Any]) -> dict[str, Any]:
     if OLD_LAYOUT_KEY in saved:
         common = dict(saved[OLD_LAYOUT_KEY])
         common["format"] = "megatron_ext_v1"
+        # its layout key named no expert parallelism; its config does
+        common["layout"] = {**common["layout"], "ep": common["config"].get("parallel", {}).get("ep", 1)}
         return common
     args = saved.get("args")
     extension = saved.get(EXTENSION_KEY)
@@ -161,10 +165,7 @@ def from_saved(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def _saved_layout(args: argparse.Namespace) -> dict:
-    sizes = layout_fields(args)
-    return layout_key(
-        sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("vpp"), sizes.get("first_stage_layers"), sizes.get("last_stage_layers")
-    )
+    return layout_key(ParallelConfig(**layout_fields(args)))
 
 
 def saved_model_config(common: dict[str, Any]) -> ModelConfig:

@@ -36,7 +36,7 @@ def fix_mla_rotary_key_grad() -> None:
 
     if not CHECKED_MEGATRON.covers(megatron.core.__version__):
         return
-    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none  # as above: megatron, only when fixing
 
     mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
     gather = mla.gather_from_tensor_model_parallel_region

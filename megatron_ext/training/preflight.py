@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from megatron_ext.checkpointing.megatron_lm import layout_key, optimizer_layout_problem
 from megatron_ext.config.mlm_namespace import model_fields
-from megatron_ext.config.schema import CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig
+from megatron_ext.config.schema import Config, DataConfig, ModelConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.checkpoint_storage import UncheckedTorch, checkpoint_files
 from megatron_ext.checkpointing import tracker
@@ -64,7 +64,7 @@ def check_inputs(cfg: Config) -> None:
     check_vocabulary(cfg)
     if cfg.model.pretrained:
         check_pretrained(cfg.model)
-    check_load(cfg.checkpoint, cfg.model, cfg.parallel)
+    check_load(cfg)
     if cfg.checkpoint.save:
         check_save(cfg.checkpoint.save)  # last: it creates the directory
 
@@ -176,11 +176,13 @@ def _check_hf_folder(path: str) -> None:
 # --- checkpoints ------------------------------------------------------------------------------
 
 
-def check_load(checkpoint: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig) -> None:
+def check_load(cfg: Config) -> None:
     """`checkpoint.load` must hold a checkpoint, except where it may be missing: with
     `load_optional`, or when it is also `checkpoint.save` (resume-if-present: the first run of
     `checkpoint.save=runs/x checkpoint.load=runs/x` finds nothing yet); its optimizer state, when
-    it is restored, must be readable in `parallel`'s layout."""
+    it is restored, must be readable in the run's layout (or rewritten in it by the launcher,
+    training/relayout.py)."""
+    checkpoint, model = cfg.checkpoint, cfg.model
     load = checkpoint.load
     if not load:
         return
@@ -205,12 +207,16 @@ def check_load(checkpoint: CheckpointConfig, model: ModelConfig, parallel: Paral
     if checkpoint.load_optim and not checkpoint.finetune:
         ckpt, iteration = _checkpoint_module(), checkpoint.step or tracker.latest_iteration(root)
         ckpt.check_holds_optimizer(root, iteration)
-        p = parallel
-        problem = optimizer_layout_problem(
-            ckpt.load_common(root, iteration), layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
-        )
-        if problem is not None:
+        problem = optimizer_layout_problem(ckpt.load_common(root, iteration), layout_key(cfg.parallel))
+        if problem is not None and not _relaid_copy_ready(cfg, root, iteration):
             raise ConfigError("checkpoint.load", f"{tracker.iteration_dir(root, iteration)}: {problem}")
+
+
+def _relaid_copy_ready(cfg: Config, root: str, iteration: int) -> bool:
+    """Whether the launcher rewrote the checkpoint in this run's layout (training/relayout.py)."""
+    from megatron_ext.checkpointing.relaid import relaid_copy_ready  # torch and megatron: only for such a checkpoint
+
+    return relaid_copy_ready(cfg, root, iteration)
 
 
 def _same_dir(a: str, b: Optional[str]) -> bool:

@@ -37,10 +37,9 @@ from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.checkpointing.megatron_lm import (
     EXTENSION_KEY,
     OLD_LAYOUT_KEY,
-    RESHARDABLE,
     content_metadata,
     layout_key,
-    loading_metadata,
+    optimizer_layout_problem,
     saved_model_config,
 )
 from megatron_ext.config.mlm_namespace import layout_fields, optim_fields, relaid_args
@@ -48,6 +47,7 @@ from megatron_ext.config.schema import Config, DataConfig, OptimConfig, Parallel
 from megatron_ext.config.validate import ConfigError, validate
 from megatron_ext.parallel.groups import parallel_state_sizes
 from megatron_ext.platform.launch import join_world, launch_local
+from megatron_ext.checkpointing.relaid import needs_relayout, relaid_copy, relaid_copy_ready
 from megatron_ext.training.trainer import Trainer
 
 
@@ -58,7 +58,7 @@ class Source:
     root: str
     iteration: int
     config: Config  # model, optimizer settings and saved layout (dp 1)
-    sharding: Optional[str]  # the distributed optimizer's format; None without one
+    common: dict  # its plain state (checkpointing.torch_dist.load_common)
 
 
 def read_source(root: str, iteration: Optional[int] = None) -> Source:
@@ -81,9 +81,8 @@ def read_source(root: str, iteration: Optional[int] = None) -> Source:
     optim = dataclasses.replace(OptimConfig(), **optim_fields(args)) if args is not None else OptimConfig()
     if common.get("config") is not None:
         optim = OptimConfig(**common["config"]["optim"])
-    metadata = loading_metadata(common["content_metadata"], None if common["format"] == "megatron_ext_v1" else args)
     cfg = Config(model=model, parallel=parallel, optim=optim, data=DataConfig(tokenizer="byte", mock=True))
-    return Source(root, iteration, cfg, metadata.get("distrib_optim_sharding_type"))
+    return Source(root, iteration, cfg, common)
 
 
 def world_of(parallel: ParallelConfig) -> int:
@@ -143,10 +142,11 @@ def relayout(
     passes = []
     try:
         src = source
-        if source.sharding not in (None, *RESHARDABLE) and _layout(source.config.parallel) != _layout(target.parallel):
+        if optimizer_layout_problem(source.common, layout_key(target.parallel)) is not None:
             # Megatron reads a dp_reshardable state only in its own layout: through it first.
-            passes.append(_rewrite(source, source.config, staging / "via", fully_reshardable=True))
-            src = dataclasses.replace(source, root=str(staging / "via"), sharding="fully_reshardable")
+            via = staging / "via"
+            passes.append(_rewrite(source, source.config, via, fully_reshardable=True))
+            src = dataclasses.replace(source, root=str(via), common=ckpt.load_common(via, source.iteration))
         passes.append(_rewrite(src, target, staging / "out", fully_reshardable))
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.is_dir():
@@ -155,11 +155,6 @@ def relayout(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Rewritten(out, tuple(passes))
-
-
-def _layout(parallel: ParallelConfig) -> dict:
-    p = parallel
-    return {**layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers), "ep": p.ep, "cp": p.cp}
 
 
 def _rewrite(source: Source, cfg: Config, out: Path, fully_reshardable: bool) -> Pass:
@@ -226,7 +221,7 @@ def _relaid_plain(source: Source, cfg: Config, fully_reshardable: bool) -> dict[
     # entries: the save writes those anew.
     plain = {k: v for k, v in saved.items() if not re.fullmatch(r"model\d*|optimizer|rng_state|content_metadata", k)}
     p = cfg.parallel
-    key = layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+    key = layout_key(p)
     if OLD_LAYOUT_KEY in plain:
         plain[OLD_LAYOUT_KEY] = _relaid_extension(plain[OLD_LAYOUT_KEY], key, p)
         return plain
@@ -244,3 +239,28 @@ def _relaid_extension(state: dict, key: dict, parallel: ParallelConfig) -> dict:
         state["config"] = {**state["config"], "parallel": {**state["config"]["parallel"], **sizes, "dp": None}}
     return state
 
+
+
+# --- a run resuming a checkpoint its layout cannot read ------------------------------------------
+
+
+def prepare_resume(cfg: Config) -> Optional[str]:
+    """Before a run's workers start: when the checkpoint it resumes holds a `dp_reshardable`
+    optimizer state of another layout, rewrite it once in the run's layout (`relaid_copy`,
+    `fully_reshardable`), which the Trainer then resumes. Returns the line saying so, else None."""
+    c = cfg.checkpoint
+    if not c.load or not Path(c.load).is_dir():
+        return None
+    iteration = c.step if c.step is not None else ckpt.latest_iteration(c.load)
+    if iteration is None or not ckpt.iteration_dir(c.load, iteration).is_dir() or not needs_relayout(cfg, c.load, iteration):
+        return None
+    copy = relaid_copy(cfg, c.load, iteration)
+    if relaid_copy_ready(cfg, c.load, iteration):
+        return f"checkpoint.load: resuming {copy}, this layout's rewrite of {ckpt.iteration_dir(c.load, iteration)}"
+    shutil.rmtree(copy, ignore_errors=True)  # an incomplete one of an interrupted rewrite
+    start = time.perf_counter()
+    relayout(read_source(c.load, iteration), copy, cfg.parallel, fully_reshardable=True)
+    return (
+        f"checkpoint.load: {ckpt.iteration_dir(c.load, iteration)} holds a dp_reshardable optimizer state of "
+        f"another layout: rewritten in this one at {copy} ({time.perf_counter() - start:.1f} s)"
+    )

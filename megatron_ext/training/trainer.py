@@ -65,7 +65,7 @@ from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
 from megatron_ext.plugin_context import PluginContext
-from megatron_ext.checkpointing import torch_dist as ckpt
+from megatron_ext.checkpointing import relaid, torch_dist as ckpt
 from megatron_ext.checkpointing.megatron_lm import (
     content_metadata,
     layout_key,
@@ -240,6 +240,8 @@ class Trainer:
             return None  # `save == load` on a first run: start fresh
         if not ckpt.iteration_dir(load, iteration).is_dir():
             raise ValueError(f"checkpoint.step: {load} has no checkpoint of iteration {iteration}")
+        if relaid.needs_relayout(self.cfg, load, iteration) and relaid.relaid_copy_ready(self.cfg, load, iteration):
+            load = str(relaid.relaid_copy(self.cfg, load, iteration))  # the launcher's rewrite in this layout
         return load, iteration, ckpt.load_common(load, iteration)
 
     def _vocab_size(self, resume: Optional[tuple[str, int, dict]]) -> int:
@@ -692,8 +694,7 @@ class Trainer:
 
     def _layout_key(self) -> dict:
         """What decides which model-parallel RNG stream each rank has."""
-        p = self.cfg.parallel
-        return layout_key(p.tp, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+        return layout_key(self.cfg.parallel)
 
     def save(self) -> None:
         """Save a checkpoint of this iteration under `checkpoint.save` (megatron's

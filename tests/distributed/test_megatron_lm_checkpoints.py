@@ -13,7 +13,6 @@ The references are independent of the loader under test:
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +50,7 @@ def argv_of(name: str) -> list[str]:
     """The fixture's Megatron-LM command line without its output and length, and without its
     layout."""
     argv, out, skip = fixture(name)["argv"], [], 0
-    for i, arg in enumerate(argv):
+    for arg in argv:
         if skip:
             skip -= 1
             continue
@@ -95,6 +94,24 @@ def convert(load: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
     )
 
 
+def check_state(name: str, folder: Path) -> None:
+    """Every tensor of the fixture (its fully_reshardable twin for a dp_reshardable one) equals
+    the same key of `folder`, a checkpoint of the same iteration; so do the counters."""
+    iteration = fixture(name)["saved"]["iteration"]
+    reference = tensors(ckpt.iteration_dir(FIXTURES / reference_of(name), iteration))
+    resaved = tensors(ckpt.iteration_dir(folder, iteration))
+    missing = sorted(set(reference) - set(resaved))
+    assert not missing, missing
+    different = [k for k in reference if not torch.equal(reference[k], resaved[k])]
+    assert not different, different
+    common = dist_checkpointing.load_common_state_dict(str(ckpt.iteration_dir(folder, iteration)))
+    saved = fixture(name)["saved"]
+    assert common["iteration"] == iteration
+    assert common["args"].consumed_train_samples == saved["consumed_train_samples"]
+    assert common["opt_param_scheduler"]["num_steps"] == saved["scheduler_num_steps"]
+    assert common["num_floating_point_operations_so_far"] == pytest.approx(saved["num_floating_point_operations_so_far"])
+
+
 def reference_of(name: str) -> str:
     """The fixture whose tensors are readable by key: itself, or its fully_reshardable twin."""
     twin = name.replace("dp_reshardable", "fully_reshardable")
@@ -102,7 +119,8 @@ def reference_of(name: str) -> str:
     return twin
 
 
-# fixture, the layouts it resumes in besides its own (the first: its own)
+# fixture: its own layout, then another it resumes in (a dp_reshardable one: rewritten first by
+# the launcher, training/relayout.py)
 CASES = {
     "gpt3_tp2pp2_dp_reshardable": ("tp2pp2", "tp1pp4"),
     "llama_tp2pp2_fully_reshardable": ("tp2pp2", "tp2"),
@@ -112,35 +130,38 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_a_megatron_lm_checkpoint_resumes_to_its_own_state_in_other_layouts(name, tmp_path):
-    own, other = CASES[name]
     iteration = fixture(name)["saved"]["iteration"]
-    reference = tensors(ckpt.iteration_dir(FIXTURES / reference_of(name) if "dp_" in name else FIXTURES / name, iteration))
     load = FIXTURES / name
-    if "dp_reshardable" in name:  # read in another layout through the converter
-        done = convert(load, tmp_path / "converted", *LAYOUTS[other])
-        assert done.returncode == 0, done.stderr[-2000:]
-        other_load = tmp_path / "converted"
-    else:
-        other_load = load
-    for layout, source in ((own, load), (other, other_load)):
-        run(name, source, layout, iteration, tmp_path, save=tmp_path / layout)  # resume, save: no step
-        resaved = tensors(ckpt.iteration_dir(tmp_path / layout, iteration))
-        compared = [k for k in reference if k in resaved]
-        assert len(compared) >= len([k for k in reference if not k.startswith("rng")]) - 1, sorted(set(reference) - set(resaved))
-        different = [k for k in compared if not torch.equal(reference[k], resaved[k])]
-        assert not different, f"{layout}: {different}"
-        common = dist_checkpointing.load_common_state_dict(str(ckpt.iteration_dir(tmp_path / layout, iteration)))
-        saved = fixture(name)["saved"]
-        assert common["iteration"] == iteration
-        assert common["args"].consumed_train_samples == saved["consumed_train_samples"]
-        assert common["opt_param_scheduler"]["num_steps"] == saved["scheduler_num_steps"]
-        assert common["num_floating_point_operations_so_far"] == pytest.approx(saved["num_floating_point_operations_so_far"])
-    losses = {
-        layout: run(name, source, layout, iteration + STEPS, tmp_path)["losses"]
-        for layout, source in ((own, load), (other, other_load))
-    }
-    assert len(losses[own]) == STEPS
-    assert losses[other] == pytest.approx(losses[own], rel=1e-5), losses
+    for layout in CASES[name]:
+        run(name, load, layout, iteration, tmp_path, save=tmp_path / layout)  # resume, save: no step
+        check_state(name, tmp_path / layout)
+    own, other = (run(name, load, layout, iteration + STEPS, tmp_path)["losses"] for layout in CASES[name])
+    assert len(own) == STEPS
+    assert other == pytest.approx(own, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tp1pp4", "tp1"])
+def test_the_converter_rewrites_a_dp_reshardable_checkpoint_in_another_layout(layout, tmp_path):
+    name = "gpt3_tp2pp2_dp_reshardable"
+    out = tmp_path / "out"
+    done = convert(FIXTURES / name, out, *LAYOUTS[layout], "--dist-ckpt-optim-fully-reshardable")
+    assert done.returncode == 0, done.stderr[-2000:]
+    check_state(name, out)
+    common = dist_checkpointing.load_common_state_dict(str(ckpt.iteration_dir(out, 3)))
+    args = common["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 4 if layout == "tp1pp4" else 1)
+    assert args.no_save_rng and common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+
+
+def test_a_converted_dp_reshardable_checkpoint_resumes_in_its_new_layout(tmp_path):
+    """Megatron-LM's default output: the next steps equal the source's own continuation."""
+    name = "gpt3_tp2pp2_dp_reshardable"
+    done = convert(FIXTURES / name, tmp_path / "out", *LAYOUTS["tp1pp4"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    metadata = dist_checkpointing.load_content_metadata(str(ckpt.iteration_dir(tmp_path / "out", 3)))
+    assert metadata["distrib_optim_sharding_type"] == "dp_reshardable"
+    own = run(name, FIXTURES / name, "tp2pp2", 3 + STEPS, tmp_path)["losses"]
+    assert run(name, tmp_path / "out", "tp1pp4", 3 + STEPS, tmp_path)["losses"] == pytest.approx(own, rel=1e-5)
 
 
 def test_the_converter_refuses_a_layout_the_model_cannot_take_before_writing(tmp_path):
@@ -152,12 +173,16 @@ def test_the_converter_refuses_a_layout_the_model_cannot_take_before_writing(tmp
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
 
 
-def test_a_dp_reshardable_checkpoint_in_another_layout_stops_at_preflight(tmp_path):
-    name = "gpt3_tp2pp2_dp_reshardable"
-    load = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / name, load)
-    with pytest.raises(SystemExit) as stop:
-        from megatron_ext import pretrain_gpt
+def test_a_dp_reshardable_checkpoint_of_another_layout_not_rewritten_stops_at_preflight(tmp_path):
+    """Under torchrun or srun no launcher of ours rewrites it: one line naming the saved layout."""
+    from megatron_ext.config import compose_config
+    from megatron_ext.config.validate import ConfigError
+    from megatron_ext.training.preflight import check_load
 
-        pretrain_gpt.main([*argv_of(name), *LAYOUTS["tp1pp4"], "--load", str(load), "--train-iters", "5", "--nproc", "4"])
-    assert stop.value.code == 2
+    name = "gpt3_tp2pp2_dp_reshardable"
+    argv = [*argv_of(name), *LAYOUTS["tp1pp4"], "--load", str(FIXTURES / name), "--train-iters", "5", "--nproc", "4"]
+    cfg = compose_config([*translate(argv, saved_args).overrides, f"data.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as refused:
+        check_load(cfg)
+    assert "dp_reshardable" in str(refused.value) and "tp=2, pp=2" in str(refused.value)
+    assert "\n" not in str(refused.value)

@@ -126,9 +126,11 @@ CASES = {
     "llama_tp2pp2_fully_reshardable": ("tp2pp2", "tp2"),
     "llama_tp1_bf16": ("tp1", "tp2"),
 }
+# The default suite keeps one resume (2 minutes on 2 cores for the 8-rank ones).
+SLOW = {"gpt3_tp2pp2_dp_reshardable", "llama_tp2pp2_fully_reshardable"}
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
 def test_a_megatron_lm_checkpoint_resumes_to_its_own_state_in_other_layouts(name, tmp_path):
     iteration = fixture(name)["saved"]["iteration"]
     load = FIXTURES / name
@@ -140,7 +142,7 @@ def test_a_megatron_lm_checkpoint_resumes_to_its_own_state_in_other_layouts(name
     assert other == pytest.approx(own, rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["tp1pp4", "tp1"])
+@pytest.mark.parametrize("layout", [pytest.param("tp1pp4", marks=pytest.mark.slow), "tp1"])
 def test_the_converter_rewrites_a_dp_reshardable_checkpoint_in_another_layout(layout, tmp_path):
     name = "gpt3_tp2pp2_dp_reshardable"
     out = tmp_path / "out"
@@ -153,6 +155,7 @@ def test_the_converter_rewrites_a_dp_reshardable_checkpoint_in_another_layout(la
     assert args.no_save_rng and common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
 
 
+@pytest.mark.slow
 def test_a_converted_dp_reshardable_checkpoint_resumes_in_its_new_layout(tmp_path):
     """Megatron-LM's default output: the next steps equal the source's own continuation."""
     name = "gpt3_tp2pp2_dp_reshardable"

@@ -355,21 +355,22 @@ def _fix_mla_without_te() -> None:
 
 def _fix_torch_adam_checkpointing() -> None:
     """Without TE/Apex the distributed optimizer wraps torch's Adam, whose `step` lives in the
-    per-parameter state, and two of its checkpoint paths trip over that. Not CPU-specific.
+    per-parameter state, and its checkpoint paths trip over that. Not CPU-specific.
 
     - `state_dict()` of a fresh optimizer (the template of a resume) asserts on an empty step
       set, because torch creates Adam's state only in the first step. Materialise torch's own
       initial state (step 0, zero moments) first: the next step runs exactly as from empty.
-    - Loading a "fully reshardable" checkpoint copies every per-parameter state key from the
-      saved tensors, but `step` is saved per param group (and restored from there): copy the
-      keys that were saved. A "dp_reshardable" one also hands over its bucket entries' padding
-      flag, and its `step` entry is the loading optimizer's own (not saved; the param groups
-      restored it already): copy the other optimizer keys only, and outside autograd (that
-      path copies into an fp32 model's parameters, which its "model space" counterpart does
-      under no_grad).
+    - Loading the per-parameter state copies every key of torch's state from the loaded
+      tensors, but `step` is saved per param group and restored from there before: a "fully
+      reshardable" checkpoint has no per-parameter `step` (KeyError), and a "dp_reshardable"
+      one hands back the load template's own `step` (a non-persistent object: the fresh
+      optimizer's 0), which would undo the restore. Copy every key but `step`.
     - That restore puts one `step` tensor object into every parameter's state, and torch's
       Adam increments each parameter's step in place, so a shared tensor would count once per
       parameter: give each parameter its own.
+    - The main copy of an fp32 parameter is a view of that parameter, which requires grad, and
+      the "dp_reshardable" loader (unlike its siblings) copies into it with autograd on:
+      RuntimeError. Copy without autograd.
     """
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     cls = distrib.DistributedOptimizer
@@ -386,16 +387,16 @@ def _fix_torch_adam_checkpointing() -> None:
         return original_state_dict(self)
 
     @functools.wraps(original_set_states)
+    @torch.no_grad()
     def set_main_param_and_optimizer_states(self, model_param, tensors):
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             return original_set_states(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        with torch.no_grad():  # an fp32 model's main params are its parameters (leaves that need grad)
-            for key, saved in tensors.items():
-                if key in destination and key != "step":
-                    destination[key].copy_(saved)
+        for key, tensor in destination.items():
+            if key != "step":  # restored from the param groups
+                tensor.copy_(tensors[key])
 
     @functools.wraps(original_load_state_dict)
     def load_state_dict(self, state_dict):

@@ -212,10 +212,11 @@ def scenario_mla_without_te():
     assert torch.isfinite(lm_loss(model, batch(0)))
 
 
-def adam_checkpoint(ddp, optimizer, is_loading: bool = False) -> dict:
-    """Model and distributed-optimizer state as megatron_ext checkpoints them."""
+def adam_checkpoint(ddp, optimizer, is_loading: bool = False, sharding: str = "fully_reshardable") -> dict:
+    """Model and distributed-optimizer state as megatron_ext checkpoints them (sharding
+    "fully_reshardable"), or as Megatron-LM does by default ("dp_reshardable")."""
     model = ddp.module.sharded_state_dict()
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    metadata = {"distrib_optim_sharding_type": sharding}
     optimizer_state = optimizer.sharded_state_dict(model, is_loading, metadata=metadata)
     return {"model": model, "optimizer": optimizer_state}
 
@@ -223,19 +224,20 @@ def adam_checkpoint(ddp, optimizer, is_loading: bool = False) -> dict:
 def scenario_torch_adam_checkpointing():
     """Resuming the distributed optimizer over torch's AdamW from a checkpoint into a fresh one
     (whose state dict is the load template) continues exactly: the next step equals that of
-    the optimizer that was saved."""
-    (ddp, _, saved), (resumed_ddp, _, resumed) = [megatron_adam(tiny_gpt(s)) for s in (0, 1)]
-    train_step(ddp, saved, batch(0))
-    with tempfile.TemporaryDirectory() as ckpt:
-        dist_checkpointing.save(adam_checkpoint(ddp, saved), ckpt)
-        template = adam_checkpoint(resumed_ddp, resumed, is_loading=True)
-        loaded = dist_checkpointing.load(template, ckpt)
-    resumed_ddp.module.load_state_dict(loaded["model"])
-    resumed.load_state_dict(loaded["optimizer"])
-    train_step(ddp, saved, batch(1))
-    train_step(resumed_ddp, resumed, batch(1))
-    for p, q in zip(ddp.parameters(), resumed_ddp.parameters()):
-        assert torch.equal(p, q)
+    the optimizer that was saved. In megatron_ext's format and in Megatron-LM's default one."""
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        (ddp, _, saved), (resumed_ddp, _, resumed) = [megatron_adam(tiny_gpt(s)) for s in (0, 1)]
+        train_step(ddp, saved, batch(0))
+        with tempfile.TemporaryDirectory() as ckpt:
+            dist_checkpointing.save(adam_checkpoint(ddp, saved, sharding=sharding), ckpt)
+            template = adam_checkpoint(resumed_ddp, resumed, is_loading=True, sharding=sharding)
+            loaded = dist_checkpointing.load(template, ckpt)
+        resumed_ddp.module.load_state_dict(loaded["model"])
+        resumed.load_state_dict(loaded["optimizer"])
+        train_step(ddp, saved, batch(1))
+        train_step(resumed_ddp, resumed, batch(1))
+        for p, q in zip(ddp.parameters(), resumed_ddp.parameters()):
+            assert torch.equal(p, q), sharding
 
 
 def tempered_step(ddp, optimizer, tokens: torch.Tensor):

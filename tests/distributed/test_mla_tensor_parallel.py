@@ -14,18 +14,15 @@ reference's up to fp32 reduction order.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import _tiny_sgd as tiny_sgd
 from _logical_shards import grad_shards, weight_shards, whole
+from _tiny_sgd import STEPS
 
-STEPS = 3
-# Plain SGD: a weight's change is the learning rate times its gradient (as in
-# test_model_space_layouts.py).
-LR = 0.5
 # fp32 runs that differ only in the order of reductions (TP splits the GEMMs, PP the loss sum).
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 1e-6
@@ -52,26 +49,7 @@ WORLDS = {
 
 
 def config(parallel: dict, cache: str):
-    from megatron_ext.config.schema import (
-        Config,
-        DataConfig,
-        LoggingConfig,
-        ModelConfig,
-        OptimConfig,
-        ParallelConfig,
-        TrainConfig,
-    )
-
-    model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32)
-    return Config(
-        model=dataclasses.replace(model, name="mla", **MLA),
-        # megatron's distributed optimizer takes Adam only.
-        parallel=ParallelConfig(**parallel, use_distributed_optimizer=False),
-        data=DataConfig(cache_dir=cache),
-        optim=OptimConfig(optimizer="sgd", lr=LR, min_lr=LR, lr_warmup_iters=0),
-        train=TrainConfig(iters=STEPS, micro_batch_size=2, global_batch_size=4, eval_interval=0),
-        logging=LoggingConfig(progress_bar=False),
-    )
+    return tiny_sgd.config("mla", MLA, parallel, cache)
 
 
 def run(parallel: dict, cache: str) -> dict:

@@ -24,19 +24,18 @@ few combined cases that together set every option, `-m slow` one case per option
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import _tiny_sgd as tiny_sgd
 from _logical_shards import weight_shards, whole
+from _tiny_sgd import STEPS
 
-STEPS = 3
-# Plain SGD: a weight's change is the learning rate times its gradients, so a wrong gradient
-# shows in proportion (Adam's first steps move every weight by about the learning rate, whatever
-# the gradient's size: a gradient near zero moves by its rounding noise).
-LR = 0.5
+# Plain SGD (_tiny_sgd.py): a weight's change is the learning rate times its gradients, so a
+# wrong gradient shows in proportion (Adam's first steps move every weight by about the learning
+# rate, whatever the gradient's size: a gradient near zero moves by its rounding noise).
 # fp32 runs that differ only in the order of reductions (TP splits the GEMMs, PP the loss sum).
 LOSS_RTOL = 1e-5
 # Measured up to 6e-7 after 3 steps at LR; the wrong gradients these cases caught moved weights
@@ -151,26 +150,7 @@ def layouts(case: str) -> dict:
 
 
 def config(case: str, parallel: dict, cache: str):
-    from megatron_ext.config.schema import (
-        Config,
-        DataConfig,
-        LoggingConfig,
-        ModelConfig,
-        OptimConfig,
-        ParallelConfig,
-        TrainConfig,
-    )
-
-    base = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, seq_length=32)
-    return Config(
-        model=dataclasses.replace(base, name=case, **ALL_CASES[case]),
-        # megatron's distributed optimizer takes Adam only.
-        parallel=ParallelConfig(**parallel, use_distributed_optimizer=False),
-        data=DataConfig(cache_dir=cache),
-        optim=OptimConfig(optimizer="sgd", lr=LR, min_lr=LR, lr_warmup_iters=0),
-        train=TrainConfig(iters=STEPS, micro_batch_size=2, global_batch_size=4, eval_interval=0),
-        logging=LoggingConfig(progress_bar=False),
-    )
+    return tiny_sgd.config(case, ALL_CASES[case], parallel, cache)
 
 
 def run(case: str, parallel: dict, cache: str) -> dict:

@@ -42,7 +42,7 @@ from megatron_ext.checkpointing.megatron_lm import (
     optimizer_layout_problem,
     saved_model_config,
 )
-from megatron_ext.config.mlm_namespace import layout_fields, optim_fields, relaid_args
+from megatron_ext.config.mlm_namespace import optim_fields, relaid_args
 from megatron_ext.config.schema import Config, DataConfig, OptimConfig, ParallelConfig
 from megatron_ext.config.validate import ConfigError, validate
 from megatron_ext.parallel.groups import parallel_state_sizes
@@ -72,11 +72,11 @@ def read_source(root: str, iteration: Optional[int] = None) -> Source:
     args = common.get("args")
     model = saved_model_config(common)
     saved = common["layout"] or {}
-    sizes = layout_fields(args) if args is not None else {}
     parallel = ParallelConfig(
-        tp=saved.get("tp", 1), pp=saved.get("pp", 1), vpp=saved.get("vpp"), ep=sizes.get("ep", 1),
-        cp=sizes.get("cp", 1), first_stage_layers=saved.get("first_stage_layers"),
-        last_stage_layers=saved.get("last_stage_layers"), dp=None,
+        tp=saved.get("tp", 1), pp=saved.get("pp", 1), vpp=saved.get("vpp"), ep=saved.get("ep", 1),
+        cp=getattr(args, "context_parallel_size", 1), first_stage_layers=saved.get("first_stage_layers"),
+        last_stage_layers=saved.get("last_stage_layers"),
+        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", True),
     )
     optim = dataclasses.replace(OptimConfig(), **optim_fields(args)) if args is not None else OptimConfig()
     if common.get("config") is not None:
@@ -94,7 +94,8 @@ def world_of(parallel: ParallelConfig) -> int:
 def target_config(source: Source, parallel: ParallelConfig) -> Config:
     """The source's model and settings in layout `parallel`, checked: a layout the model cannot
     take is refused here, naming the field."""
-    layout = dataclasses.replace(parallel, dp=None, use_distributed_optimizer=True)
+    # The source's optimizer kind: a plain (non-distributed) one's state is laid out by parameter.
+    layout = dataclasses.replace(parallel, dp=None, use_distributed_optimizer=source.config.parallel.use_distributed_optimizer)
     cfg = dataclasses.replace(source.config, parallel=layout)
     validate(cfg, world_of(layout))
     return cfg
@@ -196,7 +197,7 @@ def rewrite_rank(source: Source, cfg: Config, out: str, fully_reshardable: bool)
         has_optimizer = ckpt.OPTIMIZER_KEY in ckpt.held_states(source.root, source.iteration)
         optimizer = trainer.optimizer if has_optimizer else None
         plain = _relaid_plain(source, cfg, fully_reshardable)
-        metadata = content_metadata(distributed_optimizer=True, fully_reshardable=fully_reshardable)
+        metadata = content_metadata(cfg.parallel.use_distributed_optimizer, fully_reshardable)
         before, start = _io_bytes(), time.perf_counter()
         ckpt.load_checkpoint(source.root, source.iteration, trainer.model, optimizer, load_rng=False, field="--load")
         loaded, middle = _io_bytes(), time.perf_counter()

@@ -142,17 +142,31 @@ def test_a_megatron_lm_checkpoint_resumes_to_its_own_state_in_other_layouts(name
     assert other == pytest.approx(own, rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("tp1pp4", marks=pytest.mark.slow), "tp1"])
-def test_the_converter_rewrites_a_dp_reshardable_checkpoint_in_another_layout(layout, tmp_path):
-    name = "gpt3_tp2pp2_dp_reshardable"
+def sizes(layout: str) -> tuple[int, int]:
+    flags = dict(zip(LAYOUTS[layout][::2], map(int, LAYOUTS[layout][1::2])))
+    return flags.get("--tensor-model-parallel-size", 1), flags.get("--pipeline-model-parallel-size", 1)
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        pytest.param("gpt3_tp2pp2_dp_reshardable", "tp1pp4", marks=pytest.mark.slow),
+        ("gpt3_tp2pp2_dp_reshardable", "tp1"),
+        ("llama_tp1_bf16", "tp2"),  # no distributed optimizer: its state by parameter
+    ],
+)
+def test_the_converter_rewrites_a_megatron_lm_checkpoint_in_another_layout(name, layout, tmp_path):
     out = tmp_path / "out"
     done = convert(FIXTURES / name, out, *LAYOUTS[layout], "--dist-ckpt-optim-fully-reshardable")
     assert done.returncode == 0, done.stderr[-2000:]
     check_state(name, out)
     common = dist_checkpointing.load_common_state_dict(str(ckpt.iteration_dir(out, 3)))
     args = common["args"]
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 4 if layout == "tp1pp4" else 1)
-    assert args.no_save_rng and common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == sizes(layout)
+    assert args.no_save_rng
+    assert common["content_metadata"].get("distrib_optim_sharding_type") == (
+        "fully_reshardable" if args.use_distributed_optimizer else None
+    )
 
 
 @pytest.mark.slow

@@ -144,6 +144,50 @@ def no_targets(data: dict) -> list[Target]:
     return []
 
 
+# ---- convert.py ----
+
+def convert_tables(data: dict) -> list[Table]:
+    rows = data["conversions"]
+    timing = [[r["model"], r["label"], r.get("role") or "", " + ".join(map(str, r["workers"])), num(r["wall_s"]),
+               num(r["load_s"]), num(r["save_s"]), num(r["wall_over_baseline"]), mib(r["peak_rss_bytes"]),
+               num(r["load_average_1min"], 2)] for r in rows]
+    moved = [[r["model"], r["label"], str(len(r["passes"])), mib(r["source_bytes"]), mib(r["output_bytes"]),
+              mib(r["read_bytes"]), mib(r["written_bytes"]), num(r["read_over_source"]), num(r["written_over_output"])]
+             for r in rows]
+    return [
+        Table(["model", "conversion", "", "workers per pass", "wall s", "load s", "save s", "wall / baseline",
+               "peak RSS MiB", "load (1 min)"], timing,
+              "Each conversion in a fresh process. Wall: the whole `relayout` call, the workers' start included; "
+              "load and save: the slowest rank's, summed over the passes; peak RSS: the largest of any one process "
+              "the conversion started (its workers, and the forkserver they are forked from); load: the machine's "
+              "load average when the conversion ended."),
+        Table(["model", "conversion", "passes", "source MiB", "output MiB", "read MiB", "written MiB",
+               "read / source", "written / output"], moved,
+              "Bytes read and written: every worker's, through read and write calls (Linux's rchar and wchar, the "
+              "page cache included), during its load and its save; the minimum is the source's files to read and "
+              "the output's to write."),
+    ]
+
+
+def convert_targets(data: dict) -> list[Target]:
+    words = {"read_over_source": "bytes read at most {t}× the source", "written_over_output":
+             "bytes written at most {t}× the output"}
+    out = []
+    for name, judged in data["targets"].items():
+        key, passes = re.fullmatch(r"(.+)_(\d+)_pass", name).groups()
+        missed = judged["missed"]
+        detail = f"{judged['checked']} conversions checked" + (f"; missed by {', '.join(missed)}" if missed else "")
+        out.append(Target(f"{words[key].format(t=num(judged['at_most']))}, conversions of {passes} "
+                          f"pass{'es' if passes != '1' else ''}", judged["met"] if judged["checked"] else None, detail))
+    return out
+
+
+def convert_notes(data: dict) -> list[str]:
+    layout = data["source_layout"]
+    return [f"Source layout TP{layout['tp']}×PP{layout['pp']}; the whole run, training the sources included, took "
+            f"{num(data['wall_s'])} s. No target on time or memory: the issue sets none."]
+
+
 # ---- scale.py ----
 
 def scale_simulated(row: dict) -> str:
@@ -470,6 +514,12 @@ BENCHMARKS = [
               "The reshard stall simulator, its constants fitted on this machine, predicts the live reshards measured "
               "here and in the reshard results files; each prediction is set against the measurement.",
               simulate_tables, simulate_targets),
+    Benchmark("convert_cpu.json", "reshard: the offline converter", "reshard", "scripts/bench/convert.py",
+              "The offline converter (`python -m megatron_ext.reshard.convert`) rewrites a TP2×PP2 checkpoint, "
+              "trained one step, in other layouts: from the fully_reshardable checkpoint training saves (one pass) "
+              "and from a dp_reshardable one (two passes, through its own layout first). Its time, its workers' "
+              "peak memory and the bytes it reads and writes, against the checkpoint's size.",
+              convert_tables, convert_targets, convert_notes),
     Benchmark("scale.json", "Planners at cluster scale", "all", "scripts/bench/scale.py",
               "Each plugin's planner runs here on the sizes a cluster gives it; its plan is priced by the plugin's "
               "simulator on an H100-class cluster.", scale_tables, scale_targets),

@@ -231,7 +231,8 @@ def _model_shape(b: _Builder) -> None:
     etp, tp = b.get("--expert-tensor-parallel-size"), b.get("--tensor-model-parallel-size", 1)
     if etp is not None and etp != tp:
         if b.has("--num-experts"):
-            b.problem("--expert-tensor-parallel-size", _BY_NAME["--expert-tensor-parallel-size"].note)
+            b.problem("--expert-tensor-parallel-size", "must equal --tensor-model-parallel-size with "
+                      "--num-experts (megatron_ext's expert TP is the TP size)")
         else:  # it splits expert weights only: a dense model has none
             b.notice("--expert-tensor-parallel-size", "no effect without --num-experts (no expert layers)")
 

@@ -109,20 +109,18 @@ def argv_of(model_args: dict[str, Any]) -> list[str]:
     spaces one word, `[a b]` its words without the brackets, anything else one word."""
     argv: list[str] = []
     for flag, value in model_args.items():
-        text = str(value).strip() if value is not True else ""
+        text = str(value).strip().lower() if isinstance(value, bool) else str(value).strip()
         if value is True:
             argv.append(flag)
-        elif value is False:
-            argv += [flag, "false"]
         elif re.fullmatch(r"\[[^]]+\]", text):
             argv += [flag, *text[1:-1].split()]
-        else:
+        else:  # false too: the runner passes `--flag false` (no case gives one)
             argv += [flag, text]
     return argv
 
 
 # ---------------------------------------------------------------------------------------------
-# Local paths for Megatron-LM's
+# Local paths for the files of Megatron-LM's cluster
 
 
 def _replacement(was: Optional[str], now: Optional[str], why: str) -> dict[str, Optional[str]]:

@@ -230,7 +230,11 @@ def _model_shape(b: _Builder) -> None:
         b.notice("--num-query-groups", "ignored without --group-query-attention, as in Megatron-LM")
     etp, tp = b.get("--expert-tensor-parallel-size"), b.get("--tensor-model-parallel-size", 1)
     if etp is not None and etp != tp:
-        b.problem("--expert-tensor-parallel-size", _BY_NAME["--expert-tensor-parallel-size"].note)
+        if b.has("--num-experts"):
+            b.problem("--expert-tensor-parallel-size", "must equal --tensor-model-parallel-size with "
+                      "--num-experts (megatron_ext's expert TP is the TP size)")
+        else:  # it splits expert weights only: a dense model has none
+            b.notice("--expert-tensor-parallel-size", "no effect without --num-experts (no expert layers)")
 
 
 def _positions(b: _Builder) -> None:
@@ -298,6 +302,9 @@ def _parallel(b: _Builder) -> None:
         b.set("parallel.vpp", layers // pp // per_stage, name, "--num-layers")
 
 
+_WARMUPS = ("--lr-warmup-iters", "--lr-warmup-samples")
+
+
 def _schedule(b: _Builder) -> None:
     """Warmup in iterations or samples (Megatron-LM: one or the other, by --train-samples)."""
     samples = b.has("--train-samples")
@@ -306,7 +313,8 @@ def _schedule(b: _Builder) -> None:
     wrong = ["--lr-warmup-iters", "--lr-decay-iters"] if samples else [
         "--lr-warmup-samples", "--lr-decay-samples"]
     for name in wrong:
-        if b.has(name):
+        # A warmup of 0 in the other unit is Megatron-LM's default, which its checks accept.
+        if b.has(name) and not (name in _WARMUPS and b.get(name) == 0):
             b.problem(name, "does not go with --train-samples" if samples
                       else "needs --train-samples (a sample-based schedule)")
     fraction = b.get("--lr-warmup-fraction")

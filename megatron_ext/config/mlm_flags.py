@@ -2,7 +2,8 @@
 megatron/training/arguments.py (and megatron/post_training/arguments.py, which pretrain_gpt.py
 adds when ModelOpt is installed), as of Megatron-LM commit d98e8a64 (2026-08-22): the
 hand-written add_argument calls and the flags its ArgumentGroupFactory derives from
-TransformerConfig and megatron.training.config's dataclasses.
+TransformerConfig and megatron.training.config's dataclasses; plus --legacy-tokenizer, a flag of
+core_v0.16.1 that Megatron-LM's functional tests give and that commit no longer has.
 
 A row says how the flag is read (its value syntax, as Megatron-LM's parser reads it) and what
 it does here, one of:
@@ -135,7 +136,7 @@ FLAGS: tuple[Flag, ...] = (
         mapped('--expert-model-parallel-size', 'int', 'parallel.ep'),
         mapped(
             '--expert-tensor-parallel-size', 'int', 'parallel.tp', derived=True,
-            note="must equal --tensor-model-parallel-size (megatron_ext's expert TP is the TP size)",
+            note="must equal --tensor-model-parallel-size with --num-experts (megatron_ext's expert TP is the TP size); without experts another value has no effect, with a notice",
         ),
         refused('--expert-tensor-parallel-num-weight-shards', 'int', NOT_MODELLED),
         refused('--no-initialization', 'off', 'weights are always initialised here'),
@@ -893,17 +894,21 @@ FLAGS: tuple[Flag, ...] = (
         ),
         mapped(
             '--lr-warmup-iters', 'int', 'optim.lr_warmup_iters', derived=True,
-            note="absent: 0, Megatron-LM's default (optim.lr_warmup_samples = 0 with --train-samples)",
+            note="absent: 0, Megatron-LM's default (optim.lr_warmup_samples = 0 with --train-samples); 0 also goes with --train-samples",
         ),
-        mapped('--lr-warmup-samples', 'int', 'optim.lr_warmup_samples'),
+        mapped(
+            '--lr-warmup-samples', 'int', 'optim.lr_warmup_samples',
+            note='needs --train-samples, except 0 (Megatron-LM\'s default, also with --train-iters)',
+        ),
         mapped('--lr-warmup-init', 'float', 'optim.lr_warmup_init'),
         refused(
             '--override-opt_param-scheduler --override-opt-param-scheduler', 'on',
             "a resume restores the lr schedule's state from the checkpoint",
         ),
-        refused(
+        notice(
             '--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler', 'on',
-            "a resume restores the lr schedule's state from the checkpoint (always)",
+            "a resume takes the lr schedule's values (lr, min lr, warmup, decay) from the "
+            "checkpoint, as this flag asks: always here (megatron-core's scheduler default)",
         ),
         refused('--start-weight-decay', 'float', 'weight-decay schedules have no config keys'),
         refused('--end-weight-decay', 'float', 'weight-decay schedules have no config keys'),
@@ -1367,6 +1372,11 @@ FLAGS: tuple[Flag, ...] = (
         mapped(
             '--tokenizer-model', 'str', 'data.tokenizer', derived=True,
             note='a tokenizer.json or a Hugging Face folder holding one',
+        ),
+        notice(
+            '--legacy-tokenizer', 'on',
+            "which of Megatron-LM's tokenizer implementations builds the tokenizer: the same "
+            "ids either way (Megatron-LM core_v0.16.1's flag, removed from its parser later)",
         ),
         refused('--tokenizer-metadata', 'str', NO_KEY),
         refused('--tokenizer-special-tokens', 'str+', NO_KEY),

@@ -361,6 +361,12 @@ NOTICES = [
     ("attention_backend", "--attention-backend flash", "--attention-backend flash: attention"),
     ("only_default", "--moe-router-bias-update-rate 0.001",
      "--moe-router-bias-update-rate 0.001: megatron-core's default"),
+    # Megatron-LM's functional tests give these (tests/fixtures/megatron_lm/functional_tests.json).
+    ("checkpoint_scheduler", "--use-checkpoint-opt_param-scheduler",
+     "--use-checkpoint-opt_param-scheduler: a resume takes the lr schedule's values"),
+    ("legacy_tokenizer", "--legacy-tokenizer", "--legacy-tokenizer: which of Megatron-LM's tokenizer"),
+    ("etp_without_experts", "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 4",
+     "--expert-tensor-parallel-size 4: no effect without --num-experts"),
 ]
 
 
@@ -411,7 +417,7 @@ BAD = [
      "needs --num-layers"),
     ("vpp_without_global_batch", "--pipeline-model-parallel-size 2 "
      "--num-virtual-stages-per-pipeline-rank 2", "needs --global-batch-size"),
-    ("etp", "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
+    ("etp", "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --num-experts 4",
      "must equal --tensor-model-parallel-size"),
     ("short_positions", "--seq-length 256 --max-position-embeddings 128",
      "must be >= --seq-length (256)"),
@@ -431,6 +437,15 @@ BAD = [
     ("null_without_size", "--tokenizer-type NullTokenizer --mock-data", "NullTokenizer needs --vocab-size"),
     ("impl", "--transformer-impl inference_optimized", "use local or transformer_engine"),
 ]
+
+
+@pytest.mark.parametrize("command, key", [
+    ("--train-iters 10 --lr-warmup-samples 0", "optim.lr_warmup_iters"),
+    ("--train-samples 80 --lr-warmup-iters 0", "optim.lr_warmup_samples"),
+], ids=["samples_with_iters", "iters_with_samples"])
+def test_zero_warmup_in_the_other_unit_is_megatron_lms_default(command, key):
+    """Megatron-LM asserts the other unit's warmup is 0, its default: 0 is accepted, no warmup."""
+    assert as_dict(mlm_args_to_overrides(shlex.split(command)))[key] == "0"
 
 
 @pytest.mark.parametrize("command, phrase", [c[1:] for c in BAD], ids=[c[0] for c in BAD])

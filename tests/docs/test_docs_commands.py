@@ -145,6 +145,9 @@ COMMANDS: dict[str, tuple] = {
     "python scripts/convert_checkpoint.py megatron-to-hf --load ckpt --out hf_export": (
         Skip(PLACEHOLDER + "; tests/unit/test_convert_families.py exports"),
     ),
+    "python -m megatron_ext.reshard.convert --load ckpt/ --save ckpt_pp4/ --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4": (
+        Skip(PLACEHOLDER + "; tests/distributed/test_megatron_lm_checkpoints.py converts Megatron-LM's own checkpoints"),
+    ),
     "python -m megatron_ext.train experiment=none": (Config(),),
     "python -m megatron_ext.train experiment=none parallel.tp=2 launcher.nproc=2 train.iters=50": (Config(),),
     "python -m megatron_ext.train experiment=none model=llama_moe_tiny parallel.ep=2 parallel.dp=2 launcher.nproc=2": (

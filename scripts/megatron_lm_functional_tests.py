@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -39,8 +40,9 @@ JSON_PATH = REPO / "tests" / "fixtures" / "megatron_lm" / "functional_tests.json
 PAGE_PATH = "docs/megatron_lm_functional_tests.md"
 TAG = "core_v0.16.1"
 FOLDERS = ("tests/functional_tests/test_cases/gpt", "tests/functional_tests/test_cases/moe")
-# Where the local paths of the recorded command lines point (one folder per case under it).
-ROOT = "/tmp/megatron_lm_functional_tests"
+# The stand-in for the folder the local paths of the recorded command lines are under (one
+# folder per case): `--run` puts its own folder there.
+ROOT = "$ROOT"
 # Megatron-LM's runner reads one MODEL_ARGS mapping per run: MODEL_ARGS, MODEL_ARGS_2, ...
 RUN_KEY = re.compile(r"^MODEL_ARGS(_\d+)?$")
 
@@ -530,7 +532,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tag", default=TAG)
     parser.add_argument("--json", type=Path, default=JSON_PATH)
     parser.add_argument("--run", action="store_true", help="run the end-to-end sample, record it in the JSON")
-    parser.add_argument("--root", default=ROOT, help="where --run writes (ROOT's stand-in)")
+    parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "megatron_lm_functional_tests"),
+                        help="where --run writes (what ROOT stands for)")
     parser.add_argument("--page", action="store_true", help="print the docs page made from the JSON")
     args = parser.parse_args(argv)
     if args.page:

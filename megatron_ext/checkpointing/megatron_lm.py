@@ -137,8 +137,8 @@ def from_saved(saved: dict[str, Any]) -> dict[str, Any]:
     if OLD_LAYOUT_KEY in saved:
         common = dict(saved[OLD_LAYOUT_KEY])
         common["format"] = "megatron_ext_v1"
-        # its layout key named no expert parallelism; its config does
-        common["layout"] = {**common["layout"], "ep": common["config"].get("parallel", {}).get("ep", 1)}
+        if common.get("layout") is not None:  # its layout key named no expert parallelism; its config does
+            common["layout"] = {**common["layout"], "ep": (common.get("config") or {}).get("parallel", {}).get("ep", 1)}
         return common
     args = saved.get("args")
     extension = saved.get(EXTENSION_KEY)

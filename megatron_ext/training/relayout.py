@@ -250,10 +250,11 @@ def prepare_resume(cfg: Config) -> Optional[str]:
     optimizer state of another layout, rewrite it once in the run's layout (`relaid_copy`,
     `fully_reshardable`), which the Trainer then resumes. Returns the line saying so, else None."""
     c = cfg.checkpoint
-    if not c.load or not Path(c.load).is_dir():
-        return None
-    iteration = c.step if c.step is not None else ckpt.latest_iteration(c.load)
-    if iteration is None or not ckpt.iteration_dir(c.load, iteration).is_dir() or not needs_relayout(cfg, c.load, iteration):
+    try:
+        iteration = c.step if c.step is not None else ckpt.latest_iteration(c.load) if c.load else None
+        if iteration is None or not ckpt.iteration_dir(c.load, iteration).is_dir() or not needs_relayout(cfg, c.load, iteration):
+            return None
+    except Exception:  # a damaged tracker or checkpoint: preflight's checks, next, name it
         return None
     copy = relaid_copy(cfg, c.load, iteration)
     if relaid_copy_ready(cfg, c.load, iteration):

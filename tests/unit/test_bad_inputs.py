@@ -45,18 +45,22 @@ def cut(path: Path, drop: int) -> Path:
 
 
 def write_checkpoint(root: Path, model: ModelConfig, iteration: int = 3, tensors: bool = False) -> Path:
-    """A checkpoint folder as the trainer writes it, holding its common state (what the
-    preflight reads) and with `tensors` two sharded tensors (one shard file each), written by
-    megatron's dist_checkpointing."""
+    """A checkpoint folder as the trainer writes it, holding its plain state (what the
+    preflight reads: Megatron-LM's keys and the runtime's config) and with `tensors` two sharded
+    tensors (one shard file each), written by megatron's dist_checkpointing."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
+    from megatron_ext.checkpointing.megatron_lm import to_saved
     from megatron_ext.checkpointing.torch_dist import TRACKER, iteration_dir
+    from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
 
     folder = iteration_dir(root, iteration)
     folder.mkdir(parents=True)
-    state = {"common": {"iteration": iteration, "config": dataclasses.asdict(Config(model=model))}}
+    cfg = Config(model=model)
+    args = megatron_lm_args(cfg, RunFacts(1, 1, 128, 16, iteration, 16 * iteration))
+    state = to_saved({"iteration": iteration, "config": dataclasses.asdict(cfg)}, args, samples_per_step=1)
     if tensors:
         state["w"] = ShardedTensor.from_rank_offsets("w", torch.arange(64.0).reshape(8, 8))
         state["b"] = ShardedTensor.from_rank_offsets("b", torch.ones(8))

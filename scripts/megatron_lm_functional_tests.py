@@ -508,7 +508,7 @@ def page_markdown(data: dict[str, Any]) -> str:
         "",
         f"A sample, shrunk to a few layers, hidden size 64, sequence 64 and {ITERS} iterations on "
         "the fewest ranks of its layout, trained by `python -m megatron_ext.pretrain_gpt` "
-        "(`tests/distributed/test_megatron_lm_functional_tests.py`, marked `slow`); a ckpt-resume "
+        "(`tests/distributed/test_megatron_lm_functional_runs.py`, marked `slow`); a ckpt-resume "
         "case is resumed from its middle checkpoint, as Megatron-LM's runner does.",
         "",
         *_end_to_end_table(cases),

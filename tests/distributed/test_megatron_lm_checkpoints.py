@@ -119,27 +119,31 @@ def reference_of(name: str) -> str:
     return twin
 
 
-# fixture: its own layout, then another it resumes in (a dp_reshardable one: rewritten first by
-# the launcher, training/relayout.py)
+# fixture: its own layout, then two others it resumes in (a dp_reshardable one: rewritten first
+# by the launcher, training/relayout.py)
 CASES = {
-    "gpt3_tp2pp2_dp_reshardable": ("tp2pp2", "tp1pp4"),
-    "llama_tp2pp2_fully_reshardable": ("tp2pp2", "tp2"),
-    "llama_tp1_bf16": ("tp1", "tp2"),
+    "gpt3_tp2pp2_dp_reshardable": ("tp2pp2", "tp1pp4", "tp2"),
+    "gpt3_tp2pp2_fully_reshardable": ("tp2pp2", "tp1pp4", "tp1"),
+    "gpt3_tp1_bf16": ("tp1", "tp2", "tp1pp4"),
+    "llama_tp2pp2_dp_reshardable": ("tp2pp2", "tp2", "tp1"),
+    "llama_tp2pp2_fully_reshardable": ("tp2pp2", "tp2", "tp1pp4"),
+    "llama_tp1_bf16": ("tp1", "tp2", "tp2pp2"),
 }
-# The default suite keeps one resume (2 minutes on 2 cores for the 8-rank ones).
-SLOW = {"gpt3_tp2pp2_dp_reshardable", "llama_tp2pp2_fully_reshardable"}
+# The default suite keeps one fixture (the 8-rank ones take minutes on 2 cores).
+DEFAULT = "llama_tp1_bf16"
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
+@pytest.mark.parametrize("name", [n if n == DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_a_megatron_lm_checkpoint_resumes_to_its_own_state_in_other_layouts(name, tmp_path):
     iteration = fixture(name)["saved"]["iteration"]
     load = FIXTURES / name
     for layout in CASES[name]:
         run(name, load, layout, iteration, tmp_path, save=tmp_path / layout)  # resume, save: no step
         check_state(name, tmp_path / layout)
-    own, other = (run(name, load, layout, iteration + STEPS, tmp_path)["losses"] for layout in CASES[name])
+    own, *others = (run(name, load, layout, iteration + STEPS, tmp_path)["losses"] for layout in CASES[name])
     assert len(own) == STEPS
-    assert other == pytest.approx(own, rel=1e-5)
+    for layout, losses in zip(CASES[name][1:], others):
+        assert losses == pytest.approx(own, rel=1e-5), layout
 
 
 def sizes(layout: str) -> tuple[int, int]:

@@ -48,13 +48,25 @@ def preflight(cfg: Config) -> None:
     validate_run(cfg, world_size_of(cfg))
     from megatron_ext.training.preflight import check_inputs  # torch: only for a config the rules accept
 
-    if detect_launch() is None:  # workers started here: a checkpoint of another layout can be rewritten first
-        from megatron_ext.training.relayout import prepare_resume  # torch and megatron: as check_inputs
+    if detect_launch() is None and _resumes(cfg):  # workers started here: a checkpoint of another layout can be rewritten first
+        from megatron_ext.training.relayout import prepare_resume  # torch and megatron: only for a run that resumes
 
         note = prepare_resume(cfg)
         if note is not None:
             print(f"notice: {note}", file=sys.stderr)
     check_inputs(cfg)
+
+
+def _resumes(cfg: Config) -> bool:
+    """Whether `checkpoint.load` holds a checkpoint to resume, read from its tracker alone (a
+    damaged one is preflight's to name)."""
+    from megatron_ext.checkpointing import tracker  # no torch
+
+    load = cfg.checkpoint.load
+    try:
+        return bool(load) and (cfg.checkpoint.step is not None or tracker.latest_iteration(load) is not None)
+    except ValueError:
+        return False
 
 
 def run(cfg: Config) -> Optional[dict]:

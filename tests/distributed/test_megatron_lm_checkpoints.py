@@ -155,7 +155,7 @@ def sizes(layout: str) -> tuple[int, int]:
     "name, layout",
     [
         pytest.param("gpt3_tp2pp2_dp_reshardable", "tp1pp4", marks=pytest.mark.slow),
-        ("gpt3_tp2pp2_dp_reshardable", "tp1"),
+        pytest.param("gpt3_tp2pp2_dp_reshardable", "tp1", marks=pytest.mark.slow),
         ("llama_tp1_bf16", "tp2"),  # no distributed optimizer: its state by parameter
     ],
 )

@@ -32,6 +32,7 @@ def relaid_copy(cfg: Config, root: str, iteration: int) -> Path:
 
 
 def relaid_copy_ready(cfg: Config, root: str, iteration: int) -> bool:
+    """Whether `relaid_copy` holds the whole rewrite (it is renamed into place when complete)."""
     copy = relaid_copy(cfg, root, iteration)
     return copy.is_dir() and ckpt.latest_iteration(copy) == iteration
 

@@ -116,6 +116,8 @@ class Pass:
 
 @dataclasses.dataclass(frozen=True)
 class Rewritten:
+    """What `relayout` wrote, and what each of its passes read, wrote and took."""
+
     path: Path
     passes: tuple[Pass, ...]  # two for a dp_reshardable source in another layout, else one
 

@@ -67,6 +67,11 @@ class HFTokenizer(MegatronTokenizerBase):
         # No post-processor specials (BOS etc.): documents are separated by eod alone.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` (as `tokenize`) and each token's (start, end) character span in it."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
 

@@ -193,6 +193,25 @@ class ParallelConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning data: conversations, the loss on the assistant's tokens
+    (megatron_ext/data/sft/)."""
+
+    # JSONL / JSON / Parquet files of chat records, or folders of them ({"messages": [...]} or
+    # {"prompt": ..., "completion": ...}). Empty: the run pre-trains on data.data_path / corpus.
+    path: list[str] = field(default_factory=list)
+    # How conversations become text: null, the tokenizer's own chat template; or a named
+    # format: chatml | llama3 | nemotron-h-aligned | nemotron-nano-v2.
+    prompt_format: Optional[str] = None
+    # Several whole conversations per sample, each attending to itself only, positions
+    # restarting; false: one conversation per sample, padded (models with Mamba layers).
+    pack: bool = True
+    # A conversation longer than seq_length + 1 tokens: truncate | skip | error. Either way the
+    # run logs how many; a truncated one left with no assistant token is skipped.
+    overlong: str = "truncate"
+
+
+@dataclass
 class DataConfig:
     # Megatron indexed-dataset prefixes (without .bin/.idx), optionally weighted like megatron's
     # --data-path ("0.7 a 0.3 b"). Empty: the default corpus, built on first use and cached.
@@ -210,6 +229,7 @@ class DataConfig:
     # Megatron's mock dataset (random tokens of the model's vocabulary), no files read.
     mock: bool = False
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process).
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 @dataclass

@@ -48,13 +48,15 @@ def preflight(cfg: Config) -> None:
     validate_run(cfg, world_size_of(cfg))
     from megatron_ext.training.preflight import check_inputs  # torch: only for a config the rules accept
 
-    if detect_launch() is None and _resumes(cfg):  # workers started here: a checkpoint of another layout can be rewritten first
+    launched_here = detect_launch() is None
+    if launched_here and _resumes(cfg):  # workers started here: a checkpoint of another layout can be rewritten first
         from megatron_ext.training.relayout import prepare_resume  # torch and megatron: only for a run that resumes
 
         note = prepare_resume(cfg)
         if note is not None:
             print(f"notice: {note}", file=sys.stderr)
-    check_inputs(cfg)
+    # Under torchrun or srun every rank runs this: the ranks tokenize SFT data together instead.
+    check_inputs(cfg, tokenize_sft=launched_here)
 
 
 def _resumes(cfg: Config) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from omegaconf import MISSING
+
 
 @dataclass
 class ModelConfig:
@@ -198,8 +200,8 @@ class SFTConfig:
     (megatron_ext/data/sft/)."""
 
     # JSONL / JSON / Parquet files of chat records, or folders of them ({"messages": [...]} or
-    # {"prompt": ..., "completion": ...}). Empty: the run pre-trains on data.data_path / corpus.
-    path: list[str] = field(default_factory=list)
+    # {"prompt": ..., "completion": ...}); must be given.
+    path: list[str] = MISSING
     # How conversations become text: null, the tokenizer's own chat template; or a named
     # format: chatml | llama3 | nemotron-h-aligned | nemotron-nano-v2.
     prompt_format: Optional[str] = None
@@ -229,7 +231,9 @@ class DataConfig:
     # Megatron's mock dataset (random tokens of the model's vocabulary), no files read.
     mock: bool = False
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process).
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    # Supervised fine-tuning on conversations (`data=sft data.sft.path=...`); None: pre-training
+    # on data.data_path, the corpus or mock data.
+    sft: Optional[SFTConfig] = None
 
 
 @dataclass

@@ -23,8 +23,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_ext.config.explain import composition_error, unknown_keys
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.config.plugin_sections import plugin_sections
-from megatron_ext.config.schema import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig
+from megatron_ext.config.schema import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, SFTConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -164,6 +165,8 @@ PARALLEL_PRESETS = {
 
 DATA_PRESETS = {
     "stdlib": DataConfig(),
+    # Supervised fine-tuning on the user's conversations: data.sft.path must be given.
+    "sft": DataConfig(split="95,5,0", sft=SFTConfig()),
 }
 
 OPTIM_PRESETS = {
@@ -221,4 +224,9 @@ def to_object(cfg) -> Config:
     schema lacks is refused (ConfigError) rather than dropped."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
     unknown_keys(cfg, config_schema())
+    # A preset's "???" is a value the user must give (merged with the schema it would fall back
+    # to the schema's default).
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(missing[0], "must be given: the chosen preset leaves it to you")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config_schema()), cfg))

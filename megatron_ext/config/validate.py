@@ -507,6 +507,36 @@ def one_data_source(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
+def sft_data_fits(cfg: Config, world: int, device: str) -> Optional[str]:
+    """SFT conversations are the run's one data source, and a packed sample keeps its
+    conversations apart only through megatron's local attention with an explicit mask."""
+    sft = cfg.data.sft
+    if sft is None:
+        return None
+    if not sft.path:
+        return "data.sft.path is empty: give the files (or folders) of conversations"
+    if cfg.data.mock or cfg.data.data_path:
+        return "data.sft.path is the run's data: leave data.mock and data.data_path unset"
+    if "lora" in cfg.plugins:
+        return "lora jobs read their own data: name the files in each job's dataset, not data.sft.path"
+    if "dpp" in cfg.plugins:
+        return "dpp plans chunks of pre-training documents: it does not read SFT conversations"
+    if sft.overlong not in ("truncate", "skip", "error"):
+        return f"data.sft.overlong must be one of truncate, skip, error; got {sft.overlong!r}"
+    if not sft.pack:
+        return None
+    reasons = {
+        "Mamba layers carry state from one conversation to the next": cfg.model.arch == "hybrid",
+        "context parallelism splits the sequence the mask is built over": cfg.parallel.cp > 1,
+        "megatron's sliding window builds its own mask": cfg.model.window_size is not None,
+        "Transformer Engine's attention ignores the mask (model.spec=local keeps it)": not _local_layers(cfg, device),
+    }
+    for reason, applies in reasons.items():
+        if applies:
+            return f"packed conversations cannot be kept apart here: {reason}; set data.sft.pack=false"
+    return None
+
+
 def null_tokenizer_reads_ids(cfg: Config, world: int, device: str) -> Optional[str]:
     # data.tokenizer=null:<V> is Megatron-LM's NullTokenizer: its text is ids, so a text corpus
     # would fail at its first word.
@@ -892,6 +922,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("checkpoint.async_save", async_save_needs_save_dir),
     ("data.mock", one_data_source),
     ("data.tokenizer", null_tokenizer_reads_ids),
+    ("data.sft.path", sft_data_fits),
     ("model.precision", one_of("model.precision", ("fp32", "bf16", "fp16"))),
     ("model.spec", one_of("model.spec", ("auto", "local", "te"))),
     ("model.spec", te_spec_available),

@@ -19,6 +19,8 @@ from megatron_ext.platform.atomic_index_writes import make_index_writes_atomic
 from megatron_ext.platform.blended_dataset_rank import single_process_is_rank_zero
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# Keys some datasets add: packed SFT samples number their conversations (data/sft/packing.py).
+OPTIONAL_BATCH_KEYS = ("document_ids",)
 
 
 def _always() -> bool:
@@ -160,7 +162,8 @@ class PretrainingSampler:
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     # Only the GPT keys: a blend adds "dataset_id", and the batch layout must not depend on it.
-    return {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
+    keys = BATCH_KEYS + tuple(key for key in OPTIONAL_BATCH_KEYS if key in samples[0])
+    return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
 
 
 def build_data_iterator(

@@ -230,7 +230,4 @@ def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
 
 
 def _tokenizer(cfg: Config):
-    spec = cfg.data.tokenizer if cfg.data.tokenizer != "auto" else (
-        pretrained.tokenizer_spec(cfg.model.pretrained) if cfg.model.pretrained else "byte"
-    )
-    return build_tokenizer(spec)
+    return build_tokenizer(pretrained.run_tokenizer_spec(cfg.data.tokenizer, cfg.model.pretrained))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from megatron.core import parallel_state
 
@@ -95,6 +95,14 @@ def tokenizer_spec(spec: str) -> str:
     if Path(path, TOKENIZER_DIR).is_dir():
         return str(Path(path, TOKENIZER_DIR))
     return ckpt.load_common(path, ckpt.latest_iteration(path)).get("tokenizer") or "byte"
+
+
+def run_tokenizer_spec(data_tokenizer: str, pretrained: Optional[str]) -> str:
+    """The tokenizer a run reads with: `data.tokenizer`, where "auto" is the pretrained model's
+    own (`tokenizer_spec`) or, with no pretrained model, the byte tokenizer."""
+    if data_tokenizer != "auto":
+        return data_tokenizer
+    return tokenizer_spec(pretrained) if pretrained else "byte"
 
 
 def source_config(spec: str) -> ModelConfig:

@@ -58,9 +58,13 @@ FEATURE_SHAPE_FIELDS = {
 }
 
 
-def check_inputs(cfg: Config) -> None:
-    """Raise ConfigError for the first input or output of `cfg` that cannot work."""
+def check_inputs(cfg: Config, tokenize_sft: bool = True) -> None:
+    """Raise ConfigError for the first input or output of `cfg` that cannot work.
+    `tokenize_sft`: read and tokenize the SFT conversations here (into the cache the ranks then
+    read), so that a broken record is named before any worker starts."""
     check_data(cfg.data)
+    if cfg.data.sft is not None and tokenize_sft:
+        check_sft_data(cfg)
     check_vocabulary(cfg)
     if cfg.model.pretrained:
         check_pretrained(cfg.model)
@@ -111,6 +115,30 @@ def check_data(data: DataConfig) -> None:
         _check_indexed_dataset(prefix)
     if not data.data_path and data.corpus != "stdlib" and not os.path.exists(os.path.expanduser(data.corpus)):
         raise ConfigError("data.corpus", f"{data.corpus} does not exist (a text file, a folder of them, or stdlib)")
+
+
+def check_sft_data(cfg: Config) -> None:
+    """Every conversation of data.sft.path parses, renders and fits model.seq_length as
+    data.sft.overlong allows; tokenized once, into the cache the ranks read."""
+    # heavy (the tokenizer, megatron): only for SFT runs
+    from megatron_ext.data.sft import SFTDataError, tokenize_sft_files
+    from megatron_ext.data.sft.dataset import fit_to_length
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from megatron_ext.models.pretrained import run_tokenizer_spec
+
+    sft = cfg.data.sft
+    spec = run_tokenizer_spec(cfg.data.tokenizer, cfg.model.pretrained)
+    try:
+        tokenizer = build_tokenizer(spec)
+    except (OSError, ValueError) as e:
+        raise ConfigError("data.tokenizer", f"{spec}: {_one_line(e)}") from None
+    try:
+        conversations = tokenize_sft_files(sft.path, tokenizer, sft.prompt_format, cfg.data.cache_dir)
+        fit_to_length(conversations, cfg.model.seq_length + 1, sft.overlong)
+    except SFTDataError as e:
+        raise ConfigError("data.sft.path", str(e)) from None
+    except ValueError as e:  # no chat template, an unknown prompt format
+        raise ConfigError("data.sft.prompt_format", str(e)) from None
 
 
 def _check_indexed_dataset(prefix: str) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
+from megatron_ext.data.sft.packing import document_mask
 from megatron_ext.platform.device import current_device
 
 
@@ -32,7 +33,9 @@ def forward_step(data_iterator, model):
     batch = get_batch_on_this_cp_rank(batch)  # this rank's two chunks of each sequence (cp > 1)
     # Multi-token prediction masks its own losses with the batch's loss mask (as in Megatron-LM).
     mtp = {"loss_mask": batch["loss_mask"]} if get_model_config(model).mtp_num_layers else {}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], **mtp)
+    # Packed conversations attend within themselves only (data/sft/packing.py).
+    mask = document_mask(batch["document_ids"]) if "document_ids" in batch else None
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], **mtp)
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -51,6 +51,7 @@ from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.data.datasets import split_has_documents
 from megatron_ext.data.mock import build_mock_datasets
+from megatron_ext.data.sft import SFTDataError, build_sft_datasets
 from megatron_ext.evaluation.loss import forward_only_loss
 from megatron_ext.models.arch import architecture
 from megatron_ext.models.gpt import padded_vocab_size
@@ -158,7 +159,7 @@ class Trainer:
         self._init_layout()
         for p in self.plugins:
             p.setup(self.plugin_context)
-        self.tokenizer_spec = self._tokenizer_spec()
+        self.tokenizer_spec = pretrained.run_tokenizer_spec(self.cfg.data.tokenizer, self.cfg.model.pretrained)
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
         resume = self._resume_point() if from_state is None else None
         self.resumed_from = resume[1] if resume is not None else None
@@ -179,12 +180,6 @@ class Trainer:
             self._restore_common(from_state)
         self._follow_schedule()
         self._build_data()
-
-    def _tokenizer_spec(self) -> str:
-        spec = self.cfg.data.tokenizer
-        if spec != "auto":
-            return spec
-        return pretrained.tokenizer_spec(self.cfg.model.pretrained) if self.cfg.model.pretrained else "byte"
 
     def _init_layout(self) -> None:
         parallel_state.initialize_model_parallel(**parallel_state_sizes(self.cfg.parallel))
@@ -394,14 +389,23 @@ class Trainer:
         cfg = self.cfg
         if not self._evaluates():
             return None
-        if not cfg.data.mock and not split_has_documents(self.data_path, cfg.data.split, Split.test):
+        if not (cfg.data.mock or cfg.data.sft) and not split_has_documents(self.data_path, cfg.data.split, Split.test):
             return None
         return self._datasets((0, 0, cfg.train.eval_iters * self._global_batch_size()))[2]
 
     def _datasets(self, num_samples: tuple[int, int, int]) -> tuple:
-        """(train, valid, test) with these sample counts: megatron's mock datasets, or GPT
-        datasets over data.data_path (default: the corpus, tokenized once into the cache)."""
+        """(train, valid, test) with these sample counts: megatron's mock datasets, SFT
+        conversations (data.sft), or GPT datasets over data.data_path (default: the corpus,
+        tokenized once into the cache)."""
         cfg = self.cfg
+        if cfg.data.sft:
+            try:
+                return build_sft_datasets(
+                    cfg.data.sft, self.tokenizer, cfg.model.seq_length, cfg.data.split, num_samples, cfg.train.seed,
+                    self._cache_dir(),
+                )
+            except SFTDataError as e:  # one line from the ranks too (launched by torchrun or srun)
+                raise ConfigError("data.sft.path", str(e)) from None
         if cfg.data.mock:
             return build_mock_datasets(
                 self.tokenizer, cfg.model.seq_length, num_samples, cfg.train.seed, self._index_cache_dir()

@@ -227,8 +227,9 @@ def build_sft_datasets(
     seed: int,
     cache_dir: str,
 ) -> tuple[Optional[SFTDataset], Optional[SFTDataset], Optional[SFTDataset]]:
-    """(train, valid, test) SFT datasets of at least `num_samples` samples each (None where 0
-    are asked). Collective when torch.distributed is initialized."""
+    """(train, valid, test) SFT datasets of at least `num_samples` samples each: None where 0
+    are asked, and a test split that `split` leaves no conversation. Collective when
+    torch.distributed is initialized."""
     conversations = tokenize_sft_files(sft.path, tokenizer, sft.prompt_format, cache_dir)
     kept, counts = fit_to_length(conversations, seq_length + 1, sft.overlong)
     splits = split_conversations(kept, split, seed)
@@ -237,6 +238,12 @@ def build_sft_datasets(
     datasets = []
     for name, indices, samples in zip(("train", "valid", "test"), splits, num_samples):
         if samples == 0:
+            datasets.append(None)
+            continue
+        if not indices and name == "test":  # as Megatron-LM: the test set is evaluated where the split has one
+            datasets.append(None)
+            continue
+        if not indices and name == "test":  # as Megatron-LM: the test set is evaluated where the split has one
             datasets.append(None)
             continue
         if not indices:

@@ -29,9 +29,37 @@ def schema_keys(schema: type, prefix: str = "") -> dict[str, Any]:
     for f in dataclasses.fields(schema):
         key, hint = f"{prefix}{f.name}", hints[f.name]
         keys[key] = hint
-        if dataclasses.is_dataclass(hint):
-            keys.update(schema_keys(hint, f"{key}."))
+        section = _section_type(hint)
+        if section is not None:
+            keys.update(schema_keys(section, f"{key}."))
     return keys
+
+
+def _section_type(hint: Any) -> Optional[type]:
+    """The dataclass of a section's hint (`Section` or `Optional[Section]`), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def unset_section(overrides: Sequence[str], schema: type) -> Optional[ConfigError]:
+    """An override into an optional section (null until its preset is chosen: `data.sft`, set
+    by `data=sft`) given without that preset: OmegaConf would fail on it with an assertion."""
+    keys = schema_keys(schema)
+    for text in overrides:
+        written = text.partition("=")[0].lstrip("+~")
+        section = written.rpartition(".")[0]
+        while section:
+            hint = keys.get(section)
+            group, _, name = section.partition(".")
+            optional = hint is not None and not dataclasses.is_dataclass(hint) and _section_type(hint) is not None
+            if optional and f"{group}={name}" not in overrides:
+                return ConfigError(written, f"{section} is null until its preset is chosen: add {group}={name} (in {text})")
+            section = section.rpartition(".")[0]
+    return None
 
 
 def type_name(hint: Any) -> str:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_ext.config.mlm_namespace import layout_fields, model_fields
 from megatron_ext.config.mlm_flags import FLAGS, MAPPED, NOTICE, OWN_FLAGS, REFUSED, UNSET, Flag
+from megatron_ext.config.data_path import data_prefixes
 from megatron_ext.config.tokenizer_spec import gpt2_files_spec, null_tokenizer_spec
 from megatron_ext.platform import optional
 
@@ -51,6 +52,8 @@ _HF_TOKENIZERS = (
     "GPTSentencePieceTokenizer", "SFTTokenizer",
 )
 _TRANSFORMER_IMPL = {"local": "local", "transformer_engine": "auto"}
+# Megatron-LM's --sft-tokenizer-prompt-format default, read by its SFTTokenizer.
+SFT_TOKENIZER_PROMPT_FORMAT = "nemotron-h-aligned"
 # `key=value`, `+key=value`, `++key=value`: Hydra overrides, passed through as they are.
 _OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w.\-/@]*=")
 _TYPES = {"int": int, "float": float, "str": str}
@@ -356,9 +359,38 @@ def _tokenizer(b: _Builder) -> None:
         b.problem("--tokenizer-model", "a SentencePiece .model file is not read here: give the "
                   "model's tokenizer.json (or its Hugging Face folder)")
         return
-    if kind == "SFTTokenizer":
-        b.notice("--tokenizer-type", "the chat prompt format is not applied: pretraining text")
+    if kind == "SFTTokenizer" and not b.has("--sft"):
+        b.notice("--tokenizer-type", "the chat prompt format is not applied without --sft: pretraining text")
     b.set("data.tokenizer", model, "--tokenizer-model")
+
+
+def _sft(b: _Builder) -> None:
+    """--sft: the --data-path files are conversations (our `data=sft` preset); Megatron-LM's
+    packing flags name what packed conversations do anyway."""
+    packing = [name for name in ("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss") if b.has(name)]
+    if not b.has("--sft"):
+        for name in packing:
+            b.problem(name, "document boundaries of pre-training data are not masked here (with --sft, packed "
+                      "conversations are kept apart)")
+        if b.has("--sft-tokenizer-prompt-format"):
+            b.notice("--sft-tokenizer-prompt-format", "read only with --sft")
+        return
+    paths = b.values.pop("data.data_path", None)
+    if not paths:
+        b.problem("--sft", "needs --data-path: the JSONL files of conversations")
+        return
+    if data_prefixes(paths) != paths:
+        b.problem("--data-path", "weights are not read with --sft: give the files of conversations")
+        return
+    b.set("data", "sft", "--sft")
+    b.set("data.sft.path", paths, "--sft", "--data-path")
+    prompt_format = b.get("--sft-tokenizer-prompt-format")
+    if prompt_format is None and b.get("--tokenizer-type") == "SFTTokenizer":
+        prompt_format = SFT_TOKENIZER_PROMPT_FORMAT
+    if prompt_format is not None:
+        b.set("data.sft.prompt_format", prompt_format, "--sft-tokenizer-prompt-format")
+    for name in packing:
+        b.notice(name, "packed conversations do this here (data.sft.pack)")
 
 
 def _null_tokenizer(b: _Builder, model: Optional[str]) -> None:
@@ -470,6 +502,7 @@ def _derived(b: _Builder) -> None:
     _parallel(b)
     _schedule(b)
     _tokenizer(b)
+    _sft(b)
     _implementation(b)
     _checkpoint_format(b)
     if b.has("--skip-train"):  # Megatron-LM's arguments.py: no optimizer to load into

@@ -113,7 +113,10 @@ G_IN_PROCESS_RESTART = 'in-process restart: not used; restarts are launcher.max_
 G_FT_PACKAGE = 'NVIDIA fault-tolerance package: not used; restarts are launcher.max_restarts'
 G_RERUN_ENGINE = 'the rerun state machine (result validation) is not run here'
 G_MSC = 'Multi-Storage Client: paths here are local files'
-G_SFT = 'supervised fine-tuning data (pretrain_gpt --sft) is not part of this trainer'
+SFT_PACKING = (
+    'with --sft, what packed conversations do (positions restart, attention stays within each one, no loss '
+    'across them); without, refused: document boundaries of pre-training data are not masked here'
+)
 G_FAULT_INJECTOR = 'fault injection is not part of this trainer'
 G_MODELOPT_GENERIC = 'ModelOpt (quantization/distillation/export) is not part of this trainer'
 
@@ -1300,20 +1303,13 @@ FLAGS: tuple[Flag, ...] = (
         notice('--mask-prob', 'float', 'BERT/T5 data only: no effect in pretrain_gpt'),
         notice('--short-seq-prob', 'float', 'BERT/T5 data only: no effect in pretrain_gpt'),
         mapped('--num-workers', 'int', 'data.num_workers'),
-        refused(
-            '--reset-position-ids', 'on', 'document boundaries are not masked here (no config key)',
-        ),
-        refused(
-            '--reset-attention-mask', 'on',
-            'document boundaries are not masked here (no config key)',
-        ),
+        notice('--reset-position-ids', 'on', SFT_PACKING, derived=True),
+        notice('--reset-attention-mask', 'on', SFT_PACKING, derived=True),
         refused(
             '--dataloader-inter-document-masking', 'on',
             'document boundaries are not masked here (no config key)',
         ),
-        refused(
-            '--eod-mask-loss', 'on', 'document boundaries are not masked here (no config key)',
-        ),
+        notice('--eod-mask-loss', 'on', SFT_PACKING, derived=True),
         notice(
             '--no-create-attention-mask-in-dataloader', 'off',
             'the causal mask is built in the model here: the same attention',
@@ -1794,8 +1790,16 @@ FLAGS: tuple[Flag, ...] = (
     # sft
     *group(
         'sft',
-        refused('--sft', 'on', G_SFT),
-        notice('--sft-tokenizer-prompt-format', 'str', 'read only with --sft (refused)'),
+        mapped(
+            '--sft', 'on', 'data.sft', derived=True,
+            note='the --data-path files are JSONL conversations (`data=sft`, `data.sft.path`); the loss falls on '
+            "the assistant's tokens; conversations are packed, each attending to itself",
+        ),
+        mapped(
+            '--sft-tokenizer-prompt-format', 'str', 'data.sft.prompt_format', derived=True,
+            note="with --tokenizer-type SFTTokenizer absent: Megatron-LM's nemotron-h-aligned; with other "
+            "tokenizers absent: the tokenizer's own chat template",
+        ),
     ),
     # fault injector
     *group(
@@ -1841,7 +1845,7 @@ FLAGS: tuple[Flag, ...] = (
             choices=('torch', 'torch_dist', 'torch_dcp'),
         ),
         refused('--export-kd-cfg', 'str', G_MODELOPT_GENERIC),
-        refused('--finetune-hf-dataset', 'str', G_MODELOPT_GENERIC),
+        refused('--finetune-hf-dataset', 'str', 'a Hugging Face hub dataset is downloaded at run time: give local JSONL conversations with --sft --data-path'),
         refused('--finetune-data-split', 'str', G_MODELOPT_GENERIC),
         refused('--finetune-data-files', 'str+', G_MODELOPT_GENERIC),
         refused('--qad-train-target', 'str', G_MODELOPT_GENERIC, choices=('base', 'mtp', 'both')),

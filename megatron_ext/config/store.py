@@ -22,7 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_ext.config.explain import composition_error, unknown_keys
+from megatron_ext.config.explain import composition_error, unknown_keys, unset_section
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.config.plugin_sections import plugin_sections
 from megatron_ext.config.schema import Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig, SFTConfig
@@ -211,6 +211,9 @@ def compose_config(overrides: Sequence[str] = ()) -> Config:
     Used by entrypoints that do not go through `@hydra.main` (pretrain_gpt, tests, notebooks).
     """
     register_configs()
+    unset = unset_section(overrides, config_schema())
+    if unset is not None:
+        raise unset
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
             cfg = compose(config_name="train", overrides=list(overrides))

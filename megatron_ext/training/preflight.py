@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ext.checkpointing.megatron_lm import layout_key, optimizer_layout_problem
+from megatron_ext.config.data_path import data_prefixes
 from megatron_ext.config.mlm_namespace import model_fields
 from megatron_ext.config.schema import Config, DataConfig, ModelConfig
 from megatron_ext.config.validate import ConfigError
@@ -89,23 +90,6 @@ def check_vocabulary(cfg: Config) -> None:
     ids = build_tokenizer("byte" if spec == "auto" else spec).vocab_size
     if vocab < ids:
         raise ConfigError("model.vocab_size", f"{vocab} is below the tokenizer's {ids} ids: give at least {ids}, or leave it unset")
-
-
-def data_prefixes(data_path: list[str]) -> list[str]:
-    """The dataset prefixes of megatron's --data-path list: every other item when the list
-    pairs weights with prefixes ("0.7 a 0.3 b"), else all of them."""
-    weights = data_path[0::2]
-    if len(data_path) % 2 == 0 and all(_is_number(w) for w in weights):
-        return list(data_path[1::2])
-    return list(data_path)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def check_data(data: DataConfig) -> None:

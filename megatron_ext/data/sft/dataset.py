@@ -131,8 +131,8 @@ def tokenize_sft_files(
     """Every conversation of the files of `paths`, tokenized with `tokenizer` and the prompt
     format (None: its chat template), from the cache when the same file was read before. With
     torch.distributed initialized, all ranks call this: rank 0 tokenizes, the others read."""
-    render = prompt_renderer(tokenizer, prompt_format)
     files = sft_files(paths)
+    render = prompt_renderer(tokenizer, prompt_format)
     distributed = dist.is_available() and dist.is_initialized()
     if distributed and dist.get_rank() != 0:
         dist.barrier()

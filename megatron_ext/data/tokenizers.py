@@ -34,6 +34,16 @@ class ByteTokenizer(MegatronTokenizerBase):
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each one's (start, end) character span: a character's bytes all
+        span that character."""
+        ids, offsets = [], []
+        for i, char in enumerate(text):
+            data = char.encode("utf-8")
+            ids += data
+            offsets += [(i, i + 1)] * len(data)
+        return ids, offsets
+
     def detokenize(self, ids: Iterable[int]) -> str:
         # Special ids are dropped, as Hugging Face's decode does by default.
         data = bytes(int(i) for i in ids if int(i) < self._NUM_BYTES)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.config import Config, compose_config
+from megatron_ext.config.explain import schema_keys
 from megatron_ext.config.mlm_args import (
     ALL_FLAGS,
     MlmArgsError,
@@ -272,14 +272,7 @@ def test_passed_through_experiment_replaces_none():
 
 
 def _config_keys() -> set[str]:
-    cfg = Config()
-    sections = [getattr(cfg, f.name) for f in dataclasses.fields(cfg)]
-    return {
-        f"{f.name}.{key.name}"
-        for f, section in zip(dataclasses.fields(cfg), sections)
-        if dataclasses.is_dataclass(section)
-        for key in dataclasses.fields(section)
-    }
+    return set(schema_keys(Config))
 
 
 def test_table_rows_are_whole():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
-from megatron_ext.data.sft.packing import document_mask
+from megatron_ext.data.sft.packing import attention_mask_of
 from megatron_ext.platform.device import current_device
 
 
@@ -34,8 +34,7 @@ def forward_step(data_iterator, model):
     # Multi-token prediction masks its own losses with the batch's loss mask (as in Megatron-LM).
     mtp = {"loss_mask": batch["loss_mask"]} if get_model_config(model).mtp_num_layers else {}
     # Packed conversations attend within themselves only (data/sft/packing.py).
-    mask = document_mask(batch["document_ids"]) if "document_ids" in batch else None
-    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], **mtp)
+    output = model(batch["tokens"], batch["position_ids"], attention_mask_of(batch), labels=batch["labels"], **mtp)
     return output, partial(loss_func, batch["loss_mask"])
 
 

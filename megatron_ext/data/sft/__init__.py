@@ -7,13 +7,14 @@
 """
 
 from megatron_ext.data.sft.dataset import build_sft_datasets, tokenize_sft_files
-from megatron_ext.data.sft.packing import document_mask
+from megatron_ext.data.sft.packing import attention_mask_of, document_mask
 from megatron_ext.data.sft.records import SFTDataError, read_conversations, sft_files
 from megatron_ext.data.sft.render import PROMPT_FORMATS, prompt_renderer, tokenize_conversation
 
 __all__ = [
     "PROMPT_FORMATS",
     "SFTDataError",
+    "attention_mask_of",
     "build_sft_datasets",
     "document_mask",
     "prompt_renderer",

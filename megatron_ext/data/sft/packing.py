@@ -12,7 +12,7 @@ So a packed sample's loss is the sum of its conversations' losses trained one by
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy
 import torch
@@ -80,3 +80,9 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
     same = document_ids[:, :, None] == document_ids[:, None, :]
     return ~(same & causal).unsqueeze(1)
+
+
+def attention_mask_of(batch: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """The attention mask a model takes for `batch`: its documents' (`document_mask`) when the
+    batch numbers them, else None (the model's own causal mask)."""
+    return document_mask(batch["document_ids"]) if "document_ids" in batch else None

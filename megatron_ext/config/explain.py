@@ -29,13 +29,13 @@ def schema_keys(schema: type, prefix: str = "") -> dict[str, Any]:
     for f in dataclasses.fields(schema):
         key, hint = f"{prefix}{f.name}", hints[f.name]
         keys[key] = hint
-        section = _section_type(hint)
+        section = section_type(hint)
         if section is not None:
             keys.update(schema_keys(section, f"{key}."))
     return keys
 
 
-def _section_type(hint: Any) -> Optional[type]:
+def section_type(hint: Any) -> Optional[type]:
     """The dataclass of a section's hint (`Section` or `Optional[Section]`), else None."""
     if dataclasses.is_dataclass(hint):
         return hint
@@ -55,7 +55,7 @@ def unset_section(overrides: Sequence[str], schema: type) -> Optional[ConfigErro
         while section:
             hint = keys.get(section)
             group, _, name = section.partition(".")
-            optional = hint is not None and not dataclasses.is_dataclass(hint) and _section_type(hint) is not None
+            optional = hint is not None and not dataclasses.is_dataclass(hint) and section_type(hint) is not None
             if optional and f"{group}={name}" not in overrides:
                 return ConfigError(written, f"{section} is null until its preset is chosen: add {group}={name} (in {text})")
             section = section.rpartition(".")[0]

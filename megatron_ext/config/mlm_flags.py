@@ -1791,9 +1791,9 @@ FLAGS: tuple[Flag, ...] = (
     *group(
         'sft',
         mapped(
-            '--sft', 'on', 'data.sft', derived=True,
-            note='the --data-path files are JSONL conversations (`data=sft`, `data.sft.path`); the loss falls on '
-            "the assistant's tokens; conversations are packed, each attending to itself",
+            '--sft', 'on', 'data', const='sft', derived=True,
+            note='the preset: the --data-path files become `data.sft.path`, JSONL conversations; the loss falls '
+            "on the assistant's tokens; conversations are packed, each attending to itself",
         ),
         mapped(
             '--sft-tokenizer-prompt-format', 'str', 'data.sft.prompt_format', derived=True,

@@ -17,9 +17,13 @@ import sys
 import textwrap
 import tokenize
 from pathlib import Path
+import typing
 from typing import Any
 
+from omegaconf import MISSING
+
 from megatron_ext.config import schema
+from megatron_ext.config.explain import section_type
 from megatron_ext.config.plugin_sections import plugin_sections
 
 PAGE = Path("docs/reference/config.md")
@@ -62,6 +66,8 @@ def _default(f: dataclasses.Field) -> str:
         return "required"
     if dataclasses.is_dataclass(value):
         return "(section)"
+    if value == MISSING:
+        return "required"
     return f"`{value!r}`"
 
 
@@ -97,6 +103,7 @@ def reference_markdown() -> str:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
             parts.append(section_table(f.name, type(default)))
+            parts += [section_table(f"{f.name}.{name}", cls) for name, cls in _optional_sections(type(default))]
     top = [f for f in dataclasses.fields(schema.Config) if not dataclasses.is_dataclass(_factory_value(f))]
     comments = field_comments(schema.Config)
     rows = ["## Top level", "", "| key | type | default | meaning |", "|---|---|---|---|"]
@@ -106,6 +113,16 @@ def reference_markdown() -> str:
         if section.config_class is not None:
             parts.append(section_table(name, section.config_class))
     return "\n".join(parts)
+
+
+def _optional_sections(cls: type) -> list[tuple[str, type]]:
+    """(field, dataclass) of each section of `cls` that is null until a preset sets it (`data.sft`)."""
+    hints = typing.get_type_hints(cls)
+    return [
+        (f.name, section_type(hints[f.name]))
+        for f in dataclasses.fields(cls)
+        if not dataclasses.is_dataclass(hints[f.name]) and section_type(hints[f.name]) is not None
+    ]
 
 
 def _factory_value(f: dataclasses.Field) -> Any:

@@ -97,6 +97,13 @@ COMMANDS: dict[str, tuple] = {
         Skip(PLACEHOLDER + "; tests/unit/test_data_preprocess.py runs the script"),
     ),
     "python -m megatron_ext.train data.data_path=[data/my]": (Skip("reads the reader's data/my prefix"),),
+    "python scripts/sft_example_data.py data/docstrings.jsonl": (Run("python scripts/sft_example_data.py data/docstrings.jsonl",
+                                                                     creates=("data/docstrings.jsonl",)),),
+    "python -m megatron_ext.train experiment=none model=smollm2_135m data=sft data.sft.path=[data/docstrings.jsonl] "
+    "model.seq_length=256": (
+        Skip(SMOLLM.replace("test_pretrained_smollm.py and test_generate_smollm.py run this path",
+                            "tests/distributed/test_sft_finetune.py fine-tunes it on this data")),
+    ),
     "python -m megatron_ext.train experiment=none model=hybrid_tiny train.iters=200": (
         Config(),
         Run("python -m megatron_ext.train experiment=none model=hybrid_tiny train.iters=2"),

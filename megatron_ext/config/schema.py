@@ -290,6 +290,19 @@ class TrainConfig:
     eval_iters: int = 4
     # Stop after this many iterations of this invocation (for tests and preemption drills).
     exit_interval: Optional[int] = None
+    # Megatron-LM's --check-for-nan-in-loss-and-grad: a step whose gradient norm or loss is not
+    # finite is not applied, and nan_policy decides what follows (fp16's loss scaler skips such
+    # steps itself).
+    check_for_nan: bool = True
+    # stop: nothing more is saved, one line, exit 1 | rollback: reload the newest checkpoint, skip
+    # the batches since it, multiply the lr by rollback_lr_scale and go on (at most max_rollbacks times).
+    nan_policy: str = "stop"
+    # A loss above spike_factor x the mean of the last spike_window losses is treated as a NaN
+    # (Megatron-LM's --check-for-spiky-loss); None: off.
+    spike_factor: Optional[float] = None
+    spike_window: int = 20  # Steps whose mean loss a spike is measured against.
+    rollback_lr_scale: float = 0.5  # The lr's (and min lr's) factor at each rollback.
+    max_rollbacks: int = 3  # Rollbacks of one run before it stops as under nan_policy=stop.
     # Megatron-LM's --skip-train: no training step; the weights set up (checkpoint.load's, else
     # the initial ones) are evaluated on `eval_iters` batches of the validation and test sets
     # (whatever eval_interval), and the run ends writing no checkpoint and no TensorBoard or W&B

@@ -31,7 +31,7 @@ def _data(folder: Path) -> Path:
 
 def _overrides(data: Path, cache: Path, *extra: str) -> list[str]:
     return [
-        "experiment=none", "model=smollm2_135m", "data=sft", f"data.sft.path=[{data}]", "data.split=90,10,0",
+        "experiment=none", "model=smollm2_135m", "data=sft", f"data.sft.path=[{data}]", "data.split='90,10,0'",
         f"data.cache_dir={cache}", "model.seq_length=96", "train.micro_batch_size=2", "train.global_batch_size=4",
         f"train.iters={ITERS}", f"train.eval_interval={ITERS}", "train.eval_iters=4", "optim.lr=1e-4",
         "optim.min_lr=1e-5", "optim.lr_warmup_iters=0", "optim.weight_decay=0", "logging.progress_bar=false",

@@ -73,7 +73,7 @@ class HFTokenizer(MegatronTokenizerBase):
             raise ValueError(
                 f"{folder} names no eos token (in {CONFIG_FILE}, {SPECIAL_TOKENS_MAP_FILE} or "
                 f"{GENERATION_CONFIG_FILE}) and {self.path} has none of the eod tokens "
-                f"{list(EOD_CANDIDATES)}; name the eod token explicitly"
+                f"{list(EOD_CANDIDATES)}: name its eos_token in {CONFIG_FILE}"
             )
         return token
 

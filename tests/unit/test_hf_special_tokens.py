@@ -90,6 +90,12 @@ CASES = [
         {"bos_token": "<|begin_of_text|>"},
         {"generation_config.json": {"bos_token_id": 0, "eos_token_id": [2, 1]}},
     ),
+    (
+        "generation_config_one_id",
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+        {},
+        {"generation_config.json": {"eos_token_id": 1}},
+    ),
 ]
 
 
@@ -116,7 +122,8 @@ def test_special_ids_are_autotokenizers(tmp_path, specials, named, files):
     reference = AutoTokenizer.from_pretrained(tmp_path)
     eos = reference.eos_token_id
     if eos is None:  # transformers' tokenizer reads no generation_config.json; its generation does
-        eos = GenerationConfig.from_pretrained(tmp_path).eos_token_id[0]
+        eos = GenerationConfig.from_pretrained(tmp_path).eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
     ours = build_tokenizer(str(tmp_path))
     assert isinstance(ours, HFTokenizer)
     assert (ours.eos, ours.bos, ours.unk) == (eos, reference.bos_token_id, reference.unk_token_id)
@@ -141,6 +148,22 @@ def test_a_folder_without_the_old_eod_tokens_builds_its_documents(tmp_path):
     for i, text in enumerate(LINES[:2]):
         ids = reference(text, add_special_tokens=False)["input_ids"] + [reference.eos_token_id]
         assert dataset[i].tolist() == ids
+
+
+def test_a_named_token_missing_from_the_vocabulary_counts_as_not_named(tmp_path):
+    """transformers appends it past the vocabulary (where the model has no embedding): the eod is
+    then the usual one the vocabulary has."""
+    _save_folder(tmp_path, ["<|endoftext|>"], {}, {"tokenizer_config.json": {"eos_token": "</s>"}})
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    ours = build_tokenizer(str(tmp_path))
+    assert reference.eos_token_id == ours.vocab_size  # appended
+    assert ours.eos is None and ours.eod == reference.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_a_folder_naming_no_eos_and_no_usual_eod_is_refused(tmp_path):
+    _save_folder(tmp_path, ["<|begin_of_text|>"], {"bos_token": "<|begin_of_text|>"}, {})
+    with pytest.raises(ValueError, match=r"names no eos token .*<\|endoftext\|>.*</s>.*eos_token in tokenizer_config"):
+        build_tokenizer(str(tmp_path))
 
 
 def test_an_explicit_eod_token_wins_over_the_folders_eos(tmp_path):

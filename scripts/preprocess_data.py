@@ -21,7 +21,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--input", required=True, help='a text file, a folder of .txt/.md/.rst/.py, or "stdlib"'
     )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", default="byte", help='"byte" or a path to tokenizer.json')
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        help='what data.tokenizer takes: "byte", a tokenizer.json, a SentencePiece .model, a folder holding '
+        "either, a .gguf file",
+    )
     parser.add_argument(
         "--max-mb",
         type=float,

@@ -15,10 +15,12 @@ notice, or refused. Decisions a Megatron-LM user should know:
   positions, biases and dropout 0.1. A `model=<preset>` override keeps the preset's
   architecture instead (the model defaults are then not emitted).
 - Every unknown or refused flag of a command line is reported at once, one line each.
-- Tokenizers: the ones that read a Hugging Face tokenizer (HuggingFaceTokenizer, GPT2BPE,
-  Llama2/SentencePiece and SFT tokenizers) take --tokenizer-model <tokenizer.json or folder>,
-  which becomes data.tokenizer; NullTokenizer means "ids are already tokens" and becomes
-  data.tokenizer=null:<--vocab-size>, whose end of document is one id past them.
+- Tokenizers: the types that read --tokenizer-model (HuggingFaceTokenizer, GPT2BPE,
+  Llama2/SentencePiece and SFT tokenizers) take a tokenizer.json or a folder holding one, and the
+  SentencePiece types (Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer) also a
+  SentencePiece .model, read as Megatron-LM's default tokenizers read it (no bos added, eod the
+  model's eos); the file becomes data.tokenizer. NullTokenizer means "ids are already tokens" and
+  becomes data.tokenizer=null:<--vocab-size>, whose end of document is one id past them.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ class MlmArgsError(ValueError):
 
 ALL_FLAGS: tuple[Flag, ...] = (*FLAGS, *OWN_FLAGS)
 _BY_NAME = {flag.name: flag for flag in ALL_FLAGS}
-# Tokenizer types that read a Hugging Face tokenizer (a tokenizer.json or a folder holding one).
-_HF_TOKENIZERS = (
-    "HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer", "SFTTokenizer",
-)
+# Tokenizer types that read a SentencePiece .model (or a tokenizer.json, or a folder holding either).
+_SENTENCEPIECE_TOKENIZERS = ("Llama2Tokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+# Tokenizer types that read --tokenizer-model: a tokenizer.json or a folder holding one, or a .model
+# for the SentencePiece types.
+_MODEL_TOKENIZERS = ("HuggingFaceTokenizer", "GPT2BPETokenizer", *_SENTENCEPIECE_TOKENIZERS, "SFTTokenizer")
+# Megatron-LM's switches of its SentencePiece tokenizers that change the ids of a .model.
+_SENTENCEPIECE_SWITCHES = ("--tokenizer-sentencepiece-legacy", "--no-tokenizer-sentencepiece-ignore-extra-whitespaces")
 _TRANSFORMER_IMPL = {"local": "local", "transformer_engine": "auto"}
 # Megatron-LM's --sft-tokenizer-prompt-format default, read by its SFTTokenizer.
 SFT_TOKENIZER_PROMPT_FORMAT = "nemotron-h-aligned"
@@ -343,9 +347,9 @@ def _tokenizer(b: _Builder) -> None:
     if kind == "NullTokenizer":
         _null_tokenizer(b, model)
         return
-    if kind is not None and kind not in _HF_TOKENIZERS:
+    if kind is not None and kind not in _MODEL_TOKENIZERS:
         b.problem("--tokenizer-type", "use HuggingFaceTokenizer with --tokenizer-model "
-                  "<tokenizer.json or folder>, or NullTokenizer")
+                  "<tokenizer.json or folder>, Llama2Tokenizer with a SentencePiece .model, or NullTokenizer")
         return
     files = b.get("--vocab-file"), b.get("--merge-file")
     if any(f is not None for f in files):
@@ -353,11 +357,11 @@ def _tokenizer(b: _Builder) -> None:
         return
     if model is None:
         if kind is not None:
-            b.problem("--tokenizer-type", "needs --tokenizer-model <tokenizer.json or folder>")
+            files = "tokenizer.json, .model" if kind in _SENTENCEPIECE_TOKENIZERS else "tokenizer.json"
+            b.problem("--tokenizer-type", f"needs --tokenizer-model <{files} or folder>")
         return
     if model.endswith(".model"):
-        b.problem("--tokenizer-model", "a SentencePiece .model file is not read here: give the "
-                  "model's tokenizer.json (or its Hugging Face folder)")
+        _sentencepiece_model(b, kind, model)
         return
     if kind == "SFTTokenizer" and not b.has("--sft"):
         b.notice("--tokenizer-type", "the chat prompt format is not applied without --sft: pretraining text")
@@ -391,6 +395,24 @@ def _sft(b: _Builder) -> None:
         b.set("data.sft.prompt_format", prompt_format, "--sft-tokenizer-prompt-format")
     for name in packing:
         b.notice(name, "packed conversations do this here (data.sft.pack)")
+
+
+def _sentencepiece_model(b: _Builder, kind: Optional[str], model: str) -> None:
+    """A SentencePiece .model, read as Megatron-LM's default tokenizers read it for the three types
+    that take one: text encoded as sentencepiece encodes it, eod the model's eos."""
+    if kind not in (None, *_SENTENCEPIECE_TOKENIZERS):
+        *others, last = _SENTENCEPIECE_TOKENIZERS
+        b.problem("--tokenizer-model", f"a SentencePiece .model is read with --tokenizer-type {', '.join(others)} or {last}")
+        return
+    if kind == "SentencePieceTokenizer" and b.has("--legacy-tokenizer"):
+        b.problem("--legacy-tokenizer", "Megatron-LM's legacy SentencePieceTokenizer appends <CLS>, <SEP>, "
+                  "<EOD> and <MASK> to the vocabulary and ends documents with <EOD>: not supported (without "
+                  "--legacy-tokenizer the model's eos ends them)")
+    for name in _SENTENCEPIECE_SWITCHES:
+        if b.has(name):
+            b.problem(name, "not supported: a .model encodes text here as sentencepiece itself does "
+                      "(Megatron-LM's default)")
+    b.set("data.tokenizer", model, "--tokenizer-model")
 
 
 def _null_tokenizer(b: _Builder, model: Optional[str]) -> None:

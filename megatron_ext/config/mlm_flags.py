@@ -1363,16 +1363,19 @@ FLAGS: tuple[Flag, ...] = (
             '--tokenizer-type', 'str', 'data.tokenizer',
             choices=('BertWordPieceLowerCase', 'BertWordPieceCase', 'GPT2BPETokenizer', 'SentencePieceTokenizer', 'GPTSentencePieceTokenizer', 'HuggingFaceTokenizer', 'Llama2Tokenizer', 'TikTokenizer', 'MultimodalTokenizer', 'NullTokenizer', 'NullMultimodalTokenizer', 'SFTTokenizer'),
             derived=True,
-            note='HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one; not a SentencePiece .model); GPT2BPETokenizer also reads --vocab-file and --merge-file (GPT-2 BPE files); NullTokenizer reads token ids (--mock-data or preprocessed --data-path) with --vocab-size ids and one more for the end of document; other types are refused',
+            note="HuggingFaceTokenizer, GPT2BPETokenizer, Llama2Tokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and SFTTokenizer read --tokenizer-model (a tokenizer.json or a folder holding one); Llama2Tokenizer, SentencePieceTokenizer and GPTSentencePieceTokenizer also a SentencePiece .model, encoded as by Megatron-LM's default tokenizers (no bos added; eod the model's eos); GPT2BPETokenizer also reads --vocab-file and --merge-file (GPT-2 BPE files); NullTokenizer reads token ids (--mock-data or preprocessed --data-path) with --vocab-size ids and one more for the end of document; other types are refused",
         ),
         mapped(
             '--tokenizer-model', 'str', 'data.tokenizer', derived=True,
-            note='a tokenizer.json or a Hugging Face folder holding one',
+            note='a tokenizer.json, a SentencePiece .model, or a folder holding either (tokenizer.json first, else tokenizer.model)',
         ),
         notice(
             '--legacy-tokenizer', 'on',
-            "which of Megatron-LM's tokenizer implementations builds the tokenizer: the same "
-            "ids either way (Megatron-LM core_v0.16.1's flag, removed from its parser later)",
+            "which of Megatron-LM's tokenizer implementations builds the tokenizer: text is "
+            "tokenized here as by its default one, with no bos or other special token added (the "
+            "legacy HuggingFaceTokenizer adds the tokenizer's own, the legacy Llama2Tokenizer a bos); "
+            "refused with SentencePieceTokenizer and a .model (Megatron-LM core_v0.16.1's flag, "
+            "removed from its parser later)",
         ),
         refused('--tokenizer-metadata', 'str', NO_KEY),
         refused('--tokenizer-special-tokens', 'str+', NO_KEY),
@@ -1385,11 +1388,11 @@ FLAGS: tuple[Flag, ...] = (
         ),
         notice(
             '--tokenizer-sentencepiece-legacy', 'on',
-            'read by SentencePiece tokenizers only (not used here)',
+            'read by the SentencePiece tokenizers only: refused with a .model, no effect otherwise',
         ),
         notice(
             '--no-tokenizer-sentencepiece-ignore-extra-whitespaces --disable-tokenizer-sentencepiece-ignore-extra-whitespaces',
-            'off', 'read by SentencePiece tokenizers only (not used here)',
+            'off', 'read by the SentencePiece tokenizers only: refused with a .model, no effect otherwise',
         ),
         notice(
             '--tokenizer-hf-no-use-fast', 'on',
@@ -1398,7 +1401,7 @@ FLAGS: tuple[Flag, ...] = (
         refused('--tokenizer-hf-no-include-special-tokens', 'on', NO_KEY),
         notice(
             '--trust-remote-code', 'on',
-            'no remote code is run: tokenizers are local tokenizer.json files',
+            'no remote code is run: tokenizers are local tokenizer.json or .model files',
         ),
         refused('--null-tokenizer-eod-id', 'int', NO_KEY),
         notice(

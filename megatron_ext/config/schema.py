@@ -223,7 +223,9 @@ class DataConfig:
     corpus: str = "stdlib"
     # "auto": the pretrained model's own tokenizer when model.pretrained is set, else "byte".
     # "byte": 256 byte symbols + specials, no training needed. Or a path to a Hugging Face
-    # tokenizer.json (or its folder) or a GGUF file whose vocabulary defines the BPE tokenizer.
+    # tokenizer.json (its special tokens read from its folder as transformers reads them), a
+    # SentencePiece .model, a folder holding either, or a GGUF file whose vocabulary defines the
+    # BPE tokenizer.
     tokenizer: str = "auto"
     split: str = "969,30,1"  # Train, validation and test weights of the documents (Megatron-LM's --split).
     # Where the default corpus, tokenized datasets and their index files are cached.

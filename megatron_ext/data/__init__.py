@@ -9,6 +9,7 @@ from megatron_ext.data.datasets import (
 )
 from megatron_ext.data.preprocess import build_indexed_dataset, default_corpus_prefix
 from megatron_ext.data.hf_tokenizer import HFTokenizer
+from megatron_ext.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from megatron_ext.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "PretrainingSampler",
+    "SentencePieceTokenizer",
     "Tokenizer",
     "build_data_iterator",
     "build_gpt_datasets",

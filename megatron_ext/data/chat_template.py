@@ -2,10 +2,10 @@
 
 A Hugging Face tokenizer folder holds the template in `chat_template.jinja` (newer
 transformers) or under `chat_template` in tokenizer_config.json (a string, or a list of named
-templates whose "default" one is used); the special tokens the template may name (`bos_token`,
-`eos_token`, ...) are there too. The prompt is rendered as transformers renders it: a sandboxed
-jinja environment with trimmed blocks, loop controls, `raise_exception`, `strftime_now` and a
-`tojson` that keeps non-ASCII text.
+templates whose "default" one is used). The special tokens the template may name (`bos_token`,
+`eos_token`, ...) are the folder's, as special_tokens.py reads them. The prompt is rendered as
+transformers renders it: a sandboxed jinja environment with trimmed blocks, loop controls,
+`raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII text.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from megatron_ext.data.special_tokens import CONFIG_FILE, read_json, read_special_tokens
+
 TEMPLATE_FILE = "chat_template.jinja"
-CONFIG_FILE = "tokenizer_config.json"
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,7 @@ class ChatTemplate:
 def read_chat_template(folder: str) -> Optional[ChatTemplate]:
     """The chat template of the tokenizer folder `folder`, or None when it has none."""
     config_path = os.path.join(folder, CONFIG_FILE)
-    config: dict = {}
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+    config = read_json(folder, CONFIG_FILE)
     template_path = os.path.join(folder, TEMPLATE_FILE)
     if os.path.isfile(template_path):
         with open(template_path, encoding="utf-8") as f:
@@ -53,21 +50,13 @@ def read_chat_template(folder: str) -> Optional[ChatTemplate]:
         template, source = _default_template(config.get("chat_template")), config_path
     if not template:
         return None
-    specials = {name: text for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))) is not None}
-    return ChatTemplate(source, template, specials)
+    return ChatTemplate(source, template, read_special_tokens(folder))
 
 
 def _default_template(value: Any) -> Optional[str]:
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
         named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
         return named.get("default")
-    return value if isinstance(value, str) else None
-
-
-def _token_text(value: Any) -> Optional[str]:
-    """A special token as tokenizer_config.json writes it: its text, or an AddedToken's dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
     return value if isinstance(value, str) else None
 
 

@@ -114,6 +114,9 @@ class GGUFTokenizer(HFTokenizer):
         self._tokenizer = build_bpe(self.gguf_vocab)
         # The content identifies the tokenizer (it names cached dataset indices), not the path.
         self._sha256 = hashlib.sha256(self._tokenizer.to_str().encode()).hexdigest()
+        vocab = self.gguf_vocab
+        ids = {"bos_token": vocab.bos_id, "eos_token": vocab.eos_id, "pad_token": vocab.pad_id}
+        self._special_ids = {name: token_id for name, token_id in ids.items() if token_id is not None}
         self._eod_token = eod_token or self._default_eod()
         self._eod = self._token_id(self._eod_token)
         specials = {"bos_token": self._token(self.bos), "eos_token": self._token(self.eos)}
@@ -121,27 +124,13 @@ class GGUFTokenizer(HFTokenizer):
         self._chat = ChatTemplate(path, template, {k: v for k, v in specials.items() if v is not None}) if template else None
 
     def _default_eod(self) -> str:
-        try:
-            return self._first_present(EOD_CANDIDATES, "eod")
-        except ValueError:
-            if self.gguf_vocab.eos_id is None:
-                raise ValueError(f"{self.path} has no eos token and none of {list(EOD_CANDIDATES)}") from None
-            return self.gguf_vocab.tokens[self.gguf_vocab.eos_id]
+        token = self._first_present(EOD_CANDIDATES) or self._token(self.eos)
+        if token is None:
+            raise ValueError(f"{self.path} has no eos token and none of {list(EOD_CANDIDATES)}")
+        return token
 
     def _token(self, token_id: Optional[int]) -> Optional[str]:
         return None if token_id is None else self.gguf_vocab.tokens[token_id]
-
-    @property
-    def bos(self) -> Optional[int]:
-        return self.gguf_vocab.bos_id
-
-    @property
-    def eos(self) -> Optional[int]:
-        return self.gguf_vocab.eos_id
-
-    @property
-    def pad(self) -> int:
-        return self.gguf_vocab.pad_id if self.gguf_vocab.pad_id is not None else super().pad
 
     @property
     def unique_identifiers(self) -> OrderedDict:

@@ -1,7 +1,7 @@
 """A Hugging Face `tokenizers` tokenizer (tokenizer.json) as megatron-core's GPT datasets take it.
 
 The base of the tokenizers built with `tokenizers` (GPT-2's files in tokenizers.py, a GGUF
-vocabulary in gguf_tokenizer.py): they share its eod/pad rules and chat template.
+vocabulary in gguf_tokenizer.py): they share its special-token ids, pad rule and chat template.
 """
 
 import hashlib
@@ -12,10 +12,18 @@ from typing import Any, Iterable, Optional, Sequence
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import Tokenizer
 
-from megatron_ext.data.chat_template import CONFIG_FILE, TEMPLATE_FILE, ChatTemplate, read_chat_template
+from megatron_ext.data.chat_template import TEMPLATE_FILE, ChatTemplate, read_chat_template
+from megatron_ext.data.special_tokens import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
+    generation_eos_id,
+    read_special_tokens,
+)
 
-# The eod token when none is named: the first of these the vocabulary has.
+# The eod token of a vocabulary whose files name no eos token: the first of these it has.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>")
+# The pad token of a vocabulary whose files name none.
 _PAD_CANDIDATES = ("<pad>", "<|padding|>", "[PAD]")
 # The tokenizer's kind in `unique_identifiers`, which megatron hashes into the names of cached
 # dataset indices: the name it is imported by (megatron_ext.data.tokenizers), so those names do
@@ -24,8 +32,12 @@ CLASS_IDENTIFIER = "megatron_ext.data.tokenizers.HFTokenizer"
 
 
 class HFTokenizer(MegatronTokenizerBase):
-    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file, with the chat
-    template its folder keeps (chat_template.py)."""
+    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file, with the special
+    tokens (special_tokens.py) and the chat template (chat_template.py) its folder keeps.
+
+    eod (the document separator of pretraining data): `eod_token`, else the folder's eos token,
+    else the first of EOD_CANDIDATES the vocabulary has.
+    """
 
     def __init__(self, path: str, eod_token: Optional[str] = None) -> None:
         super().__init__(path=path, config={})
@@ -37,9 +49,33 @@ class HFTokenizer(MegatronTokenizerBase):
             with open(file, "rb") as f:
                 digest.update(f.read())
         self._sha256 = digest.hexdigest()
-        self._eod_token = eod_token or self._first_present(EOD_CANDIDATES, "eod")
+        folder = os.path.dirname(os.path.abspath(path))
+        self._special_ids = self._folder_special_ids(folder)
+        self._eod_token = eod_token or self._default_eod(folder)
         self._eod = self._token_id(self._eod_token)
-        self._chat: Optional[ChatTemplate] = read_chat_template(os.path.dirname(os.path.abspath(path)))
+        self._chat: Optional[ChatTemplate] = read_chat_template(folder)
+
+    def _folder_special_ids(self, folder: str) -> dict[str, int]:
+        """The id of each special token (bos_token, eos_token, ...) the folder names. A token the
+        vocabulary lacks counts as not named: transformers would append it past the vocabulary,
+        where the model has no embedding."""
+        ids = {name: self._tokenizer.token_to_id(text) for name, text in read_special_tokens(folder).items()}
+        eos = generation_eos_id(folder)
+        if ids.get("eos_token") is None and eos is not None and self._tokenizer.id_to_token(eos) is not None:
+            ids["eos_token"] = eos
+        return {name: token_id for name, token_id in ids.items() if token_id is not None}
+
+    def _default_eod(self, folder: str) -> str:
+        if self.eos is not None:
+            return self._tokenizer.id_to_token(self.eos)
+        token = self._first_present(EOD_CANDIDATES)
+        if token is None:
+            raise ValueError(
+                f"{folder} names no eos token (in {CONFIG_FILE}, {SPECIAL_TOKENS_MAP_FILE} or "
+                f"{GENERATION_CONFIG_FILE}) and {self.path} has none of the eod tokens "
+                f"{list(EOD_CANDIDATES)}: name its eos_token in {CONFIG_FILE}"
+            )
+        return token
 
     def _read(self):
         return Tokenizer.from_file(self.path)
@@ -48,14 +84,9 @@ class HFTokenizer(MegatronTokenizerBase):
         """The files that define the tokenizer."""
         return (self.path,)
 
-    def _first_present(self, candidates: tuple[str, ...], role: str) -> str:
-        for token in candidates:
-            if self._tokenizer.token_to_id(token) is not None:
-                return token
-        raise ValueError(
-            f"{self.path} has none of the {role} tokens {list(candidates)}; "
-            f"name the {role} token explicitly"
-        )
+    def _first_present(self, candidates: tuple[str, ...]) -> Optional[str]:
+        """The first of `candidates` the vocabulary has, or None."""
+        return next((token for token in candidates if self._tokenizer.token_to_id(token) is not None), None)
 
     def _token_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
@@ -92,14 +123,31 @@ class HFTokenizer(MegatronTokenizerBase):
         return self._eod
 
     @property
+    def eos(self) -> Optional[int]:
+        """The eos token's id, or None where the folder names none."""
+        return self._special_ids.get("eos_token")
+
+    @property
+    def bos(self) -> Optional[int]:
+        """The bos token's id, or None where the folder names none."""
+        return self._special_ids.get("bos_token")
+
+    @property
+    def unk(self) -> Optional[int]:
+        """The unk token's id, or None where the folder names none."""
+        return self._special_ids.get("unk_token")
+
+    @property
     def pad(self) -> int:
-        # AttributeError, not a made-up id: megatron's datasets then fall back to a pad id that
-        # cannot occur in the data, and getattr(tokenizer, "pad", None) works for callers.
-        for token in _PAD_CANDIDATES:
-            token_id = self._tokenizer.token_to_id(token)
-            if token_id is not None:
-                return token_id
-        raise AttributeError(f"{self.path} has none of the pad tokens {list(_PAD_CANDIDATES)}")
+        """The folder's pad token, else the first of the usual pad tokens the vocabulary has."""
+        if "pad_token" in self._special_ids:
+            return self._special_ids["pad_token"]
+        token = self._first_present(_PAD_CANDIDATES)
+        if token is None:
+            # AttributeError, not a made-up id: megatron's datasets then fall back to a pad id
+            # that cannot occur in the data, and getattr(tokenizer, "pad", None) works for callers.
+            raise AttributeError(f"{self.path} names no pad token and has none of {list(_PAD_CANDIDATES)}")
+        return self._tokenizer.token_to_id(token)
 
     @property
     def unique_identifiers(self) -> OrderedDict:

@@ -17,6 +17,11 @@ from tokenizers import Tokenizer as TokenizerPipeline
 from megatron_ext.config.tokenizer_spec import GPT2_FILES_PREFIX, NULL_PREFIX
 from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
 from megatron_ext.data.hf_tokenizer import HFTokenizer
+from megatron_ext.data.sentencepiece_tokenizer import SentencePieceTokenizer
+
+
+# The files a tokenizer folder is read from, the first one present.
+FOLDER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 class ByteTokenizer(MegatronTokenizerBase):
@@ -152,16 +157,19 @@ class GPT2BPETokenizer(HFTokenizer):
         return OrderedDict([*super().unique_identifiers.items(), ("class", f"{__name__}.GPT2BPETokenizer")])
 
 
-Tokenizer = Union[ByteTokenizer, NullTokenizer, HFTokenizer]
+Tokenizer = Union[ByteTokenizer, NullTokenizer, HFTokenizer, SentencePieceTokenizer]
 
 
 def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
     """Build the tokenizer named by the `data.tokenizer` setting.
 
     spec: "byte", null:<V> (ids are tokens: Megatron-LM's NullTokenizer), a path to a Hugging
-    Face tokenizer.json (or a folder holding one), a GGUF file whose vocabulary defines the
-    tokenizer, or GPT-2's files as gpt2:<vocab.json>:<merges.txt>.
-    eod_token: for tokenizer.json only; defaults to `<|endoftext|>` or `</s>`.
+    Face tokenizer.json, a SentencePiece .model file, a folder holding either (tokenizer.json
+    first, else tokenizer.model), a GGUF file whose vocabulary defines the tokenizer, or GPT-2's
+    files as gpt2:<vocab.json>:<merges.txt>.
+    eod_token: for tokenizer.json, GPT-2's files and GGUF only; defaults to the eos token the
+    files name, else `<|endoftext|>` or `</s>` (a GGUF file: those first, then its eos token).
+    A SentencePiece model's eod is its eos piece.
     """
     if spec == "byte":
         return ByteTokenizer()
@@ -178,11 +186,18 @@ def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
     path = os.path.expanduser(spec)
     if path.endswith(".gguf"):
         return GGUFTokenizer(path, eod_token=eod_token)
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        path = os.path.join(path, "tokenizer.json")
+    if os.path.isdir(path):
+        path = next(
+            (os.path.join(path, name) for name in FOLDER_FILES if os.path.isfile(os.path.join(path, name))), path
+        )
     if os.path.isfile(path) and path.endswith(".json"):
         return HFTokenizer(path, eod_token=eod_token)
+    if os.path.isfile(path) and path.endswith(".model"):
+        if eod_token is not None:
+            raise ValueError(f"{path}: a SentencePiece model's eod is its eos piece; no other eod token is taken")
+        return SentencePieceTokenizer(path)
     raise ValueError(
         f"data.tokenizer={spec!r} is not a tokenizer: use 'byte', null:<V>, the path to a Hugging Face "
-        "tokenizer.json (or a folder holding one), a .gguf file, or gpt2:<vocab.json>:<merges.txt>"
+        "tokenizer.json or a SentencePiece .model (or a folder holding either), a .gguf file, or "
+        "gpt2:<vocab.json>:<merges.txt>"
     )

@@ -160,6 +160,15 @@ CASES = [
         {"data.tokenizer": "/tok"},
         {"data.tokenizer": "/tok"},
     ),
+    *[
+        (  # Megatron-LM's three SentencePiece types read a .model alike (its default tokenizers)
+            f"{kind}_model_file",
+            f"--tokenizer-type {kind} --tokenizer-model /tok/tokenizer.model",
+            {"data.tokenizer": "/tok/tokenizer.model"},
+            {"data.tokenizer": "/tok/tokenizer.model"},
+        )
+        for kind in ("Llama2Tokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+    ],
     (
         "null_tokenizer_mock_data",
         "--tokenizer-type NullTokenizer --vocab-size 512 --mock-data",
@@ -424,8 +433,15 @@ BAD = [
     ("samples_warmup_with_iters", "--lr-warmup-samples 10", "needs --train-samples"),
     ("tiktoken", "--tokenizer-type TikTokenizer --tokenizer-model t.json",
      "--tokenizer-type TikTokenizer: use HuggingFaceTokenizer"),
-    ("sentencepiece_model_file", "--tokenizer-type Llama2Tokenizer --tokenizer-model t.model",
-     "a SentencePiece .model file is not read here"),
+    ("hf_type_model_file", "--tokenizer-type HuggingFaceTokenizer --tokenizer-model t.model",
+     "--tokenizer-model t.model: a SentencePiece .model is read with --tokenizer-type Llama2Tokenizer"),
+    ("legacy_sentencepiece_model_file", "--tokenizer-type SentencePieceTokenizer --tokenizer-model t.model "
+     "--legacy-tokenizer", "--legacy-tokenizer: Megatron-LM's legacy SentencePieceTokenizer appends <CLS>"),
+    ("sentencepiece_whitespace", "--tokenizer-type Llama2Tokenizer --tokenizer-model t.model "
+     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces: not supported: a .model encodes"),
+    ("sentencepiece_legacy", "--tokenizer-type GPTSentencePieceTokenizer --tokenizer-model t.model "
+     "--tokenizer-sentencepiece-legacy", "--tokenizer-sentencepiece-legacy: not supported"),
     ("hf_without_model", "--tokenizer-type HuggingFaceTokenizer", "needs --tokenizer-model"),
     ("null_without_size", "--tokenizer-type NullTokenizer --mock-data", "NullTokenizer needs --vocab-size"),
     ("impl", "--transformer-impl inference_optimized", "use local or transformer_engine"),

@@ -56,9 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             for line in translation.notices:
                 print(f"notice: {line}", file=sys.stderr)
         # Late: the trainer pulls in torch and megatron-core; mapping flags does not need them.
-        from megatron_ext.train import run_from_overrides
+        from megatron_ext.train import exit_on_fault, run_from_overrides
 
-        run_from_overrides(translation.overrides)
+        exit_on_fault(run_from_overrides(translation.overrides))
     # Bad flags, broken rules between fields, and Hydra's refusals of a passed-through override
     # (unknown key, wrong type) all happen before anything is written: exit code 2.
     except MlmArgsError as error:

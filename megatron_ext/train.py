@@ -155,7 +155,7 @@ def _hydra_main(cfg: DictConfig) -> Optional[dict]:
 def _run_or_exit(cfg: Config) -> Optional[dict]:
     """`run`, with a refused config, an aborted or a failed launch as one line and an exit code."""
     try:
-        return run(cfg)
+        return exit_on_fault(run(cfg))
     except ConfigError as e:
         _fail(str(e))
     except LaunchRefused as e:  # a worker's ConfigError: bad input only the ranks could read
@@ -167,6 +167,15 @@ def _run_or_exit(cfg: Config) -> Optional[dict]:
     except LaunchFailed as e:  # the workers' own tracebacks are above
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def exit_on_fault(summary: Optional[dict]) -> Optional[dict]:
+    """`summary`, unless a non-finite or diverging step stopped the run (train.nan_policy): then
+    its one line and exit code 1."""
+    if summary and summary.get("fault"):
+        print(f"error: {summary['fault']}", file=sys.stderr)
+        sys.exit(1)
+    return summary
 
 
 def _fail(message: str) -> None:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.disk_space import disk_full
 from megatron_ext.checkpointing.megatron_lm import from_saved, loading_metadata
-from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration  # noqa: F401  (its API too)
+from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration, saved_iterations  # noqa: F401  (its API too)
 
 # The top-level keys of the optimizer's and the RNG's states in a checkpoint.
 OPTIMIZER_KEY, RNG_KEY = "optimizer", "rng_state"
@@ -236,10 +236,7 @@ def _remove_stale_staging(root: Path) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    iterations = sorted(
-        int(m.group(1)) for p in root.iterdir() if (m := re.fullmatch(r"iter_(\d{7})", p.name))
-    )
-    for it in iterations[:-keep_last]:
+    for it in saved_iterations(root)[:-keep_last]:
         shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
 
 

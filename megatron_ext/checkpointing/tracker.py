@@ -8,6 +8,7 @@ launcher checks checkpoints before it starts any worker, see training/preflight.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -28,3 +29,10 @@ def latest_iteration(root: str | os.PathLike) -> Optional[int]:
     if not text.isdigit():
         raise ValueError(f"{tracker} does not hold an iteration number: {text[:40]!r}")
     return int(text)
+
+
+def saved_iterations(root: str | os.PathLike) -> list[int]:
+    """The iterations whose checkpoint folders are under `root`, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in Path(root).iterdir() if (m := re.fullmatch(r"iter_(\d{7})", p.name)))

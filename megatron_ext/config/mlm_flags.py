@@ -755,9 +755,10 @@ FLAGS: tuple[Flag, ...] = (
         refused('--iterations-to-skip', 'int+', NO_KEY),
         refused('--batch-size', 'int', 'deprecated in Megatron-LM: use --micro-batch-size'),
         notice('--recompute-activations', 'on', RECOMPUTE),
-        notice(
-            '--no-check-for-nan-in-loss-and-grad', 'off',
-            "no effect here: megatron_ext's own NaN handling is unchanged",
+        mapped(
+            '--no-check-for-nan-in-loss-and-grad', 'off', 'train.check_for_nan',
+            note='the check is of the global gradient norm before the optimizer step, and the loss; '
+            'train.nan_policy says what follows (stop, as Megatron-LM, or rollback)',
         ),
         notice(
             '--check-for-large-grads', 'on',
@@ -1782,7 +1783,11 @@ FLAGS: tuple[Flag, ...] = (
             '--rerun-mode', 'str', G_RERUN_ENGINE,
             choices=('disabled', 'validate_results', 'report_stats'),
         ),
-        notice('--check-for-spiky-loss', 'on', G_RERUN_ENGINE),
+        mapped(
+            '--check-for-spiky-loss', 'on', 'train.spike_factor', const=10.0,
+            note="Megatron-LM's factor 10, here of the mean of the last train.spike_window losses (Megatron-LM "
+            'compares with the largest of 100 it sampled); a spike is handled as train.nan_policy says',
+        ),
     ),
     # msc
     *group(

@@ -28,6 +28,7 @@ class Fault(Exception):
 
     iteration: int
     what: str
+    consumed_samples: int  # the data position after the step's batch
     ranks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
@@ -63,13 +64,16 @@ class LossSpikes:
         self.factor = factor
         self.recent: deque[float] = deque(maxlen=window)
 
-    def check(self, iteration: int, loss: float) -> None:
+    def check(self, iteration: int, loss: float, consumed_samples: int) -> None:
         if not math.isfinite(loss):
-            raise Fault(iteration, f"loss {loss}")
+            raise Fault(iteration, f"loss {loss}", consumed_samples)
         if self.factor is not None and len(self.recent) == self.recent.maxlen:
             mean = sum(self.recent) / len(self.recent)
             if loss > self.factor * mean:
-                raise Fault(iteration, f"loss {loss:.4g} above {self.factor:g} x the mean {mean:.4g} of the last {len(self.recent)} steps")
+                raise Fault(
+                    iteration, f"loss {loss:.4g} above {self.factor:g} x the mean {mean:.4g} of the last {len(self.recent)} steps",
+                    consumed_samples,
+                )
         self.recent.append(loss)
 
     def clear(self) -> None:

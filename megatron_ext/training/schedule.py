@@ -72,3 +72,15 @@ def build_scheduler(
         wd_incr_steps=wd_steps,
         wd_incr_style="constant",
     )
+
+
+def scale_lr(scheduler: OptimizerParamScheduler, factor: float) -> None:
+    """Multiply the schedule's peak and final lr by `factor` (and those of the parameter groups
+    that have their own, the decoupled lr's), from the current step on."""
+    scheduler.max_lr *= factor
+    scheduler.min_lr *= factor
+    for group in scheduler.optimizer.param_groups:
+        for key in ("max_lr", "min_lr"):
+            if key in group:
+                group[key] *= factor
+    scheduler.step(increment=0)  # the groups' lr of this step, recomputed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -78,10 +79,11 @@ from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
+from megatron_ext.training.numerics import Fault, LossSpikes, gradient_norm_before_step, ranks_with_nonfinite_grads
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
-from megatron_ext.training.schedule import build_scheduler, counts_samples, scheduler_increment, train_iters
+from megatron_ext.training.schedule import build_scheduler, counts_samples, scale_lr, scheduler_increment, train_iters
 from megatron_ext.training.skipped_steps import SkippedSteps, gradient_stats
 from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
 from megatron_ext.training.timers import Timers
@@ -98,6 +100,7 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
     flops: float = 0.0  # Megatron-LM's num_floating_point_operations_so_far
+    skipped_samples: int = 0  # Megatron-LM's skipped_train_samples: passed over by rollbacks
 
 
 class Trainer:
@@ -140,6 +143,10 @@ class Trainer:
         # up from a running job's state reuse them (resolving the default corpus walks its files).
         self.data_path: Optional[list[str]] = None
         self.skipped_steps = SkippedSteps()
+        self.spikes = LossSpikes(cfg.train.spike_factor, cfg.train.spike_window)
+        self.rollbacks = 0
+        self.fault: Optional[Fault] = None
+        self.rolled_back_to: Optional[int] = None
         self.timers = Timers()
         # Megatron's queue of background checkpoint writes (checkpoint.async_save).
         self._async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
@@ -379,7 +386,8 @@ class Trainer:
         # Every evaluation reads the same held-out batches, so one round of them is enough.
         eval_samples = cfg.train.eval_iters * gbs if self._evaluates() else 0
         batches = BatchSchedule.of(cfg.train, cfg.model.seq_length, gbs)
-        train_samples = 0 if cfg.train.skip_train else batches.samples(cfg.train.iters)
+        # a rollback passes over samples: the data goes on that much further
+        train_samples = 0 if cfg.train.skip_train else batches.samples(cfg.train.iters) + self.state.skipped_samples
         train_ds, valid_ds, _ = self._datasets((train_samples, eval_samples, 0))
         return train_ds, valid_ds
 
@@ -490,6 +498,11 @@ class Trainer:
             forward_only=False,
         )
         loss_scale = self.optimizer.get_loss_scale().item()
+        if self._checks_numerics():
+            norm = gradient_norm_before_step(self.optimizer)
+            if not math.isfinite(norm):
+                raise Fault(self.state.iteration + 1, f"gradient norm {norm}", self.state.consumed_samples + global_batch,
+                            ranks_with_nonfinite_grads(self.model))
         update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
         # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
         if update_ok:
@@ -512,7 +525,62 @@ class Trainer:
         metrics.update(gradient_stats(grad_norm, zeros))
         if self.cfg.model.mtp_num_layers:
             metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
+        if self._checks_numerics() or self.cfg.train.spike_factor is not None:
+            self.spikes.check(self.state.iteration, metrics["loss"], self.state.consumed_samples)
         return metrics
+
+    def _checks_numerics(self) -> bool:
+        """Megatron-LM's NaN check; with fp16 the loss scaler skips non-finite steps itself."""
+        return self.cfg.train.check_for_nan and self.cfg.model.precision != "fp16"
+
+    def _rollback_target(self) -> Optional[int]:
+        """The newest checkpoint under checkpoint.save; one further back when the run failed again
+        from it before saving a newer one (its state leads to the fault)."""
+        root = self.cfg.checkpoint.save
+        latest = ckpt.latest_iteration(root) if root else None
+        saved = [i for i in ckpt.saved_iterations(root) if latest is not None and i <= latest] if root else []
+        if self.rolled_back_to is not None and saved and max(saved) == self.rolled_back_to:
+            saved = [i for i in saved if i < self.rolled_back_to]
+        return max(saved) if saved else None
+
+    def _stopped_by(self, fault: Fault, reporter: MetricsReporter) -> dict:
+        """The summary of a run a fault stopped: nothing saved after it, the newest checkpoint
+        named (the last good state), under "fault" for the entry point to report."""
+        root = self.cfg.checkpoint.save
+        latest = ckpt.latest_iteration(root) if root else None
+        kept = f"the newest checkpoint is iteration {latest} of {root}" if latest is not None else "no checkpoint was saved"
+        line = f"{fault}: stopped without saving ({kept})"
+        reporter.note(line)
+        for p in self.plugins:
+            p.on_train_end(self.plugin_context)
+        return {**reporter.summary(None, None, None), "fault": line}
+
+    def _roll_back(self, fault: Fault) -> bool:
+        """Under nan_policy=rollback: back to the newest checkpoint under checkpoint.save, the
+        samples up to the fault's passed over, the lr scaled; False where that cannot be (another
+        policy, no checkpoint, max_rollbacks reached). Collective."""
+        t, root = self.cfg.train, self.cfg.checkpoint.save
+        self._finalize_saves()
+        target = self._rollback_target()
+        if t.nan_policy != "rollback" or self.rollbacks >= t.max_rollbacks or target is None:
+            return False
+        common = ckpt.load_common(root, target)
+        ckpt.load_checkpoint(root, target, self.model, self.optimizer, load_rng=common["layout"] == self._layout_key())
+        self.rolled_back_to = target
+        self._restore_common(common)
+        skipped = fault.consumed_samples - self.state.consumed_samples
+        self.state.skipped_samples += skipped
+        self.state.consumed_samples = fault.consumed_samples
+        scale_lr(self.scheduler, t.rollback_lr_scale)
+        self.train_ds, self.valid_ds = self.open_datasets()
+        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
+        self.spikes.clear()
+        self.rollbacks += 1
+        self.note(
+            f"rollback {self.rollbacks}/{t.max_rollbacks}: {fault}; back to iteration {target}, samples "
+            f"{fault.consumed_samples - skipped}-{fault.consumed_samples - 1} skipped, lr x{t.rollback_lr_scale:g}"
+        )
+        return True
 
     def evaluate(self, dataset=None) -> Optional[float]:
         """Loss on a held-out split (default: validation): the same `eval_iters` global
@@ -552,6 +620,8 @@ class Trainer:
         self._note_restart()
         if cfg.train.skip_train:
             return self._evaluate_only()
+        if cfg.train.nan_policy == "rollback" and cfg.checkpoint.save and ckpt.latest_iteration(cfg.checkpoint.save) is None:
+            self.save()  # the starting point: a state to roll back to before the first interval's save
         stop_at = cfg.train.iters
         if cfg.train.exit_interval:
             stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
@@ -565,7 +635,13 @@ class Trainer:
                 if self.layout is None:  # a hook moved the job to a layout without this rank
                     return {}
                 start = time.perf_counter()
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except Fault as fault:
+                    if self._roll_back(fault):
+                        continue
+                    self.fault = fault
+                    break
                 seconds = time.perf_counter() - start
                 if cfg.logging.log_params_norm:
                     metrics["params_norm"] = params_l2_norm(self.model)
@@ -589,6 +665,8 @@ class Trainer:
                     reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
                     break
             self._finalize_saves()  # a save of this iteration still being written counts once published
+            if self.fault is not None:
+                return self._stopped_by(self.fault, reporter)
             if cfg.checkpoint.save and not self._saved_at_current_iteration():
                 self.save()
             test_loss = None
@@ -669,6 +747,7 @@ class Trainer:
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
             "flops": self.state.flops,
+            "skipped_samples": self.state.skipped_samples,
             "scheduler": self.scheduler.state_dict(),
             "padded_vocab_size": self.vocab_size,
             "tokenizer": self.tokenizer_spec,
@@ -689,6 +768,7 @@ class Trainer:
                 global_batch_size=self._global_batch_size(),
                 iteration=self.state.iteration,
                 consumed_train_samples=self.state.consumed_samples,
+                skipped_train_samples=self.state.skipped_samples,
             ),
         )
 
@@ -758,7 +838,9 @@ class Trainer:
     def _restore_common(self, common: dict, load_scheduler: bool = True) -> None:
         """Counters, scheduler (unless not `load_scheduler`) and plugin states from
         `common_state()` or a checkpoint's `load_common`."""
-        self.state = TrainState(common["iteration"], common["consumed_samples"], common.get("flops", 0.0))
+        self.state = TrainState(
+            common["iteration"], common["consumed_samples"], common.get("flops", 0.0), common.get("skipped_samples", 0)
+        )
         if load_scheduler:
             scheduler = common.get("scheduler")
             if "scheduler_samples" in common:

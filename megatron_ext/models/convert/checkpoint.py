@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +37,6 @@ from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, pub
 from megatron_ext.models.convert.hf_config import hf_config_from_model
 from megatron_ext.models.convert.llama import logical_to_hf
 from megatron_ext.models.convert.load import gather_logical, load_pretrained
-from megatron_ext.models.convert.pretrained_model import Pretrained
 from megatron_ext.models.convert.source import open_pretrained
 from megatron_ext.models.convert.world import build_model, model_parallel_world
 from megatron_ext.models.gpt import padded_vocab_size
@@ -91,7 +91,7 @@ def import_checkpoint(source: str, out: str, tp: int = 1, pp: int = 1, max_seq_l
     staging = staging_dir(out_path)
     try:
         launch_local(tp * pp, save_imported, (source, str(staging), tp, pp, max_seq_length), "127.0.0.1", 0)
-        _write_tokenizer(pretrained, staging / TOKENIZER_DIR)
+        _write_tokenizer(pretrained.path, staging / TOKENIZER_DIR)
         publish(staging, out_path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -110,16 +110,30 @@ def save_imported(source: str, out: str, tp: int, pp: int, max_seq_length: int =
         save_model_only(out, chunks, pretrained.config, padded, tp, pp, pretrained.token_ids)
 
 
-def _write_tokenizer(pretrained: Pretrained, folder: Path) -> None:
+def _write_tokenizer(source: str, folder: Path) -> None:
+    """The Hugging Face tokenizer files of `source` (a Hugging Face folder, or a GGUF file whose
+    vocabulary is rebuilt as one) into `folder`."""
     folder.mkdir()
-    if Path(pretrained.path).is_dir():
-        copy_tokenizer_files(pretrained.path, folder)
+    if Path(source).is_dir():
+        copy_tokenizer_files(source, folder)
         return
 
     try:
-        GGUFTokenizer(pretrained.path).save_pretrained(str(folder))
+        GGUFTokenizer(source).save_pretrained(str(folder))
     except ValueError as e:  # e.g. a sentencepiece vocabulary: the weights still convert
         warnings.warn(f"no tokenizer exported: {e}", stacklevel=2)
+
+
+def _tokenizer_source(spec: Optional[str]) -> Optional[str]:
+    """What `_write_tokenizer` reads for a training run's `data.tokenizer` (as its checkpoint
+    records it): a GGUF file, or the folder of a tokenizer.json / .model; None for the
+    tokenizers that have no files (byte, null:<V>, GPT-2's vocab and merges)."""
+    path = Path(spec) if spec else None
+    if path is None or not path.exists():
+        return None
+    if path.suffix == ".gguf" or path.is_dir():
+        return str(path)
+    return str(path.parent) if path.name in ("tokenizer.json", "tokenizer.model") or path.suffix == ".model" else None
 
 
 def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> Path:
@@ -139,4 +153,11 @@ def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> P
         ckpt.load_checkpoint(load, iteration, chunks, None, load_rng=False)
         tensors = logical_to_hf(gather_logical(chunks), model, vocab)
     tokenizer = Path(load, TOKENIZER_DIR)
-    return write_hf(out, tensors, config, tokenizer if tokenizer.is_dir() else None)
+    if tokenizer.is_dir():  # an imported model's own files
+        return write_hf(out, tensors, config, tokenizer)
+    source = _tokenizer_source(common.get("tokenizer"))  # a training run's tokenizer
+    if source is None:
+        return write_hf(out, tensors, config, None)
+    with tempfile.TemporaryDirectory() as scratch:
+        _write_tokenizer(source, Path(scratch, TOKENIZER_DIR))
+        return write_hf(out, tensors, config, Path(scratch, TOKENIZER_DIR))

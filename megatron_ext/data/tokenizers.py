@@ -201,3 +201,9 @@ def build_tokenizer(spec: str, eod_token: Optional[str] = None) -> Tokenizer:
         "tokenizer.json or a SentencePiece .model (or a folder holding either), a .gguf file, or "
         "gpt2:<vocab.json>:<merges.txt>"
     )
+
+
+def stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids generation stops at: the tokenizer's eos (a chat model's end of turn) and its end
+    of document, each once."""
+    return tuple(dict.fromkeys(t for t in (getattr(tokenizer, "eos", None), tokenizer.eod) if t is not None))

@@ -17,6 +17,7 @@ import dataclasses
 import sys
 from typing import Optional, Sequence
 
+from megatron_ext.data.tokenizers import stop_token_ids
 from megatron_ext.generation import SamplingConfig, generate
 from megatron_ext.models.convert.world import model_parallel_world
 from megatron_ext.models.pretrained import build_from_source
@@ -58,7 +59,7 @@ def run(request: Request) -> list[str]:
 def _worker(request: Request) -> list[str]:
     with model_parallel_world(tp=request.tp):
         chunks, _, tokenizer, vocab = build_from_source(request.model)
-        stops = tuple(t for t in (getattr(tokenizer, "eos", None), tokenizer.eod) if t is not None)
+        stops = stop_token_ids(tokenizer)
         sampling = dataclasses.replace(request.sampling, stop_token_ids=stops)
         outputs = []
         for prompt in request.prompts:

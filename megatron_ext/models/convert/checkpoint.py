@@ -33,6 +33,7 @@ from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
 from megatron_ext.config.schema import Config, LauncherConfig, ModelConfig, ParallelConfig
 from megatron_ext.config.validate import validate
 from megatron_ext.data.gguf_tokenizer import GGUFTokenizer
+from megatron_ext.data.tokenizers import build_tokenizer, stop_token_ids
 from megatron_ext.models.convert.hf import check_free, copy_tokenizer_files, publish, staging_dir, write_hf
 from megatron_ext.models.convert.hf_config import hf_config_from_model
 from megatron_ext.models.convert.llama import logical_to_hf
@@ -136,6 +137,19 @@ def _tokenizer_source(spec: Optional[str]) -> Optional[str]:
     return str(path.parent) if path.name in ("tokenizer.json", "tokenizer.model") or path.suffix == ".model" else None
 
 
+def _run_token_ids(spec: Optional[str]) -> dict[str, Any]:
+    """config.json's token ids for a training run's tokenizer: its bos, and the tokens the
+    runtime's generation stops at (its eos and its end of document) as the eos ids."""
+    if _tokenizer_source(spec) is None:
+        return {}
+    tokenizer = build_tokenizer(spec)
+    stops = stop_token_ids(tokenizer)
+    ids: dict[str, Any] = {"eos_token_id": stops[0] if len(stops) == 1 else list(stops)}
+    if getattr(tokenizer, "bos", None) is not None:
+        ids["bos_token_id"] = tokenizer.bos
+    return ids
+
+
 def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> Path:
     """Write checkpoint `iteration` (default: the latest) of `load` as a Hugging Face folder."""
     iteration = ckpt.latest_iteration(load) if iteration is None else iteration
@@ -146,7 +160,7 @@ def export_checkpoint(load: str, out: str, iteration: Optional[int] = None) -> P
     padded = common["padded_vocab_size"]
     vocab = model.vocab_size or padded
     # Before the slow part: a model no transformers family has is refused here.
-    config = hf_config_from_model(model, vocab, common.get("token_ids"))
+    config = hf_config_from_model(model, vocab, common.get("token_ids") or _run_token_ids(common.get("tokenizer")))
     check_free(Path(out))
     with model_parallel_world():
         chunks = build_model(model, padded)

@@ -181,6 +181,21 @@ def test_record_shapes(tmp_path):
     assert conversations[2].messages == ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"})
 
 
+def test_json_list_and_parquet_hold_the_same_records(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [GOOD, {"prompt": "q", "completion": "a"}]
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    pq.write_table(pa.Table.from_pylist([{"messages": GOOD["messages"]}, {"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]), tmp_path / "d.parquet")
+    from_json = read_conversations(tmp_path / "d.json")
+    from_parquet = read_conversations(tmp_path / "d.parquet")
+    assert [c.messages for c in from_json] == [c.messages for c in from_parquet]
+    assert [c.where for c in from_parquet] == [f"{tmp_path / 'd.parquet'}:row 0", f"{tmp_path / 'd.parquet'}:row 1"]
+    assert from_json[1].where == f"{tmp_path / 'd.json'}:[1]"
+
+
 def test_first_fit_keeps_capacity_and_every_conversation():
     rng = numpy.random.default_rng(0)
     lengths = rng.integers(1, 30, size=200)

@@ -1,21 +1,27 @@
-"""The helper process of megatron's checkpoint writer goes when its worker goes.
+"""The helper process of megatron's checkpoint writer goes when its worker goes, and only then.
 
 megatron-core's dist_checkpointing (torch_dist format) collects a rank's write results through a
 queue served by a `multiprocessing` manager process, which it starts at the rank's first save and
 never stops. A worker that dies abruptly (killed, `os._exit`, the OOM killer) leaves that process
 running for ever, and it holds the worker's stdout and stderr: whoever waits for the end of the
 job's output (a launcher, a test's `subprocess.run`) then waits for ever too. Here the manager
-is started with a watchdog that ends it once its worker is gone; everything else is megatron's.
+is started with a watchdog that ends it once its worker is gone. It ignores the pre-emption
+signals: a signal to the job's process group (`scancel`, Ctrl-C) reaches it too, and killed it
+would take the save under way with it (the writers' results could not be sent: BrokenPipeError);
+the worker decides when to stop, after that save. Everything else is megatron's.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from multiprocessing.managers import SyncManager
 from typing import Optional
+
+from megatron_ext.platform.signals import FORWARDED_REQUEST, PREEMPTION_SIGNALS
 
 # How often the manager looks for its worker, in seconds.
 WATCH_INTERVAL_S = 1.0
@@ -25,8 +31,10 @@ _queue = None
 
 
 def _end_with(worker: int) -> None:
-    """Runs in the manager process before it serves: exit once `worker` is no longer its parent
-    (an orphan is adopted by init or a subreaper)."""
+    """Runs in the manager process before it serves: ignore the pre-emption signals, and exit
+    once `worker` is no longer its parent (an orphan is adopted by init or a subreaper)."""
+    for signum in (*PREEMPTION_SIGNALS, FORWARDED_REQUEST):
+        signal.signal(signum, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == worker:

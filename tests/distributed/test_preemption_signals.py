@@ -74,6 +74,27 @@ def test_signal_saves_and_exits_0(dirs, layout, target, signum, when):
     _assert_resumes(root, paths, stopped_at)
 
 
+# name: the layout of a job that saves every step (its checkpoint writers' helper process is up)
+DURING_SAVES = {"DP=2": (["launcher.nproc=2", "parallel.dp=2"],)}
+SLOW_DURING_SAVES = {"TP=2 x PP=2": (["launcher.nproc=4", "parallel.tp=2", "parallel.pp=2"],)}
+
+
+@pytest.mark.parametrize("layout", _params(DURING_SAVES) + _params(SLOW_DURING_SAVES, pytest.mark.slow))
+def test_a_group_signal_during_a_save_lets_it_finish_and_exits_0(dirs, layout):
+    """scancel while a save is written: the writers outlive the signal, the save completes, the
+    stop checkpoint follows, no staging folder is left."""
+    root, paths = dirs
+    job = Job([*TINY, *layout, *paths, "checkpoint.interval=1"])
+    job.wait_for_step(2)
+    job.wait_until(lambda: any(root.glob(".iter_*.tmp")), "a save", poll_s=0.001)
+    job.signal("group", signal.SIGTERM)
+    assert job.wait() == 0, job.output[-4000:]
+    assert not list(root.glob(".iter_*")) and not job.left_behind()
+    stopped_at = ckpt.latest_iteration(root)
+    assert stopped_at is not None and stopped_at >= 2, job.output[-4000:]
+    _assert_resumes(root, paths, stopped_at)
+
+
 # name: (extra settings, whether a second signal is sent, what the launcher says)
 ABORTS = {"a second signal": ([], True, "aborted (a second SIGTERM)")}
 SLOW_ABORTS = {  # the same path, reached by a timer

@@ -243,9 +243,6 @@ def build_sft_datasets(
         if not indices and name == "test":  # as Megatron-LM: the test set is evaluated where the split has one
             datasets.append(None)
             continue
-        if not indices and name == "test":  # as Megatron-LM: the test set is evaluated where the split has one
-            datasets.append(None)
-            continue
         if not indices:
             raise ValueError(
                 f"data.split={split!r} leaves the {name} split none of the {len(kept)} conversations of "

@@ -34,6 +34,12 @@ class ByteTokenizer(MegatronTokenizerBase):
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` (as `tokenize`) and each token's (start, end) character span in it:
+        every byte of a character spans that character."""
+        offsets = [(i, i + 1) for i, char in enumerate(text) for _ in char.encode("utf-8")]
+        return self.tokenize(text), offsets
+
     def detokenize(self, ids: Iterable[int]) -> str:
         # Special ids are dropped, as Hugging Face's decode does by default.
         data = bytes(int(i) for i in ids if int(i) < self._NUM_BYTES)

@@ -3,7 +3,12 @@
 Shared by the memory model (memory.py) and the cost model (costmodel.py) so both see the same
 work. A *pass* is one packed forward/backward: every active job contributes one micro-batch of
 its samples; the packed batch is right-padded to the longest sequence among them (as
-`batching.pack` does), so a pack's token count is `sum(samples) * max(seq_length)`.
+`batching.pack` does), so a pack's token count is `sum(samples) * max(length)`.
+
+A job's length is what its samples really hold, measured from its data (LoraJob.mean_tokens,
+longest_tokens: conversations of SFT data are as long as they are, each micro-batch padded to
+its longest), else `seq_length`: time counts the mean (`tokens_per_sample`), memory the
+largest (`longest_sample`).
 
 With DP degree `dp`, a job's global batch is split over the replicas: each replica trains
 `ceil(global_batch / dp)` samples per optimizer step, in micro-batches of at most
@@ -98,7 +103,6 @@ class ReplicaWork:
     samples_per_pass: int
     passes_per_step: int
     steps: int
-    seq_length: int
 
     @property
     def passes(self) -> int:
@@ -108,14 +112,20 @@ class ReplicaWork:
 def replica_work(job: LoraJob, dp: int) -> ReplicaWork:
     samples = math.ceil(job.global_batch_size / dp)
     per_pass = min(job.micro_batch_size, samples)
-    return ReplicaWork(per_pass, math.ceil(samples / per_pass), job.steps, job.seq_length)
+    return ReplicaWork(per_pass, math.ceil(samples / per_pass), job.steps)
 
 
-def padded_length(jobs: Sequence[LoraJob]) -> int:
-    return max(j.seq_length for j in jobs)
+def padded_length(jobs: Sequence[LoraJob]) -> float:
+    """The mean length a pass of `jobs` is padded to: the longest of their mean samples."""
+    return max(j.tokens_per_sample for j in jobs)
 
 
-def split_passes(sizes: Sequence[tuple[int, int]], max_tokens: Optional[int]) -> list[list[int]]:
+def longest_padded_length(jobs: Sequence[LoraJob]) -> int:
+    """The most a pass of `jobs` is ever padded to."""
+    return max(j.longest_sample for j in jobs)
+
+
+def split_passes(sizes: Sequence[tuple[int, float]], max_tokens: Optional[int]) -> list[list[int]]:
     """Micro-batches of (samples, sequence length), in order, grouped into passes: greedily,
     whole micro-batches, a pass's padded tokens (its samples x its longest length) at most
     `max_tokens`; a micro-batch over the cap is a pass of its own. None: all in one pass."""
@@ -133,7 +143,8 @@ def split_passes(sizes: Sequence[tuple[int, int]], max_tokens: Optional[int]) ->
     return passes
 
 
-def pass_jobs(jobs: Sequence[LoraJob], dp: int, max_tokens: Optional[int]) -> list[list[LoraJob]]:
-    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas."""
-    sizes = [(replica_work(j, dp).samples_per_pass, j.seq_length) for j in jobs]
+def pass_jobs(jobs: Sequence[LoraJob], dp: int, max_tokens: Optional[int], longest: bool = False) -> list[list[LoraJob]]:
+    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas, their
+    samples of mean length (`longest`: of the largest)."""
+    sizes = [(replica_work(j, dp).samples_per_pass, j.longest_sample if longest else j.tokens_per_sample) for j in jobs]
     return [[jobs[i] for i in group] for group in split_passes(sizes, max_tokens)]

@@ -18,7 +18,6 @@ sweep (runtime/resume.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +28,7 @@ from megatron_ext.config import compose_config
 from megatron_ext.config.schema import Config
 from megatron_ext.config.sweep import Sweep
 from megatron_ext.data import build_tokenizer
-from megatron_ext.lora import tasks
+from megatron_ext.lora import datasets
 from megatron_ext.lora.calibrate import load_coefficients
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
 from megatron_ext.lora.planning import pass_size, planner, report
@@ -40,7 +39,6 @@ from megatron_ext.lora.planning.planner import check_feasible
 from megatron_ext.lora.planning.simulate import simulate
 from megatron_ext.lora.planning.workload import Shapes, shapes_of, tp_divides
 from megatron_ext.lora.runtime import kernels
-from megatron_ext.lora.runtime.batching import ExampleData, SyntheticData
 from megatron_ext.lora.runtime.execute import execute, write_summary
 from megatron_ext.lora.runtime.resume import sweep_plan
 from megatron_ext.models import pretrained
@@ -88,8 +86,10 @@ def jobs_of(cfg: Config) -> list[LoraJob]:
     del defaults["name"]
     if not entries:
         return [job_from_config(cfg, "job")]
+    # A job's tokens per sample are measured from its data (datasets.SweepData), not set.
+    settable = {f.name for f in dataclasses.fields(LoraJob)} - {"mean_tokens", "longest_tokens"}
     for i, entry in enumerate(entries):
-        unknown = set(entry) - {f.name for f in dataclasses.fields(LoraJob)}
+        unknown = set(entry) - settable
         if unknown or "name" not in entry:
             raise ValueError(f"lora.jobs[{i}]: unknown field(s) {sorted(unknown)}" if unknown else f"lora.jobs[{i}] has no name")
     return jobs_from_dicts([dict(e) for e in entries], defaults)
@@ -172,21 +172,6 @@ def _slots_schedule(problem, slots: int):
 # --- running ------------------------------------------------------------------------------------
 
 
-def _data_resolver(tokenizer, vocab_size: int):
-    @functools.lru_cache(maxsize=None)
-    def tokenized(task: str) -> list:
-        return [tasks.chat_ids(tokenizer.tokenize, p, a) for p, a in tasks.examples(task)]
-
-    def data_for(job: LoraJob):
-        if job.dataset == "synthetic":
-            return SyntheticData(job, vocab_size)
-        if job.dataset.startswith("task:"):
-            return ExampleData(job, tokenized(job.dataset[5:]), tokenizer.eod, job.eval_iters * job.micro_batch_size)
-        raise ValueError(f"lora job {job.name!r}: unknown dataset {job.dataset!r}; use synthetic or task:<{'|'.join(tasks.TASKS)}>")
-
-    return data_for
-
-
 def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
     """What the packed runtime cannot do, refused before anything is built."""
     problems = []
@@ -203,8 +188,9 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
             problems.append(f"lora.{key} must be >= 1 {unit} (or null), got {value}")
     problems += filter(None, [pass_size.check_setting(cfg.lora.max_pass_tokens)])
     for job in jobs:
-        if job.dataset != "synthetic" and not (job.dataset.startswith("task:") and job.dataset[5:] in tasks.TASKS):
-            problems.append(f"job {job.name!r}: unknown dataset {job.dataset!r} (synthetic or task:<{'|'.join(tasks.TASKS)}>)")
+        dataset = datasets.problem(job.dataset)
+        if dataset:
+            problems.append(f"job {job.name!r}: dataset {job.dataset!r}: {dataset}")
         if job.seq_length > cfg.model.seq_length:
             problems.append(f"job {job.name!r}: seq_length {job.seq_length} exceeds model.seq_length {cfg.model.seq_length}")
     if problems:
@@ -212,21 +198,25 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
 
 
 def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
-    """Plan and train `jobs` on this world; returns {job: {status, steps, loss, eval_loss}}."""
+    """Plan and train `jobs` on this world; returns {job: {dataset, status, steps, loss,
+    eval_loss, ...}} (eval_loss: the job's validation loss at its end)."""
     check_jobs(cfg, jobs)
     tokenizer = _tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
     # Megatron's global state at TP=1: each pack builds its base on its own groups (runtime/groups.py).
     with model_parallel_world(tp=1):
+        # Every job's data on every rank, before planning: the planner sees the lengths it holds.
+        data = datasets.SweepData(cfg, tokenizer, cfg.model.vocab_size, jobs)
+        jobs = data.jobs
         schedule = plan_sweep(cfg, jobs, dist.get_world_size())
         if dist.get_rank() == 0:
-            print(report.table(schedule), flush=True)
+            print("\n".join([*data.notes, report.table(schedule)]), flush=True)
         # On resume the recorded plan: its packs' checkpoints are of it (runtime/resume.py).
         plan = sweep_plan(cfg.lora.output_dir, jobs, schedule.plan, resume=cfg.lora.resume)
-        results = execute(cfg, jobs, plan, _data_resolver(tokenizer, cfg.model.vocab_size))
+        results = execute(cfg, jobs, plan, data.data_for)
         if dist.get_rank() == 0 and any(r.status in ("queued", "running") for r in results.values()):
             print(f"lora sweep: stopped after lora.stop_after={cfg.lora.stop_after} packed steps; continue with lora.resume=true", flush=True)
-        return write_summary(Path(cfg.lora.output_dir), results)
+        return write_summary(Path(cfg.lora.output_dir), results, jobs)
 
 
 def _tokenizer(cfg: Config):

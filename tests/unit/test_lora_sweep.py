@@ -58,7 +58,7 @@ def test_plain_multi_job_config(tmp_path):
     [
         (["lora.target_modules=[linear_qkv,q_proj]"], r"unknown target module\(s\) \['q_proj'\]"),
         (["lora.jobs=[{name: a, rnak: 4}]"], r"unknown field\(s\) \['rnak'\]"),
-        (["lora.dataset=wikipedia"], "unknown dataset 'wikipedia'"),
+        (["lora.dataset=wikipedia"], "job 'job': dataset 'wikipedia': wikipedia: no such file or folder"),
         (["lora.memory_gb=0.0001"], "cannot fit in memory: job 'job' needs"),
         (["parallel.pp=2"], "needs parallel.pp=1"),
         (["model.arch=hybrid"], "model.arch=gpt only"),

@@ -229,6 +229,8 @@ class DataConfig:
     # Megatron's mock dataset (random tokens of the model's vocabulary), no files read.
     mock: bool = False
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process).
+    # Supervised fine-tuning data: the user's conversations, the loss on the assistant's tokens
+    # (megatron_ext/data/sft/).
     sft: SFTConfig = field(default_factory=SFTConfig)
 
 

@@ -34,6 +34,7 @@ import numpy
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_ext.config.schema import Config
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.data.sft import SFTDataError, sft_files
 from megatron_ext.data.sft.dataset import Conversations, fit_to_length, pad_id, split_conversations, tokenize_sft_files
 from megatron_ext.lora import tasks
@@ -117,8 +118,8 @@ class SweepData:
             if dataset.paths:
                 try:
                     self.sft[job.name], note = self._conversation_data(job, dataset)
-                except ValueError as error:  # SFTDataError names the file:line
-                    raise ValueError(f"lora job {job.name!r}, dataset {job.dataset!r}: {error}") from None
+                except ValueError as error:  # SFTDataError names the file:line; bad input, refused as one line
+                    raise ConfigError("lora", f"job {job.name!r}, dataset {job.dataset!r}: {error}") from None
                 lengths = self.sft[job.name].lengths()
                 job = job.replace(mean_tokens=float(lengths.mean()), longest_tokens=int(lengths.max()))
                 self.notes.append(f"lora job {job.name!r}: {note}; {job.mean_tokens:.1f} tokens a sample on average, "

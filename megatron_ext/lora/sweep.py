@@ -18,6 +18,7 @@ sweep (runtime/resume.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -27,6 +28,7 @@ import yaml
 from megatron_ext.config import compose_config
 from megatron_ext.config.schema import Config
 from megatron_ext.config.sweep import Sweep
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import build_tokenizer
 from megatron_ext.lora import datasets
 from megatron_ext.lora.calibrate import load_coefficients
@@ -46,6 +48,7 @@ from megatron_ext.models.convert.world import model_parallel_world
 
 # Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.
 JOB_SECTIONS = ("lora", "optim", "train")
+NOT_IN_NAMES = re.compile(r"[^\w.-]+")
 
 
 def job_from_config(cfg: Config, name: str) -> LoraJob:
@@ -106,7 +109,9 @@ def multirun_jobs(sweep: Sweep, first: Config) -> tuple[Config, list[LoraJob]]:
     jobs = []
     for combination, cfg in zip(combinations, configs):
         values = dict(o.split("=", 1) for o in combination)
-        name = "-".join(f"{k.split('.')[-1]}{values[k]}" for k in swept) or "job"
+        # A name is a folder of lora.output_dir: a value's other characters (a dataset's path) become "_".
+        named = {k: NOT_IN_NAMES.sub("_", values[k]).strip("_") for k in swept}
+        name = "-".join(f"{k.split('.')[-1]}{named[k]}" for k in swept) or "job"
         jobs += [job.replace(name=f"{name}-{job.name}" if len(jobs_of(cfg)) > 1 else name) for job in jobs_of(cfg)]
     return configs[0], jobs
 
@@ -193,8 +198,8 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
             problems.append(f"job {job.name!r}: dataset {job.dataset!r}: {dataset}")
         if job.seq_length > cfg.model.seq_length:
             problems.append(f"job {job.name!r}: seq_length {job.seq_length} exceeds model.seq_length {cfg.model.seq_length}")
-    if problems:
-        raise ValueError("lora sweep: " + "; ".join(problems))
+    if problems:  # a ConfigError: the command line, or the launcher of the workers, prints its one line
+        raise ConfigError("lora", "; ".join(problems))
 
 
 def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:

@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config import compose_config
+from megatron_ext.config.sweep import read_sweep
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import ByteTokenizer
 from megatron_ext.lora.datasets import SweepData, parse
 from megatron_ext.lora.planning.costmodel import LinearCostModel
 from megatron_ext.lora.planning.memory import FP32, MemoryModel
 from megatron_ext.lora.planning.workload import shapes_of
-from megatron_ext.lora.sweep import CPU_COEFFICIENTS, jobs_of, plan_sweep, run_sweep
+from megatron_ext.lora.sweep import CPU_COEFFICIENTS, jobs_of, multirun_jobs, plan_sweep, run_sweep
 
 VOCAB = ByteTokenizer().vocab_size
 PAD = ByteTokenizer().pad
@@ -111,6 +113,16 @@ def test_a_folder_and_several_files_are_one_dataset(tmp_path):
     assert parse(f"{a} {b}").weights is None and parse(f"0.5 {a} 2 {b}").weights == (0.5, 2.0)
 
 
+def test_a_multirun_over_files_makes_a_job_of_each(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", qa("a", 8, 2))
+    b = write_jsonl(tmp_path / "b.jsonl", qa("b", 8, 2))
+    sweep = read_sweep(["-m", "experiment=lora_sweep", "model=llama_tiny", f"lora.dataset={a},{b}", "lora.rank=4,8"])
+    _, jobs = multirun_jobs(sweep, compose_config(sweep.combinations[0]))
+    assert sorted((j.dataset, j.rank) for j in jobs) == [(str(a), 4), (str(a), 8), (str(b), 4), (str(b), 8)]
+    for job in jobs:  # each job's outputs are one folder of lora.output_dir
+        assert "/" not in job.name and job.name.endswith(f"{Path(job.dataset).name}-rank{job.rank}")
+
+
 def test_the_planner_sees_the_tokens_each_job_really_holds(tmp_path):
     """The lengths measured from the data, not seq_length: the mean sample of the job's micro-
     batches (one a micro-batch here, one epoch) and its longest; a pass then costs and holds
@@ -156,7 +168,7 @@ def test_a_bad_dataset_is_refused_naming_the_job_before_anything_starts(tmp_path
     files["text"].write_text("hello\n")
     cfg = config(tmp_path, "synthetic", f"lora.jobs=[{{name: good}}, {{name: bad, dataset: {dataset.format(**files)}}}]")
     escaped = {name: re.escape(str(path)) for name, path in files.items()}
-    with pytest.raises(ValueError, match=f"job 'bad': dataset .*: {message.format(**escaped)}") as refused:
+    with pytest.raises(ConfigError, match=f"^lora: job 'bad': dataset .*: {message.format(**escaped)}") as refused:
         run_sweep(cfg, jobs_of(cfg))
     assert "\n" not in str(refused.value) and "'good'" not in str(refused.value)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
@@ -169,6 +181,6 @@ def test_a_broken_record_is_refused_as_file_and_line_before_anything_trains(tmp_
     broken.write_text("\n".join(lines[:2] + ['{"prompt": "cut short'] + lines[3:]) + "\n")
     cfg = config(tmp_path, str(good), f"lora.jobs=[{{name: good}}, {{name: bad, dataset: {broken}}}]")
     where = re.escape(str(broken))
-    with pytest.raises(ValueError, match=rf"^lora job 'bad', dataset '{where}': {where}:3: not a JSON object"):
+    with pytest.raises(ConfigError, match=rf"^lora: job 'bad', dataset '{where}': {where}:3: not a JSON object"):
         run_sweep(cfg, jobs_of(cfg))
     assert not (tmp_path / "out").exists()

@@ -90,8 +90,7 @@ class MemoryModel:
     def step_activation_bytes(self, jobs: Sequence[LoraJob], tp: int, dp: int) -> int:
         """Saved activations at the peak of a packed step of `jobs` (in slot order): those of
         its largest pass, each pass padded to its own longest sequence."""
-        passes = pass_jobs(jobs, dp, self.max_pass_tokens, longest=True)
-        return max((self.activation_bytes(p, tp, dp) for p in passes), default=0)
+        return max((self.activation_bytes(p, tp, dp) for p in pass_jobs(jobs, dp, self.max_pass_tokens)), default=0)
 
     def activation_bound(self, jobs: Sequence[LoraJob], slots: int, tp: int, dp: int) -> int:
         """Saved activations that no `slots` of `jobs` active together exceed, in any slot

@@ -15,7 +15,9 @@ With DP degree `dp`, a job's global batch is split over the replicas: each repli
 `micro_batch_size` samples.
 
 Under a cap on a pass's tokens (`split_passes`, the runtime's `max_pass_tokens`) a packed step
-is several passes, each of whole micro-batches in slot order, padded to its own longest sequence.
+is several passes, each of whole micro-batches in slot order, grouped by their jobs' longest
+samples (as the runtime groups them, alike on every DP rank) and padded to its own longest
+sequence.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def longest_padded_length(jobs: Sequence[LoraJob]) -> int:
     return max(j.longest_sample for j in jobs)
 
 
-def split_passes(sizes: Sequence[tuple[int, float]], max_tokens: Optional[int]) -> list[list[int]]:
+def split_passes(sizes: Sequence[tuple[int, int]], max_tokens: Optional[int]) -> list[list[int]]:
     """Micro-batches of (samples, sequence length), in order, grouped into passes: greedily,
     whole micro-batches, a pass's padded tokens (its samples x its longest length) at most
     `max_tokens`; a micro-batch over the cap is a pass of its own. None: all in one pass."""
@@ -143,8 +145,8 @@ def split_passes(sizes: Sequence[tuple[int, float]], max_tokens: Optional[int]) 
     return passes
 
 
-def pass_jobs(jobs: Sequence[LoraJob], dp: int, max_tokens: Optional[int], longest: bool = False) -> list[list[LoraJob]]:
-    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas, their
-    samples of mean length (`longest`: of the largest)."""
-    sizes = [(replica_work(j, dp).samples_per_pass, j.longest_sample if longest else j.tokens_per_sample) for j in jobs]
+def pass_jobs(jobs: Sequence[LoraJob], dp: int, max_tokens: Optional[int]) -> list[list[LoraJob]]:
+    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas, as the
+    runtime splits it: by the jobs' longest samples."""
+    sizes = [(replica_work(j, dp).samples_per_pass, j.longest_sample) for j in jobs]
     return [[jobs[i] for i in group] for group in split_passes(sizes, max_tokens)]

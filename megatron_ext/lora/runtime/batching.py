@@ -187,7 +187,7 @@ def pack(parts: Sequence[tuple[int, MicroBatch]]) -> PackedBatch:
 
     segments, start = [], 0
     for slot, mb in parts:
-        segments.append(Segment(slot, start, start + mb.batch_size))
+        segments.append(Segment(slot, start, start + mb.batch_size, mb.tokens.shape[1]))
         start += mb.batch_size
     tokens = torch.cat([padded(mb.tokens, 0) for _, mb in parts])
     return PackedBatch(

@@ -19,8 +19,8 @@ data.sft.overlong says. Each part is split by conversation (data.split over a sh
 train.seed, so every job reading a file holds out the same conversations of it); a job
 validates on the validation conversations of all its parts. The data is read, and each job's
 real tokens per sample measured (`SweepData.jobs`, the planner's lengths), on every rank before
-planning: a broken record stops the sweep, naming the job and the file:line, before anything
-trains.
+planning: a broken record stops the sweep (a ConfigError naming the job and the file:line)
+before anything trains.
 """
 
 from __future__ import annotations

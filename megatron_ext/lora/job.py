@@ -45,7 +45,7 @@ class LoraJob:
     eval_interval: int = 0  # 0: evaluate at the end only
     eval_iters: int = 2
     # What the job's samples really hold, measured from its data before planning
-    # (datasets.measured): the mean and the largest tokens per sample, each micro-batch padded
+    # (datasets.SweepData): the mean and the largest tokens per sample, each micro-batch padded
     # to its longest sample. None: every sample holds seq_length tokens.
     mean_tokens: Optional[float] = None
     longest_tokens: Optional[int] = None

@@ -4,6 +4,8 @@
     jobs = multirun_jobs(sweep, first)[1]     # or a Hydra multirun's combinations (config/sweep.py)
     summary = run_sweep(cfg, jobs)
 
+Each job's data (datasets.py: its own SFT files, a mix of them, a built-in task or synthetic
+tokens) is read on every rank first, so the planner sees the tokens its samples really hold.
 The world the run is in (one process, or ranks under torchrun) is the planner's devices, one a
 rank. The planner (planning/planner.py) decides which jobs share a pack, how many train at once within
 `lora.memory_gb` per rank, at which TP and DP degree (TP a power of two up to `parallel.tp`, the

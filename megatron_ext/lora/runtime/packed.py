@@ -5,7 +5,8 @@ each job's own loss (its per-token mean over the micro-batch, divided by its num
 accumulation micro-batches): adapter i's parameters only touch job i's batch columns, so
 d(packed loss)/d(adapter i) is exactly the gradient job i gets alone. With `max_pass_tokens`
 a step runs its micro-batches as several passes (whole micro-batches in slot order, each pass
-at most that many padded tokens, a sample counted at its job's longest: workload.split_passes), each a forward and backward whose
+at most that many padded tokens, a sample counted at its job's longest:
+workload.split_passes), each a forward and backward whose
 gradients add to the others': a job sits in one pass, so its gradient is still its own, and
 the activations held at once are one pass's, not the whole step's. Each job steps its own
 optimizer when it has accumulated its global batch, and leaves when it has taken its steps (or

@@ -91,12 +91,13 @@ def jobs_of(cfg: Config) -> list[LoraJob]:
     del defaults["name"]
     if not entries:
         return [job_from_config(cfg, "job")]
-    # A job's tokens per sample are measured from its data (datasets.SweepData), not set.
-    settable = {f.name for f in dataclasses.fields(LoraJob)} - {"mean_tokens", "longest_tokens"}
     for i, entry in enumerate(entries):
-        unknown = set(entry) - settable
+        unknown = set(entry) - {f.name for f in dataclasses.fields(LoraJob)}
         if unknown or "name" not in entry:
             raise ValueError(f"lora.jobs[{i}]: unknown field(s) {sorted(unknown)}" if unknown else f"lora.jobs[{i}] has no name")
+        measured = sorted(k for k in ("mean_tokens", "longest_tokens") if entry.get(k) is not None)
+        if measured:  # datasets.SweepData measures them from the job's data
+            raise ValueError(f"lora.jobs[{i}]: {measured} are measured from the job's data, not set")
     return jobs_from_dicts([dict(e) for e in entries], defaults)
 
 

@@ -513,12 +513,15 @@ def sft_data_fits(cfg: Config, world: int, device: str) -> Optional[str]:
     sft = cfg.data.sft
     if sft is None:
         return None
+    if "lora" in cfg.plugins:  # each job names its files; data=sft says how they render
+        if sft.path:
+            return ("lora jobs read their own data: name the files in each job's dataset; with lora, data=sft "
+                    "sets data.sft.prompt_format and overlong only (data.sft.path=[])")
+        return None
     if not sft.path:
         return "data.sft.path is empty: give the files (or folders) of conversations"
     if cfg.data.mock or cfg.data.data_path:
         return "data.sft.path is the run's data: leave data.mock and data.data_path unset"
-    if "lora" in cfg.plugins:
-        return "lora jobs read their own data: name the files in each job's dataset, not data.sft.path"
     if "dpp" in cfg.plugins:
         return "dpp plans chunks of pre-training documents: it does not read SFT conversations"
     if sft.overlong not in ("truncate", "skip", "error"):

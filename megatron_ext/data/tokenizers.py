@@ -40,14 +40,10 @@ class ByteTokenizer(MegatronTokenizerBase):
         return list(text.encode("utf-8"))
 
     def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """The ids of `text` and each one's (start, end) character span: a character's bytes all
-        span that character."""
-        ids, offsets = [], []
-        for i, char in enumerate(text):
-            data = char.encode("utf-8")
-            ids += data
-            offsets += [(i, i + 1)] * len(data)
-        return ids, offsets
+        """The ids of `text` (as `tokenize`) and each token's (start, end) character span in it:
+        every byte of a character spans that character."""
+        offsets = [(i, i + 1) for i, char in enumerate(text) for _ in char.encode("utf-8")]
+        return self.tokenize(text), offsets
 
     def detokenize(self, ids: Iterable[int]) -> str:
         # Special ids are dropped, as Hugging Face's decode does by default.

@@ -19,8 +19,11 @@ class LoraConfig:
     dropout: float = 0.0  # Dropout probability on the adapter's input (0: none).
     # The linear layers that get adapters: linear_qkv, linear_proj, linear_fc1, linear_fc2.
     target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
-    # "task:<docstring|module|reverse|upper>" (tasks.py, from the standard library) or
-    # "synthetic" (seeded random tokens).
+    # A job's data: SFT files or folders (JSONL / JSON / Parquet of {"messages": [...]} or
+    # {"prompt", "completion"} records, rendered with data.sft.prompt_format, split by
+    # data.split); a weighted mix of them, "0.7 a.jsonl 0.3 b.jsonl" as data.data_path;
+    # "task:<docstring|module|reverse|upper>" (examples from the standard library, tasks.py);
+    # or "synthetic" (seeded random tokens). See lora/datasets.py.
     dataset: str = "task:docstring"
     # A job's sample length (None: model.seq_length).
     seq_length: Optional[int] = None

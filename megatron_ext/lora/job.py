@@ -39,11 +39,16 @@ class LoraJob:
     global_batch_size: int = 1
     seq_length: int = 128
     steps: int = 100
-    # Data: a name the data layer resolves (see runtime/batching.py / sweep.py).
+    # Data: what datasets.py resolves (synthetic, task:<name>, SFT files or a weighted mix).
     dataset: str = "stdlib"
     seed: int = 1234
     eval_interval: int = 0  # 0: evaluate at the end only
     eval_iters: int = 2
+    # What the job's samples really hold, measured from its data before planning
+    # (datasets.SweepData): the mean and the largest tokens per sample, each micro-batch padded
+    # to its longest sample. None: every sample holds seq_length tokens.
+    mean_tokens: Optional[float] = None
+    longest_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Accept lists from YAML / Hydra; keep the value hashable.
@@ -69,6 +74,11 @@ class LoraJob:
             )
         if self.steps < 1 or self.seq_length < 1:
             problems.append(f"steps ({self.steps}) and seq_length ({self.seq_length}) must be >= 1")
+        if (self.mean_tokens is None) != (self.longest_tokens is None) or (
+            self.mean_tokens is not None and not 1 <= self.mean_tokens <= self.longest_tokens <= self.seq_length
+        ):
+            problems.append(f"measured tokens per sample (mean {self.mean_tokens}, longest {self.longest_tokens}) "
+                            f"must both be set, with 1 <= mean <= longest <= seq_length ({self.seq_length})")
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             problems.append(f"lr_decay_style {self.lr_decay_style!r} is not constant|linear|cosine")
         if problems:
@@ -84,12 +94,16 @@ class LoraJob:
         return self.global_batch_size // self.micro_batch_size
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_length
+    def tokens_per_sample(self) -> float:
+        """The tokens a sample of this job holds on average (its passes' time): measured, else
+        seq_length."""
+        return self.seq_length if self.mean_tokens is None else self.mean_tokens
 
     @property
-    def total_tokens(self) -> int:
-        return self.tokens_per_step * self.steps
+    def longest_sample(self) -> int:
+        """The most tokens a sample of this job holds (its passes' memory): measured, else
+        seq_length."""
+        return self.seq_length if self.longest_tokens is None else self.longest_tokens
 
     def replace(self, **changes) -> "LoraJob":
         return dataclasses.replace(self, **changes)

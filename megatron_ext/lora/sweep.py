@@ -4,6 +4,8 @@
     jobs = multirun_jobs(sweep, first)[1]     # or a Hydra multirun's combinations (config/sweep.py)
     summary = run_sweep(cfg, jobs)
 
+Each job's data (datasets.py: its own SFT files, a mix of them, a built-in task or synthetic
+tokens) is read on every rank first, so the planner sees the tokens its samples really hold.
 The world the run is in (one process, or ranks under torchrun) is the planner's devices, one a
 rank. The planner (planning/planner.py) decides which jobs share a pack, how many train at once within
 `lora.memory_gb` per rank, at which TP and DP degree (TP a power of two up to `parallel.tp`, the
@@ -18,7 +20,7 @@ sweep (runtime/resume.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -28,8 +30,9 @@ import yaml
 from megatron_ext.config import compose_config
 from megatron_ext.config.schema import Config
 from megatron_ext.config.sweep import Sweep
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.data import build_tokenizer
-from megatron_ext.lora import tasks
+from megatron_ext.lora import datasets
 from megatron_ext.lora.calibrate import load_coefficients
 from megatron_ext.lora.job import LoraJob, jobs_from_dicts
 from megatron_ext.lora.planning import pass_size, planner, report
@@ -40,7 +43,6 @@ from megatron_ext.lora.planning.planner import check_feasible
 from megatron_ext.lora.planning.simulate import simulate
 from megatron_ext.lora.planning.workload import Shapes, shapes_of, tp_divides
 from megatron_ext.lora.runtime import kernels
-from megatron_ext.lora.runtime.batching import ExampleData, SyntheticData
 from megatron_ext.lora.runtime.execute import execute, write_summary
 from megatron_ext.lora.runtime.resume import sweep_plan
 from megatron_ext.models import pretrained
@@ -48,6 +50,7 @@ from megatron_ext.models.convert.world import model_parallel_world
 
 # Sections a Hydra multirun may vary per job; anything else must be the same for all jobs.
 JOB_SECTIONS = ("lora", "optim", "train")
+NOT_IN_NAMES = re.compile(r"[^\w.-]+")
 
 
 def job_from_config(cfg: Config, name: str) -> LoraJob:
@@ -92,6 +95,9 @@ def jobs_of(cfg: Config) -> list[LoraJob]:
         unknown = set(entry) - {f.name for f in dataclasses.fields(LoraJob)}
         if unknown or "name" not in entry:
             raise ValueError(f"lora.jobs[{i}]: unknown field(s) {sorted(unknown)}" if unknown else f"lora.jobs[{i}] has no name")
+        measured = sorted(k for k in ("mean_tokens", "longest_tokens") if entry.get(k) is not None)
+        if measured:  # datasets.SweepData measures them from the job's data
+            raise ValueError(f"lora.jobs[{i}]: {measured} are measured from the job's data, not set")
     return jobs_from_dicts([dict(e) for e in entries], defaults)
 
 
@@ -106,7 +112,9 @@ def multirun_jobs(sweep: Sweep, first: Config) -> tuple[Config, list[LoraJob]]:
     jobs = []
     for combination, cfg in zip(combinations, configs):
         values = dict(o.split("=", 1) for o in combination)
-        name = "-".join(f"{k.split('.')[-1]}{values[k]}" for k in swept) or "job"
+        # A name is a folder of lora.output_dir: a value's other characters (a dataset's path) become "_".
+        named = {k: NOT_IN_NAMES.sub("_", values[k]).strip("_") for k in swept}
+        name = "-".join(f"{k.split('.')[-1]}{named[k]}" for k in swept) or "job"
         jobs += [job.replace(name=f"{name}-{job.name}" if len(jobs_of(cfg)) > 1 else name) for job in jobs_of(cfg)]
     return configs[0], jobs
 
@@ -172,21 +180,6 @@ def _slots_schedule(problem, slots: int):
 # --- running ------------------------------------------------------------------------------------
 
 
-def _data_resolver(tokenizer, vocab_size: int):
-    @functools.lru_cache(maxsize=None)
-    def tokenized(task: str) -> list:
-        return [tasks.chat_ids(tokenizer.tokenize, p, a) for p, a in tasks.examples(task)]
-
-    def data_for(job: LoraJob):
-        if job.dataset == "synthetic":
-            return SyntheticData(job, vocab_size)
-        if job.dataset.startswith("task:"):
-            return ExampleData(job, tokenized(job.dataset[5:]), tokenizer.eod, job.eval_iters * job.micro_batch_size)
-        raise ValueError(f"lora job {job.name!r}: unknown dataset {job.dataset!r}; use synthetic or task:<{'|'.join(tasks.TASKS)}>")
-
-    return data_for
-
-
 def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
     """What the packed runtime cannot do, refused before anything is built."""
     problems = []
@@ -203,30 +196,35 @@ def check_jobs(cfg: Config, jobs: Sequence[LoraJob]) -> None:
             problems.append(f"lora.{key} must be >= 1 {unit} (or null), got {value}")
     problems += filter(None, [pass_size.check_setting(cfg.lora.max_pass_tokens)])
     for job in jobs:
-        if job.dataset != "synthetic" and not (job.dataset.startswith("task:") and job.dataset[5:] in tasks.TASKS):
-            problems.append(f"job {job.name!r}: unknown dataset {job.dataset!r} (synthetic or task:<{'|'.join(tasks.TASKS)}>)")
+        dataset = datasets.problem(job.dataset)
+        if dataset:
+            problems.append(f"job {job.name!r}: dataset {job.dataset!r}: {dataset}")
         if job.seq_length > cfg.model.seq_length:
             problems.append(f"job {job.name!r}: seq_length {job.seq_length} exceeds model.seq_length {cfg.model.seq_length}")
-    if problems:
-        raise ValueError("lora sweep: " + "; ".join(problems))
+    if problems:  # a ConfigError: the command line, or the launcher of the workers, prints its one line
+        raise ConfigError("lora", "; ".join(problems))
 
 
 def run_sweep(cfg: Config, jobs: Sequence[LoraJob]) -> dict:
-    """Plan and train `jobs` on this world; returns {job: {status, steps, loss, eval_loss}}."""
+    """Plan and train `jobs` on this world; returns {job: {dataset, status, steps, loss,
+    eval_loss, ...}} (eval_loss: the job's validation loss at its end)."""
     check_jobs(cfg, jobs)
     tokenizer = _tokenizer(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tokenizer.vocab_size))
     # Megatron's global state at TP=1: each pack builds its base on its own groups (runtime/groups.py).
     with model_parallel_world(tp=1):
+        # Every job's data on every rank, before planning: the planner sees the lengths it holds.
+        data = datasets.SweepData(cfg, tokenizer, cfg.model.vocab_size, jobs)
+        jobs = data.jobs
         schedule = plan_sweep(cfg, jobs, dist.get_world_size())
         if dist.get_rank() == 0:
-            print(report.table(schedule), flush=True)
+            print("\n".join([*data.notes, report.table(schedule)]), flush=True)
         # On resume the recorded plan: its packs' checkpoints are of it (runtime/resume.py).
         plan = sweep_plan(cfg.lora.output_dir, jobs, schedule.plan, resume=cfg.lora.resume)
-        results = execute(cfg, jobs, plan, _data_resolver(tokenizer, cfg.model.vocab_size))
+        results = execute(cfg, jobs, plan, data.data_for)
         if dist.get_rank() == 0 and any(r.status in ("queued", "running") for r in results.values()):
             print(f"lora sweep: stopped after lora.stop_after={cfg.lora.stop_after} packed steps; continue with lora.resume=true", flush=True)
-        return write_summary(Path(cfg.lora.output_dir), results)
+        return write_summary(Path(cfg.lora.output_dir), results, jobs)
 
 
 def _tokenizer(cfg: Config):

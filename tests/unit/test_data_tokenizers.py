@@ -44,6 +44,17 @@ def test_byte_ids_are_utf8_bytes_and_round_trip():
     assert len(tok.vocab) == tok.vocab_size and tok.inv_vocab[256] == "<eod>"
 
 
+def test_byte_offsets_give_each_byte_its_character():
+    """The reference: each character's own UTF-8 bytes, found one character at a time."""
+    tok = ByteTokenizer()
+    text = "aé€😀 b"
+    ids, offsets = tok.tokenize_with_offsets(text)
+    assert ids == tok.tokenize(text) and len(offsets) == len(ids)
+    assert all(end == start + 1 for start, end in offsets)
+    for i, char in enumerate(text):
+        assert bytes(t for t, (start, _) in zip(ids, offsets) if start == i) == char.encode("utf-8")
+
+
 def test_byte_detokenize_drops_specials_and_replaces_broken_utf8():
     tok = ByteTokenizer()
     assert tok.detokenize([104, 256, 105, 257]) == "hi"

@@ -58,7 +58,8 @@ def test_plain_multi_job_config(tmp_path):
     [
         (["lora.target_modules=[linear_qkv,q_proj]"], r"unknown target module\(s\) \['q_proj'\]"),
         (["lora.jobs=[{name: a, rnak: 4}]"], r"unknown field\(s\) \['rnak'\]"),
-        (["lora.dataset=wikipedia"], "unknown dataset 'wikipedia'"),
+        (["lora.jobs=[{name: a, mean_tokens: 4}]"], r"lora.jobs\[0\]: \['mean_tokens'\] are measured from the job's data"),
+        (["lora.dataset=wikipedia"], "job 'job': dataset 'wikipedia': wikipedia: no such file or folder"),
         (["lora.memory_gb=0.0001"], "cannot fit in memory: job 'job' needs"),
         (["parallel.pp=2"], "needs parallel.pp=1"),
         (["model.arch=hybrid"], "model.arch=gpt only"),
@@ -67,7 +68,7 @@ def test_plain_multi_job_config(tmp_path):
         (["lora.max_pass_tokens=big"], r"lora.max_pass_tokens must be 'auto', null or >= 1 tokens, got 'big'"),
         (["parallel.tp=2"], r"parallel.tp=2 \(the largest TP a pack may use\) does not divide the world of 1 rank"),
     ],
-    ids=["target-module", "job-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap", "pass-cap-word", "max-tp"],
+    ids=["target-module", "job-field", "measured-field", "dataset", "memory", "pipeline", "arch", "kernel", "pass-cap", "pass-cap-word", "max-tp"],
 )
 def test_bad_input_is_refused_before_training(tmp_path, overrides, message):
     out = tmp_path / "out"

@@ -165,6 +165,12 @@ def fit_to_length(conversations: Conversations, capacity: int, overlong: str) ->
     return kept, {"conversations": len(lengths), "truncated": truncated, "skipped": skipped}
 
 
+def pad_id(tokenizer) -> int:
+    """The id that pads samples: the tokenizer's pad token, else its end of document."""
+    pad = getattr(tokenizer, "pad", None)
+    return tokenizer.eod if pad is None or pad < 0 else pad
+
+
 def split_conversations(kept: Sequence[int], split: str, seed: int) -> list[list[int]]:
     """[train, valid, test] conversation indices: `split`'s shares of a seeded shuffle."""
     order = numpy.random.default_rng(seed).permutation(numpy.asarray(kept, dtype=numpy.int64))
@@ -233,8 +239,7 @@ def build_sft_datasets(
     conversations = tokenize_sft_files(sft.path, tokenizer, sft.prompt_format, cache_dir)
     kept, counts = fit_to_length(conversations, seq_length + 1, sft.overlong)
     splits = split_conversations(kept, split, seed)
-    pad = getattr(tokenizer, "pad", None)
-    pad = tokenizer.eod if pad is None or pad < 0 else pad
+    pad = pad_id(tokenizer)
     datasets = []
     for name, indices, samples in zip(("train", "valid", "test"), splits, num_samples):
         if samples == 0:

@@ -37,7 +37,7 @@ class PassWork:
     """What one pass of `jobs` does on each device of a tp x dp group."""
 
     jobs: int
-    tokens: int  # packed, padded tokens on one replica
+    tokens: float  # packed, padded tokens on one replica (samples of their mean length)
     base_flops: float  # frozen linears and the output layer: forward + input gradient
     lora_flops: float
     attention_flops: float

@@ -9,7 +9,8 @@ over DP, each replica trains its share of every job's batch):
   - per job, its adapter's parameters on this TP rank (lora/runtime/layers.py layout) times the bytes of
     its training state (parameter, gradient, Adam moments, fp32 main copy in low precision);
   - activations saved for backward of one packed pass: the tokens of every job's micro-batch,
-    padded to the longest sequence in the pack. Under the runtime's cap on a pass's tokens
+    padded to the longest sequence in the pack (each job's largest sample: LoraJob.longest_sample,
+    its data's when measured). Under the runtime's cap on a pass's tokens
     (`max_pass_tokens`) a packed step is several passes, one after another (workload.split_passes),
     and only the largest pass's activations are held at once.
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megatron_ext.lora.job import LoraJob
-from megatron_ext.lora.planning.workload import Shapes, pass_jobs, padded_length, replica_work
+from megatron_ext.lora.planning.workload import Shapes, longest_padded_length, pass_jobs, replica_work
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class MemoryModel:
         """Saved activations of one pass of `jobs`, padded to `seq` (default: their longest)."""
         if not jobs:
             return 0
-        seq = seq or padded_length(jobs)
+        seq = seq or longest_padded_length(jobs)
         return sum(replica_work(j, dp).samples_per_pass * seq * self.token_bytes(j, tp, seq) for j in jobs)
 
     def step_activation_bytes(self, jobs: Sequence[LoraJob], tp: int, dp: int) -> int:
@@ -96,7 +97,7 @@ class MemoryModel:
         order: the `slots` largest, padded to the longest sequence of all; under a cap a pass
         holds no more than that, and either one micro-batch alone or at most the cap's tokens,
         each at most the costliest job's bytes per token at that length."""
-        seq = padded_length(jobs)
+        seq = longest_padded_length(jobs)
         alone = sorted((self.activation_bytes([j], tp, dp, seq) for j in jobs), reverse=True)
         together = sum(alone[:slots])
         if self.max_pass_tokens is None:

@@ -175,8 +175,8 @@ def _chain(problem: Problem, names: tuple[str, ...], shape: Shape) -> tuple[floa
     key = (names, shape)
     if key in problem._chains:
         return problem._chains[key]
-    order = sorted(names, key=lambda n: (-problem.by_name[n].seq_length, -problem.solo_duration(problem.by_name[n], shape), n))
-    lengths = [problem.by_name[n].seq_length for n in order]
+    order = sorted(names, key=lambda n: (-problem.by_name[n].tokens_per_sample, -problem.solo_duration(problem.by_name[n], shape), n))
+    lengths = [problem.by_name[n].tokens_per_sample for n in order]
     cuts = [i for i in range(1, len(order)) if len(order) <= FINE_SPLIT_JOBS or lengths[i] != lengths[i - 1]]
     points = [0] + cuts + [len(order)]
     best: dict[int, tuple[float, Chain]] = {0: (0.0, ())}

@@ -3,14 +3,21 @@
 Shared by the memory model (memory.py) and the cost model (costmodel.py) so both see the same
 work. A *pass* is one packed forward/backward: every active job contributes one micro-batch of
 its samples; the packed batch is right-padded to the longest sequence among them (as
-`batching.pack` does), so a pack's token count is `sum(samples) * max(seq_length)`.
+`batching.pack` does), so a pack's token count is `sum(samples) * max(length)`.
+
+A job's length is what its samples really hold, measured from its data (LoraJob.mean_tokens,
+longest_tokens: conversations of SFT data are as long as they are, each micro-batch padded to
+its longest), else `seq_length`: time counts the mean (`tokens_per_sample`), memory the
+largest (`longest_sample`).
 
 With DP degree `dp`, a job's global batch is split over the replicas: each replica trains
 `ceil(global_batch / dp)` samples per optimizer step, in micro-batches of at most
 `micro_batch_size` samples.
 
 Under a cap on a pass's tokens (`split_passes`, the runtime's `max_pass_tokens`) a packed step
-is several passes, each of whole micro-batches in slot order, padded to its own longest sequence.
+is several passes, each of whole micro-batches in slot order, grouped by their jobs' longest
+samples (as the runtime groups them, alike on every DP rank) and padded to its own longest
+sequence.
 """
 
 from __future__ import annotations
@@ -98,7 +105,6 @@ class ReplicaWork:
     samples_per_pass: int
     passes_per_step: int
     steps: int
-    seq_length: int
 
     @property
     def passes(self) -> int:
@@ -108,11 +114,17 @@ class ReplicaWork:
 def replica_work(job: LoraJob, dp: int) -> ReplicaWork:
     samples = math.ceil(job.global_batch_size / dp)
     per_pass = min(job.micro_batch_size, samples)
-    return ReplicaWork(per_pass, math.ceil(samples / per_pass), job.steps, job.seq_length)
+    return ReplicaWork(per_pass, math.ceil(samples / per_pass), job.steps)
 
 
-def padded_length(jobs: Sequence[LoraJob]) -> int:
-    return max(j.seq_length for j in jobs)
+def padded_length(jobs: Sequence[LoraJob]) -> float:
+    """The mean length a pass of `jobs` is padded to: the longest of their mean samples."""
+    return max(j.tokens_per_sample for j in jobs)
+
+
+def longest_padded_length(jobs: Sequence[LoraJob]) -> int:
+    """The most a pass of `jobs` is ever padded to."""
+    return max(j.longest_sample for j in jobs)
 
 
 def split_passes(sizes: Sequence[tuple[int, int]], max_tokens: Optional[int]) -> list[list[int]]:
@@ -134,6 +146,7 @@ def split_passes(sizes: Sequence[tuple[int, int]], max_tokens: Optional[int]) ->
 
 
 def pass_jobs(jobs: Sequence[LoraJob], dp: int, max_tokens: Optional[int]) -> list[list[LoraJob]]:
-    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas."""
-    sizes = [(replica_work(j, dp).samples_per_pass, j.seq_length) for j in jobs]
+    """The passes of one packed step of `jobs` (in slot order) on each of `dp` replicas, as the
+    runtime splits it: by the jobs' longest samples."""
+    sizes = [(replica_work(j, dp).samples_per_pass, j.longest_sample) for j in jobs]
     return [[jobs[i] for i in group] for group in split_passes(sizes, max_tokens)]

@@ -12,8 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
+import numpy
 import torch
+from megatron.core.datasets import helpers
+from megatron.core.datasets.utils import normalize
 
+from megatron_ext.data.sft.dataset import Conversations
+from megatron_ext.data.sft.packing import build_sample
 from megatron_ext.lora.job import LoraJob
 from megatron_ext.lora.runtime.layers import Segment
 
@@ -107,6 +112,63 @@ class ExampleData:
         return [self._batch(self.eval_examples[i : i + mb]) for i in range(0, len(self.eval_examples) - mb + 1, mb)]
 
 
+class ConversationData:
+    """SFT conversations (data/sft), one a sample, the loss on the assistant's tokens exactly as
+    data/sft/packing.build_sample puts it; each micro-batch padded to its longest sample.
+
+    `train[i]`: the training conversations of part i of a mix, `weights[i]` its share. The job
+    trains on `steps x global_batch_size` samples: each part is read in epochs, each epoch a
+    shuffle seeded by (job seed, part, epoch), and the parts are blended in megatron's order
+    (BlendedDataset's build_blending_indices: sample k comes from the part furthest behind its
+    share). Evaluation: the first `job.eval_iters` micro-batches of the conversations `valid`.
+    Every conversation is cut to seq_length + 1 tokens."""
+
+    def __init__(
+        self,
+        job: LoraJob,
+        conversations: Conversations,
+        train: Sequence[Sequence[int]],
+        weights: Sequence[float],
+        valid: Sequence[int],
+        pad: int,
+    ) -> None:
+        self.job, self.conversations, self.pad = job, conversations, pad
+        samples = job.steps * job.global_batch_size
+        part = numpy.zeros(samples, dtype=numpy.int16)
+        nth = numpy.zeros(samples, dtype=numpy.int64)
+        helpers.build_blending_indices(part, nth, numpy.asarray(normalize(list(weights)), dtype=numpy.float64),
+                                       len(weights), samples, False)
+        self.order = numpy.zeros(samples, dtype=numpy.int64)
+        for i, indices in enumerate(train):
+            taken = nth[part == i]
+            if len(taken):
+                epochs = [numpy.random.default_rng([job.seed, i, e]).permutation(numpy.asarray(indices, dtype=numpy.int64))
+                          for e in range(int(taken.max()) // len(indices) + 1)]
+                self.order[part == i] = numpy.concatenate(epochs)[taken]
+        mb = job.micro_batch_size
+        self.valid = list(valid)[: job.eval_iters * mb]
+        self.sizes = numpy.minimum(conversations.lengths(), job.seq_length + 1)
+
+    def _batch(self, indices: Sequence[int]) -> MicroBatch:
+        length = int(self.sizes[list(indices)].max()) - 1
+        built = [build_sample([self.conversations.piece(i, self.job.seq_length + 1)], length, self.pad) for i in indices]
+        return MicroBatch(*(torch.stack([b[key] for b in built]) for key in ("tokens", "labels", "loss_mask")))
+
+    def _groups(self, indices: Sequence[int]) -> list[Sequence[int]]:
+        mb = self.job.micro_batch_size
+        return [indices[i : i + mb] for i in range(0, len(indices), mb)]
+
+    def lengths(self) -> numpy.ndarray:
+        """The tokens a sample of each training micro-batch holds (its longest sample's)."""
+        return numpy.array([int(self.sizes[group].max()) - 1 for group in self._groups(self.order)])
+
+    def train(self) -> Iterator[MicroBatch]:
+        return (self._batch(group) for group in self._groups(self.order))
+
+    def eval(self) -> list[MicroBatch]:
+        return [self._batch(group) for group in self._groups(self.valid)]
+
+
 @dataclass
 class PackedBatch:
     tokens: torch.Tensor
@@ -125,7 +187,7 @@ def pack(parts: Sequence[tuple[int, MicroBatch]]) -> PackedBatch:
 
     segments, start = [], 0
     for slot, mb in parts:
-        segments.append(Segment(slot, start, start + mb.batch_size))
+        segments.append(Segment(slot, start, start + mb.batch_size, mb.tokens.shape[1]))
         start += mb.batch_size
     tokens = torch.cat([padded(mb.tokens, 0) for _, mb in parts])
     return PackedBatch(

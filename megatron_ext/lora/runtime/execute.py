@@ -140,10 +140,13 @@ def _gathered(results: dict[str, JobResult], jobs: Sequence[LoraJob]) -> dict[st
     return {j.name: merged[j.name] for j in jobs}
 
 
-def write_summary(out: Path, results: dict[str, JobResult]) -> dict:
-    """{job: status, steps, losses, ...}; rank 0 writes it and each job's metrics.json."""
+def write_summary(out: Path, results: dict[str, JobResult], jobs: Sequence[LoraJob]) -> dict:
+    """{job: dataset, status, steps, losses, validation losses, ...} of `results` (of `jobs`);
+    rank 0 writes it and each job's metrics.json, and prints it as a table."""
+    datasets = {j.name: j.dataset for j in jobs}
     summary = {
         name: {
+            "dataset": datasets[name],
             "status": r.status,
             "steps": r.steps,
             "loss": r.losses[-1] if r.losses else None,
@@ -164,9 +167,12 @@ def write_summary(out: Path, results: dict[str, JobResult]) -> dict:
 
 
 def summary_table(summary: dict) -> str:
-    rows = [("job", "status", "steps", "train loss", "eval loss before", "eval loss after")]
+    """One row a job: its dataset, how it ended, its last training loss and its validation loss
+    before and after training."""
+    rows = [("job", "dataset", "status", "steps", "train loss", "valid loss before", "valid loss after")]
     for name, s in summary.items():
         fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
-        rows.append((name, s["status"], str(s["steps"]), fmt(s["loss"]), fmt(s["first_eval_loss"]), fmt(s["eval_loss"])))
+        rows.append((name, s["dataset"], s["status"], str(s["steps"]), fmt(s["loss"]), fmt(s["first_eval_loss"]),
+                     fmt(s["eval_loss"])))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows)

@@ -49,11 +49,13 @@ TARGET_PARENTS = {
 
 @dataclass(frozen=True)
 class Segment:
-    """Batch columns [start, stop) of the packed micro-batch belong to adapter `slot`."""
+    """Batch columns [start, stop) of the packed micro-batch belong to adapter `slot`; its
+    samples hold `length` positions (the rest is padding to its pass partners' length)."""
 
     slot: int
     start: int
     stop: int
+    length: int
 
 
 @dataclass
@@ -185,7 +187,7 @@ class MultiLoraLinear(nn.Module):
         seq = x.shape[0]
         adapters = [self.adapters[str(s.slot)] for s in segments]
         # Rows of a segment in [b, s] order: one adapter's samples are then contiguous rows.
-        xs = [self._dropped(part, s.slot, a.dropout).transpose(0, 1).reshape(-1, x.shape[-1])
+        xs = [self._dropped(part, s, a.dropout).transpose(0, 1).reshape(-1, x.shape[-1])
               for s, a, part in zip(segments, adapters, _columns(x, segments))]
         kernel = kernels.select(x.device, x.dtype, self.routing.kernel)
         ss = kernel.shrink(xs, [a.a for a in adapters])
@@ -209,12 +211,16 @@ class MultiLoraLinear(nn.Module):
         mapped = region(flat, group=self.tp_group)
         return [piece.view_as(s) for piece, s in zip(mapped.split([s.numel() for s in ss]), ss)]
 
-    def _dropped(self, x: torch.Tensor, slot: int, p: float) -> torch.Tensor:
+    def _dropped(self, x: torch.Tensor, segment: Segment, p: float) -> torch.Tensor:
+        """x [s, rows, in] of `segment` with its dropout."""
         if p == 0.0 or not self.training:
             return x
-        # The mask is drawn over the logical input and sliced, so it does not depend on TP.
-        shape = (*x.shape[:-1], self.in_features)
-        keep = torch.rand(shape, generator=self.routing.generators[slot], dtype=torch.float32) >= p
+        # The mask is drawn over the logical input and sliced, so it does not depend on TP; and
+        # over the segment's own positions, so it does not depend on the padding its partners'
+        # lengths add (the slot's generator runs on through every layer). Padding keeps all.
+        shape = (segment.length, *x.shape[1:-1], self.in_features)
+        keep = torch.rand(shape, generator=self.routing.generators[segment.slot], dtype=torch.float32) >= p
+        keep = torch.cat([keep, keep.new_ones(x.shape[0] - segment.length, *shape[1:])])
         if not self.column:
             keep = keep.chunk(self.tp, dim=-1)[self.tp_rank]
         return x * keep.to(x.device, x.dtype) / (1.0 - p)

@@ -5,7 +5,8 @@ each job's own loss (its per-token mean over the micro-batch, divided by its num
 accumulation micro-batches): adapter i's parameters only touch job i's batch columns, so
 d(packed loss)/d(adapter i) is exactly the gradient job i gets alone. With `max_pass_tokens`
 a step runs its micro-batches as several passes (whole micro-batches in slot order, each pass
-at most that many padded tokens, workload.split_passes), each a forward and backward whose
+at most that many padded tokens, a sample counted at its job's longest:
+workload.split_passes), each a forward and backward whose
 gradients add to the others': a job sits in one pass, so its gradient is still its own, and
 the activations held at once are one pass's, not the whole step's. Each job steps its own
 optimizer when it has accumulated its global batch, and leaves when it has taken its steps (or
@@ -17,8 +18,9 @@ gradients over the group (the base is frozen and has none), so each optimizer st
 global batch, normalised the same way, as on one rank. A job's micro-batches per step must be a
 multiple of D. Dropout masks are drawn per micro-batch from (job seed, micro-batch index), so they
 do not depend on D either, nor on where a resumed run stopped. Under a pass cap every rank
-splits a step alike (a job's micro-batches have one shape on every rank), and the gradients
-are still summed once per step, after its last pass.
+splits a step alike: by each job's longest sample (LoraJob.longest_sample), not by the lengths
+of the micro-batches this rank holds, which differ between ranks for data of varying lengths;
+and the gradients are still summed once per step, after its last pass.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ class PackedTrainer:
         self.routing.generators = {slot: self._dropout_generator(self.active[slot]) for slot in order}
         earlier = self._take_grads(order) if self.dp > 1 else {}
         values: dict[int, float] = {}
-        for group in split_passes([tuple(mb.tokens.shape) for _, mb in parts], self.max_pass_tokens):
+        sizes = [(mb.batch_size, self.active[slot].job.longest_sample) for slot, mb in parts]
+        for group in split_passes(sizes, self.max_pass_tokens):
             values.update(self._pass([parts[i] for i in group]))
         if self.dp > 1:
             self._reduce_grads(earlier)
@@ -219,15 +222,17 @@ class PackedTrainer:
         self.routing.segments = batch.segments
         losses = token_losses(self.model, batch.tokens, batch.position_ids, batch.labels)
         mask = batch.loss_mask.to(losses.device, losses.dtype)
-        job_losses = {}
+        job_losses, tokens = {}, {}
         for seg, (_, mb) in zip(batch.segments, parts):
             active = self.active[seg.slot]
             # Its own tokens only: the padding its pass partners' lengths add would change the
             # rounding of its loss and its token count.
             own = (slice(seg.start, seg.stop), slice(0, mb.tokens.shape[1]))
             job_losses[seg.slot] = (losses[own] * mask[own]).sum() / mask[own].sum().clamp(min=1) / active.job.accumulation_steps
-            active.result.tokens += mb.tokens.numel() * self.dp
-        values = self._sum_over_dp(job_losses)
+            tokens[seg.slot] = mb.tokens.numel()
+        values, tokens = self._sum_over_dp(job_losses, tokens)
+        for slot, count in tokens.items():
+            self.active[slot].result.tokens += int(count)
         kept = [loss for slot, loss in job_losses.items() if math.isfinite(values[slot])]
         if kept:
             torch.stack(kept).sum().backward()
@@ -237,13 +242,15 @@ class PackedTrainer:
         index = active.consumed + self.dp_rank  # this rank's micro-batch of the job's stream
         return torch.Generator().manual_seed((active.job.seed * 1_000_033 + index) % 2**63)
 
-    def _sum_over_dp(self, job_losses: dict[int, torch.Tensor]) -> dict[int, float]:
-        """Each job's loss summed over the DP ranks (non-finite when it is on any rank)."""
+    def _sum_over_dp(self, job_losses: dict[int, torch.Tensor], tokens: dict[int, int]) -> tuple[dict[int, float], dict[int, float]]:
+        """Each job's loss (non-finite when it is on any rank) and tokens, summed over the DP
+        ranks (whose micro-batches may differ in length)."""
         slots = sorted(job_losses)
-        values = torch.tensor([float(job_losses[slot].detach()) for slot in slots], dtype=torch.float64)
+        values = torch.tensor([float(job_losses[slot].detach()) for slot in slots] + [tokens[slot] for slot in slots],
+                              dtype=torch.float64)
         if self.dp > 1:
             dist.all_reduce(values, group=self.dp_group)
-        return dict(zip(slots, values.tolist()))
+        return dict(zip(slots, values[: len(slots)].tolist())), dict(zip(slots, values[len(slots) :].tolist()))
 
     def _take_grads(self, slots: list[int]) -> dict[torch.nn.Parameter, Optional[torch.Tensor]]:
         """Detach the gradients accumulated so far (the same on every DP rank), so that only

@@ -64,7 +64,7 @@ def check_inputs(cfg: Config, tokenize_sft: bool = True) -> None:
     `tokenize_sft`: read and tokenize the SFT conversations here (into the cache the ranks then
     read), so that a broken record is named before any worker starts."""
     check_data(cfg.data)
-    if cfg.data.sft is not None and tokenize_sft:
+    if cfg.data.sft is not None and cfg.data.sft.path and tokenize_sft:
         check_sft_data(cfg)
     check_vocabulary(cfg)
     if cfg.model.pretrained:

@@ -33,7 +33,7 @@ def test_elastic_run_distils_packed_sft_conversations(tmp_path):
     summary = run(compose_config([
         "experiment=none", "plugin=elastic", "launcher.device=cpu", "logging.progress_bar=false", "model.num_layers=2",
         "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2",
-        "model.seq_length=128", "train.micro_batch_size=2", "train.global_batch_size=4", "train.iters=3",
+        "model.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=4", "train.iters=3",
         "train.eval_interval=0", "elastic.calibration_batches=2", "elastic.grid={hidden: [32,48,64], heads: [2,4], ffn: [64,96,128]}",
         "elastic.router_warmup_steps=20", "elastic.budget_draw=sample", "elastic.distill_tokens=all", "elastic.ce_weight=0.5",
         "data=sft", f"data.sft.path=[{tmp_path / 'sums.jsonl'}]", "data.tokenizer=byte", "data.sft.prompt_format=chatml",

@@ -38,11 +38,11 @@ class ElasticConfig:
     budget_share: int = 1
     temperature: float = 1.0  # Softmax temperature of the distillation loss KL(teacher || student) (times its square).
     ce_weight: float = 0.0  # Weight of the next-token loss added to the distillation loss (0: distillation alone).
-    # Which tokens the distillation loss covers (and counts in its per-token mean): "loss_mask",
-    # the batch's loss mask (with data=sft the assistant's tokens; with pre-training data every
-    # token), or "all", every token of each conversation whose next token is of the same
-    # conversation (prompts too; not the padding, not across conversations; with pre-training
-    # data the loss mask). The next-token loss (ce_weight) stays on the loss mask.
+    # Which tokens the distillation loss covers and counts in its per-token mean: "loss_mask",
+    # the batch's loss mask (with data=sft the assistant's tokens), or "all", every token of each
+    # conversation whose next token is of the same conversation (the prompts too; not the
+    # padding, not across conversations); pre-training batches hold no conversations, so there
+    # "all" is the loss mask. The next-token loss (ce_weight) stays on the loss mask.
     distill_tokens: str = "loss_mask"
     # Micro-batches of the whole run (all replicas together) the importance is measured on.
     calibration_batches: int = 4

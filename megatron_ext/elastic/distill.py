@@ -215,8 +215,8 @@ class Distiller:
             return activations, reduce
         else:
             teacher_logits = self.teacher_logits.pop(0)
-        # Where the KD loss covers more than the loss mask, the next-token loss keeps to the loss
-        # mask within it.
+        # The next-token loss keeps to the loss mask: where the KD tokens are more (distill_tokens
+        # "all" on SFT data, a superset of the loss mask), its per-token loss is masked here.
         ce_mask = None if covered is batch["loss_mask"] else batch["loss_mask"]
 
         def per_token(group: BudgetGroup, logits: torch.Tensor) -> torch.Tensor:

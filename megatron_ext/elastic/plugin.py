@@ -8,7 +8,10 @@ beside the student on every rank. Each step then runs megatron's own schedule wi
 distillation forward step (`distill.py`): per micro-batch (`budget_draw=micro_batch`, the default)
 a budget is drawn and the router samples its sizes, or per sample (`budget_draw=sample`) a budget
 is drawn, the router picks each budget's sizes and the student runs each micro-batch's budget
-groups at their sizes (`grouped.py`); the student learns the teacher's distribution. The router
+groups at their sizes (`grouped.py`); the student learns the teacher's distribution on the tokens
+`distill_tokens` names. The data may be `data=sft` conversations: every forward the plugin runs
+(calibration, the quality start, the teacher, the student) takes the batch's attention mask, so
+the conversations of a packed sample attend each to itself. The router
 has its own Adam and learning rate and steps after the model's optimizer; its gradients are
 summed over the data-parallel replicas. Evaluation runs the full model. At the end, with
 `export_dir`, the nested checkpoint (every budget at once; under TP and PP joined from the ranks'

@@ -19,8 +19,9 @@ from megatron_ext.platform.atomic_index_writes import make_index_writes_atomic
 from megatron_ext.platform.blended_dataset_rank import single_process_is_rank_zero
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-# Keys some datasets add: packed SFT samples number their conversations (data/sft/packing.py).
-OPTIONAL_BATCH_KEYS = ("document_ids",)
+# Keys some datasets add: SFT samples mark every token a conversation predicts of itself, packed
+# ones number their conversations (data/sft/packing.py).
+OPTIONAL_BATCH_KEYS = ("conversation_mask", "document_ids")
 
 
 def _always() -> bool:

@@ -38,6 +38,12 @@ class ElasticConfig:
     budget_share: int = 1
     temperature: float = 1.0  # Softmax temperature of the distillation loss KL(teacher || student) (times its square).
     ce_weight: float = 0.0  # Weight of the next-token loss added to the distillation loss (0: distillation alone).
+    # Which tokens the distillation loss covers and counts in its per-token mean: "loss_mask",
+    # the batch's loss mask (with data=sft the assistant's tokens), or "all", every token of each
+    # conversation whose next token is of the same conversation (the prompts too; not the
+    # padding, not across conversations); pre-training batches hold no conversations, so there
+    # "all" is the loss mask. The next-token loss (ce_weight) stays on the loss mask.
+    distill_tokens: str = "loss_mask"
     # Micro-batches of the whole run (all replicas together) the importance is measured on.
     calibration_batches: int = 4
     router_hidden: int = 64  # Hidden width of the router's MLP per axis kind.
@@ -58,6 +64,7 @@ class ElasticConfig:
 
 
 ROUTER_STARTS = ("quality", "cost")
+DISTILL_TOKENS = ("loss_mask", "all")
 
 # A live move carries the trainer's model and optimizer only.
 WITH_RESHARD = ("elastic with reshard is not supported: a live move would not carry elastic's frozen teacher (the "
@@ -88,12 +95,18 @@ def model_space_refusals(model: ModelConfig) -> list[tuple[str, str]]:
     return [(field, what) for bad, field, what in found if bad]
 
 
+def check_distill_tokens(value: str) -> None:
+    if value not in DISTILL_TOKENS:
+        raise ConfigError("elastic.distill_tokens", f"{value!r} is not one of {', '.join(DISTILL_TOKENS)}")
+
+
 def check(own: ElasticConfig, cfg: Config, world_size: int) -> None:
     """A run with reshard, or a model with options elastic's axes do not slice, is refused."""
     if "reshard" in cfg.plugins:
         raise ConfigError("plugins", WITH_RESHARD)
     if own.router_start not in ROUTER_STARTS:
         raise ConfigError("elastic.router_start", f"{own.router_start!r} is not one of {', '.join(ROUTER_STARTS)}")
+    check_distill_tokens(own.distill_tokens)
     refusals = [(field, f"elastic does not support {what}") for field, what in model_space_refusals(cfg.model)]
     if refusals:
         raise ConfigError(*refusals[0], refusals[1:])

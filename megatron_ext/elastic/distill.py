@@ -15,9 +15,13 @@ micro-batch the samples are grouped by budget and the student runs each group at
 draws are keyed by the window of `budget_share` consecutive global micro-batches instead of the
 micro-batch (per sample: by the window and the sample's row), so the micro-batches of a window
 train at the same budgets and router sample: what the replicas of an expert-parallel group need,
-as their experts compute each other's tokens (`expert_parallel.py`). Every token learns the teacher's
-distribution: forward KL(teacher || student) at temperature T (times T^2), optionally plus
-`ce_weight` times the next-token loss, reduced per token over the micro-batch as megatron does.
+as their experts compute each other's tokens (`expert_parallel.py`). The tokens `distill_tokens`
+names (`distilled_tokens`: the loss mask, or every token a conversation predicts of itself) learn
+the teacher's distribution: forward KL(teacher || student) at temperature T (times T^2),
+optionally plus `ce_weight` times the next-token loss on the loss-mask tokens, reduced per token
+over the micro-batch as megatron does, counting the distilled tokens. The student and the teacher
+run with the batch's attention mask (`data.sft.attention_mask_of`: a packed SFT sample's
+conversations each attend to themselves), so a packed sample distils as its conversations alone.
 
 `Distiller.forward_step` has megatron's `forward_step(data_iterator, model)` contract, so the
 Trainer runs it through megatron's own schedules (the `elastic` plugin), and `train_plain` runs
@@ -38,6 +42,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_ext.data.sft.packing import attention_mask_of
+from megatron_ext.elastic.config import check_distill_tokens
 from megatron_ext.elastic.grouped import BudgetGroup, group_by_budget, run_groups
 from megatron_ext.elastic.pipeline import chunk_index, holds_logits
 from megatron_ext.elastic.router import BudgetRouter, Choice, ExpectedGap, cost_gap_loss, cost_of
@@ -62,10 +68,13 @@ class CurriculumConfig:
     budget_draw: str = "micro_batch"
     # Consecutive global micro-batches that draw together (1: each its own).
     budget_share: int = 1
+    # The tokens the KD loss covers: "loss_mask" or "all" (`distilled_tokens`).
+    distill_tokens: str = "loss_mask"
 
     def __post_init__(self) -> None:
         check_budget_draw(self.budget_draw)
         check_budget_share(self.budget_share)
+        check_distill_tokens(self.distill_tokens)
 
 
 BUDGET_DRAWS = ("micro_batch", "sample")
@@ -85,6 +94,16 @@ def draw_key(micro_batch: int, share: int) -> int:
     """What keys the draws of global micro-batch `micro_batch`: its window of `share`
     consecutive micro-batches (the micro-batch itself when `share` is 1)."""
     return micro_batch // share
+
+
+def distilled_tokens(batch: dict[str, torch.Tensor], which: str) -> torch.Tensor:
+    """The [b, s] mask of the tokens the KD loss covers: with `which` "loss_mask" the batch's loss
+    mask; with "all" every token whose label is of its own conversation, its `conversation_mask`
+    (SFT samples, `data/sft/packing.py`; a superset of the loss mask), or the loss mask of a
+    pre-training batch, which has none."""
+    if which == "all" and "conversation_mask" in batch:
+        return batch["conversation_mask"]
+    return batch["loss_mask"]
 
 
 def budget_probabilities(cfg: CurriculumConfig, step: int) -> list[float]:
@@ -174,32 +193,40 @@ class Distiller:
         """Megatron's forward_step contract: (per-token loss [b, s], loss_func); on a pipeline
         stage before the last, the activations to send."""
         batch = next(data_iterator)
-        tokens, positions = batch["tokens"], batch["position_ids"]
+        tokens, positions, mask = batch["tokens"], batch["position_ids"], attention_mask_of(batch)
         chunk = chunk_index(model)
         budgets = self.draw(tokens.shape[0], chunk)
         if self.cfg.budget_draw == "micro_batch":
             groups = group_by_budget(budgets, lambda b: self.micro_choice)  # one group
         else:
             groups = group_by_budget(budgets, self.choice)
+        covered = distilled_tokens(batch, self.cfg.distill_tokens)
         if chunk == 0:  # once per micro-batch
-            self.loss_tokens += float(batch["loss_mask"].sum())
-        reduce = partial(loss_func, batch["loss_mask"])
+            self.loss_tokens += float(covered.sum())
+        # Megatron sums the per-token losses over the distilled tokens and divides by their count.
+        reduce = partial(loss_func, covered)
         if self.teacher_logits is None:
             with torch.no_grad():
-                teacher_logits = self.teacher(tokens, positions, None)
+                teacher_logits = self.teacher(tokens, positions, mask)
         elif not holds_logits(model):
-            activations = run_groups(model, self.space, groups, tokens, positions, lambda g, out: out, False, self.send_width)
+            activations = run_groups(
+                model, self.space, groups, tokens, positions, mask, lambda g, out: out, False, self.send_width
+            )
             return activations, reduce
         else:
             teacher_logits = self.teacher_logits.pop(0)
+        # The next-token loss keeps to the loss mask: where the KD tokens are more (distill_tokens
+        # "all" on SFT data, a superset of the loss mask), its per-token loss is masked here.
+        ce_mask = None if covered is batch["loss_mask"] else batch["loss_mask"]
 
         def per_token(group: BudgetGroup, logits: torch.Tensor) -> torch.Tensor:
             loss = kd_per_token(logits, group.of(teacher_logits), self.cfg.temperature, self.vocab)
             if self.cfg.ce_weight:
-                loss = loss + self.cfg.ce_weight * ce_per_token(logits, group.of(batch["labels"]), self.vocab)
+                ce = ce_per_token(logits, group.of(batch["labels"]), self.vocab)
+                loss = loss + self.cfg.ce_weight * (ce if ce_mask is None else ce * group.of(ce_mask))
             return loss
 
-        return run_groups(model, self.space, groups, tokens, positions, per_token, True, self.send_width), reduce
+        return run_groups(model, self.space, groups, tokens, positions, mask, per_token, True, self.send_width), reduce
 
     @torch.no_grad()
     def micro_batch_choices(self, count: int) -> list[tuple[int, dict[str, int]]]:
@@ -216,7 +243,7 @@ class Distiller:
         """Turn the router's gradient, accumulated over megatron's backward of each micro-batch's
         loss sum, into that of the per-token mean over the step's loss tokens (as megatron's
         `calculate_per_token_loss` does for the model): sum over `group` (TP and DP ranks), then
-        divide by the loss tokens of every replica (`dp_group`); masked tokens do not count."""
+        divide by the loss tokens of every replica (`dp_group`): the tokens the KD loss covers."""
         sum_router_grads(self.router, group)
         tokens = torch.tensor(self.loss_tokens, dtype=torch.float64)
         if dist.get_world_size(dp_group) > 1:
@@ -274,16 +301,17 @@ class Distiller:
 
     @torch.no_grad()
     def heldout_kd(self, model: nn.Module, batches: list[dict], sizes: dict) -> float:
-        """Mean KD loss per token of the student at `sizes` on held-out batches."""
+        """Mean KD loss per distilled token of the student at `sizes` on held-out batches."""
         self.space.clear_gates()
         total, count = 0.0, 0.0
         with self.space.at(sizes):
             for batch in batches:
-                t = self.teacher(batch["tokens"], batch["position_ids"], None)
-                s = model(batch["tokens"], batch["position_ids"], None)
-                per_token = kd_per_token(s, t, self.cfg.temperature, self.vocab)
-                total += float((per_token * batch["loss_mask"]).sum())
-                count += float(batch["loss_mask"].sum())
+                inputs = batch["tokens"], batch["position_ids"], attention_mask_of(batch)
+                t = self.teacher(*inputs)
+                per_token = kd_per_token(model(*inputs), t, self.cfg.temperature, self.vocab)
+                covered = distilled_tokens(batch, self.cfg.distill_tokens)
+                total += float((per_token * covered).sum())
+                count += float(covered.sum())
         return total / max(count, 1.0)
 
 
@@ -329,7 +357,7 @@ def train_plain(
         optimizer.zero_grad()
         router_optimizer.zero_grad()
         micro = batches(step)
-        tokens = sum(float(b["loss_mask"].sum()) for b in micro)
+        tokens = sum(float(distilled_tokens(b, distiller.cfg.distill_tokens).sum()) for b in micro)
         step_loss = 0.0
         for batch in micro:
             per_token, reduce = distiller.forward_step(iter([batch]), model)

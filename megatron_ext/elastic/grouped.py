@@ -4,7 +4,8 @@ Every sample of a micro-batch draws its own budget (`distill.py`). The samples o
 a group; each group runs the elastic forward at its budget's sizes on its rows of the batch, which
 is exactly the computation of the sliced submodel on those samples (the layers never mix samples).
 The groups' outputs are put back in the micro-batch's row order, so the loss, the teacher's logits
-and the loss mask see one [b, ...] micro-batch as before.
+and the loss mask see one [b, ...] micro-batch as before. A micro-batch of packed conversations
+gives each group its rows of the attention mask too, so each conversation attends to itself only.
 
 Under pipeline parallelism a stage sends the next one tensor per micro-batch, [s, b, h], while
 each group's hidden size h is its budget's. The groups' activations are zero-padded along the
@@ -65,6 +66,7 @@ def run_groups(
     groups: list[BudgetGroup],
     tokens: torch.Tensor,
     positions: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
     finish: Callable[[BudgetGroup, torch.Tensor], torch.Tensor],
     last_stage: bool,
     send_width: Optional[int] = None,
@@ -72,10 +74,11 @@ def run_groups(
     """Run the student on each group at its sizes and `finish(group, output)` (e.g. its per-token
     loss, [b_g, s]); the results in row order: per-token losses [b, s] on the last pipeline
     stage, else the activations to send, [s, b, send_width] (None: the widest group's, h_max;
-    what a stage receives is that wide too)."""
+    what a stage receives is that wide too). `attention_mask`: the micro-batch's ([b, 1, s, s],
+    packed conversations', `data.sft.attention_mask_of`), or None (causal)."""
     if len(groups) == 1 and send_width is None:  # one budget, unpadded: nothing to cut or pad
         apply_choice(space, groups[0].choice)
-        return finish(groups[0], model(tokens, positions, None))
+        return finish(groups[0], model(tokens, positions, attention_mask))
     received = _received(model)
     set_input = get_attr_wrapped_model(model, "set_input_tensor")
     widths = [space.check(g.choice.sizes)["hidden"] for g in groups]
@@ -85,7 +88,8 @@ def run_groups(
             apply_choice(space, g.choice)
             if received is not None:
                 set_input(g.of(received, 1)[..., :width])
-            outs.append(finish(g, model(g.of(tokens), g.of(positions), None)))
+            mask = None if attention_mask is None else g.of(attention_mask)
+            outs.append(finish(g, model(g.of(tokens), g.of(positions), mask)))
     finally:
         if received is not None:
             set_input(received)

@@ -18,11 +18,12 @@ from typing import Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from megatron_ext.data.sft.packing import attention_mask_of
 from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token
 
 
 def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
-    return model(batch["tokens"], batch["position_ids"], None)
+    return model(batch["tokens"], batch["position_ids"], attention_mask_of(batch))
 
 
 @torch.no_grad()

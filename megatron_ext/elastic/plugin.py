@@ -8,7 +8,10 @@ beside the student on every rank. Each step then runs megatron's own schedule wi
 distillation forward step (`distill.py`): per micro-batch (`budget_draw=micro_batch`, the default)
 a budget is drawn and the router samples its sizes, or per sample (`budget_draw=sample`) a budget
 is drawn, the router picks each budget's sizes and the student runs each micro-batch's budget
-groups at their sizes (`grouped.py`); the student learns the teacher's distribution. The router
+groups at their sizes (`grouped.py`); the student learns the teacher's distribution on the tokens
+`distill_tokens` names. The data may be `data=sft` conversations: every forward the plugin runs
+(calibration, the quality start, the teacher, the student) takes the batch's attention mask, so
+the conversations of a packed sample attend each to itself. The router
 has its own Adam and learning rate and steps after the model's optimizer; its gradients are
 summed over the data-parallel replicas. Evaluation runs the full model. At the end, with
 `export_dir`, the nested checkpoint (every budget at once; under TP and PP joined from the ranks'
@@ -148,6 +151,7 @@ class ElasticPlugin(Plugin):
             seed=ctx.cfg.train.seed,
             budget_draw=c.budget_draw,
             budget_share=c.budget_share,
+            distill_tokens=c.distill_tokens,
         )
         return model_chunks
 
@@ -229,6 +233,7 @@ class ElasticPlugin(Plugin):
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        from megatron_ext.elastic.distill import distilled_tokens
         from megatron_ext.elastic.vocab_loss import kd_per_token
         from megatron_ext.platform.device import current_device
 
@@ -243,7 +248,7 @@ class ElasticPlugin(Plugin):
             with self.space.at(sizes):
                 for batches, teacher in zip(rounds, teacher_logits):
                     for batch, student, parent in zip(batches, self._logits(ctx, self.space.chunks, batches, sizes), teacher):
-                        mask = batch["loss_mask"].to(student.device)
+                        mask = distilled_tokens(batch, self.cfg.distill_tokens).to(student.device)
                         per_token = kd_per_token(student, parent, self.cfg.temperature, self.distiller.vocab)
                         if counts:
                             total += torch.stack([(per_token * mask).sum(), mask.sum()]).double()
@@ -297,6 +302,7 @@ class ElasticPlugin(Plugin):
         (the last stage's, an empty list on the others)."""
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
 
+        from megatron_ext.data.sft.packing import attention_mask_of
         from megatron_ext.elastic.grouped import BudgetGroup, run_groups
         from megatron_ext.elastic.pipeline import chunks_of, forward_only, holds_logits, stages
         from megatron_ext.elastic.router import Choice
@@ -306,13 +312,15 @@ class ElasticPlugin(Plugin):
         device = current_device()
 
         def run(chunk, batch):
-            tokens, positions = batch["tokens"].to(device), batch["position_ids"].to(device)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            tokens, positions, mask = batch["tokens"], batch["position_ids"], attention_mask_of(batch)
             if sizes is None:
-                return chunk(tokens, positions, None)
+                return chunk(tokens, positions, mask)
             # As in training: under virtual pipeline stages a chunk sends the full hidden size.
             group = BudgetGroup(0, Choice(sizes, {}, {}, {}), torch.arange(tokens.shape[0]))
             send_width = self.distiller.send_width
-            return run_groups(chunk, self.space, [group], tokens, positions, lambda g, out: out, holds_logits(chunk), send_width)
+            last = holds_logits(chunk)
+            return run_groups(chunk, self.space, [group], tokens, positions, mask, lambda g, out: out, last, send_width)
 
         was_training = chunks[0].training
         for chunk in chunks:
@@ -442,6 +450,7 @@ class ElasticPlugin(Plugin):
         under VPP, each over the same micro-batches, as the trainer's)."""
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
 
+        from megatron_ext.data.sft.packing import attention_mask_of
         from megatron_ext.elastic.pipeline import forward_only
 
         count = kwargs["num_microbatches"]
@@ -454,7 +463,7 @@ class ElasticPlugin(Plugin):
         schedule = {k: v for k, v in kwargs.items() if k not in ("data_iterator", "model", "num_microbatches")}
 
         def run(teacher, batch):
-            return teacher(batch["tokens"], batch["position_ids"], None)
+            return teacher(batch["tokens"], batch["position_ids"], attention_mask_of(batch))
 
         with torch.no_grad():
             self.distiller.teacher_logits = forward_only(self.distiller.teacher, batches, run, **schedule)

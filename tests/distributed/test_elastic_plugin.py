@@ -3,8 +3,9 @@ models as one process (same budgets drawn per sample, same losses, router and we
 micro-batches that mix budgets (and then equal to one-sample micro-batches), a run
 resumed from a checkpoint continues the uninterrupted one, pipeline parallelism (2 stages, also
 with 2 virtual stages each) distils as one process (nested checkpoint included), a TP=2 run
-writes the one-process nested checkpoint, and `elastic.fp8` distils with FP8
-QAD and writes a nested FP8 checkpoint that the slicing CLI cuts into a standalone FP8 one."""
+writes the one-process nested checkpoint, `elastic.fp8` distils with FP8
+QAD and writes a nested FP8 checkpoint that the slicing CLI cuts into a standalone FP8 one, and
+packed SFT conversations distil at PP=2 as in one process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.unit.test_elastic_sft_run import write_sums
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -143,6 +146,32 @@ def test_pipeline_parallel_distillation_equals_one_process(tmp_path, tied, micro
     # Untied: equal to the bit; tied: at most 2e-5 of a tensor's largest entry (the embedding's;
     # measured), as the losses.
     assert_same_nested(one_weights, two_weights, rel)
+
+
+def test_pipeline_parallel_sft_distillation_equals_one_process(tmp_path):
+    """Packed SFT conversations (the KD loss on every token of each conversation, the
+    next-token loss on the answers) at PP=2 with two-sample micro-batches that mix budgets: the
+    teacher's pipelined pass and both stages of the student attend within each conversation
+    (each budget group with its rows of the mask), as in one process: the same budgets, sizes,
+    losses and router choices, and the same nested checkpoint (untied: to the bit)."""
+    sft = [
+        *(o for o in COMMON if not o.startswith("model.seq_length")),
+        "model.seq_length=256",  # two conversations a sample
+        "model.tie_embeddings=false",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "data=sft",
+        f"data.sft.path=[{write_sums(tmp_path / 'sums.jsonl')}]",
+        "data.tokenizer=byte",
+        "data.sft.prompt_format=chatml",
+        "elastic.distill_tokens=all",
+        "elastic.ce_weight=0.5",
+    ]
+    one, one_weights = run(tmp_path, "one", common=sft)
+    two, two_weights = run(tmp_path, "pp", "launcher.nproc=2", "parallel.pp=2", common=sft)
+    assert_same_run(one, two, 1e-12)
+    assert mixes_hidden_sizes(one["history"], 2), "no micro-batch mixes hidden sizes: vacuous"
+    assert_same_nested(one_weights, two_weights, 1e-12)
 
 
 def assert_same_nested(one: dict, other: dict, rel: float) -> None:

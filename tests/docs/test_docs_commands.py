@@ -91,6 +91,11 @@ COMMANDS: dict[str, tuple] = {
     # docs/
     "python scripts/bench/dpp.py --json out.json --plot out.png": (Skip(BENCH),),
     "python scripts/bench/dpp_measured.py --json m.json --plot m.png": (Skip(BENCH),),
+    "python -m megatron_ext.train experiment=none plugins=[elastic] data=sft 'data.sft.path=[chat.jsonl]' "
+    "data.sft.prompt_format=chatml elastic.distill_tokens=all elastic.export_dir=out/el": (
+        Config(),
+        Skip(PLACEHOLDER + "; tests/unit/test_elastic_sft_run.py runs elastic on conversations of its own"),
+    ),
     "python scripts/bench/elastic.py --json out.json --plot out.png --seeds 0 1 2 3 4 5": (Skip(BENCH),),
     "python scripts/bench/lora.py --json out.json --plot out.png": (Skip(BENCH),),
     "python scripts/preprocess_data.py --input corpus/ --output-prefix data/my --tokenizer byte": (

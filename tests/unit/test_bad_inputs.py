@@ -153,6 +153,7 @@ CASES = {
     "key_typo_with_hydra_flag": (["--cfg", "job", "train.itres=5"], "train.itres", "did you mean train.iters (int)?"),
     "key_typo_in_multirun": (["-m", "train.itres=5,6"], "train.itres", "did you mean train.iters (int)?"),
     "elastic_router_start": (["plugin=elastic", "elastic.router_start=size"], "elastic.router_start", "'size' is not one of quality, cost"),
+    "elastic_distill_tokens": (["plugin=elastic", "elastic.distill_tokens=answers"], "elastic.distill_tokens", "'answers' is not one of loss_mask, all"),
 }
 
 

@@ -221,6 +221,21 @@ def test_packed_sample_keeps_documents_apart():
     assert allowed[6] == [0, 0, 0, 0, 0, 1, 1]  # padding is its own document
 
 
+def _prompt_then_answer(n: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+    return numpy.arange(1, n + 1), numpy.arange(n) >= 2  # two prompt tokens, then the answer
+
+
+def test_conversation_mask_is_every_label_of_the_inputs_conversation():
+    full = build_sample([_prompt_then_answer(3), _prompt_then_answer(5)], seq_length=7, pad=0)  # 8 tokens: no padding
+    short = build_sample([_prompt_then_answer(3), _prompt_then_answer(4)], seq_length=7, pad=0)  # then one padding token
+    # the labels of the prompts too; not the next conversation's first token, not the padding
+    assert full["conversation_mask"].tolist() == [1, 1, 0, 1, 1, 1, 1]
+    assert short["conversation_mask"].tolist() == [1, 1, 0, 1, 1, 1, 0]
+    assert full["loss_mask"].tolist() == [0, 1, 0, 0, 1, 1, 1] and short["loss_mask"].tolist() == [0, 1, 0, 0, 1, 1, 0]
+    # the last label's conversation is not in the document ids: they are the same for both
+    assert torch.equal(full["document_ids"], short["document_ids"])
+
+
 def test_split_is_by_conversation_and_deterministic():
     splits = split_conversations(list(range(1000)), "90,8,2", seed=3)
     assert [len(s) for s in splits] == [900, 80, 20]
@@ -278,9 +293,12 @@ def test_samples_cover_every_conversation_each_epoch(tmp_path, smollm_tokenizer)
     assert sorted(i for s in second_epoch for i in s) == list(range(30)) and second_epoch != per_epoch
     sample = dataset[0]
     assert {k: tuple(v.shape) for k, v in sample.items()} == {
-        "tokens": (64,), "labels": (64,), "loss_mask": (64,), "position_ids": (64,), "document_ids": (64,)
+        "tokens": (64,), "labels": (64,), "loss_mask": (64,), "conversation_mask": (64,), "position_ids": (64,),
+        "document_ids": (64,),
     }
     # the loss falls exactly on the assistant tokens of the sample's conversations
     assistant_tokens = sum(int(conversations.piece(i)[1][1:].sum()) for i in dataset.samples[0])
     assert int(sample["loss_mask"].sum()) == assistant_tokens
+    # and the conversation mask on every token but each conversation's first
+    assert int(sample["conversation_mask"].sum()) == sum(len(conversations.piece(i)[0]) - 1 for i in dataset.samples[0])
     assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])

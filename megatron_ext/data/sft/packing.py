@@ -6,7 +6,11 @@ conversations, then padding. In the sample:
   - `document_ids` numbers the conversations, so attention can be kept within each one (the
     block-diagonal causal mask of `document_mask`, Megatron's `reset_attention_mask`); the
     padding is a document of its own, so no row of the mask is empty;
-  - the loss falls on a label that is an assistant token of the same conversation as its input.
+  - the loss falls on a label that is an assistant token of the same conversation as its input
+    (`loss_mask`); `conversation_mask` marks every label that is a token of the same conversation
+    as its input (all a conversation predicts of itself: no padding, no next conversation's first
+    token), of which `loss_mask` is the assistant's part. (The last input's label lies beyond
+    `document_ids`, so which conversation it belongs to is written down here, where it is known.)
 So a packed sample's loss is the sum of its conversations' losses trained one by one.
 """
 
@@ -45,8 +49,8 @@ def build_sample(
     pieces: Sequence[tuple[numpy.ndarray, numpy.ndarray]], seq_length: int, pad: int
 ) -> dict[str, torch.Tensor]:
     """The training sample of conversations `pieces` ((ids, assistant mask) each, at most
-    `seq_length + 1` tokens in all): tokens, labels, loss_mask, position_ids, document_ids,
-    each of `seq_length`."""
+    `seq_length + 1` tokens in all): tokens, labels, loss_mask, conversation_mask, position_ids,
+    document_ids, each of `seq_length`."""
     total = seq_length + 1
     ids = numpy.full(total, pad, dtype=numpy.int64)
     assistant = numpy.zeros(total, dtype=bool)
@@ -64,10 +68,12 @@ def build_sample(
         raise ValueError(f"{at} tokens do not fit a sample of {total}")
     positions[at:] = numpy.arange(total - at)
     same_document = documents[1:] == documents[:-1]
+    conversation = documents[:-1] < len(pieces)  # not the padding
     return {
         "tokens": torch.from_numpy(ids[:-1].copy()),
         "labels": torch.from_numpy(ids[1:].copy()),
         "loss_mask": torch.from_numpy((assistant[1:] & same_document).astype(numpy.float32)),
+        "conversation_mask": torch.from_numpy((conversation & same_document).astype(numpy.float32)),
         "position_ids": torch.from_numpy(positions[:-1].copy()),
         "document_ids": torch.from_numpy(documents[:-1].copy()),
     }

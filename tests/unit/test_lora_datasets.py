@@ -51,7 +51,7 @@ def config(tmp_path: Path, dataset: str, *overrides: str):
     return compose_config([
         "experiment=lora_sweep", "model=llama_tiny", "model.seq_length=128", f"model.vocab_size={VOCAB}",
         f"lora.dataset={dataset}", "train.iters=4", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "lora.memory_gb=1", "lora.eval_iters=2", "data.split='75,25,0'", "data.sft.prompt_format=chatml",
+        "lora.memory_gb=1", "lora.eval_iters=2", "data.split='75,25,0'", "data=sft", "data.sft.path=[]", "data.sft.prompt_format=chatml",
         f"data.cache_dir={tmp_path / 'cache'}", f"lora.output_dir={tmp_path / 'out'}", *overrides,
     ])
 

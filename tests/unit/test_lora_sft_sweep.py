@@ -71,7 +71,7 @@ def sweep_config(tmp_path: Path, jobs_file: Path, *overrides: str):
     cfg = compose_config([
         "experiment=lora_sweep", "model=llama_tiny", "model.seq_length=256", "train.iters=2", "train.micro_batch_size=2",
         "train.global_batch_size=4", "optim.lr=3e-3", "lora.memory_gb=1", "lora.eval_iters=2", "lora.save_interval=null",
-        "data.split='75,25,0'", "data.sft.prompt_format=chatml", f"data.cache_dir={tmp_path / 'cache'}",
+        "data.split='75,25,0'", "data=sft", "data.sft.path=[]", "data.sft.prompt_format=chatml", f"data.cache_dir={tmp_path / 'cache'}",
         f"lora.jobs_file={jobs_file}", *overrides,
     ])
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))

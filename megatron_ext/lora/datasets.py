@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy
 from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_ext.config.data_path import is_number
 from megatron_ext.config.schema import Config, SFTConfig
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.data.sft import SFTDataError, sft_files
@@ -73,19 +74,11 @@ def parse(spec: str) -> Dataset:
     if not words:
         raise ValueError(f"no dataset named; use {SYNTAX}")
     paths, weights = get_blend_from_list(words)
-    if any(_is_number(p) for p in paths):
+    if any(is_number(p) for p in paths):
         raise ValueError(f"a weighted mix alternates weights and paths ('0.7 a.jsonl 0.3 b.jsonl'); use {SYNTAX}")
     if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"the weights of a mix must be positive numbers, got {weights}")
     return Dataset(paths=tuple(paths), weights=None if weights is None else tuple(weights))
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
 
 
 def problem(spec: str) -> Optional[str]:

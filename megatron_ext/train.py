@@ -203,7 +203,7 @@ def _run_or_exit(cfg: Config) -> Optional[dict]:
     except LaunchAborted as e:  # a second pre-emption signal, or the deadline
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except LaunchFailed as e:  # the workers' own tracebacks are above
+    except LaunchFailed as e:  # one line; the workers' tracebacks are in the log file it names
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

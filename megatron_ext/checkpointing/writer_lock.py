@@ -6,11 +6,11 @@ refused before any of its workers starts (training/preflight.py, train.py).
 
 The holder is the process that owns the run: the launcher of local workers (it outlives them,
 restarts included), the process itself for a run of one, rank 0 under torchrun or srun. The lock
-is the kernel's: it ends with the process however the process ends (an exception, SIGKILL), and
-with the processes it forked, which share it (megatron's checkpoint writer's helper ends within
-a second of its rank: platform/writer_queue.py). So a lock file that a dead run left is free,
-and the next run takes it over with a notice naming the run that left it. A run that ends
-releases it and empties the record.
+is the kernel's: it ends with the process however the process ends (an exception, SIGKILL), once
+the processes it forked and that share it have ended too (megatron's checkpoint writers, forked
+for a save, end with it). So a lock file that a dead run left is free, and the next run takes it
+over with a notice naming the run that left it. A run that ends releases it and empties the
+record.
 
 Only the holder removes leftover staging folders of broken saves (`take`, right after the lock
 is taken: no other run can be writing there then).
@@ -39,6 +39,7 @@ from megatron_ext.checkpointing.tracker import remove_leftover_staging
 from megatron_ext.config.validate import ConfigError
 
 LOCK_FILE = ".writer.lock"
+FIELD = "checkpoint.save"  # what a refusal names
 # A holder writes its record right after it took the lock: how long a reader waits for it.
 RECORD_WAIT_S = 2.0
 # A lock found held is tried again this long before the run is refused: `check_free` holds it
@@ -63,10 +64,8 @@ class WriterLock:
     locks, `unlocked_because` says why). `previous`: the run that held it last and ended
     without releasing it (None when it was released, or never held)."""
 
-    def __init__(
-        self, path: Path, fd: Optional[int], previous: Optional[Holder] = None, unlocked_because: Optional[str] = None
-    ) -> None:
-        self.path, self.fd, self.previous, self.unlocked_because = path, fd, previous, unlocked_because
+    def __init__(self, fd: Optional[int], previous: Optional[Holder] = None, unlocked_because: Optional[str] = None) -> None:
+        self.fd, self.previous, self.unlocked_because = fd, previous, unlocked_because
 
     def release(self) -> None:
         """Empty the record and give the lock up."""
@@ -79,30 +78,30 @@ class WriterLock:
             os.close(fd)  # the lock goes with the last descriptor of the open file
 
 
-def take(root: str | os.PathLike, field: str = "checkpoint.save") -> WriterLock:
+def take(root: str | os.PathLike) -> WriterLock:
     """Take `root`'s writer lock (`root` exists) for this process, then remove the leftover
-    staging folders of broken saves. Raises ConfigError naming `field`, the holder's host and
-    pid, when another run holds it."""
+    staging folders of broken saves. Raises ConfigError (checkpoint.save) naming the holder's
+    host and pid when another run holds it."""
     path = Path(root, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise ConfigError(field, f"{path} cannot be opened to lock {root} ({e.strerror or e})") from None
+        raise ConfigError(FIELD, f"{path} cannot be opened to lock {root} ({e.strerror or e})") from None
     try:
-        _lock(fd, fcntl.LOCK_EX, root, field)
+        _lock(fd, fcntl.LOCK_EX, root)
     except ConfigError:
         os.close(fd)
         raise
     except OSError as e:  # the filesystem has no locks
         os.close(fd)
-        return WriterLock(path, None, unlocked_because=e.strerror or str(e))
+        return WriterLock(None, unlocked_because=e.strerror or str(e))
     previous = _record(fd)
     _write_record(fd, Holder(socket.gethostname(), os.getpid(), time.strftime("%Y-%m-%d %H:%M:%S")))
     remove_leftover_staging(root)
-    return WriterLock(path, fd, previous)
+    return WriterLock(fd, previous)
 
 
-def check_free(root: str | os.PathLike, field: str = "checkpoint.save") -> None:
+def check_free(root: str | os.PathLike) -> None:
     """Raise ConfigError as `take` does when another run holds `root`'s writer lock; writes
     nothing (for the start of the preflight, before the checks that take seconds)."""
     try:
@@ -110,14 +109,14 @@ def check_free(root: str | os.PathLike, field: str = "checkpoint.save") -> None:
     except OSError:  # no lock file (or none readable): `take` decides
         return
     try:
-        _lock(fd, fcntl.LOCK_SH, root, field)
+        _lock(fd, fcntl.LOCK_SH, root)
     except OSError:  # the filesystem has no locks: `take` says so
         pass
     finally:
         os.close(fd)
 
 
-def _lock(fd: int, kind: int, root: str | os.PathLike, field: str) -> None:
+def _lock(fd: int, kind: int, root: str | os.PathLike) -> None:
     """flock `fd` (`kind`: shared or exclusive) without waiting for a holder, trying again for
     BUSY_RETRY_S; raises ConfigError naming the holder when it stays held."""
     end = time.monotonic() + BUSY_RETRY_S
@@ -132,7 +131,7 @@ def _lock(fd: int, kind: int, root: str | os.PathLike, field: str) -> None:
             break
         time.sleep(0.05)
     holder = _record(fd, wait_s=RECORD_WAIT_S)
-    raise ConfigError(field, f"{root} is in use by {holder or 'another run (its record is unreadable)'}")
+    raise ConfigError(FIELD, f"{root} is in use by {holder or 'another run (its record is unreadable)'}")
 
 
 def _record(fd: int, wait_s: float = 0.0) -> Optional[Holder]:

@@ -113,7 +113,7 @@ def test_a_stale_lock_file_is_taken_over_with_a_notice_and_leftovers_go(tmp_path
 
 def test_a_save_replaces_only_its_own_staging(tmp_path, one_rank_world):
     # Another run's save in progress (a directory nobody locked) is not a save's to remove.
-    from megatron_ext.checkpointing import torch_dist as ckpt
+    from megatron_ext.checkpointing import torch_dist as ckpt  # torch and megatron: only this test saves
 
     other = tracker.staging_dir(tmp_path, 9)
     other.mkdir()

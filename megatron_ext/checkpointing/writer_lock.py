@@ -8,9 +8,9 @@ The holder is the process that owns the run: the launcher of local workers (it o
 restarts included), the process itself for a run of one, rank 0 under torchrun or srun. The lock
 is the kernel's: it ends with the process however the process ends (an exception, SIGKILL), once
 the processes it forked and that share it have ended too (megatron's checkpoint writers, forked
-for a save, end with it). So a lock file that a dead run left is free, and the next run takes it
-over with a notice naming the run that left it. A run that ends releases it and empties the
-record.
+for a save, end when their shard is written). So a lock file that a dead run left is free, and
+the next run takes it over with a notice naming the run that left it. A run that ends releases
+it and empties the record.
 
 Only the holder removes leftover staging folders of broken saves (`take`, right after the lock
 is taken: no other run can be writing there then).

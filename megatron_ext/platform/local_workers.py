@@ -330,7 +330,8 @@ class LocalWorkers:
         first = (causes or failed)[0]
         status = _exit_status(first.process.exitcode)
         noted = errors.get((first.attempt, first.rank))
-        echoes = f"; its traceback and the other ranks' errors (which follow from it) are in {self.log}" if logged else ""
+        kept = "its traceback and the other ranks' errors" if noted else "the other ranks' errors"
+        echoes = f"; {kept} (which follow from it) are in {self.log}" if logged else ""
         return LaunchFailed(
             f"rank {first.rank} (pid {first.process.pid}) failed first: {f'{noted} ({status})' if noted else status}{echoes}"
         )
@@ -368,8 +369,8 @@ class _AgentRecords(logging.Filter):
         return True
 
 
-# The loggers of torch's elastic agent and of the worker processes it runs (each logger filters
-# only its own records).
+# The loggers of torch's elastic agent and of torch.multiprocessing, which starts and ends the
+# workers for it (each logger filters only its own records).
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 

@@ -16,13 +16,15 @@ anything is written. Runs with Hydra's own flags (`-m`, `--cfg`, `--help`, ...) 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import hydra
 from hydra._internal.utils import get_args_parser
 from omegaconf import DictConfig
 
+from megatron_ext.checkpointing import writer_lock
 from megatron_ext.config import Config, compose_config, register_configs, to_object
 from megatron_ext.config.validate import ConfigError, validate_run, world_size_of
 from megatron_ext.platform.launch_env import detect_launch
@@ -35,8 +37,9 @@ register_configs()
 
 def preflight(cfg: Config) -> None:
     """Refuse, before anything is launched or written, a config that cannot run: the rules of
-    config/validate.py with each plugin's own `check` and `check_layout`, then the files the run
-    reads and the checkpoint directory it writes (training/preflight.py).
+    config/validate.py with each plugin's own `check` and `check_layout`, a `checkpoint.save`
+    that another run writes to (checkpointing/writer_lock.py), then the files the run reads and
+    the checkpoint directory it writes (training/preflight.py).
 
     `cfg` is the composed run config; the world it is checked for is what torchrun or srun set
     up, else `launcher.nproc`. A run whose workers start here and that resumes a
@@ -46,6 +49,8 @@ def preflight(cfg: Config) -> None:
     ValueError for the first setting that cannot work.
     """
     validate_run(cfg, world_size_of(cfg))
+    if _owns_the_save_dir(cfg):  # before the checks that take seconds
+        writer_lock.check_free(cfg.checkpoint.save)
     from megatron_ext.training.preflight import check_inputs  # torch: only for a config the rules accept
 
     launched_here = detect_launch() is None
@@ -57,6 +62,38 @@ def preflight(cfg: Config) -> None:
             print(f"notice: {note}", file=sys.stderr)
     # Under torchrun or srun every rank runs this: the ranks tokenize SFT data together instead.
     check_inputs(cfg, tokenize_sft=launched_here)
+
+
+def _owns_the_save_dir(cfg: Config) -> bool:
+    """Whether this process holds the writer lock of the run's `checkpoint.save`: the one that
+    starts local workers or runs alone, rank 0 under torchrun or srun (the other ranks' rank 0
+    holds it)."""
+    launch = detect_launch()
+    return bool(cfg.checkpoint.save) and (launch is None or launch.rank == 0)
+
+
+@contextlib.contextmanager
+def holding_the_save_dir(cfg: Config) -> Iterator[None]:
+    """Hold the writer lock of `checkpoint.save` for the block, in the process that owns the
+    run (`_owns_the_save_dir`); it removes leftovers of broken saves when taken. Raises
+    ConfigError when another run holds it."""
+    if not _owns_the_save_dir(cfg):
+        yield
+        return
+    save = cfg.checkpoint.save
+    lock = writer_lock.take(save)
+    if lock.previous is not None:
+        print(f"notice: checkpoint.save: took over {save} from {lock.previous}, which ended without releasing it", file=sys.stderr)
+    if lock.unlocked_because is not None:
+        print(
+            f"warning: checkpoint.save: {save} cannot be locked ({lock.unlocked_because}): nothing keeps another "
+            "run from writing there, and leftovers of broken saves stay",
+            file=sys.stderr,
+        )
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _resumes(cfg: Config) -> bool:
@@ -80,29 +117,31 @@ def run(cfg: Config) -> Optional[dict]:
     runs the Trainer's loop, or the Runner of the plugin that owns the run (`Plugin.runner`);
     otherwise it starts the local workers and waits for them. The summary is the Runner's dict
     (the Trainer's: iterations, losses, tokens per second and the checkpoint written); None on
-    the ranks that do not report. Raises ConfigError from `preflight` before anything starts;
-    from the local launcher, LaunchRefused when a worker refused input only the ranks read (a
+    the ranks that do not report. The process that owns the run holds the writer lock of
+    `checkpoint.save` throughout (`holding_the_save_dir`). Raises ConfigError from `preflight`
+    or the lock before anything starts; from the local launcher, LaunchRefused when a worker refused input only the ranks read (a
     damaged checkpoint), LaunchAborted after a second pre-emption signal or at its deadline, and
     LaunchFailed when a worker failed.
     """
     preflight(cfg)
-    runner = runner_of(cfg)
-    if detect_launch() is None and cfg.launcher.nproc > 1:
-        from megatron_ext.platform.launch import launch_local  # torch: once the config is accepted
+    with holding_the_save_dir(cfg):
+        runner = runner_of(cfg)
+        if detect_launch() is None and cfg.launcher.nproc > 1:
+            from megatron_ext.platform.launch import launch_local  # torch: once the config is accepted
 
-        launcher = cfg.launcher
-        results = launch_local(
-            launcher.nproc,
-            worker,
-            (cfg,),
-            launcher.master_addr,
-            launcher.master_port,
-            launcher.max_restarts,
-            launcher.preempt_timeout_s if runner.stops_at_a_step else None,
-            refusals=(ConfigError,),  # input only the ranks read: a damaged checkpoint
-        )
-        return results[0]
-    return worker(cfg)
+            launcher = cfg.launcher
+            results = launch_local(
+                launcher.nproc,
+                worker,
+                (cfg,),
+                launcher.master_addr,
+                launcher.master_port,
+                launcher.max_restarts,
+                launcher.preempt_timeout_s if runner.stops_at_a_step else None,
+                refusals=(ConfigError,),  # input only the ranks read: a damaged checkpoint
+            )
+            return results[0]
+        return worker(cfg)
 
 
 def runner_of(cfg: Config) -> Runner:
@@ -164,7 +203,7 @@ def _run_or_exit(cfg: Config) -> Optional[dict]:
     except LaunchAborted as e:  # a second pre-emption signal, or the deadline
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except LaunchFailed as e:  # the workers' own tracebacks are above
+    except LaunchFailed as e:  # one line; the workers' tracebacks are in the log file it names
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
@@ -191,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             cfg, run_all = owned
             try:
                 preflight(cfg)
-                run_all()
+                with holding_the_save_dir(cfg):
+                    run_all()
             except (ConfigError, ValueError) as e:  # refused before training
                 _fail(_first_line(e))
             return

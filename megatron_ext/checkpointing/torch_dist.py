@@ -6,8 +6,9 @@ Layout on disk (megatron's, so its tools find the checkpoints):
 
 A save writes into `<dir>/.iter_0000100.tmp/`, and only when every rank has finished does rank 0
 rename it into place and then replace the tracker. A crash at any point before the rename leaves
-the tracker pointing at the previous checkpoint, which stays loadable; leftovers of a broken save
-are removed by the next save.
+the tracker pointing at the previous checkpoint, which stays loadable. Leftovers of a broken save
+are removed by the next run that takes the directory's writer lock (writer_lock.py); a save
+replaces only a staging folder of its own iteration (left by an earlier attempt of the run).
 
 An async save (Megatron-LM's --async-save) hands the writing to dist_checkpointing's async
 request, run in a background process by megatron's `AsyncCallsQueue`; the rename and the tracker
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.disk_space import disk_full
 from megatron_ext.checkpointing.megatron_lm import from_saved, loading_metadata
-from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration, saved_iterations  # noqa: F401  (its API too)
+from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration, saved_iterations, staging_dir  # noqa: F401  (its API too)
 
 # The top-level keys of the optimizer's and the RNG's states in a checkpoint.
 OPTIMIZER_KEY, RNG_KEY = "optimizer", "rng_state"
@@ -158,17 +159,15 @@ def write_staged(
     return _publish(root, iteration, keep_last, group)
 
 
-def _staging_dir(root: str | os.PathLike, iteration: int) -> Path:
-    return Path(root) / f".{iteration_dir(root, iteration).name}.tmp"
-
-
 def _open_staging(root: str | os.PathLike, iteration: int, group: Optional[dist.ProcessGroup] = None) -> Path:
-    """An empty staging folder for checkpoint `iteration`, leftovers of broken saves removed
-    (collective over `group`)."""
-    staging = _staging_dir(root, iteration)
+    """An empty staging folder for checkpoint `iteration` (collective over `group`): one that
+    an earlier save of this iteration left is replaced; other leftovers are the writer lock's
+    holder's to remove (tracker.remove_leftover_staging), not a save's: they may be another
+    run's save in progress where nothing locks the directory."""
+    staging = staging_dir(root, iteration)
     if dist.get_rank(group) == 0:
         Path(root).mkdir(parents=True, exist_ok=True)
-        _remove_stale_staging(Path(root))
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     dist.barrier(group=group)
     return staging
@@ -184,7 +183,7 @@ def _publish(
     if dist.get_rank(group) == 0:
         if final.exists():  # a re-save of the same iteration replaces it
             shutil.rmtree(final)
-        os.replace(_staging_dir(root, iteration), final)
+        os.replace(staging_dir(root, iteration), final)
         with _full_disk_named(root, root / TRACKER):
             _write_tracker(root, iteration)
         if keep_last:
@@ -197,8 +196,8 @@ def _publish(
 def _full_disk_named(root: Path, path: Path) -> Iterator[None]:
     """Writing `path` of a save to `root` that runs out of space ends in one line naming it and
     the space left (the writers' own errors name neither); the tracker still names the last
-    complete checkpoint, which stays. A staging folder left is removed by the next save (not
-    here: the other ranks are judging the space left)."""
+    complete checkpoint, which stays. A staging folder left is removed by the next run of the
+    directory (not here: the other ranks are judging the space left)."""
     try:
         yield
     except (Exception, CheckpointException) as e:
@@ -228,11 +227,6 @@ def _write_tracker(root: Path, iteration: int) -> None:
     with open(tmp) as f:
         os.fsync(f.fileno())
     os.replace(tmp, root / TRACKER)
-
-
-def _remove_stale_staging(root: Path) -> None:
-    for stale in root.glob(".iter_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -3,12 +3,14 @@ launcher checks checkpoints before it starts any worker, see training/preflight.
 
     <dir>/iter_0000100/                     one checkpoint
     <dir>/latest_checkpointed_iteration.txt the tracker: the newest complete iteration
+    <dir>/.iter_0000100.tmp/                checkpoint 100 being saved (renamed when complete)
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +19,20 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
+
+
+def staging_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """Where checkpoint `iteration` is written before it is renamed into place."""
+    return Path(root) / f".{iteration_dir(root, iteration).name}.tmp"
+
+
+def remove_leftover_staging(root: str | os.PathLike) -> list[Path]:
+    """Remove the staging folders of saves that never completed; returns them. Only for the
+    holder of the directory's writer lock (writer_lock.py), which no other run writes to."""
+    leftovers = sorted(Path(root).glob(".iter_*.tmp"))
+    for folder in leftovers:
+        shutil.rmtree(folder, ignore_errors=True)
+    return leftovers
 
 
 def latest_iteration(root: str | os.PathLike) -> Optional[int]:

@@ -25,7 +25,7 @@ from megatron_ext.config.batch_sizes import (
 )
 from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.plugin_sections import plugin_sections
-from megatron_ext.config.schema import Config
+from megatron_ext.config.schema import Config, TrainConfig
 from megatron_ext.config.tokenizer_spec import NULL_PREFIX
 from megatron_ext.platform import optional
 from megatron_ext.platform.launch_env import detect_launch
@@ -1133,6 +1133,12 @@ def resolve_dp(cfg: Config, world_size: int) -> int:
             raise ConfigError("parallel.dp", world_matches_layout(cfg, world_size, ""))
         raise ConfigError("launcher.nproc", world_divisible_by_model(cfg, world_size, ""))
     return dp
+
+
+def evaluates(train: TrainConfig) -> bool:
+    """Whether a run evaluates at all: every `eval_interval` steps and at the end, or once with
+    `skip_train`. Megatron-LM's --eval-iters 0 turns off validation and test alike."""
+    return bool(train.eval_iters and (train.eval_interval or train.skip_train))
 
 
 def world_size_of(cfg: Config) -> int:

@@ -1,7 +1,7 @@
 """GPT datasets from Megatron indexed datasets, and the resumable per-rank batch iterator."""
 
 import os
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -13,6 +13,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
+from megatron_ext.config.validate import ConfigError
 from megatron_ext.data.cache_files import drop_truncated_indices, full_disk_named
 from megatron_ext.data.tokenizers import Tokenizer
 from megatron_ext.platform.atomic_index_writes import make_index_writes_atomic
@@ -45,23 +46,21 @@ def split_has_documents(data_path: Sequence[str], split: str, split_kind: Split)
     )
 
 
-def _check_split_coverage(
-    prefixes: Sequence[str], config: GPTDatasetConfig, num_samples: Sequence[int]
-) -> None:
-    # Megatron loops forever drawing samples from a split that owns no tokens; fail instead.
+def check_split_coverage(prefixes: Sequence[str], split: str, reads: Mapping[Split, str]) -> None:
+    """Raise ConfigError (data.split) for the first dataset of `prefixes` to which `split`
+    (megatron's "969,30,1") leaves no documents in a split the run reads: `reads` maps each such
+    split to what reads it, for the message. Megatron would draw samples from it for ever."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     for prefix in prefixes:
         if not IndexedDataset.exists(prefix):
             raise FileNotFoundError(f"data.data_path: no {prefix}.bin/.idx")
         num_documents = IndexedDataset(prefix).sequence_lengths.shape[0]
-        for split in Split:
-            bounds = config.split_matrix[split.value]
-            if num_samples[split.value] == 0:
-                continue
-            if _documents_in_split(bounds, num_documents) <= 0:
-                raise ValueError(
-                    f"data.split={config.split!r} leaves the {split.name} split no documents of "
-                    f"{prefix} ({num_documents} documents), but {num_samples[split.value]} "
-                    f"{split.name} samples were requested"
+        for kind, reader in reads.items():
+            if _documents_in_split(matrix[kind.value], num_documents) <= 0:
+                raise ConfigError(
+                    "data.split",
+                    f"{split!r} leaves the {kind.name} split no documents of {prefix} ({num_documents} documents), "
+                    f"but {reader}",
                 )
 
 
@@ -106,7 +105,8 @@ def build_gpt_datasets(
         raise ValueError("data.data_path is empty: give at least one dataset prefix")
     blend = get_blend_from_list(list(data_path))
     config = dataset_config(tokenizer, seq_length, seed, cache_dir, blend=blend, split=split)
-    _check_split_coverage(blend[0], config, num_samples)
+    requested = {kind: f"{n} {kind.name} samples were requested" for kind in Split if (n := num_samples[kind.value])}
+    check_split_coverage(blend[0], split, requested)
     for split_kind in Split:
         if num_samples[split_kind.value] == 0:
             config.split_matrix[split_kind.value] = None

@@ -37,6 +37,7 @@ from megatron_ext.platform.local_workers import (
     note_refusal,
     note_stop_request,
     register,
+    say_in_launch,
 )
 from megatron_ext.platform.signals import FORWARDED_BY_FORKSERVER, preemption_signals
 
@@ -126,7 +127,9 @@ def launch_local(
     """Run `worker(*args)` in `nproc` local processes forming one world (like torchrun);
     returns each rank's return value. When a worker fails, all are restarted, up to
     `max_restarts` times, but not once the job was asked to stop; then LaunchFailed names the
-    first worker that failed. A worker that raises one of `refusals` (bad input) ends the
+    first worker that failed, its error, and the log file that holds the workers' tracebacks and
+    torch's reports (platform/local_workers.py). A worker that raises one of `refusals` (bad
+    input) ends the
     launch, never restarted: LaunchRefused, its one line. With
     `preempt_timeout_s` (workers that stop at a step boundary on a pre-emption signal), a
     signal to this process is forwarded to the workers (platform/local_workers.py); a second
@@ -162,7 +165,7 @@ def launch_local(
         )
         listen_on = {LISTEN_ON_ENV: master_addr}
         entry = _LocalWorker(
-            worker, environ, listen_on, workers.folder, preemption, workers.worker_deadline_s, refusals
+            worker, environ, listen_on, workers.folder, workers.log, preemption, workers.worker_deadline_s, refusals
         )
         try:
             with _worker_hosted_store():
@@ -271,7 +274,8 @@ class _LocalWorker:
     (local_workers.py), with `extra_env`, without the handlers it inherits from the forkserver;
     with `preemption`, noting pre-emption signals from its start (with `deadline_s`;
     platform/signals.py); exiting on an exception of `refusals` with its line noted
-    (local_workers.py) rather than a traceback. Under a forkserver also in `environ`, the
+    (local_workers.py) rather than a traceback; failing on another with its first line noted and
+    its traceback in the launch's `log`. Under a forkserver also in `environ`, the
     launcher's environment of the moment of the launch, plus the variables the elastic agent
     set for the rank, as a spawned worker sees them: a forkserver's children inherit the
     server's environment instead, the launcher's at the server's start (Python hands them the
@@ -283,13 +287,14 @@ class _LocalWorker:
         environ: Optional[dict],
         extra_env: dict,
         folder: str,
+        log: str,
         preemption: bool,
         deadline_s: Optional[float],
         refusals: tuple[type[BaseException], ...] = (),
     ) -> None:
         functools.update_wrapper(self, worker)  # the elastic agent names the job after it
         self.worker, self.environ, self.extra_env = worker, environ, extra_env
-        self.folder, self.preemption, self.deadline_s = folder, preemption, deadline_s
+        self.folder, self.log, self.preemption, self.deadline_s = folder, log, preemption, deadline_s
         self.refusals = refusals
 
     def __call__(self, *args: Any) -> Any:
@@ -300,7 +305,8 @@ class _LocalWorker:
             # noted when the ranks agree to stop, not when a signal comes: torch's agent
             # signals the workers too, to end them after a failure
             noted = functools.partial(note_stop_request, self.folder)
-            signals = preemption_signals(self.deadline_s, from_launcher=True, on_stop=noted)
+            notices = functools.partial(say_in_launch, self.folder, self.log)
+            signals = preemption_signals(self.deadline_s, from_launcher=True, on_stop=noted, notices=notices)
         with signals:
             if self.environ is not None:
                 from_agent = {k: v for k, v in os.environ.items() if _ENVIRON_AT_IMPORT.get(k) != v}
@@ -316,5 +322,5 @@ class _LocalWorker:
                 note_refusal(self.folder, e)
                 sys.exit(REFUSED_EXIT_CODE)
             except Exception as e:
-                note_failure(self.folder, e)
+                note_failure(self.folder, self.log, e)
                 raise

@@ -10,10 +10,13 @@ Failures: when a worker dies, the others fail on the connections to it soon afte
 agent reports whichever of them it looked at first. A watcher thread notes the order in which
 the workers end, and each worker that raises notes its error's first line (`note_failure`), so
 that the launch names the first that failed of its own accord, not on a lost connection
-(LaunchFailed): under load the one that raised may end after a peer it took down. A worker that
-refuses its input (bad input only the ranks can see: a damaged checkpoint) notes its one line in
-the launch's folder and exits with REFUSED_EXIT_CODE; the launch then raises LaunchRefused, and
-torch's agent's report of the failure (its tracebacks and tables) is not printed.
+(LaunchFailed, one line): under load the one that raised may end after a peer it took down. The
+echoes of a failure go to the launch's log file (`LocalWorkers.log`, named by that line), not to
+the terminal: the tracebacks of the workers that raised, torch's agent's report and its ending
+of the other workers, and their notices of the signal it ends them with (`say_in_launch`). A
+worker that refuses its input (bad input only the ranks can see: a damaged checkpoint) notes
+its one line in the launch's folder and exits with REFUSED_EXIT_CODE; the launch then raises
+LaunchRefused, and torch's agent's report of the failure is not printed at all.
 
 Each worker writes its pid to the launch's folder when it starts (`register`): the launcher's
 way to find its workers, which are the forkserver's children rather than its own.
@@ -32,6 +35,7 @@ import signal
 import tempfile
 import threading
 import time
+import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Optional
@@ -73,6 +77,7 @@ REFUSED_EXIT_CODE = 2
 _REGISTERED = re.compile(r"(\d+)_(\d+)")  # attempt_localrank: a worker's pid
 _REFUSED = re.compile(r"refused\.(\d+)")  # refused.rank: its one line
 _FAILED = re.compile(r"failed\.(\d+)_(\d+)")  # failed.attempt_localrank: its error's first line
+_ENDED = re.compile(r"ended\.(\d+)_(\d+)")  # ended.attempt_localrank: the worker's process ended
 # How gloo and torch word a connection that a failed peer took down.
 _LOST_CONNECTION = re.compile(r"connection (closed|reset)|(closed|reset) by peer|broken pipe", re.IGNORECASE)
 _STOP_REQUESTED = "stop_requested"  # the launcher or a worker noted a pre-emption request
@@ -106,10 +111,32 @@ def note_refusal(folder: str, error: BaseException) -> None:
     Path(folder, f"refused.{os.environ['RANK']}").write_text(first_line(error))
 
 
-def note_failure(folder: str, error: BaseException) -> None:
-    """In a worker: record the first line of the error it is about to fail on."""
+def note_failure(folder: str, log: str, error: BaseException) -> None:
+    """In a worker, handling `error`: record the first line of the error it is about to fail
+    on, and append its traceback to the launch's `log`."""
     attempt, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ["LOCAL_RANK"]
-    Path(folder, f"failed.{attempt}_{rank}").write_text(first_line(error))
+    Path(folder, f"failed.{attempt}_{rank}").write_text(f"{type(error).__name__}: {first_line(error)}")
+    _append(log, f"rank {os.environ['RANK']} (pid {os.getpid()}, attempt {attempt}) failed:\n{traceback.format_exc()}")
+
+
+def say_in_launch(folder: str, log: str, line: str) -> None:
+    """In a worker: say a notice on stderr (platform/signals.py `say`), or in the launch's `log`
+    once a worker of its attempt has failed or ended: torch's agent then ends the others with
+    SIGTERM, which is no request to save."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    ended = any(
+        (m := _FAILED.fullmatch(name) or _ENDED.fullmatch(name)) and m.group(1) == attempt for name in os.listdir(folder)
+    )
+    if ended:
+        _append(log, f"rank {os.environ['RANK']}: {line}\n")
+    else:
+        say(line)
+
+
+def _append(log: str, text: str) -> None:
+    """One write, appended whole: the workers and the launcher share the log."""
+    with open(log, "a") as f:
+        f.write(text)
 
 
 @dataclasses.dataclass
@@ -133,6 +160,10 @@ class LocalWorkers:
 
     def __init__(self, preemption: bool, deadline_s: Optional[float]) -> None:
         self.folder = tempfile.mkdtemp(prefix="megatron_ext_workers_")
+        # Kept after the launch when something was written to it (a failure's echoes).
+        fd, self.log = tempfile.mkstemp(prefix="megatron_ext_launch_", suffix=".log")
+        os.close(fd)
+        self._log_named = False  # by LaunchFailed's line
         self.preemption, self.deadline_s = preemption, deadline_s
         self.worker_deadline_s = deadline_s + WORKER_DEADLINE_GRACE_S if deadline_s else None
         self.aborted: Optional[LaunchAborted] = None
@@ -145,9 +176,9 @@ class LocalWorkers:
         self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
 
     def __enter__(self) -> "LocalWorkers":
-        self._quiet = _QuietAfterRefusal(self)
-        for logger in _elastic_loggers():
-            logger.addFilter(self._quiet)
+        self._records = _AgentRecords(self)
+        for logger in _agent_loggers():
+            logger.addFilter(self._records)
         if threading.current_thread() is threading.main_thread():
             # torch's agent installs handlers of its own and leaves them: this process (a test,
             # a notebook) gets its own back at the end
@@ -159,14 +190,18 @@ class LocalWorkers:
         return self
 
     def __exit__(self, *exc) -> None:
-        for logger in _elastic_loggers():
-            logger.removeFilter(self._quiet)
+        for logger in _agent_loggers():
+            logger.removeFilter(self._records)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._deadline is not None:
             self._deadline.cancel()
         self._done.set()
         self._watcher.join()
+        if os.path.getsize(self.log) == 0 or self.refused():  # a refusal's line says it all
+            os.unlink(self.log)
+        elif not self._log_named:  # failed workers that were restarted, or an abort
+            say(f"launcher: the errors of the workers that failed: {self.log}")
         shutil.rmtree(self.folder, ignore_errors=True)
 
     # --- pre-emption -----------------------------------------------------------------------
@@ -225,6 +260,19 @@ class LocalWorkers:
                 found[int(name.group(1)), int(name.group(2))] = int(text)
         return found
 
+    def failing(self) -> bool:
+        """Whether a worker of the launch's latest attempt has failed or ended."""
+        attempt = max((a for a, _ in self._registered()), default=0)
+        noted = any((m := _FAILED.fullmatch(name)) and int(m.group(1)) == attempt for name in os.listdir(self.folder))
+        return noted or any(e.attempt == attempt for e in self._ended)
+
+    def refused(self) -> bool:
+        return any(_REFUSED.fullmatch(name) for name in os.listdir(self.folder))
+
+    def keep(self, text: str) -> None:
+        """Append `text` (lines) to the launch's log."""
+        _append(self.log, text.rstrip("\n") + "\n")
+
     def refusal(self) -> Optional[LaunchRefused]:
         """The refusal of the lowest rank that refused its input, if one did."""
         refused = {
@@ -261,7 +309,10 @@ class LocalWorkers:
             except (OSError, ValueError):  # a sentinel closed under us: the order is lost
                 watched.clear()
                 continue
-            self._ended.extend(watched.pop(sentinel) for sentinel in ready)
+            for sentinel in ready:
+                ended = watched.pop(sentinel)
+                Path(self.folder, f"ended.{ended.attempt}_{ended.rank}").touch()  # for `say_in_launch`
+                self._ended.append(ended)
 
     def failure(self, error: Exception) -> LaunchFailed:
         """What failed, from torch's ChildFailedError (or a refused restart): the first worker
@@ -273,12 +324,16 @@ class LocalWorkers:
         errors = self._noted_failures()
         # A worker killed by a signal notes nothing: it failed of its own accord too.
         causes = [e for e in failed if not _LOST_CONNECTION.search(errors.get((e.attempt, e.rank), ""))]
+        logged = self._log_named = os.path.getsize(self.log) > 0
         if not failed:
-            return LaunchFailed(first_line(error))
+            return LaunchFailed(first_line(error) + (f"; the launch's log: {self.log}" if logged else ""))
         first = (causes or failed)[0]
+        status = _exit_status(first.process.exitcode)
+        noted = errors.get((first.attempt, first.rank))
+        kept = "its traceback and the other ranks' errors" if noted else "the other ranks' errors"
+        echoes = f"; {kept} (which follow from it) are in {self.log}" if logged else ""
         return LaunchFailed(
-            f"rank {first.rank} (pid {first.process.pid}) failed first: {_exit_status(first.process.exitcode)}; "
-            "the other ranks' errors about lost connections (closed or reset by peer) follow from it"
+            f"rank {first.rank} (pid {first.process.pid}) failed first: {f'{noted} ({status})' if noted else status}{echoes}"
         )
 
     def _noted_failures(self) -> dict[tuple[int, int], str]:
@@ -290,25 +345,38 @@ class LocalWorkers:
         return noted
 
 
-class _QuietAfterRefusal(logging.Filter):
-    """Drops the warnings and errors torch's agent logs once a worker refused its input: its
-    report of the failure, the tracebacks and the stopping of the other workers; the refusal's
-    one line says it all. (Its progress, logged at INFO when asked for, stays.)"""
+class _AgentRecords(logging.Filter):
+    """Where the warnings and errors torch's agent logs go: its report of a failed worker (the
+    traceback of whichever worker it looked at first, often one that only lost its connection to
+    the failed one) and its ending of the others, to the launch's log once a worker failed (an
+    error record is such a report itself), so that the terminal shows LaunchFailed's one line;
+    nowhere once a worker refused its input (the refusal's one line says it all). Before, after
+    an abort, and its progress (logged at INFO when asked for) always, where torch sends them."""
 
     def __init__(self, workers: LocalWorkers) -> None:
         super().__init__()
         self.workers = workers
+        self.formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return True
-        return not any(_REFUSED.fullmatch(name) for name in os.listdir(self.workers.folder))
+        if self.workers.refused():
+            return False
+        if self.workers.aborted is None and (record.levelno >= logging.ERROR or self.workers.failing()):
+            self.workers.keep(self.formatter.format(record))
+            return False
+        return True
 
 
-def _elastic_loggers() -> list[logging.Logger]:
-    """The loggers of torch's elastic agent (each filters only its own records)."""
+# The loggers of torch's elastic agent and of torch.multiprocessing, which starts and ends the
+# workers for it (each logger filters only its own records).
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+def _agent_loggers() -> list[logging.Logger]:
     loggers = logging.Logger.manager.loggerDict.items()
-    return [lg for name, lg in loggers if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger)]
+    return [lg for name, lg in loggers if name.startswith(_AGENT_LOGGERS) and isinstance(lg, logging.Logger)]
 
 
 def _request_stop(pid: int) -> None:

@@ -59,15 +59,18 @@ class SignalCount:
 class PreemptionSignals:
     """A worker's pre-emption requests: the first is noted (`signum`), a second one or no exit
     `deadline_s` after the first ends the process. `from_launcher`: also note FORWARDED_REQUEST
-    (a worker of launch_local). `on_stop` is called when the ranks agreed to stop (`stopping`)."""
+    (a worker of launch_local). `on_stop` is called when the ranks agreed to stop (`stopping`).
+    `notices` writes what the process says of them (a line; default: stderr)."""
 
     def __init__(
         self,
         deadline_s: Optional[float] = None,
         from_launcher: bool = False,
         on_stop: Optional[Callable[[], None]] = None,
+        notices: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.deadline_s, self.on_stop = deadline_s, on_stop
+        self.notices = notices or say
         self.signum: Optional[int] = None  # the first request's signal
         self._count = SignalCount()  # of the signals sent to this process itself
         self._deadline: Optional[threading.Timer] = None
@@ -78,7 +81,7 @@ class PreemptionSignals:
 
     def _note(self, signum: int, frame) -> None:
         if signum != FORWARDED_REQUEST and self._count.is_second_request(signum):
-            _abort(f"a second {signal_name(signum)}", signum)
+            _abort(f"a second {signal_name(signum)}", signum, self.notices)
         if self.signum is not None:
             return
         self._first(signum, "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum))
@@ -92,11 +95,11 @@ class PreemptionSignals:
 
     def _first(self, signum: int, what: str) -> None:
         self.signum = signum
-        say(f"[pid {os.getpid()}] {what}: saving a checkpoint at the next step boundary, then stopping")
+        self.notices(f"[pid {os.getpid()}] {what}: saving a checkpoint at the next step boundary, then stopping")
         if self.deadline_s:
             why = f"no exit {self.deadline_s:g} s after {what}"
             code = signal.SIGTERM if signum == FORWARDED_REQUEST else signum
-            self._deadline = threading.Timer(self.deadline_s, _abort, (why, code))
+            self._deadline = threading.Timer(self.deadline_s, _abort, (why, code, self.notices))
             self._deadline.daemon = True
             self._deadline.start()
 
@@ -128,6 +131,7 @@ def preemption_signals(
     deadline_s: Optional[float] = None,
     from_launcher: bool = False,
     on_stop: Optional[Callable[[], None]] = None,
+    notices: Optional[Callable[[str], None]] = None,
 ) -> Iterator[PreemptionSignals]:
     """This process's PreemptionSignals: the one installed further out (a local worker's, from
     its start), or new ones for the duration of the block."""
@@ -135,7 +139,7 @@ def preemption_signals(
     if _CURRENT is not None:
         yield _CURRENT
         return
-    _CURRENT = signals = PreemptionSignals(deadline_s, from_launcher, on_stop)
+    _CURRENT = signals = PreemptionSignals(deadline_s, from_launcher, on_stop, notices)
     try:
         yield signals
     finally:
@@ -143,10 +147,10 @@ def preemption_signals(
         signals.close()
 
 
-def _abort(why: str, signum: int) -> None:
+def _abort(why: str, signum: int, notices: Callable[[str], None]) -> None:
     """End this process now: a save in progress stays unpublished, the last complete checkpoint
     stays the latest."""
-    say(f"[pid {os.getpid()}] aborting ({why}); the last complete checkpoint stays")
+    notices(f"[pid {os.getpid()}] aborting ({why}); the last complete checkpoint stays")
     os._exit(aborted_exit_code(signum))
 
 

@@ -4,7 +4,8 @@ shape) and the checkpoint directory to save to. A failure is a ConfigError namin
 the path; otherwise a rank would find it minutes later, as a traceback, or never (a mistyped
 `checkpoint.load` trained from scratch).
 
-Only the launcher's cheap imports are used here (no megatron) unless a checkpoint must be read.
+Only the launcher's cheap imports are used here (no megatron) unless a checkpoint must be read
+or the split of indexed datasets checked.
 Paths are taken as the readers and writers take them: `~` is expanded where they expand it
 (model.pretrained, data.corpus), not in checkpoint and data paths.
 """
@@ -25,7 +26,8 @@ from megatron_ext.checkpointing.megatron_lm import layout_key, optimizer_layout_
 from megatron_ext.config.data_path import data_prefixes
 from megatron_ext.config.mlm_namespace import model_fields
 from megatron_ext.config.schema import Config, DataConfig, ModelConfig
-from megatron_ext.config.validate import ConfigError
+from megatron_ext.config.validate import ConfigError, evaluates
+from megatron_ext.models.convert.families import family
 from megatron_ext.platform.checkpoint_storage import UncheckedTorch, checkpoint_files
 from megatron_ext.checkpointing import tracker
 from megatron_ext.training.file_headers import check_gguf, check_safetensors
@@ -64,6 +66,7 @@ def check_inputs(cfg: Config, tokenize_sft: bool = True) -> None:
     `tokenize_sft`: read and tokenize the SFT conversations here (into the cache the ranks then
     read), so that a broken record is named before any worker starts."""
     check_data(cfg.data)
+    check_split(cfg)
     if cfg.data.sft is not None and cfg.data.sft.path and tokenize_sft:
         check_sft_data(cfg)
     check_vocabulary(cfg)
@@ -99,6 +102,26 @@ def check_data(data: DataConfig) -> None:
         _check_indexed_dataset(prefix)
     if not data.data_path and data.corpus != "stdlib" and not os.path.exists(os.path.expanduser(data.corpus)):
         raise ConfigError("data.corpus", f"{data.corpus} does not exist (a text file, a folder of them, or stdlib)")
+
+
+def check_split(cfg: Config) -> None:
+    """`data.split` leaves every dataset of `data.data_path` documents in each split the run
+    reads: training's (unless train.skip_train) and validation's when it evaluates (the test
+    split is evaluated only where it has documents)."""
+    data, train = cfg.data, cfg.train
+    if data.mock or data.sft is not None or not data.data_path:
+        return
+    # megatron's split arithmetic and index reader: only for runs over indexed datasets
+    from megatron.core.datasets.utils import Split
+
+    from megatron_ext.data.datasets import check_split_coverage
+
+    reads = {}
+    if not train.skip_train:
+        reads[Split.train] = "training reads it"
+    if evaluates(train):
+        reads[Split.valid] = f"evaluation reads it (train.eval_iters={train.eval_iters}; 0 turns evaluation off)"
+    check_split_coverage(data_prefixes(list(data.data_path)), data.split, reads)
 
 
 def check_sft_data(cfg: Config) -> None:
@@ -175,9 +198,15 @@ def _check_hf_folder(path: str) -> None:
     if not config.is_file():
         raise ValueError(f"{path} is neither a GGUF file, a Hugging Face folder (no config.json) nor a checkpoint (no {tracker.TRACKER})")
     try:
-        json.loads(config.read_text())
+        hf_config = json.loads(config.read_text())
     except ValueError:
         raise ValueError(f"{config} is not valid JSON") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config} does not hold a JSON object")
+    try:
+        family(hf_config.get("model_type"), hf_config.get("architectures") or ())
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     weights = sorted(Path(path).glob("*.safetensors"))
     if not weights:
         raise ValueError(f"{path} has no *.safetensors files")

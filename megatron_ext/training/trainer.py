@@ -48,7 +48,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
 from megatron_ext.config.schema import Config, LoggingConfig, ParallelConfig
-from megatron_ext.config.validate import ConfigError
+from megatron_ext.config.validate import ConfigError, evaluates
 from megatron_ext.data import build_data_iterator, build_gpt_datasets, build_tokenizer, default_corpus_prefix
 from megatron_ext.data.datasets import split_has_documents
 from megatron_ext.data.mock import build_mock_datasets
@@ -370,12 +370,6 @@ class Trainer:
         # more samples than its train.iters cover).
         self.train_iter = None if self.train_ds is None else self._iterator(self.train_ds, self.state.consumed_samples)
 
-    def _evaluates(self) -> bool:
-        """Whether the run evaluates at all: every `eval_interval` steps and at the end, or
-        once with `skip_train`. Megatron-LM's --eval-iters 0 turns off validation and test alike."""
-        t = self.cfg.train
-        return bool(t.eval_iters and (t.eval_interval or t.skip_train))
-
     def open_datasets(self, dp: Optional[int] = None) -> tuple:
         """(training, validation) datasets, sized for `dp` data-parallel ranks (default: this
         layout's); each None where the run reads none of it (no training set with skip_train,
@@ -384,7 +378,7 @@ class Trainer:
         cfg = self.cfg
         gbs = self._global_batch_size(dp)
         # Every evaluation reads the same held-out batches, so one round of them is enough.
-        eval_samples = cfg.train.eval_iters * gbs if self._evaluates() else 0
+        eval_samples = cfg.train.eval_iters * gbs if evaluates(cfg.train) else 0
         batches = BatchSchedule.of(cfg.train, cfg.model.seq_length, gbs)
         # a rollback passes over samples: the data goes on that much further
         train_samples = 0 if cfg.train.skip_train else batches.samples(cfg.train.iters) + self.state.skipped_samples
@@ -395,7 +389,7 @@ class Trainer:
         """Megatron-LM's test set, evaluated once after training: `eval_iters` global batches
         of the split's test share, when it gives the test split documents."""
         cfg = self.cfg
-        if not self._evaluates():
+        if not evaluates(cfg.train):
             return None
         if not (cfg.data.mock or cfg.data.sft) and not split_has_documents(self.data_path, cfg.data.split, Split.test):
             return None
@@ -654,7 +648,7 @@ class Trainer:
                     self.timers.pop(), flops_per_iteration(cfg.model, self.vocab_size, batch),
                 )
                 collector.after_step(self.state.iteration)
-                if self._evaluates() and self.state.iteration % cfg.train.eval_interval == 0:
+                if evaluates(cfg.train) and self.state.iteration % cfg.train.eval_interval == 0:
                     with collector.evaluation():
                         eval_loss, evaluated_at = self.evaluate(), self.state.iteration
                     reporter.eval(self.state.iteration, eval_loss)
@@ -670,7 +664,7 @@ class Trainer:
             if cfg.checkpoint.save and not self._saved_at_current_iteration():
                 self.save()
             test_loss = None
-            if self.state.iteration >= cfg.train.iters and self._evaluates():
+            if self.state.iteration >= cfg.train.iters and evaluates(cfg.train):
                 with collector.evaluation():
                     eval_loss, test_loss = self._final_evaluation(eval_loss, evaluated_at)
             self._finalize_saves()  # the final save, written while the final evaluation ran
@@ -690,7 +684,7 @@ class Trainer:
         """Megatron-LM's --skip-train: the final evaluation of the weights as set up, at the
         iteration they were saved at, with no step before it and no save after it; no plugin's
         `on_train_end` either (nothing was trained to export)."""
-        if not self._evaluates():
+        if not evaluates(self.cfg.train):
             self.note("skipping training (train.skip_train) with train.eval_iters=0: nothing to evaluate")
             return self.reporter.summary(None, None)
         self.note(f"skipping training (train.skip_train): evaluating the weights of iteration {self.state.iteration}")

@@ -57,4 +57,4 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     )["losses"]
     assert resumed == uninterrupted[3:]
     assert ckpt.latest_iteration(root) == 6
-    assert not list(root.glob(".iter_*.tmp")), "the next save cleans up the broken one"
+    assert not list(root.glob(".iter_*.tmp")), "the next run of the directory cleans up the broken save"

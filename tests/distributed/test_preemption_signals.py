@@ -147,7 +147,7 @@ def test_a_worker_failing_during_the_stop_is_not_restarted(dirs):
     assert starts == 1, "the workers were restarted after the stop request"
     assert job.wait() == 1, job.output[-4000:]
     assert "fault: raising in the save of the stop" in job.output
-    assert re.search(r"^error: rank 1 \(pid \d+\) failed first: exit code 1; .*; not restarted: the job was asked to stop$", job.output, re.M), job.output[-4000:]
+    assert re.search(r"^error: rank 1 \(pid \d+\) failed first: RuntimeError: injected fault in the save of the stop \(exit code 1\); .*; not restarted: the job was asked to stop$", job.output, re.M), job.output[-4000:]
     assert not job.left_behind()
     assert ckpt.latest_iteration(root) == 2
     _assert_resumes(root, paths, 2)

@@ -69,6 +69,26 @@ def write_checkpoint(root: Path, model: ModelConfig, iteration: int = 3, tensors
     return root
 
 
+def write_gpt2(folder: Path) -> Path:
+    """A Hugging Face folder of an architecture megatron's GPT model space does not hold."""
+    import transformers  # heavy (seconds): only for the inputs fixture
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+def write_documents(prefix: Path, count: int) -> Path:
+    """An indexed dataset (`prefix`.bin/.idx) of `count` documents of byte-tokenizer ids."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # megatron: only for the inputs fixture
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(258))
+    for d in range(count):
+        builder.add_document(np.arange(d, d + 40), [40])
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
 def shard(root: Path, number: int) -> Path:
     """Shard file `number` of iteration 3's checkpoint under `root`."""
     return root / "iter_0000003" / f"__0_{number}.distcp"
@@ -90,13 +110,15 @@ def inputs(tmp_path_factory):
     (d / "not.gguf").write_text("hello\n")
     cut(write_gguf(d / "truncated.gguf"), 16)
     (d / "hf").mkdir()
-    (d / "hf" / "config.json").write_text("{}")
+    (d / "hf" / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     save_file({"w": np.zeros((16, 16), np.float32)}, str(d / "hf" / "model.safetensors"))
     cut(d / "hf" / "model.safetensors", 8)
     (d / "garbage").mkdir()
     (d / "garbage" / "latest_checkpointed_iteration.txt").write_text("not a number\n")
     (d / "not_ckpt").mkdir()
     (d / "not_ckpt" / "notes.txt").write_text("x")
+    write_gpt2(d / "gpt2")
+    write_documents(d / "docs", 3)
     join_world("cpu")
     try:
         write_checkpoint(d / "small_ckpt", ModelConfig(num_layers=2, hidden_size=64))
@@ -130,6 +152,9 @@ CASES = {
     "pretrained_not_gguf": (["model.pretrained={d}/not.gguf"], "model.pretrained", "{d}/not.gguf is not a GGUF file"),
     "pretrained_truncated_gguf": (["model.pretrained={d}/truncated.gguf"], "model.pretrained", "{d}/truncated.gguf is truncated"),
     "pretrained_truncated_safetensors": (["model.pretrained={d}/hf"], "model.pretrained", "{d}/hf/model.safetensors is truncated"),
+    "pretrained_unsupported_architecture": (["model.pretrained={d}/gpt2"], "model.pretrained", "{d}/gpt2: config.json: model_type='gpt2' is not supported (architectures: GPT2LMHeadModel); the supported: LlamaForCausalLM (llama), MistralForCausalLM (mistral), "),
+    "split_leaves_validation_empty": (["data.data_path=[{d}/docs]", "data.split='100,0,0'"], "data.split", "'100,0,0' leaves the valid split no documents of {d}/docs (3 documents), but evaluation reads it (train.eval_iters=4; 0 turns evaluation off)"),
+    "split_leaves_training_empty": (["data.data_path=[0.5,{d}/docs,0.5,{d}/docs]", "data.split='0,90,10'"], "data.split", "'0,90,10' leaves the train split no documents of {d}/docs (3 documents), but training reads it"),
     "pretrained_package_missing": (["model.pretrained=pkg:no_such_package/x.gguf"], "model.pretrained", "not installed"),
     "garbage_tracker_in_save": (["checkpoint.save={d}/garbage"], "checkpoint.save", "{d}/garbage/latest_checkpointed_iteration.txt does not hold"),
     "garbage_tracker_in_load": (["checkpoint.load={d}/garbage"], "checkpoint.load", "{d}/garbage/latest_checkpointed_iteration.txt does not hold"),
@@ -234,7 +259,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 # Through the real command line, in parallel: (id in CASES, ...)
-CLI_CASES = ("added_key_typo", "negative_lr", "pretrained_truncated_gguf")
+CLI_CASES = ("added_key_typo", "negative_lr", "pretrained_truncated_gguf", "pretrained_unsupported_architecture")
 
 
 def test_cli_cases(inputs, tmp_path):
@@ -265,6 +290,8 @@ GOOD = {
     # MLA is off on both sides, so its ranks shape nothing (Megatron-LM's --kv-lora-rank default is 32).
     "unused_mla_rank_differs": ["checkpoint.load={d}/small_ckpt", "model.num_layers=2", "model.hidden_size=64", "checkpoint.load_optim=false", "model.kv_lora_rank=32"],
     "whole_shards": ["checkpoint.load={d}/whole_shards", *SMALL, "checkpoint.load_optim=false"],
+    # Nothing reads the validation split when evaluation is off.
+    "split_without_evaluation": ["data.data_path=[{d}/docs]", "data.split='100,0,0'", "train.eval_iters=0"],
 }
 
 

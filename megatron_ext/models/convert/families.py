@@ -15,7 +15,7 @@ refused with the family the model would otherwise be, never dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_ext.config.schema import ModelConfig
 
@@ -68,9 +68,13 @@ FAMILIES = {
 }
 
 
-def family(model_type: Optional[str]) -> Family:
+def family(model_type: Optional[str], architectures: Sequence[str] = ()) -> Family:
+    """The family of a config.json's `model_type`; `architectures` (its classes) named too when
+    it is none of them."""
     if model_type not in FAMILIES:
-        raise ValueError(f"config.json: model_type={model_type!r} is not supported (one of {', '.join(FAMILIES)})")
+        named = f" (architectures: {', '.join(architectures)})" if architectures else ""
+        supported = ", ".join(f"{f.architecture} ({f.model_type})" for f in FAMILIES.values())
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported{named}; the supported: {supported}")
     return FAMILIES[model_type]
 
 

@@ -94,7 +94,7 @@ def model_config_from_hf(
     """The ModelConfig of a Hugging Face `config.json`. The sequence length is the model's
     context capped at `max_seq_length` (RoPE needs no learned positions, so a shorter training
     length loses nothing); the context itself is kept as `max_position_embeddings`."""
-    fam = family(hf_config.get("model_type"))
+    fam = family(hf_config.get("model_type"), hf_config.get("architectures") or ())
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={hf_config['hidden_act']!r} is not supported (silu, i.e. SwiGLU)")
     hidden, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]

@@ -90,16 +90,17 @@ def transcripts(path: Path) -> list[tuple[str, list[str]]]:
     """(command, the output lines shown under it) of each `$ command` in the page's unlabelled
     code blocks: terminal sessions."""
     out: list[tuple[str, list[str]]] = []
-    fenced, labelled = False, False
+    fenced, labelled, session = False, False, None
     for line in path.read_text().splitlines():
         m = FENCE.match(line.strip())
         if m:
-            fenced, labelled = not fenced, bool(m.group(1))
+            fenced, labelled, session = not fenced, bool(m.group(1)), None  # a block's output is its own
             continue
         if not fenced or labelled:
             continue
         if line.startswith("$ "):
-            out.append((line[2:].strip(), []))
-        elif out:
-            out[-1][1].append(line)
+            session = (line[2:].strip(), [])
+            out.append(session)
+        elif session is not None:
+            session[1].append(line)
     return out

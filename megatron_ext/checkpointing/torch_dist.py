@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.platform.disk_space import disk_full
 from megatron_ext.checkpointing.megatron_lm import from_saved, loading_metadata
-from megatron_ext.checkpointing.tracker import TRACKER, iteration_dir, latest_iteration, saved_iterations, staging_dir  # noqa: F401  (its API too)
+from megatron_ext.checkpointing.tracker import TRACKER, holds_files, iteration_dir, latest_iteration, saved_iterations, staging_dir  # noqa: F401  (its API too)
 
 # The top-level keys of the optimizer's and the RNG's states in a checkpoint.
 OPTIMIZER_KEY, RNG_KEY = "optimizer", "rng_state"

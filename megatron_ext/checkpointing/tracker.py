@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# The lock of the run that writes the directory (writer_lock.py): not part of any checkpoint.
+LOCK_FILE = ".writer.lock"
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
@@ -52,3 +54,9 @@ def saved_iterations(root: str | os.PathLike) -> list[int]:
     if not Path(root).is_dir():
         return []
     return sorted(int(m.group(1)) for p in Path(root).iterdir() if (m := re.fullmatch(r"iter_(\d{7})", p.name)))
+
+
+def holds_files(root: str | os.PathLike) -> bool:
+    """Whether `root` is a folder holding anything besides a writing run's lock: a folder that
+    does not is where a first run of `checkpoint.save=X checkpoint.load=X` starts fresh."""
+    return Path(root).is_dir() and any(p.name != LOCK_FILE for p in Path(root).iterdir())

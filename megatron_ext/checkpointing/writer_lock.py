@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.checkpointing.tracker import remove_leftover_staging
+from megatron_ext.checkpointing.tracker import LOCK_FILE, remove_leftover_staging
 from megatron_ext.config.validate import ConfigError
 
-LOCK_FILE = ".writer.lock"
 FIELD = "checkpoint.save"  # what a refusal names
 # A holder writes its record right after it took the lock: how long a reader waits for it.
 RECORD_WAIT_S = 2.0

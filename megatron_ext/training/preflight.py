@@ -234,7 +234,7 @@ def check_load(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError("checkpoint.load", str(e)) from None
     if iteration is None:
-        if os.path.isdir(root) and any(os.scandir(root)):
+        if tracker.holds_files(root):
             raise ConfigError("checkpoint.load", f"{root} holds no {tracker.TRACKER}: not a checkpoint directory")
         if not optional:
             state = "is empty" if os.path.isdir(root) else "does not exist"

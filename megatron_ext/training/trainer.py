@@ -237,7 +237,7 @@ class Trainer:
             return None
         iteration = self.cfg.checkpoint.step or ckpt.latest_iteration(load)
         if iteration is None:
-            if os.path.isdir(load) and any(os.scandir(load)):
+            if ckpt.holds_files(load):
                 raise ValueError(f"checkpoint.load: {load} has no {ckpt.TRACKER}")
             return None  # `save == load` on a first run: start fresh
         if not ckpt.iteration_dir(load, iteration).is_dir():

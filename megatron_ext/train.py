@@ -67,9 +67,9 @@ def preflight(cfg: Config) -> None:
 def _owns_the_save_dir(cfg: Config) -> bool:
     """Whether this process holds the writer lock of the run's `checkpoint.save`: the one that
     starts local workers or runs alone, rank 0 under torchrun or srun (the other ranks' rank 0
-    holds it)."""
+    holds it). A train.skip_train run writes nothing there: no lock."""
     launch = detect_launch()
-    return bool(cfg.checkpoint.save) and (launch is None or launch.rank == 0)
+    return bool(cfg.checkpoint.save) and not cfg.train.skip_train and (launch is None or launch.rank == 0)
 
 
 @contextlib.contextmanager

@@ -30,10 +30,10 @@ POOL_WITH_STANDBY = ["launcher.nproc=3", "parallel.tp=2", "parallel.dp=1", "plug
 # workers exist: while they import and build their model)
 CASES = {
     "scancel: SIGTERM to the group": (DP4, "group", signal.SIGTERM, "training"),
-    "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
-    "SIGTERM to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGTERM, "training"),
 }
 SLOW_CASES = {
+    "SIGUSR1 to one worker in its setup": (DP4, "worker", signal.SIGUSR1, "setup"),
+    "SIGTERM to a pool's standby worker": (POOL_WITH_STANDBY, "last worker", signal.SIGTERM, "training"),
     "SIGTERM to the forkserver alone": (DP4, "forkserver", signal.SIGTERM, "training"),
     "SIGUSR1 to the launcher": (DP4, "launcher", signal.SIGUSR1, "training"),
     "scancel to a worker pool": (POOL, "group", signal.SIGTERM, "training"),

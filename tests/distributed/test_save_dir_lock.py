@@ -20,7 +20,8 @@ import pytest
 from megatron_ext.checkpointing import tracker, writer_lock
 from tests.distributed._job import Job
 
-pytestmark = pytest.mark.distributed
+# 25 s of two live runs; the default suite refuses a second run in tests/unit/test_writer_lock.py
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 # A run through train.run, its summary (the losses of every step) written to argv[1].

@@ -211,13 +211,13 @@ def test_random_models_and_layouts(seed):
 
 # --- a rank's own plan -------------------------------------------------------------------------
 
-RANDOM_MODELS = 4
+RANDOM_MODELS = 3
 LAYOUTS_PER_MODEL = 5
 
 
 def random_moves() -> list:
     """Every move between LAYOUTS_PER_MODEL random layouts of each of RANDOM_MODELS random
-    models: about a hundred moves and five hundred ranks, at the cost of one skeleton per
+    models: about 75 moves and four hundred ranks, at the cost of one skeleton per
     (model, layout, stage)."""
     rng = random.Random(27)
     moves = []

@@ -302,9 +302,8 @@ _MODELOPT_LAUNCH = """
     --eval-iters 1 --eval-interval 2 --log-interval 1 --save {ckpt} --load {ckpt}
 """
 
-LLAMA32_1B = Example(
-    "modelopt_llama32_1b", "examples/post_training/modelopt/conf/meta-llama/Llama-3.2-1B-Instruct.sh",
-    """
+# conf/meta-llama/Llama-3.2-1B-Instruct.sh's MODEL_ARGS, shrunk.
+_LLAMA32_1B_MODEL = """
     --save-interval 2 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion
     --disable-bias-linear --use-rotary-position-embeddings --no-rope-fusion
     --no-position-embedding --normalization RMSNorm --swiglu --num-layers 2 --hidden-size 64
@@ -312,7 +311,11 @@ LLAMA32_1B = Example(
     --seq-length 64 --max-position-embeddings 128 --tokenizer-type HuggingFaceTokenizer
     --make-vocab-size-divisible-by 1 --use-mcore-models --rotary-percent 1.0
     --rotary-base 500000 --use-rope-scaling
-    """ + _MODELOPT_LAUNCH,
+"""
+
+LLAMA32_1B = Example(
+    "modelopt_llama32_1b", "examples/post_training/modelopt/conf/meta-llama/Llama-3.2-1B-Instruct.sh",
+    _LLAMA32_1B_MODEL + _MODELOPT_LAUNCH,
     global_batch=2,
 )
 
@@ -336,14 +339,7 @@ QWEN3_06B = Example(
 # which start from the converted base model (the resume below is the test).
 LLAMA32_1B_SFT = Example(
     "modelopt_llama32_1b_sft", "examples/post_training/modelopt/finetune.sh",
-    """
-    --save-interval 2 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion
-    --disable-bias-linear --use-rotary-position-embeddings --no-rope-fusion
-    --no-position-embedding --normalization RMSNorm --swiglu --num-layers 2 --hidden-size 64
-    --ffn-hidden-size 256 --num-attention-heads 4 --group-query-attention --num-query-groups 2
-    --seq-length 64 --max-position-embeddings 128 --tokenizer-type HuggingFaceTokenizer
-    --make-vocab-size-divisible-by 1 --use-mcore-models --rotary-percent 1.0
-    --rotary-base 500000 --use-rope-scaling
+    _LLAMA32_1B_MODEL + """
     --distributed-timeout-minutes 30
     --no-gradient-accumulation-fusion --reset-position-ids --reset-attention-mask --eod-mask-loss
     --attention-dropout 0.0 --hidden-dropout 0.0 --no-check-for-nan-in-loss-and-grad

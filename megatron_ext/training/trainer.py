@@ -145,7 +145,6 @@ class Trainer:
         self.skipped_steps = SkippedSteps()
         self.spikes = LossSpikes(cfg.train.spike_factor, cfg.train.spike_window)
         self.rollbacks = 0
-        self.fault: Optional[Fault] = None
         self.rolled_back_to: Optional[int] = None
         self.timers = Timers()
         # Megatron's queue of background checkpoint writes (checkpoint.async_save).
@@ -532,10 +531,12 @@ class Trainer:
         from it before saving a newer one (its state leads to the fault)."""
         root = self.cfg.checkpoint.save
         latest = ckpt.latest_iteration(root) if root else None
-        saved = [i for i in ckpt.saved_iterations(root) if latest is not None and i <= latest] if root else []
-        if self.rolled_back_to is not None and saved and max(saved) == self.rolled_back_to:
-            saved = [i for i in saved if i < self.rolled_back_to]
-        return max(saved) if saved else None
+        if latest is None:
+            return None
+        saved = [i for i in ckpt.saved_iterations(root) if i <= latest]
+        if saved and saved[-1] == self.rolled_back_to:
+            saved.pop()
+        return saved[-1] if saved else None
 
     def _stopped_by(self, fault: Fault, reporter: MetricsReporter) -> dict:
         """The summary of a run a fault stopped: nothing saved after it, the newest checkpoint
@@ -621,6 +622,7 @@ class Trainer:
             stop_at = min(stop_at, self.state.iteration + cfg.train.exit_interval)
         metrics: dict = {}
         eval_loss, evaluated_at = None, None
+        fault: Optional[Fault] = None  # the one that stopped the run
         with stop_request() as stop, ManualGC(cfg.train).training() as collector:
             while self.state.iteration < stop_at:
                 self._save_before_batch_change()
@@ -631,10 +633,10 @@ class Trainer:
                 start = time.perf_counter()
                 try:
                     metrics = self.train_step()
-                except Fault as fault:
-                    if self._roll_back(fault):
+                except Fault as raised:
+                    if self._roll_back(raised):
                         continue
-                    self.fault = fault
+                    fault = raised
                     break
                 seconds = time.perf_counter() - start
                 if cfg.logging.log_params_norm:
@@ -659,8 +661,8 @@ class Trainer:
                     reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
                     break
             self._finalize_saves()  # a save of this iteration still being written counts once published
-            if self.fault is not None:
-                return self._stopped_by(self.fault, reporter)
+            if fault is not None:
+                return self._stopped_by(fault, reporter)
             if cfg.checkpoint.save and not self._saved_at_current_iteration():
                 self.save()
             test_loss = None

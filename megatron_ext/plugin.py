@@ -69,6 +69,10 @@ class Plugin:
     # Whether the plugin runs the training step (its `forward_backward_func` returns one): a
     # run may list one such plugin.
     runs_step: bool = False
+    # Whether the Trainer reads each step's loss before `on_step_end` (else on log steps only,
+    # saving a host sync per step): a plugin whose `on_step_end` reads `metrics["loss"]`, or
+    # that changes the layout between steps (losses are read in the layout that computed them).
+    needs_step_loss: bool = False
     # The plugin's config section and checks, kept in a torch-free module: `name`,
     # `config_class`, `runs_step` and the checks are then the section's.
     section: Optional[PluginSection] = None

@@ -96,6 +96,7 @@ def _multiples_of(sizes: list[int], unit: int) -> list[int]:
 @register_plugin
 class ElasticPlugin(Plugin):
     section = SECTION
+    needs_step_loss = True
 
     def setup(self, ctx: PluginContext) -> None:
         if "reshard" in ctx.cfg.plugins:  # a Trainer built without train.run(): check here too

@@ -14,7 +14,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
+from megatron_ext.training.step import forward_step, global_mean_loss
 
 
 @torch.no_grad()
@@ -42,7 +42,7 @@ def forward_only_loss(
     finally:
         for m in model_chunks:
             m.train()
-    return broadcast_from_last_rank(reduce_loss(losses))
+    return global_mean_loss(losses)
 
 
 def text_windows(ids: Sequence[int], seq_length: int) -> list[dict[str, torch.Tensor]]:

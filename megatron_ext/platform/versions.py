@@ -52,6 +52,7 @@ CHECKED: dict[str, Checked] = {
     "distributed_optimizer_mixed_groups": Checked(MEGATRON, "0.16", "0.16"),  # DistributedOptimizer.__init__
     "mla_rotary_key_grad": Checked(MEGATRON, "0.16", "0.16"),  # MLA's module-level gather, MLASelfAttention.__init__
     "mla_latent_norm_grads": Checked(MEGATRON, "0.16", "0.16"),  # finalize_model_grads' TP reduction of norms
+    "grad_norm_check": Checked(MEGATRON, "0.16", "0.16"),  # which method the optimizers' step() takes the norm from
 }
 
 

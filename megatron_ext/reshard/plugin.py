@@ -51,6 +51,7 @@ class _Planned:
 @register_plugin
 class ReshardPlugin(Plugin):
     section = SECTION
+    needs_step_loss = True
 
     def runner(self) -> Runner:
         # The job's processes form a worker pool, so that the number of workers can change

@@ -104,8 +104,8 @@ class MetricsReporter:
         and the samples consumed, grad_norm (not on a step the fp16 loss scaler skipped) and
         what the logging switches add (params_norm, num_zeros_in_grad); `timers`: seconds per
         phase; `flops`: the step's operations over the whole world (None: not counted for
-        this model)."""
-        self.losses.append(metrics["loss"])
+        this model). `metrics` holds the loss only where the losses were read after this step
+        (`record_losses`): always on log steps."""
         self.tokens_total += tokens
         self.train_seconds += seconds
         self._window_tokens += tokens
@@ -118,16 +118,24 @@ class MetricsReporter:
         if self.cfg.log_throughput and flops is not None:
             metrics["throughput"] = self._tflops_per_rank(flops, seconds)
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            self._bar.set_postfix(loss=f"{self.losses[-1]:.4f}" if self.losses else "-", tok_s=f"{tps:,.0f}", refresh=False)
             self._bar.update(1)
         if iteration % self.cfg.log_interval == 0:
             self._write_line(iteration, metrics)
-        self._scalars("train", iteration, metrics)
+        self._scalars("train", iteration, {k: v for k, v in metrics.items() if k != "loss"})
         if self.cfg.log_timers_to_tensorboard:
             phases = {"iteration": seconds, **(timers or {})}
             self._scalars("timers", iteration, {f"{name}-time": t for name, t in phases.items()})
         if self.cfg.log_memory_to_tensorboard:
             self._scalars("memory", iteration, memory_stats())
+
+    def record_losses(self, losses: dict[int, float]) -> None:
+        """The losses of the steps since the last read, by iteration (read on log steps, or every
+        step where TensorBoard or W&B are on: training/step.py's PendingLosses)."""
+        for iteration, loss in losses.items():
+            self.losses.append(loss)
+            if self.active:
+                self._scalars("train", iteration, {"loss": loss})
 
     def _tflops_per_rank(self, flops: float, seconds: float) -> float:
         return flops / (max(seconds, 1e-9) * 1e12 * self.world_size)

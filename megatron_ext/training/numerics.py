@@ -4,11 +4,13 @@ Megatron-LM's `--check-for-nan-in-loss-and-grad` (on by default) stops a step wi
 gradient. Here the check is the global gradient norm, taken before the optimizer updates anything:
 megatron's optimizer computes it over every rank (the same value everywhere), and any NaN or
 infinite gradient on any rank makes it non-finite, so all ranks agree without a collective of
-their own. A loss above `train.spike_factor` times the mean of the last `train.spike_window`
-steps' losses is a fault too (Megatron-LM's `--check-for-spiky-loss`). `train.nan_policy` says
-what follows a fault: `stop` (nothing more is saved; the newest checkpoint stays the last good
-one) or `rollback` (training/trainer.py reloads the newest checkpoint, skips the batches since it
-and lowers the lr). With fp16 the loss scaler skips non-finite steps itself, as in Megatron-LM.
+their own. It is the norm megatron's step computes anyway (platform/grad_norm_check.py), so the
+check costs nothing per step; a NaN loss has NaN gradients, so it catches those too. A loss above
+`train.spike_factor` times the mean of the last `train.spike_window` steps' losses is a fault too
+(Megatron-LM's `--check-for-spiky-loss`; the losses are then read every step). `train.nan_policy`
+says what follows a fault: `stop` (nothing more is saved; the newest checkpoint stays the last
+good one) or `rollback` (training/trainer.py reloads the newest checkpoint, skips the batches since
+it and lowers the lr). With fp16 the loss scaler skips non-finite steps itself, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_ext.platform.grad_norm_check import NonFiniteGradNorm
 
 
 @dataclass
@@ -37,11 +41,18 @@ class Fault(Exception):
 
 
 def gradient_norm_before_step(optimizer) -> float:
-    """The global gradient norm the optimizer's step would clip with, computed before the step.
+    """The global gradient norm, computed before the step, for an optimizer whose step computes
+    none (no clipping; otherwise the check rides on the step's own norm, platform/grad_norm_check.py).
     Without a loss scaler `prepare_grads` only copies gradients into place, so `step()` doing it
     again changes nothing (with one it unscales: fp16 is checked by its scaler instead)."""
     optimizer.prepare_grads()
     return float(optimizer.get_grad_norm())
+
+
+def check_grad_norm(norm: float) -> None:
+    """Raise NonFiniteGradNorm for a NaN or infinite norm, as the check inside the step does."""
+    if not math.isfinite(norm):
+        raise NonFiniteGradNorm(norm)
 
 
 def ranks_with_nonfinite_grads(model: list) -> tuple[int, ...]:

@@ -31,9 +31,10 @@ class StopRequest:
         """True on every rank when any rank was signalled."""
         flag = torch.tensor([0 if self.signum is None else 1], device=current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        agreed = bool(flag.item())
+        if agreed:
             self.signals.stopping()
-        return bool(flag.item())
+        return agreed
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ global batch, so the loss is the same token-weighted mean under every TP/PP/DP l
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,24 +39,50 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def reduce_loss(losses: list[dict]) -> float | None:
-    """Token-weighted mean loss of a step over its micro-batches and data-parallel replicas.
-    Non-None on the last pipeline stage only (the others have no loss)."""
+def step_loss(losses: list[dict]) -> Optional[torch.Tensor]:
+    """This rank's [loss sum, tokens] of a step over its micro-batches, left on the device (no
+    host sync); None off the last pipeline stage (the others have no loss)."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    total = torch.zeros(2)
-    for entry in losses:
-        total += entry["lm loss"].float().cpu()
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if dist.get_world_size(dp_group) > 1:
-        total_dev = total.to(current_device())
-        dist.all_reduce(total_dev, group=dp_group)
-        total = total_dev.cpu()
-    return (total[0] / total[1].clamp(min=1)).item()
+    total = losses[0]["lm loss"].float().clone()
+    for entry in losses[1:]:
+        total += entry["lm loss"].float()
+    return total
 
 
-def broadcast_from_last_rank(value: float | None) -> float:
-    """Every rank learns a value only the last pipeline stage has (the last rank is on it)."""
-    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=current_device())
-    dist.broadcast(t, src=dist.get_world_size() - 1)
-    return t.item()
+class PendingLosses:
+    """Step losses kept where the last pipeline stage computed them until they are read: one
+    reduction over the data-parallel group and one broadcast for all the steps since the last
+    read, as Megatron-LM's training_log reads its losses once per log interval. On a GPU each
+    read is a host sync, so the Trainer reads on log steps (and where something needs every
+    step's loss, `Trainer._reads_loss_at`)."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[int, Optional[torch.Tensor]]] = []
+
+    def add(self, iteration: int, local: Optional[torch.Tensor]) -> None:
+        self._steps.append((iteration, local))
+
+    def read(self) -> dict[int, float]:
+        """The token-weighted mean loss of each pending step over its global batch, by iteration,
+        on every rank. Collective: every rank calls it with the same steps pending."""
+        if not self._steps:
+            return {}
+        iterations = [iteration for iteration, _ in self._steps]
+        values = torch.zeros(len(iterations), dtype=torch.float64, device=current_device())
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            totals = torch.stack([local for _, local in self._steps])
+            dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if dist.get_world_size(dp_group) > 1:
+                dist.all_reduce(totals, group=dp_group)
+            values.copy_(totals[:, 0] / totals[:, 1].clamp(min=1))
+        dist.broadcast(values, src=dist.get_world_size() - 1)  # the last rank is on the last stage
+        self._steps.clear()
+        return dict(zip(iterations, values.tolist()))
+
+
+def global_mean_loss(losses: list[dict]) -> float:
+    """One step's token-weighted mean loss over its global batch, on every rank (collective)."""
+    pending = PendingLosses()
+    pending.add(0, step_loss(losses))
+    return pending.read()[0]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -63,6 +62,7 @@ from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.parallel.release import unlink_optimizer
 from megatron_ext.platform.device import current_device
+from megatron_ext.platform.grad_norm_check import NonFiniteGradNorm, refuse_nonfinite_grad_norm, takes_norm_in_step
 from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
@@ -79,13 +79,19 @@ from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
-from megatron_ext.training.numerics import Fault, LossSpikes, gradient_norm_before_step, ranks_with_nonfinite_grads
+from megatron_ext.training.numerics import (
+    Fault,
+    LossSpikes,
+    check_grad_norm,
+    gradient_norm_before_step,
+    ranks_with_nonfinite_grads,
+)
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
 from megatron_ext.training.schedule import build_scheduler, counts_samples, scale_lr, scheduler_increment, train_iters
 from megatron_ext.training.skipped_steps import SkippedSteps, gradient_stats
-from megatron_ext.training.step import broadcast_from_last_rank, forward_step, reduce_loss
+from megatron_ext.training.step import PendingLosses, forward_step, step_loss
 from megatron_ext.training.timers import Timers
 
 
@@ -144,6 +150,7 @@ class Trainer:
         self.data_path: Optional[list[str]] = None
         self.skipped_steps = SkippedSteps()
         self.spikes = LossSpikes(cfg.train.spike_factor, cfg.train.spike_window)
+        self.pending_losses = PendingLosses()  # the step losses not read yet (read on log steps)
         self.rollbacks = 0
         self.rolled_back_to: Optional[int] = None
         self.timers = Timers()
@@ -357,6 +364,8 @@ class Trainer:
             config, model, use_gloo_process_groups=groups is None, pg_collection=groups
         )
         model_config.grad_scale_func = optimizer.scale_loss
+        if self._checks_numerics() and takes_norm_in_step(optimizer):
+            refuse_nonfinite_grad_norm(optimizer)  # the check rides on the norm megatron's step computes
         return optimizer
 
     def _build_scheduler(self) -> OptimizerParamScheduler:
@@ -490,13 +499,15 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             forward_only=False,
         )
-        loss_scale = self.optimizer.get_loss_scale().item()
-        if self._checks_numerics():
-            norm = gradient_norm_before_step(self.optimizer)
-            if not math.isfinite(norm):
-                raise Fault(self.state.iteration + 1, f"gradient norm {norm}", self.state.consumed_samples + global_batch,
-                            ranks_with_nonfinite_grads(self.model))
-        update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
+        # fp16's dynamic scale is a device tensor (a host sync to read); every other precision's is 1.
+        loss_scale = self.optimizer.get_loss_scale().item() if self.cfg.model.precision == "fp16" else 1.0
+        try:
+            if self._checks_numerics() and not takes_norm_in_step(self.optimizer):
+                check_grad_norm(gradient_norm_before_step(self.optimizer))
+            update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
+        except NonFiniteGradNorm as e:
+            raise Fault(self.state.iteration + 1, str(e), self.state.consumed_samples + global_batch,
+                        ranks_with_nonfinite_grads(self.model)) from None
         # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
         if update_ok:
             self.scheduler.step(increment=scheduler_increment(self.cfg.train, self.batches, global_batch))
@@ -506,8 +517,8 @@ class Trainer:
         skipped = self.skipped_steps.record(self.state.iteration, update_ok, loss_scale, self.optimizer)
         if skipped is not None:
             self.note(skipped)
+        self.pending_losses.add(self.state.iteration, step_loss(losses))
         metrics = {
-            "loss": broadcast_from_last_rank(reduce_loss(losses)),
             "lr": self.optimizer.param_groups[0]["lr"],
             "loss_scale": loss_scale,
             "skipped_iterations": self.skipped_steps.total,
@@ -518,9 +529,32 @@ class Trainer:
         metrics.update(gradient_stats(grad_norm, zeros))
         if self.cfg.model.mtp_num_layers:
             metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
-        if self._checks_numerics() or self.cfg.train.spike_factor is not None:
-            self.spikes.check(self.state.iteration, metrics["loss"], self.state.consumed_samples)
         return metrics
+
+    def _reads_loss_at(self, iteration: int) -> bool:
+        """Whether the losses pending are read after step `iteration` (the same answer on every
+        rank): on log steps; every step where something uses each step's loss (TensorBoard or
+        W&B, as Megatron-LM writes them every step; the spike check; a plugin that reads it or
+        moves the layout, `Plugin.needs_step_loss`)."""
+        log = self.cfg.logging
+        return (
+            iteration % log.log_interval == 0
+            or bool(log.tensorboard_dir or log.wandb_project)
+            or self.cfg.train.spike_factor is not None
+            or any(p.needs_step_loss for p in self.plugins)
+        )
+
+    def _read_losses(self, metrics: dict) -> None:
+        """Read the pending step losses into the report; the newest into `metrics["loss"]`, then
+        checked for a spike (a NaN loss has NaN gradients: the norm check stops those first)."""
+        losses = self.pending_losses.read()
+        if not losses:
+            return
+        self.reporter.record_losses(losses)
+        metrics["loss"] = losses[max(losses)]
+        if self.cfg.train.spike_factor is not None:
+            for iteration, loss in losses.items():
+                self.spikes.check(iteration, loss, self.state.consumed_samples)
 
     def _checks_numerics(self) -> bool:
         """Megatron-LM's NaN check; with fp16 the loss scaler skips non-finite steps itself."""
@@ -633,7 +667,10 @@ class Trainer:
                 start = time.perf_counter()
                 try:
                     metrics = self.train_step()
+                    if self._reads_loss_at(self.state.iteration) or self.state.iteration >= stop_at:
+                        self._read_losses(metrics)
                 except Fault as raised:
+                    self._read_losses({})  # the steps before the fault's, into the report
                     if self._roll_back(raised):
                         continue
                     fault = raised
@@ -661,6 +698,8 @@ class Trainer:
                     reporter.note(f"signal received: stopping after iteration {self.state.iteration}")
                     break
             self._finalize_saves()  # a save of this iteration still being written counts once published
+            if fault is None:
+                self._read_losses(metrics)  # of the steps a signal stopped after
             if fault is not None:
                 return self._stopped_by(fault, reporter)
             if cfg.checkpoint.save and not self._saved_at_current_iteration():

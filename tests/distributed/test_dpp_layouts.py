@@ -126,7 +126,7 @@ def worker(out_dir: str, world: int, *names: str) -> None:
     from megatron_ext.dpp.runtime.loop import DppStep, PlannedBatch
     from megatron_ext.dpp.runtime.memory import ActivationMeter, fit_activation_bytes, fit_model_states
     from megatron_ext.platform.launch import join_world
-    from megatron_ext.training.step import forward_step, reduce_loss
+    from megatron_ext.training.step import forward_step, global_mean_loss
     from megatron_ext.training.trainer import Trainer
 
     join_world("cpu")
@@ -159,7 +159,7 @@ def worker(out_dir: str, world: int, *names: str) -> None:
         losses = step(PlannedBatch(plan, batch), forward_step, trainer.model)
         if step.meter is not None:
             report["measured_act_bytes"] = step.meter.peak_bytes
-        report.update(grads=logical_grads(trainer.model), loss=reduce_loss(losses))
+        report.update(grads=logical_grads(trainer.model), loss=global_mean_loss(losses))
         torch.save(report, Path(out_dir, f"{name}_rank{dist.get_rank()}.pt"))
         trainer.close()
     dist.destroy_process_group()

@@ -52,10 +52,11 @@ class JobOptimizer:
         )
 
     def grad_norm(self) -> float:
-        local = torch.zeros(2, dtype=torch.float64)
+        """The adapters' global gradient norm: summed on the device, read once (one host sync)."""
+        local = torch.zeros(2, dtype=torch.float64, device=self.params[0].device)
         for p, split in zip(self.params, self.sharded):
             if p.grad is not None:
-                local[int(split)] += p.grad.detach().double().pow(2).sum().cpu()
+                local[int(split)] += p.grad.detach().double().pow(2).sum()
         if self.tp_group is not None and self.tp_group.size() > 1:
             split = local[1:].clone()
             dist.all_reduce(split, group=self.tp_group)

@@ -35,6 +35,7 @@ RECORDER = textwrap.dedent(
     class Recorder(Plugin):
         name = "recorder"
         config_class = RecorderConfig
+        needs_step_loss = True  # on_step_end reads metrics["loss"]
 
         def check(self, cfg, world_size):
             CALLS.append(["check", world_size])

@@ -60,10 +60,10 @@ def train(cache: Path, nproc: int, *overrides: str) -> list[float]:
     return run_from_overrides([*COMMON, f"data.cache_dir={cache}", f"launcher.nproc={nproc}", *overrides])["losses"]
 
 
-# Beside the default suite (python -m pytest -m slow): the second two-rank layout and the second
-# distributed-optimizer case, and GPT-3's bf16 biases (fp32_gpt3_dropout resumes GPT-3 here). bf16_moe_ep2 is the default suite's one resume of megatron's
-# ChainedOptimizer.
-SLOW = {"bf16_pp2", "bf16_gpt3_distributed_optimizer", "bf16_gpt3"}
+# Beside the default suite (python -m pytest -m slow): the TP and PP layouts, the second
+# distributed-optimizer case, and GPT-3's bf16 biases (fp32_gpt3_dropout resumes GPT-3 here).
+# bf16_moe_ep2 is the default suite's two-rank resume and its one of megatron's ChainedOptimizer.
+SLOW = {"bf16_pp2", "bf16_tp2", "bf16_gpt3_distributed_optimizer", "bf16_gpt3"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES])

@@ -149,6 +149,10 @@ class ModelConfig:
     pretrained: Optional[str] = None
     # fp32 | bf16 | fp16. CPU runs are fp32.
     precision: str = "fp32"
+    # Draw each weight from its own seeded generator, so that every TP/PP/EP layout starts from
+    # the identical model (models/init.py; layout comparisons and tests rely on it). None: on for
+    # CPU runs, off on CUDA (megatron initialises on the GPU, as Megatron-LM does).
+    layout_independent_init: Optional[bool] = None
     # Layer implementation: auto (Transformer Engine when installed and on CUDA) | local | te.
     # For arch=hybrid, auto uses megatron's MambaMixer kernels when mamba_ssm is installed on
     # CUDA, local always the pure-PyTorch mixer.

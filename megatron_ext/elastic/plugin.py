@@ -345,7 +345,7 @@ class ElasticPlugin(Plugin):
         from megatron_ext.elastic.space import ElasticSpace
         from megatron_ext.models import pretrained
         from megatron_ext.models.arch import architecture
-        from megatron_ext.models.init import init_weights_layout_independent
+        from megatron_ext.models.init import init_weights_layout_independent, layout_independent
         from megatron_ext.platform.device import current_device
 
         import torch  # heavy: torch/megatron, when a worker uses the plugin (not when the launcher builds it)
@@ -372,6 +372,11 @@ class ElasticPlugin(Plugin):
             ).to(current_device())
             for student in self.space.chunks
         ]
+        if not cfg.model.pretrained and not layout_independent(cfg.model, ctx.on_cpu):
+            raise ValueError(
+                "elastic: without model.pretrained the teacher is redrawn from the seed, which needs "
+                "model.layout_independent_init=true (megatron's own initialisation cannot be redrawn)"
+            )
         init_weights_layout_independent(teacher, config, cfg.train.seed)
         if cfg.model.pretrained:
             pretrained.load_into(teacher, cfg.model, ctx.vocab_size)

@@ -242,18 +242,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         pipeline_dtype=dtype,
         bf16=model.precision == "bf16",
         fp16=model.precision == "fp16",
-        # CPU initialisation draws the full master weight from one seeded generator and slices
-        # it, so every TP/PP layout starts from the same weights (and CPU equals GPU).
-        use_cpu_initialization=True,
         perform_initialization=True,
-        # Fusions that need apex/TE kernels.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
+        **device_fields(model, use_transformer_engine(model, on_cpu), on_cpu),
+        persist_layer_norm=False,  # Apex's LayerNorm only (LocalNorm refuses it; TE's ignores it)
+        cross_entropy_loss_fusion=False,  # Megatron-LM's default
         # The loss is a sum over tokens; megatron divides gradients by the token count of the
         # whole global batch, which makes it the same per-token mean under every layout.
         calculate_per_token_loss=True,
@@ -264,6 +256,36 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         # silently swaps activations and gradients. The unbatched path posts in matching order.
         batch_p2p_comm=not on_cpu,
     )
+
+
+def device_fields(model: ModelConfig, use_te: bool, on_cpu: bool) -> dict:
+    """The TransformerConfig fields that are the device's choice. On the CPU: weights drawn on the
+    host (the layout-independent initialisation redraws them anyway, models/init.py) and every
+    fusion off (their kernels are CUDA's). On CUDA: Megatron-LM's defaults, each fusion where its
+    kernel is installed and the model can take it (as Megatron-LM's argument checks switch them)."""
+    if on_cpu:
+        return {
+            "use_cpu_initialization": True,
+            "gradient_accumulation_fusion": False,
+            "bias_activation_fusion": False,
+            "bias_dropout_fusion": False,
+            "masked_softmax_fusion": False,
+            "apply_rope_fusion": False,
+        }
+    plain_glu = model.glu_linear_offset == 0 and model.activation_func_clamp_value is None
+    return {
+        "use_cpu_initialization": False,
+        # Apex's wgrad kernel (Megatron-LM switches the fusion off without it).
+        "gradient_accumulation_fusion": optional.HAVE_WGRAD_ACCUMULATION,
+        # --bias-swiglu-fusion, and --bias-gelu-fusion where fc1 has a bias (megatron's jit kernels).
+        "bias_activation_fusion": (model.activation == "swiglu" and plain_glu)
+        or (model.activation == "gelu" and model.add_bias_linear),
+        "bias_dropout_fusion": True,
+        # megatron falls back to torch's softmax where its fused kernel is not built.
+        "masked_softmax_fusion": True,
+        # Transformer Engine's fused RoPE; megatron's MLA takes it with YaRN only.
+        "apply_rope_fusion": use_te and model.position_embedding_type == "rope" and not model.multi_latent_attention,
+    }
 
 
 def use_transformer_engine(model: ModelConfig, on_cpu: bool) -> bool:

@@ -21,12 +21,19 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.config.schema import ModelConfig
 from megatron_ext.models import mamba2
 from megatron_ext.models.logical import LogicalName, fill_from_logical
 
 # Weights megatron initialises with `output_layer_init_method` (std / sqrt(2 * num_layers)):
 # the projections that write into the residual stream.
 _RESIDUAL_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
+
+
+def layout_independent(model: ModelConfig, on_cpu: bool) -> bool:
+    """Whether the run's weights are drawn layout-independently (`model.layout_independent_init`,
+    by default on the CPU only)."""
+    return on_cpu if model.layout_independent_init is None else model.layout_independent_init
 
 
 def _init_std(key: str, config: TransformerConfig) -> Optional[float]:

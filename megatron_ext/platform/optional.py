@@ -18,3 +18,5 @@ HAVE_APEX = _importable("apex") and _importable("amp_C")
 # Mamba2 CUDA kernels (megatron's MambaMixer needs them); without them the hybrid model uses
 # the pure-PyTorch mixer.
 HAVE_MAMBA_SSM = _importable("mamba_ssm")
+# Apex's fused weight-gradient accumulation kernel (megatron's gradient_accumulation_fusion).
+HAVE_WGRAD_ACCUMULATION = _importable("fused_weight_gradient_mlp_cuda")

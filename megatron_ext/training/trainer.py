@@ -56,7 +56,7 @@ from megatron_ext.evaluation.loss import forward_only_loss
 from megatron_ext.models.arch import architecture
 from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.models import pretrained
-from megatron_ext.models.init import init_weights_layout_independent
+from megatron_ext.models.init import init_weights_layout_independent, layout_independent
 from megatron_ext.parallel.ddp import wrap_in_ddp
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
@@ -308,7 +308,7 @@ class Trainer:
                 pg_collection=groups,
             )
             chunks.append(model.to(current_device()))
-        if initialise:
+        if initialise and layout_independent(cfg.model, self.on_cpu):
             init_weights_layout_independent(chunks, config, cfg.train.seed)
         # Before the optimizer exists: with bf16 params it copies them into fp32 main params.
         if cfg.model.pretrained and load_pretrained:

@@ -405,6 +405,26 @@ def measure_row(row: Row, steps: int, warmup: int, trace: Optional[str]) -> dict
     }
 
 
+# Issue targets: at least the plain loop's and the bare Megatron-Core loop's tokens/s on every row;
+# peak RSS at most 1.05x the plain loop's on the SmolLM2 row.
+TARGETS = {"megatron_ext_vs_plain": ("at_least", 1.0), "megatron_ext_vs_megatron_core": ("at_least", 1.0)}
+RSS_TARGET = ("smollm2_135m", "peak_rss_megatron_ext_vs_plain", "at_most", 1.05)
+
+
+def judge(rows: dict) -> dict:
+    """Each target, judged on every measured row it applies to."""
+    targets = {}
+    for name, row in rows.items():
+        for ratio, (kind, bound) in TARGETS.items():
+            value = row["ratios"][ratio]
+            targets[f"{name}: {ratio}"] = {kind: bound, "value": value, "met": value >= bound}
+    row_name, ratio, kind, bound = RSS_TARGET
+    if row_name in rows:
+        value = rows[row_name]["ratios"][ratio]
+        targets[f"{row_name}: {ratio}"] = {kind: bound, "value": value, "met": value <= bound}
+    return targets
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib  # checked at the start (--plot)
 
@@ -450,6 +470,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         name = min(result["rows"], key=lambda n: result["rows"][n]["ratios"]["megatron_ext_vs_plain"])
         traced = launch(ROWS[name].nproc, run_megatron_ext, ROWS[name], 4, 2, args.trace)
         result["trace"] = {"row": name, "file": args.trace, "top_ops": traced["top_ops"]}
+    result["targets"] = judge(result["rows"])
     result["wall_s"] = time.perf_counter() - started
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -188,6 +188,44 @@ def convert_notes(data: dict) -> list[str]:
             f"{num(data['wall_s'])} s. No target on time or memory: the issue sets none."]
 
 
+# ---- overhead.py ----
+
+OVERHEAD_WAYS = {"plain": "plain PyTorch loop", "megatron_core": "bare Megatron-Core loop", "megatron_ext": "megatron_ext Trainer"}
+OVERHEAD_PHASES = ("data", "forward", "backward", "grad_sync", "optimizer", "rest")
+
+
+def overhead_tables(data: dict) -> list[Table]:
+    tables = []
+    for name, row in data["rows"].items():
+        r = row["row"]
+        body = [[OVERHEAD_WAYS[way], num(w["tokens_per_s"]), *(num(1e3 * w["phases_s"][p]) for p in OVERHEAD_PHASES),
+                 num(w["peak_rss_gb"])] for way, w in row["ways"].items()]
+        tables.append(Table(
+            ["way", "tokens/s", *(f"{p} ms" for p in OVERHEAD_PHASES), "peak RSS GB"], body,
+            f"{name}: {r['model']}, {r['nproc']} rank(s), global batch {r['global_batch']} × {r['seq_length']} tokens, "
+            f"micro-batch {r['micro_batch']}. Per step, the slowest rank's mean over the timed steps; `rest` is the "
+            "step's time the named phases leave (the loop itself: logging, metrics, checks)."))
+    return tables
+
+
+def overhead_targets(data: dict) -> list[Target]:
+    out = []
+    for name, t in data["targets"].items():
+        bound = f"at least {num(t['at_least'])}" if "at_least" in t else f"at most {num(t['at_most'])}"
+        out.append(Target(f"{name} {bound}", t["met"], f"measured {num(t['value'])}"))
+    return out
+
+
+def overhead_notes(data: dict) -> list[str]:
+    notes = [f"{data['steps']} timed steps after {data['warmup']} warm-up steps per way; the whole run took "
+             f"{num(data['wall_s'])} s."]
+    if "trace" in data:
+        top = ", ".join(f"{op['name']} {num(op['self_cpu_ms'])} ms" for op in data["trace"]["top_ops"][:8])
+        notes.append(f"torch.profiler over 3 steps of the Trainer on {data['trace']['row']} (rank 0), the largest "
+                     f"self CPU times: {top}.")
+    return notes
+
+
 # ---- scale.py ----
 
 def scale_simulated(row: dict) -> str:
@@ -543,6 +581,11 @@ BENCHMARKS = [
               elastic_tables, elastic_targets, elastic_notes),
     Benchmark("elastic_smollm2_cpu.json", "elastic: SmolLM2-135M parent on the standard library's text", "elastic",
               "scripts/bench/elastic.py", ELASTIC_REAL_ABOUT, elastic_real_tables, elastic_real_targets, elastic_real_notes),
+    Benchmark("overhead_cpu.json", "Runtime overhead against a plain PyTorch loop", "all", "scripts/bench/overhead.py",
+              "The same model shapes, batch and machine trained three ways, each in fresh worker processes: a plain "
+              "PyTorch loop (transformers' LLaMA, torch DDP, AdamW), a bare Megatron-Core loop (its GPTModel, DDP, "
+              "distributed optimizer and schedule, no Trainer) and megatron_ext's Trainer; tokens per second, peak "
+              "memory and where a step's time goes.", overhead_tables, overhead_targets, overhead_notes),
     Benchmark("lora_throughput.json", "lora: packed throughput", "lora", "scripts/bench/lora.py",
               "K LoRA jobs on one frozen base: packed in one model against one job after another and against K "
               "processes.", lora_tables, lora_targets),

@@ -531,6 +531,13 @@ class Trainer:
             metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
         return metrics
 
+    def train_step_with_loss(self) -> dict[str, Any]:
+        """`train_step`, its loss read at once into `metrics["loss"]` (a host sync): for callers
+        that drive the steps one by one rather than through `train()`. Collective."""
+        metrics = self.train_step()
+        self._read_losses(metrics)
+        return metrics
+
     def _reads_loss_at(self, iteration: int) -> bool:
         """Whether the losses pending are read after step `iteration` (the same answer on every
         rank): on log steps; every step where something uses each step's loss (TensorBoard or
@@ -550,7 +557,8 @@ class Trainer:
         losses = self.pending_losses.read()
         if not losses:
             return
-        self.reporter.record_losses(losses)
+        if self.reporter is not None:
+            self.reporter.record_losses(losses)
         metrics["loss"] = losses[max(losses)]
         if self.cfg.train.spike_factor is not None:
             for iteration, loss in losses.items():

@@ -62,9 +62,9 @@ def run(parallel: dict, cache: str) -> dict:
     validate(cfg, dist.get_world_size(), "cpu")
     trainer = Trainer(cfg)
     trainer.setup()
-    losses = [trainer.train_step()["loss"]]
+    losses = [trainer.train_step_with_loss()["loss"]]
     grads = grad_shards(trainer.model)
-    losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
+    losses += [trainer.train_step_with_loss()["loss"] for _ in range(STEPS - 1)]
     report = {"losses": losses, "grads": grads, "weights": weight_shards(trainer.model)}
     trainer.close()
     return report

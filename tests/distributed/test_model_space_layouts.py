@@ -163,7 +163,7 @@ def run(case: str, parallel: dict, cache: str) -> dict:
     validate(cfg, dist.get_world_size(), "cpu")
     trainer = Trainer(cfg)
     trainer.setup()
-    losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    losses = [trainer.train_step_with_loss()["loss"] for _ in range(STEPS)]
     report = {"losses": losses, "weights": weight_shards(trainer.model)}
     trainer.close()
     return report

@@ -54,12 +54,12 @@ def steps_with_a_corrupt_replica(test_mode: bool, cache: str) -> dict:
     validate(cfg, dist.get_world_size(), "cpu")
     trainer = Trainer(cfg)
     trainer.setup()
-    outcome = {"clean": trainer.train_step()["loss"]}
+    outcome = {"clean": trainer.train_step_with_loss()["loss"]}
     norm = next(p for name, p in trainer.model[0].named_parameters() if "q_layernorm.weight" in name)
     with torch.no_grad():
         norm[0] += dist.get_rank()
     try:
-        outcome["corrupt"] = trainer.train_step()["loss"]
+        outcome["corrupt"] = trainer.train_step_with_loss()["loss"]
     except AssertionError as stopped:  # megatron's real-time test
         outcome["corrupt"] = str(stopped)
     trainer.close()

@@ -138,7 +138,7 @@ def poison(trainer) -> None:
 
 
 def train(trainer) -> list:
-    return [trainer.train_step()["loss"] for _ in range(STEPS_AFTER)]
+    return [trainer.train_step_with_loss()["loss"] for _ in range(STEPS_AFTER)]
 
 
 def through_checkpoint(cfg, target) -> tuple:

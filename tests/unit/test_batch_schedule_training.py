@@ -87,14 +87,14 @@ def recorded_run(overrides: list[str], monkeypatch) -> list[tuple[int, float, fl
     def recorded_step(trainer):
         forwards[0] = 0
         metrics = train_step(trainer)
-        record.append((forwards[0], metrics["lr"], metrics["loss"]))
+        record.append((forwards[0], metrics["lr"]))
         return metrics
 
     with monkeypatch.context() as m:
         m.setattr(trainer_module, "forward_step", counted_forward)
         m.setattr(Trainer, "train_step", recorded_step)
-        run_from_overrides([*COMMON, *overrides])
-    return record
+        losses = run_from_overrides([*COMMON, *overrides])["losses"]
+    return [(forwards, lr, loss) for (forwards, lr), loss in zip(record, losses, strict=True)]
 
 
 @pytest.mark.parametrize("overrides, batch_at, iters, lr_samples, stop", CASES.values(), ids=CASES.keys())

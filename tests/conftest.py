@@ -19,10 +19,30 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_ext.platform.launch import join_world
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where `one_rank_world` tests compute (cpu: gloo; cuda: NCCL on GPU 0). "
+        "scripts/gpu/check.sh runs its device-agnostic tests with cuda.",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The device `--device` names (cpu by default)."""
+    name = request.config.getoption("--device")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda, but CUDA is not available here")
+    return torch.device(name)
+
+
 @pytest.fixture
-def one_rank_world():
-    """torch.distributed with one gloo rank and megatron's parallel state at TP=PP=1."""
-    join_world("cpu")
+def one_rank_world(device):
+    """torch.distributed with one rank on `device` (gloo on the CPU, NCCL on a GPU) and
+    megatron's parallel state at TP=PP=1."""
+    join_world(device.type)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from megatron_ext.data.sft.packing import attention_mask_of
 from megatron_ext.elastic.vocab_loss import ce_per_token, kd_per_token
+from megatron_ext.platform.device import wall_clock
 
 
 def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -85,17 +85,19 @@ def forward_latencies(
     models: Mapping[str, nn.Module], tokens: torch.Tensor, repeats: int = 20, warmup: int = 3
 ) -> dict[str, float]:
     """Median seconds of one forward of `tokens` per model, the models taking turns (one forward
-    each per round), so a change in the machine's load falls on all of them alike."""
-    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    each per round), so a change in the machine's load falls on all of them alike. On a GPU a
+    forward is timed to the end of its kernels, not of their launch."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
+    clock = wall_clock(tokens.device)
     times: dict[str, list[float]] = {name: [] for name in models}
     for model in models.values():
         model.eval()
     for i in range(warmup + repeats):
         for name, model in models.items():
-            start = time.perf_counter()
+            start = clock()
             model(tokens, positions, None)
             if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

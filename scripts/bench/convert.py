@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -48,6 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 FULLY, DP = "fully_reshardable", "dp_reshardable"
@@ -107,8 +107,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default="llama_tiny,llama_100m", help="model presets, comma-separated")
     p.add_argument("--work-dir", help="where the checkpoints go (default: a temporary folder in /tmp, removed)")
     args = p.parse_args(argv)
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
     args.models = [m for m in args.models.split(",") if m]
     return args
 

@@ -29,6 +29,7 @@ from megatron_ext.dpp.planning.lengths import get_distribution, sample_batch  # 
 from megatron_ext.dpp.planning.planner import POLICIES, STATIC_POLICIES, plan_step_info, tune_static  # noqa: E402
 from megatron_ext.dpp.planning.recompute import BudgetTooSmall  # noqa: E402
 from megatron_ext.dpp.planning.simulate import simulate  # noqa: E402
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 BUDGET = 80e9
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--gantt-context", type=int, default=65536)
     ap.add_argument("--measured-json", default=None, help="output of scripts/bench/dpp_measured.py to include")
     args = ap.parse_args()
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
 
     simulated, gantt = simulated_records(args)
     summary = targets(simulated)

@@ -30,11 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pickle
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,8 +207,8 @@ def worker(args) -> None:
             "records": records, "lengths": lengths, "memory_fit": fit, "cost_model": dataclasses.asdict(cost),
             "timelines": {pol: _from_zero([r for g in gathered for r in g.get(pol, [])]) for pol in args.policies},
         }))
-        if args.plot:
-            plot(args.plot, planned_first, gathered, cost)
+        if args.plot:  # drawn by the launcher, once it has written the JSON
+            panels_file(args.worker_out).write_bytes(pickle.dumps(gantt_panels(planned_first, gathered, cost)))
     trainer.close()
     dist.destroy_process_group()
 
@@ -235,9 +237,13 @@ def skewed_batches(dataset, args) -> list:
     return batches
 
 
-def plot(path: str, planned: dict, timelines: list, cost) -> None:
-    """Gantt charts of the measured first step of dpp and of the static policies."""
-    from megatron_ext.dpp.planning.gantt import TimedOp, save
+def panels_file(worker_out: str | Path) -> Path:
+    return Path(worker_out).with_suffix(".panels.pkl")
+
+
+def gantt_panels(planned: dict, timelines: list, cost) -> list:
+    """The Gantt panels (gantt.save's) of the measured first step of dpp and of the static policies."""
+    from megatron_ext.dpp.planning.gantt import TimedOp
 
     panels = []
     for policy in ("dpp", "packed", "split", "chunkflow"):
@@ -249,7 +255,7 @@ def plot(path: str, planned: dict, timelines: list, cost) -> None:
                for st, kind, c, r, a, b in records]
         end = max(o.end for o in ops)
         panels.append((ops, plan, f"{policy} (measured, PP=2 on CPU): step {end:.1f}s"))
-    save(path, panels)
+    return panels
 
 
 def _from_zero(records: list) -> list:
@@ -285,8 +291,9 @@ def summary(records: list[dict]) -> dict:
     return out
 
 
-def measured_records(args) -> tuple[list[dict], dict]:
-    """Calibrate (unless a cost model is given), run the PP=2 workers, return their records."""
+def measured_records(args) -> tuple[dict, Path]:
+    """Calibrate (unless a cost model is given), run the PP=2 workers; their records and the
+    file they are in."""
     out = Path(args.json).with_suffix(".worker.json")
     if not args.cost_model:
         args.cost_model = str(Path(args.json).with_suffix(".costmodel.json"))
@@ -328,12 +335,19 @@ def main() -> None:
     if args.worker_out:
         worker(args)
         return
-    result, _ = measured_records(args)
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
+    result, worker_out = measured_records(args)
     out = {"measured": result["records"], "targets": summary(result["records"]), "details": result,
            "provenance": provenance(__file__)}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(out["targets"], indent=1))
+    if args.plot:
+        from megatron_ext.dpp.planning.gantt import save
+
+        panels = panels_file(worker_out)
+        save(args.plot, pickle.loads(panels.read_bytes()))
+        panels.unlink()
 
 
 if __name__ == "__main__":

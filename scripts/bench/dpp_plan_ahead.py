@@ -53,6 +53,7 @@ REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
 from dpp_measured import activation_need, build, global_batches, step_planner  # noqa: E402  (its model, batches, budgets)
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 ARMS = ("ahead", "at_step")
@@ -338,6 +339,7 @@ def main() -> None:
     if args.worker_out:
         worker(args)
         return
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
     if not Path(args.cost_model).exists():
         sys.exit(f"{args.cost_model}: no such cost model (python -m megatron_ext.dpp.tools.calibrate --out FILE writes one)")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ import torch
 
 from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 END_THINK, THINK, PLUS, EQUALS, SEP, EOS, PAD = 13, 12, 10, 11, 14, 15, 16
@@ -479,6 +480,7 @@ def main() -> None:
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="write --json from these runs' results (same settings, disjoint seeds) instead of running")
     args = parser.parse_args()
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
     if args.merge:
         result = {**merge([json.loads(Path(f).read_text()) for f in args.merge]), "provenance": provenance(__file__)}
         Path(args.json).write_text(json.dumps(result, indent=1))

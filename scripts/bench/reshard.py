@@ -78,6 +78,7 @@ from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_st
 from megatron_ext.reshard.vps import Piece, layout_pieces, rank_pieces  # noqa: E402
 from megatron_ext.checkpointing import torch_dist as ckpt  # noqa: E402
 from megatron_ext.training.trainer import Trainer, TrainState  # noqa: E402
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 # The measured transitions: one chain of layouts of the same world per line. Each arrow is one
@@ -889,10 +890,8 @@ def print_table(report: dict) -> None:
 
 def plot(report: dict, path: str) -> None:
     """Grouped bars per transition: the live stall and each baseline, seconds on a log scale."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from e
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -929,6 +928,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
     args.argv = sys.argv[1:] if argv is None else argv  # for the provenance record rank 0 writes
     launched = detect_launch()
     try:

@@ -54,6 +54,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megatron_ext.reshard.simulate import H100_CLASS  # noqa: E402
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
 from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 # The cluster every simulated figure is priced on: the reshard simulator's H100-class cluster
@@ -596,6 +597,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--update", action="store_true",
                    help="keep the other plugins' rows of the JSON already at --json, replacing only those of --plugins")
     args = p.parse_args(argv)
+    require(__file__, {"matplotlib": "--plot" if args.plot else None})
     rows = [row for plugin in args.plugins for row in ROWS[plugin]()]
     if args.update and Path(args.json).exists():
         kept = [r for r in json.loads(Path(args.json).read_text())["rows"] if r["plugin"] not in args.plugins]

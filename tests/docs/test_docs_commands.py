@@ -123,6 +123,11 @@ COMMANDS: dict[str, tuple] = {
             "--train-iters 2 --nproc 2"),
     ),
     "python scripts/check_patches.py": (Skip("tests/unit/test_platform_patches.py runs it"),),
+    "scripts/gpu/wheelhouse.sh": (
+        Skip("downloads wheels from the package registry: run where pip reaches one, before a GPU is lent"),
+    ),
+    "scripts/gpu/check.sh --out gpu_check.json": (Skip(GPU + " (a lent one); tests/unit/test_gpu_check.py runs its --dry-run"),),
+    "scripts/gpu/check.sh --dry-run --out gpu_check_dry_run.json": (Skip("tests/unit/test_gpu_check.py runs it"),),
     "python -m megatron_ext.dpp.tools.calibrate --out cost.json": (
         Run("python -m megatron_ext.dpp.tools.calibrate --out cost.json --no-overhead --repeats 2"),
     ),

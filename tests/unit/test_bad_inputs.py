@@ -316,7 +316,7 @@ def test_checkpoint_files_refuses_an_unchecked_torch(inputs):
 
     folder = inputs / "whole_shards" / "iter_0000003"
     assert checkpoint_files(folder, "2.13.0") == {p.name: p.stat().st_size for p in folder.glob("*.distcp")}
-    with pytest.raises(UncheckedTorch, match=r"^torch 2\.99\.0 is outside the versions .* \(2\.6 to 2\.13\)$"):
+    with pytest.raises(UncheckedTorch, match=r"^torch 2\.99\.0 is outside the versions .* \(2\.6 to 2\.14\)$"):
         checkpoint_files(folder, "2.99.0")
 
 

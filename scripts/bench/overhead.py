@@ -36,6 +36,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from scripts.bench.extras import require  # noqa: E402
 from scripts.bench.provenance import provenance  # noqa: E402
 
 WAYS = ("plain", "megatron_core", "megatron_ext")
@@ -458,8 +459,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
     if unknown:
         parser.error(f"--rows: unknown {unknown}; known: {list(ROWS)}")
-    if args.plot:
-        _require_matplotlib()
+    require(__file__, {"matplotlib": "--plot" if args.plot else None, "transformers": "the plain loop"})
     started = time.perf_counter()
     result = {"provenance": provenance(__file__), "steps": args.steps, "warmup": args.warmup, "rows": {}}
     for name in args.rows.split(","):
@@ -475,13 +475,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, str(Path(args.json).with_suffix(".png")))
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401  (only probed: --plot draws with it at the end)
-    except ImportError:
-        sys.exit("error: --plot needs matplotlib: pip install -e '.[bench]'")
 
 
 if __name__ == "__main__":

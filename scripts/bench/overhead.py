@@ -36,8 +36,8 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.extras import require  # noqa: E402
-from scripts.bench.provenance import provenance  # noqa: E402
+from extras import require  # noqa: E402  (scripts/bench/extras.py, beside this script)
+from provenance import provenance  # noqa: E402  (scripts/bench/provenance.py, beside this script)
 
 WAYS = ("plain", "megatron_core", "megatron_ext")
 PHASES = ("data", "forward", "backward", "grad_sync", "optimizer", "rest")

@@ -63,6 +63,9 @@ class PendingLosses:
     def add(self, iteration: int, local: Optional[torch.Tensor]) -> None:
         self._steps.append((iteration, local))
 
+    def clear(self) -> None:
+        self._steps.clear()
+
     def read(self) -> dict[int, float]:
         """The token-weighted mean loss of each pending step over its global batch, by iteration,
         on every rank. Collective: every rank calls it with the same steps pending."""

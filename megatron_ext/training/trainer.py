@@ -912,8 +912,11 @@ class Trainer:
         fills them (the reshard plugin moves them from the old layout, whose objects it holds
         on to). Only at a step boundary: the grad buffers are built anew, so no gradient may be
         mid-accumulation. When torch's world was formed anew meanwhile (a worker pool changed
-        the number of workers), the datasets are opened in it."""
+        the number of workers), the datasets are opened in it. Step losses not read yet are
+        dropped: they lie on the old layout's last stage (the Trainer's loop reads every step's
+        when a plugin moves the layout, `Plugin.needs_step_loss`)."""
         self._finalize_saves()  # in the world and groups that started them
+        self.pending_losses.clear()
         scheduler_state = self.scheduler.state_dict()
         parallel = layout.to_config(self.cfg.parallel)
         self.cfg = dataclasses.replace(self.cfg, parallel=parallel)

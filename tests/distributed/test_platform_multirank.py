@@ -317,7 +317,12 @@ def patched_megatron(tmp: Path) -> Path:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("runtime_layer", [True, False], ids=["runtime-layer", "upstream-diffs"])
+# The upstream diffs at two ranks beside the default suite (-m slow): tests/unit/
+# test_platform_cpu_compat.py applies them at one rank there.
+@pytest.mark.parametrize(
+    "runtime_layer",
+    [pytest.param(True, id="runtime-layer"), pytest.param(False, id="upstream-diffs", marks=pytest.mark.slow)],
+)
 def test_two_ranks(runtime_layer, tmp_path):
     megatron_root = None if runtime_layer else patched_megatron(tmp_path)
     from _torchrun import rank_reports, torchrun

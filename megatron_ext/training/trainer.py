@@ -562,6 +562,7 @@ class Trainer:
         common = ckpt.load_common(root, target)
         ckpt.load_checkpoint(root, target, self.model, self.optimizer, load_rng=common["layout"] == self._layout_key())
         self.rolled_back_to = target
+        self.scheduler = self._build_scheduler()  # megatron's load_state_dict adds the steps loaded to its own
         self._restore_common(common)
         skipped = fault.consumed_samples - self.state.consumed_samples
         self.state.skipped_samples += skipped

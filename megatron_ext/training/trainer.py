@@ -79,7 +79,7 @@ from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
-from megatron_ext.training.numerics import Fault, LossSpikes, gradient_norm_before_step, ranks_with_nonfinite_grads
+from megatron_ext.training.numerics import Fault, LossSpikes, gradient_norm_before_step, grads_finite, losses_finite, ranks_where
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
 from megatron_ext.training.preemption import stop_request
@@ -146,6 +146,8 @@ class Trainer:
         self.spikes = LossSpikes(cfg.train.spike_factor, cfg.train.spike_window)
         self.rollbacks = 0
         self.rolled_back_to: Optional[int] = None
+        # Whether this step's own gradients were finite before their data-parallel reduction.
+        self._own_grads_finite: Optional[bool] = None
         self.timers = Timers()
         # Megatron's queue of background checkpoint writes (checkpoint.async_save).
         self._async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
@@ -312,15 +314,23 @@ class Trainer:
         self._wire_schedule_hooks(config, wrapped, parallel)
         return wrapped, config
 
-    @staticmethod
-    def _wire_schedule_hooks(config, model: list, parallel: ParallelConfig) -> None:
+    def _wire_schedule_hooks(self, config, model: list, parallel: ParallelConfig) -> None:
         """What megatron's schedules call around a step: DP grad sync and its deferral."""
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = self._finalize_model_grads
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
         if parallel.overlap_grad_reduce:
             config.grad_sync_func = (
                 [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
             )
+
+    def _finalize_model_grads(self, model: list, *args, **kwargs) -> None:
+        """megatron's `finalize_model_grads` (the data-parallel reduction of the gradients among
+        others), after noting whether this rank's own gradients are finite when steps are
+        checked: a fault then names the ranks it arose on, not every replica the reduction spread
+        it to. Not with overlap_grad_reduce, whose reduction starts during the backward pass."""
+        if self._checks_numerics() and not self.cfg.parallel.overlap_grad_reduce:
+            self._own_grads_finite = grads_finite(model)
+        finalize_model_grads(model, *args, **kwargs)
 
     def build_optimizer(
         self,
@@ -478,6 +488,7 @@ class Trainer:
         and num_zeros_in_grad when it is on, except on a step the loss scaler skipped (see
         `gradient_stats`); the MTP losses when those are on. Collective: every rank calls it."""
         global_batch = self._follow_schedule()
+        self._own_grads_finite = None  # noted by _finalize_model_grads, where a schedule calls it
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -494,8 +505,10 @@ class Trainer:
         if self._checks_numerics():
             norm = gradient_norm_before_step(self.optimizer)
             if not math.isfinite(norm):
+                # where it was not noted before the reduction, the gradients as reduced
+                own_finite = self._own_grads_finite if self._own_grads_finite is not None else grads_finite(self.model)
                 raise Fault(self.state.iteration + 1, f"gradient norm {norm}", self.state.consumed_samples + global_batch,
-                            ranks_with_nonfinite_grads(self.model))
+                            ranks_where(not own_finite))
         update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
         # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
         if update_ok:
@@ -519,7 +532,12 @@ class Trainer:
         if self.cfg.model.mtp_num_layers:
             metrics.update(mtp_losses(self.cfg.model.mtp_num_layers, get_num_microbatches()))
         if self._checks_numerics() or self.cfg.train.spike_factor is not None:
-            self.spikes.check(self.state.iteration, metrics["loss"], self.state.consumed_samples)
+            try:
+                self.spikes.check(self.state.iteration, metrics["loss"], self.state.consumed_samples)
+            except Fault as fault:
+                if not math.isfinite(metrics["loss"]):  # every rank is here (the loss is broadcast)
+                    fault.ranks = ranks_where(not losses_finite(losses))
+                raise
         return metrics
 
     def _checks_numerics(self) -> bool:

@@ -88,19 +88,22 @@ class PreemptionSignals:
             return
         if signum != FORWARDED_REQUEST and self._count.is_second_request(signum):
             _abort(f"a second {signal_name(signum)}", signum, self.notices)
-        if self.signum is not None:
-            return
-        self._first(signum, "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum))
+        if self.signum is None:
+            # Noted before any call: at a call, the handler of a signal that came meanwhile (the
+            # same request by another path) runs inside this one, and must find it noted.
+            self.signum = signum
+            self._first(signum, "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum))
 
     def request(self, what: str) -> None:
         """Note a request that reached another process of the job (`what` says which), one
         that cannot take part in the ranks' agreement itself, as a forwarded request. From any
         thread."""
         if self.signum is None:
+            self.signum = FORWARDED_REQUEST
             self._first(FORWARDED_REQUEST, what)
 
     def _first(self, signum: int, what: str) -> None:
-        self.signum = signum
+        """Say that the first request (`signum`, noted) came, and start its deadline."""
         self.notices(f"[pid {os.getpid()}] {what}: saving a checkpoint at the next step boundary, then stopping")
         if self.deadline_s:
             why = f"no exit {self.deadline_s:g} s after {what}"

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from megatron_ext.platform import cpu_compat, writer_queue
+from megatron_ext.platform import cpu_compat, resource_tracker, writer_queue
 from megatron_ext.platform import no_restart_rendezvous as rendezvous
 from megatron_ext.platform.device import resolve_device
 from megatron_ext.platform.launch_env import LISTEN_ON_ENV, LaunchEnv, detect_launch
@@ -95,8 +95,9 @@ def join_world(device_request: str = "auto", timeout_s: int = 600) -> tuple[Laun
 
 def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.device]:
     """This process's place in the launch and its device, with CPU threads limited, the CPU
-    compatibility layer applied when the device is the CPU, and megatron's checkpoint writer
-    made to leave no process behind (writer_queue.py)."""
+    compatibility layer applied when the device is the CPU, megatron's checkpoint writer made to
+    leave no process behind (writer_queue.py) and Python's resource tracker to outlive SIGUSR1
+    (resource_tracker.py)."""
     launch = detect_launch() or LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "local", listen_on="127.0.0.1")
     if launch.listen_on:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(launch.listen_on))
@@ -105,6 +106,7 @@ def prepare_process(device_request: str = "auto") -> tuple[LaunchEnv, torch.devi
         limit_cpu_threads(launch.world_size)
     cpu_compat.apply(on_cpu=device.type == "cpu")
     writer_queue.apply()
+    resource_tracker.start()
     return launch, device
 
 
@@ -138,6 +140,7 @@ def launch_local(
     on is bound to `master_addr`."""
     interface_of(master_addr)  # refused here, before a worker starts
     limit_cpu_threads(nproc)
+    resource_tracker.start()  # the forkserver's and the workers' (before the forkserver starts it)
     start_method = "spawn" if torch.cuda.is_available() else "forkserver"
     environ = None
     if start_method == "forkserver":

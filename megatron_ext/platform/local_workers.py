@@ -168,6 +168,7 @@ class LocalWorkers:
         self.worker_deadline_s = deadline_s + WORKER_DEADLINE_GRACE_S if deadline_s else None
         self.aborted: Optional[LaunchAborted] = None
         self._count = SignalCount()
+        self._forwarding = False  # the first request came: forwarded to the workers
         self._expired = False
         self._deadline: Optional[threading.Timer] = None
         self._previous: dict[int, Any] = {}
@@ -209,11 +210,13 @@ class LocalWorkers:
     def _on_signal(self, signum: int, frame) -> None:
         if self._expired:
             self._abort(f"no exit {self.deadline_s:g} s after {signal_name(self._count.first)}", self._count.first)
-        first = self._count.first is None
         if self._count.is_second_request(signum):
             self._abort(f"a second {signal_name(signum)}", signum)
-        if not first:
+        if self._forwarding:
             return  # the first request again, by another path
+        # Set with no call since the check: at a call, the handler of the same request by another
+        # path (the forkserver passes on what the group's signal brings it) runs inside this one.
+        self._forwarding = True
         say(f"launcher: {signal_name(signum)}: forwarded to the workers, waiting for their checkpoint")
         note_stop_request(self.folder)
         self._forward()

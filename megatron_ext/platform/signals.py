@@ -12,7 +12,10 @@ complete checkpoint stays: saves are staged, see checkpointing/torch_dist.py).
 A process notes the requests from the moment it installs `preemption_signals`: a worker started
 by `launch_local` at its start, any other rank when `train.worker` begins. A handler that was
 installed before (submitit's requeue) is called when the process is done with the signals, after
-the checkpoint, so it still does its job.
+the checkpoint, so it still does its job. The processes a rank forks (megatron's checkpoint
+writers, the background writer of an async save, data loader workers) inherit its handlers but
+note nothing: a signal to the group reaches them too, and they go on with their work while their
+rank decides.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class PreemptionSignals:
         self.deadline_s, self.on_stop = deadline_s, on_stop
         self.notices = notices or say
         self.signum: Optional[int] = None  # the first request's signal
+        self._pid = os.getpid()
         self._count = SignalCount()  # of the signals sent to this process itself
         self._deadline: Optional[threading.Timer] = None
         self._previous: dict[int, Any] = {}
@@ -80,21 +84,26 @@ class PreemptionSignals:
                 self._previous[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a process forked from this one (a checkpoint writer): its parent decides
+            return
         if signum != FORWARDED_REQUEST and self._count.is_second_request(signum):
             _abort(f"a second {signal_name(signum)}", signum, self.notices)
-        if self.signum is not None:
-            return
-        self._first(signum, "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum))
+        if self.signum is None:
+            # Noted before any call: at a call, the handler of a signal that came meanwhile (the
+            # same request by another path) runs inside this one, and must find it noted.
+            self.signum = signum
+            self._first(signum, "a request from the launcher" if signum == FORWARDED_REQUEST else signal_name(signum))
 
     def request(self, what: str) -> None:
         """Note a request that reached another process of the job (`what` says which), one
         that cannot take part in the ranks' agreement itself, as a forwarded request. From any
         thread."""
         if self.signum is None:
+            self.signum = FORWARDED_REQUEST
             self._first(FORWARDED_REQUEST, what)
 
     def _first(self, signum: int, what: str) -> None:
-        self.signum = signum
+        """Say that the first request (`signum`, noted) came, and start its deadline."""
         self.notices(f"[pid {os.getpid()}] {what}: saving a checkpoint at the next step boundary, then stopping")
         if self.deadline_s:
             why = f"no exit {self.deadline_s:g} s after {what}"

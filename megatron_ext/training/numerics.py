@@ -4,13 +4,17 @@ Megatron-LM's `--check-for-nan-in-loss-and-grad` (on by default) stops a step wi
 gradient. Here the check is the global gradient norm, taken before the optimizer updates anything:
 megatron's optimizer computes it over every rank (the same value everywhere), and any NaN or
 infinite gradient on any rank makes it non-finite, so all ranks agree without a collective of
-their own. It is the norm megatron's step computes anyway (platform/grad_norm_check.py), so the
-check costs nothing per step; a NaN loss has NaN gradients, so it catches those too. A loss above
-`train.spike_factor` times the mean of the last `train.spike_window` steps' losses is a fault too
-(Megatron-LM's `--check-for-spiky-loss`; the losses are then read every step). `train.nan_policy`
-says what follows a fault: `stop` (nothing more is saved; the newest checkpoint stays the last
-good one) or `rollback` (training/trainer.py reloads the newest checkpoint, skips the batches since
-it and lowers the lr). With fp16 the loss scaler skips non-finite steps itself, as in Megatron-LM.
+their own. It is the norm megatron's step computes anyway (platform/grad_norm_check.py), not a
+second one. A fault names the ranks it arose on: those
+whose own gradients were not finite before the data-parallel reduction spread them to their
+replicas (Megatron-LM checks the local gradients there too; noted on the device, read only after
+a fault), or whose own loss was not. The losses are read every step while the check is on, as
+Megatron-LM's check reads them. A loss above `train.spike_factor` times the mean of the last
+`train.spike_window` steps' losses is a fault too (Megatron-LM's `--check-for-spiky-loss`).
+`train.nan_policy` says what follows a fault: `stop` (nothing more is saved; the newest
+checkpoint stays the last good one) or `rollback` (training/trainer.py reloads the newest
+checkpoint, skips the batches since it and lowers the lr). With fp16 the loss scaler skips
+non-finite steps itself, as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -55,17 +59,23 @@ def check_grad_norm(norm: float) -> None:
         raise NonFiniteGradNorm(norm)
 
 
-def ranks_with_nonfinite_grads(model: list) -> tuple[int, ...]:
-    """The ranks whose own gradients hold a NaN or infinity (collective: only after a fault)."""
-    local = any(
-        not torch.isfinite(p.main_grad).all()
+def grads_finite(model: list) -> torch.Tensor:
+    """Whether every gradient this rank holds (its main grads) is finite: a device bool, read
+    only after a fault (no host sync per step)."""
+    flags = [
+        torch.isfinite(p.main_grad).all()
         for chunk in model
         for p in chunk.parameters()
         if getattr(p, "main_grad", None) is not None
-    )
+    ]
+    return torch.stack(flags).all() if flags else torch.tensor(True)
+
+
+def ranks_where(flag: bool) -> tuple[int, ...]:
+    """The ranks whose `flag` is true (collective: only after a fault, which every rank meets)."""
     flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, local)
-    return tuple(rank for rank, bad in enumerate(flags) if bad)
+    dist.all_gather_object(flags, bool(flag))
+    return tuple(rank for rank, flagged in enumerate(flags) if flagged)
 
 
 class LossSpikes:

@@ -59,6 +59,7 @@ class PendingLosses:
 
     def __init__(self) -> None:
         self._steps: list[tuple[int, Optional[torch.Tensor]]] = []
+        self._last_read: dict[int, Optional[torch.Tensor]] = {}  # this rank's own, of the last read
 
     def add(self, iteration: int, local: Optional[torch.Tensor]) -> None:
         self._steps.append((iteration, local))
@@ -80,8 +81,15 @@ class PendingLosses:
                 dist.all_reduce(totals, group=dp_group)
             values.copy_(totals[:, 0] / totals[:, 1].clamp(min=1))
         dist.broadcast(values, src=dist.get_world_size() - 1)  # the last rank is on the last stage
+        self._last_read = dict(self._steps)
         self._steps.clear()
         return dict(zip(iterations, values.tolist()))
+
+    def finite_on_this_rank(self, iteration: int) -> bool:
+        """Whether this rank's own loss of a step of the last read was finite (True off the last
+        stage, which has none)."""
+        local = self._last_read.get(iteration)
+        return local is None or bool(torch.isfinite(local).all())
 
 
 def global_mean_loss(losses: list[dict]) -> float:

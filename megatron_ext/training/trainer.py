@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Optional
@@ -84,7 +85,8 @@ from megatron_ext.training.numerics import (
     LossSpikes,
     check_grad_norm,
     gradient_norm_before_step,
-    ranks_with_nonfinite_grads,
+    grads_finite,
+    ranks_where,
 )
 from megatron_ext.training.mtp_loss import mtp_losses, reset_mtp_tracker
 from megatron_ext.training.params_norm import params_l2_norm
@@ -153,6 +155,8 @@ class Trainer:
         self.pending_losses = PendingLosses()  # the step losses not read yet (read on log steps)
         self.rollbacks = 0
         self.rolled_back_to: Optional[int] = None
+        # Whether this step's own gradients were finite before their data-parallel reduction.
+        self._own_grads_finite: Optional[torch.Tensor] = None
         self.timers = Timers()
         # Megatron's queue of background checkpoint writes (checkpoint.async_save).
         self._async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
@@ -319,15 +323,23 @@ class Trainer:
         self._wire_schedule_hooks(config, wrapped, parallel)
         return wrapped, config
 
-    @staticmethod
-    def _wire_schedule_hooks(config, model: list, parallel: ParallelConfig) -> None:
+    def _wire_schedule_hooks(self, config, model: list, parallel: ParallelConfig) -> None:
         """What megatron's schedules call around a step: DP grad sync and its deferral."""
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = self._finalize_model_grads
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
         if parallel.overlap_grad_reduce:
             config.grad_sync_func = (
                 [m.start_grad_sync for m in model] if len(model) > 1 else model[0].start_grad_sync
             )
+
+    def _finalize_model_grads(self, model: list, *args, **kwargs) -> None:
+        """megatron's `finalize_model_grads` (the data-parallel reduction of the gradients among
+        others), after noting whether this rank's own gradients are finite when steps are
+        checked: a fault then names the ranks it arose on, not every replica the reduction spread
+        it to. Not with overlap_grad_reduce, whose reduction starts during the backward pass."""
+        if self._checks_numerics() and not self.cfg.parallel.overlap_grad_reduce:
+            self._own_grads_finite = grads_finite(model)
+        finalize_model_grads(model, *args, **kwargs)
 
     def build_optimizer(
         self,
@@ -487,6 +499,7 @@ class Trainer:
         and num_zeros_in_grad when it is on, except on a step the loss scaler skipped (see
         `gradient_stats`); the MTP losses when those are on. Collective: every rank calls it."""
         global_batch = self._follow_schedule()
+        self._own_grads_finite = None  # noted by _finalize_model_grads, where a schedule calls it
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -506,8 +519,10 @@ class Trainer:
                 check_grad_norm(gradient_norm_before_step(self.optimizer))
             update_ok, grad_norm, num_zeros_in_grad = self.timers.timed("optimizer", self.optimizer.step)()
         except NonFiniteGradNorm as e:
+            # where it was not noted before the reduction, the gradients as reduced
+            own_finite = self._own_grads_finite if self._own_grads_finite is not None else grads_finite(self.model)
             raise Fault(self.state.iteration + 1, str(e), self.state.consumed_samples + global_batch,
-                        ranks_with_nonfinite_grads(self.model)) from None
+                        ranks_where(not bool(own_finite))) from None
         # Megatron-LM's skipped iteration: counted, with no step of the schedule (skipped_steps.py).
         if update_ok:
             self.scheduler.step(increment=scheduler_increment(self.cfg.train, self.batches, global_batch))
@@ -540,29 +555,38 @@ class Trainer:
 
     def _reads_loss_at(self, iteration: int) -> bool:
         """Whether the losses pending are read after step `iteration` (the same answer on every
-        rank): on log steps; every step where something uses each step's loss (TensorBoard or
-        W&B, as Megatron-LM writes them every step; the spike check; a plugin that reads it or
-        moves the layout, `Plugin.needs_step_loss`)."""
+        rank): on log steps; every step where something checks or uses each step's loss (the NaN
+        check, as Megatron-LM's reads it every step; TensorBoard or W&B, as Megatron-LM writes them
+        every step; the spike check; a plugin that reads it or moves the layout,
+        `Plugin.needs_step_loss`)."""
         log = self.cfg.logging
         return (
             iteration % log.log_interval == 0
+            or self._checks_numerics()
             or bool(log.tensorboard_dir or log.wandb_project)
             or self.cfg.train.spike_factor is not None
             or any(p.needs_step_loss for p in self.plugins)
         )
 
     def _read_losses(self, metrics: dict) -> None:
-        """Read the pending step losses into the report; the newest into `metrics["loss"]`, then
-        checked for a spike (a NaN loss has NaN gradients: the norm check stops those first)."""
+        """Read the pending step losses into the report, the newest into `metrics["loss"]`, and
+        check them: a non-finite loss, or one above the spike factor, is a Fault (a non-finite
+        one names the ranks whose own loss it was). Collective."""
         losses = self.pending_losses.read()
         if not losses:
             return
         if self.reporter is not None:
             self.reporter.record_losses(losses)
         metrics["loss"] = losses[max(losses)]
-        if self.cfg.train.spike_factor is not None:
-            for iteration, loss in losses.items():
+        if not (self._checks_numerics() or self.cfg.train.spike_factor is not None):
+            return
+        for iteration, loss in losses.items():
+            try:
                 self.spikes.check(iteration, loss, self.state.consumed_samples)
+            except Fault as fault:
+                if not math.isfinite(loss):  # every rank is here (the loss is broadcast)
+                    fault.ranks = ranks_where(not self.pending_losses.finite_on_this_rank(iteration))
+                raise
 
     def _checks_numerics(self) -> bool:
         """Megatron-LM's NaN check; with fp16 the loss scaler skips non-finite steps itself."""
@@ -604,6 +628,7 @@ class Trainer:
         common = ckpt.load_common(root, target)
         ckpt.load_checkpoint(root, target, self.model, self.optimizer, load_rng=common["layout"] == self._layout_key())
         self.rolled_back_to = target
+        self.scheduler = self._build_scheduler()  # megatron's load_state_dict adds the steps loaded to its own
         self._restore_common(common)
         skipped = fault.consumed_samples - self.state.consumed_samples
         self.state.skipped_samples += skipped

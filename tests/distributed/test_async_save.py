@@ -1,17 +1,12 @@
 """Async checkpoint saves (dist_checkpointing's async request, written by a background process
-while training goes on): resuming from one is bitwise the same as resuming from a sync save, and
-a background write cut off mid-way publishes nothing, the previous checkpoint stays the latest."""
+while training goes on): resuming from one is bitwise the same as resuming from a sync save. A
+background write cut off mid-way: tests/faults/test_crash_faults.py."""
 
 from __future__ import annotations
-
-import os
-import queue
 
 import pytest
 import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_ext.train import run_from_overrides
@@ -72,29 +67,3 @@ def test_async_save_resumes_bitwise_like_sync_save(tmp_path, monkeypatch, layout
         for kind, root in roots.items()
     }
     assert resumed["async"] == resumed["sync"] == losses["sync"][3:]
-
-
-def test_async_write_cut_off_keeps_previous_checkpoint(tmp_path, monkeypatch):
-    common, root = [*COMMON, f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "ckpt"
-    uninterrupted = run_from_overrides(common)["losses"]
-
-    real_write = FileSystemWriterAsync.write_preloaded_data_multiproc
-
-    def write_part_then_die(transform_list, use_msc, rank, write_buckets, results_queue):
-        """The background writer of the iteration-6 save: one file, then the process is gone."""
-        if ".iter_0000006.tmp" not in str(write_buckets[0][0]):
-            return real_write(transform_list, use_msc, rank, write_buckets, results_queue)
-        real_write(transform_list, use_msc, rank, write_buckets[:1], queue.Queue())
-        os._exit(1)
-
-    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", staticmethod(write_part_then_die))
-    with pytest.raises(CheckpointException):  # megatron's finalisation finds the write unfinished
-        run_from_overrides([*common, f"checkpoint.save={root}", "checkpoint.async_save=true"])
-    monkeypatch.undo()
-
-    assert ckpt.latest_iteration(root) == 3
-    assert not ckpt.iteration_dir(root, 6).exists()
-    assert list(root.glob(".iter_0000006.tmp/*.distcp")), "the cut-off write should have left part of its files"
-    resumed = run_from_overrides([*common, f"checkpoint.load={root}", f"checkpoint.save={root}"])["losses"]
-    assert resumed == uninterrupted[3:]
-    assert ckpt.latest_iteration(root) == 6

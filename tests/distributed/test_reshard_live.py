@@ -90,7 +90,7 @@ def test_workers_join_from_standby_and_leave_again(uninterrupted, cache, tmp_pat
 
 # --- faults: a reshard that fails part-way loses nothing ---------------------------------------
 
-FAULTS = Path(__file__).with_name("_faults.py")
+FAULTS = Path(__file__).parents[1] / "faults" / "_faults.py"
 SWITCH_AT_5 = "reshard.schedule=[{step: 5, layout: {tp: 1, pp: 2, dp: 2}}]"
 
 

@@ -1,6 +1,7 @@
-"""`python -m megatron_ext.train` as a job an operator or a cluster signals, for the pre-emption
+"""`python -m megatron_ext.train` as a job an operator or a cluster signals, for the fault
 tests: a subprocess in its own session (its own process group, as `srun` or a terminal makes),
-its output collected as it comes, its processes found in the process table."""
+its output and its error lines collected as they come, its processes found in the process table.
+The test plugins of tests/faults/_faults.py are importable by it (MEGATRON_EXT_PLUGINS)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import psutil
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Tiny settings: 4 CPU workers, a few hundred tokens a step, a step line each step; a run that
 # only a signal ends.
@@ -39,29 +43,41 @@ class Job:
     def __init__(
         self, overrides: Sequence[str], timeout_s: float = 240, entry: Sequence[str] = ("-m", "megatron_ext.train"), **env: str
     ) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), **env)
         self.process = subprocess.Popen(
             [sys.executable, *entry, *overrides],
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             text=True,
             env=env,
             start_new_session=True,
         )
         self.timeout_s = timeout_s
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.lines: list[str] = []  # stdout's
+        self.error_lines: list[str] = []  # stderr's
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, into), daemon=True)
+            for stream, into in ((self.process.stdout, self.lines), (self.process.stderr, self.error_lines))
+        ]
+        for reader in self._readers:
+            reader.start()
         self._tree: list[psutil.Process] = []  # the job's processes, once it runs
         self.workers_at_start: list[psutil.Process] = []
 
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
 
     @property
     def output(self) -> str:
-        return "".join(self.lines)
+        """stdout, then stderr."""
+        return "".join(self.lines + self.error_lines)
+
+    @property
+    def errors(self) -> list[str]:
+        """The lines on stderr, without their newlines."""
+        return [line.rstrip("\n") for line in self.error_lines]
 
     def last_step(self) -> int:
         steps = [int(m.group(1)) for line in self.lines if (m := _STEP.match(line))]
@@ -70,7 +86,7 @@ class Job:
     def wait_for_step(self, step: int) -> None:
         """Until the job has logged `step` (and every process of it exists)."""
         self.wait_until(lambda: self.last_step() >= step, f"step {step}")
-        self._snapshot()
+        self.snapshot()
 
     def wait_for_workers(self, count: int) -> None:
         """Until `count` workers exist (they are starting: importing, building the model)."""
@@ -78,13 +94,14 @@ class Job:
         def started() -> bool:
             try:
                 return len(self.workers) >= count
-            except (StopIteration, psutil.NoSuchProcess):  # no forkserver yet
+            except psutil.NoSuchProcess:
                 return False
 
         self.wait_until(started, f"{count} workers", poll_s=0.005)
-        self._snapshot()
+        self.snapshot()
 
-    def _snapshot(self) -> None:
+    def snapshot(self) -> None:
+        """Note the job's processes as they are now: those `left_behind` looks for."""
         self._tree = self.launcher.children(recursive=True)
         self.workers_at_start = self.workers
 
@@ -106,12 +123,14 @@ class Job:
         return psutil.Process(self.process.pid)
 
     @property
-    def forkserver(self) -> psutil.Process:
-        return next(p for p in self.launcher.children() if "multiprocessing.forkserver" in " ".join(p.cmdline()))
+    def forkserver(self) -> Optional[psutil.Process]:
+        """The server the workers are forked from; None for a job of one process (no workers)."""
+        return next((p for p in self.launcher.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())), None)
 
     @property
     def workers(self) -> list[psutil.Process]:
-        return self.forkserver.children()
+        server = self.forkserver
+        return server.children() if server is not None else []
 
     def processes(self) -> list[psutil.Process]:
         """The launcher and every process under it."""
@@ -142,7 +161,8 @@ class Job:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"the job did not end within {self.timeout_s} s:\n{self.output[-4000:]}") from None
-        self._reader.join(10)
+        for reader in self._readers:
+            reader.join(10)
         return self.process.returncode
 
     def left_behind(self, grace_s: float = 5.0) -> list[psutil.Process]:
@@ -162,9 +182,9 @@ class Job:
             pass
 
 
-def run_job(overrides: Sequence[str], timeout_s: float = 240) -> tuple[int, str]:
+def run_job(overrides: Sequence[str], timeout_s: float = 240, **env: str) -> tuple[int, str]:
     """A job run to its end: (exit code, output)."""
-    job = Job(overrides, timeout_s)
+    job = Job(overrides, timeout_s, **env)
     return job.wait(), job.output
 
 

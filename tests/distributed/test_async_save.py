@@ -11,19 +11,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_ext.train import run_from_overrides
 from megatron_ext.checkpointing import torch_dist as ckpt
+from tests.faults._runs import SAVES_TWICE
 
 pytestmark = pytest.mark.distributed
 
-COMMON = [
-    "experiment=none",
-    "train.iters=6",
-    "train.eval_interval=0",
-    "logging.progress_bar=false",
-    "model.seq_length=32",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
-    "checkpoint.interval=3",
-]
 
 
 def _tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
@@ -47,7 +38,7 @@ def test_async_save_resumes_bitwise_like_sync_save(tmp_path, monkeypatch, layout
     monkeypatch.setattr(
         AsyncCallsQueue, "schedule_async_request", lambda q, r: scheduled.append(r) or real_schedule(q, r)
     )
-    common = [*COMMON, *overrides, f"launcher.nproc={workers}", f"data.cache_dir={tmp_path / 'cache'}"]
+    common = [*SAVES_TWICE, *overrides, f"launcher.nproc={workers}", f"data.cache_dir={tmp_path / 'cache'}"]
     roots = {"sync": tmp_path / "sync", "async": tmp_path / "async"}
     losses = {
         kind: run_from_overrides([*common, f"checkpoint.save={root}", f"checkpoint.async_save={kind == 'async'}"])["losses"]

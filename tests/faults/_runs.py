@@ -35,6 +35,17 @@ BASE = (
     "train.micro_batch_size=1",
     "train.global_batch_size=2",
 )
+# Six steps with a checkpoint every three: a run that saves mid-way and at its end.
+SAVES_TWICE = [
+    "experiment=none",
+    "train.iters=6",
+    "train.eval_interval=0",
+    "logging.progress_bar=false",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "checkpoint.interval=3",
+]
 CLEAN_STEPS = 8
 # What makes a run load tests/faults/_faults.py's plugins (Job's environment).
 FAULT_PLUGINS = {"MEGATRON_EXT_PLUGINS": "tests.faults._faults"}

@@ -35,7 +35,15 @@ from megatron_ext.checkpointing import tracker, writer_lock
 from megatron_ext.checkpointing import torch_dist as ckpt
 from megatron_ext.train import run_from_overrides
 from tests.faults._job import REPO, TINY, Job
-from tests.faults._runs import BASE, LAYOUTS, assert_bitwise, held_in_a_save, staging_folders, steps_logged
+from tests.faults._runs import (
+    BASE,
+    LAYOUTS,
+    SAVES_TWICE,
+    assert_bitwise,
+    held_in_a_save,
+    staging_folders,
+    steps_logged,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -103,16 +111,6 @@ def test_kill_9_of_a_worker_during_a_save_keeps_the_last_checkpoint(case, clean,
 
 # --- saves that die half-way, a worker that fails in its setup (-m slow) ----------------------
 
-COMMON = [
-    "experiment=none",
-    "train.iters=6",
-    "train.eval_interval=0",
-    "logging.progress_bar=false",
-    "model.seq_length=32",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=4",
-    "checkpoint.interval=3",
-]
 
 
 class InjectedCrash(RuntimeError):
@@ -125,7 +123,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cach
     the checkpoint, in a one-rank world inside this process; resuming then must continue from the
     previous checkpoint exactly as a run that was never interrupted."""
     root = tmp_path / "ckpt"
-    uninterrupted = run_from_overrides([*COMMON, cache])["losses"]
+    uninterrupted = run_from_overrides([*SAVES_TWICE, cache])["losses"]
 
     real_save = ckpt.dist_checkpointing.save
     calls = []
@@ -138,14 +136,14 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cach
 
     monkeypatch.setattr(ckpt.dist_checkpointing, "save", save_then_crash)
     with pytest.raises(InjectedCrash):
-        run_from_overrides([*COMMON, cache, f"checkpoint.save={root}"])
+        run_from_overrides([*SAVES_TWICE, cache, f"checkpoint.save={root}"])
     monkeypatch.setattr(ckpt.dist_checkpointing, "save", real_save)
 
     assert ckpt.latest_iteration(root) == 3
     assert not ckpt.iteration_dir(root, 6).exists()
     assert staging_folders(root), "the broken save's staging folder should be left over"
 
-    resumed = run_from_overrides([*COMMON, cache, f"checkpoint.load={root}", f"checkpoint.save={root}"])["losses"]
+    resumed = run_from_overrides([*SAVES_TWICE, cache, f"checkpoint.load={root}", f"checkpoint.save={root}"])["losses"]
     assert resumed == uninterrupted[3:]
     assert ckpt.latest_iteration(root) == 6
     assert not staging_folders(root), "the next run of the directory cleans up the broken save"
@@ -153,7 +151,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, cach
 
 @pytest.mark.slow
 def test_async_write_cut_off_keeps_previous_checkpoint(tmp_path, monkeypatch, cache):
-    common, root = [*COMMON, cache], tmp_path / "ckpt"
+    common, root = [*SAVES_TWICE, cache], tmp_path / "ckpt"
     uninterrupted = run_from_overrides(common)["losses"]
 
     real_write = FileSystemWriterAsync.write_preloaded_data_multiproc

@@ -31,6 +31,7 @@ from megatron_ext.config import CheckpointConfig, Config
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.train import holding_the_save_dir, main
 from tests.faults._job import Job
+from tests.faults._runs import BASE
 
 REPO = Path(__file__).resolve().parents[2]
 HOLD = "import sys, time; from megatron_ext.checkpointing.writer_lock import take; take(sys.argv[1]); print('held', flush=True); time.sleep(300)"
@@ -140,16 +141,10 @@ def test_a_save_replaces_only_its_own_staging(tmp_path, one_rank_world):
 SUMMARY = "import json, sys; from megatron_ext.train import run_from_overrides; json.dump(run_from_overrides(sys.argv[2:]), open(sys.argv[1], 'w'))"
 ITERS, INTERVAL = 6, 3
 RUN = [
-    "experiment=none",
+    *(o for o in BASE if not o.startswith("train.iters=")),
     "launcher.nproc=2",
     "parallel.dp=2",
     f"train.iters={ITERS}",
-    "train.eval_interval=0",
-    "logging.progress_bar=false",
-    "logging.log_interval=1",
-    "model.seq_length=32",
-    "train.micro_batch_size=1",
-    "train.global_batch_size=2",
     f"checkpoint.interval={INTERVAL}",
 ]
 

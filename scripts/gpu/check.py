@@ -185,7 +185,7 @@ def throughput_megatron(sizes: Sizes, work: Path) -> dict:
     ])
     trainer = Trainer(cfg)
     trainer.setup()
-    seconds, losses = _timed_steps(sizes, lambda: trainer.train_step()["loss"], device)
+    seconds, losses = _timed_steps(sizes, lambda: trainer.train_step_with_loss()["loss"], device)
     spec = "transformer_engine" if use_transformer_engine(cfg.model, device.type == "cpu") else "local"
     row = {**_throughput_row(sizes, seconds, losses, trainer.vocab_size, device), "layer_spec": spec}
     # Left only after a run that worked: after a failure the process ends with what failed.

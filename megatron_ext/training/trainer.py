@@ -494,10 +494,11 @@ class Trainer:
         zeroed gradients, the forward and backward passes of its micro-batches
         (`forward_backward_func`), the optimizer step (skipped, and counted, on an fp16 overflow)
         and the lr scheduler's. Advances `state.iteration` and `state.consumed_samples`. Returns
-        the step's metrics, the same on every rank: loss (per-token mean over the global batch),
-        lr, loss_scale, skipped_iterations, global_batch_size and consumed_samples; grad_norm,
+        the step's metrics, the same on every rank: lr, loss_scale, skipped_iterations, global_batch_size and consumed_samples; grad_norm,
         and num_zeros_in_grad when it is on, except on a step the loss scaler skipped (see
-        `gradient_stats`); the MTP losses when those are on. Collective: every rank calls it."""
+        `gradient_stats`); the MTP losses when those are on. The step's loss is left pending on
+        the device (`pending_losses`): `train()` reads it, or `train_step_with_loss`. Collective:
+        every rank calls it."""
         global_batch = self._follow_schedule()
         self._own_grads_finite = None  # noted by _finalize_model_grads, where a schedule calls it
         for m in self.model:

@@ -207,10 +207,10 @@ FLAGS: tuple[Flag, ...] = (
             note="also model.ffn_hidden_size when --ffn-hidden-size is absent: 4h, or int(8h/3 / 64) * 64 with --swiglu (Megatron-LM's rule)",
         ),
         mapped('--num-attention-heads', 'int', 'model.num_attention_heads'),
-        notice(
-            '--attention-backend', 'str',
-            "attention kernel choice: the layers here use megatron-core's DotProductAttention (or TE's, with --transformer-impl transformer_engine on CUDA)",
-            choices=('flash', 'fused', 'unfused', 'local', 'auto'),
+        mapped(
+            '--attention-backend', 'str', 'model.attention_backend',
+            choices=('flash', 'fused', 'unfused', 'local', 'auto'), default='auto',
+            note="on local layers: torch's SDPA for auto/flash/fused, megatron's DotProductAttention for unfused/local",
         ),
         notice(
             '--flash-attention-version', 'int', 'attention kernel choice: no effect here',

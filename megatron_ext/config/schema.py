@@ -93,6 +93,12 @@ class ModelConfig:
     # vanilla | off-by-one (a zero logit added to every softmax denominator) | learnable (one
     # learned logit, an attention sink, per head: gpt-oss). Megatron-LM's --softmax-type.
     softmax_type: str = "vanilla"
+    # Megatron-LM's --attention-backend: auto | flash | fused | unfused | local. With Transformer
+    # Engine's layers it picks TE's kernel, as in Megatron-LM. On megatron's local layers (every
+    # CPU run) auto, flash and fused compute attention with torch's scaled_dot_product_attention
+    # wherever it means the same (models/sdpa.py); unfused and local keep megatron's
+    # DotProductAttention math.
+    attention_backend: str = "auto"
     # Multi-token prediction (DeepSeek-V3): this many extra layers after the decoder, the k-th
     # predicting the token k+1 places ahead. Their mean loss times mtp_loss_scaling_factor joins
     # the training objective; the reported loss stays the next-token one, as in Megatron-LM.

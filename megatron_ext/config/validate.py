@@ -949,6 +949,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("model.activation", one_of("model.activation", ("swiglu", "gelu", "squared_relu", "quick_geglu"))),
     ("model.activation", glu_extras_fit),
     ("model.softmax_type", one_of("model.softmax_type", ("vanilla", "off-by-one", "learnable"))),
+    ("model.attention_backend", one_of("model.attention_backend", ("auto", "flash", "fused", "unfused", "local"))),
     ("model.window_size", window_fits),
     ("train.test_mode", realtime_test_fits),
     ("model.arch", attention_variants_need_gpt),

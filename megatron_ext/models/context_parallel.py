@@ -11,6 +11,10 @@ masked softmax, dropout) over the whole sequence's keys and values: each rank al
 from its CP peers (an all-gather CP, as Llama 3 trains long contexts with) and masks causally by
 global position. Memory for K/V grows with the whole sequence, which is the price of not
 ring-passing blocks; the queries, the scores and everything outside attention stay local.
+
+With `sdpa=True` (the local layer spec's choice unless `model.attention_backend` asks for
+megatron's unfused math) the attention itself is torch's SDPA wherever it computes the same
+function (models/sdpa.py), with or without CP.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
+
+from megatron_ext.models.sdpa import sdpa_applies, sdpa_attention
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> Tensor:
@@ -81,6 +88,7 @@ class ContextParallelAttention(DotProductAttention):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        sdpa: bool = False,
     ):
         if config.window_size is not None and config.context_parallel_size > 1:
             raise ValueError("context parallelism on local layers has no sliding-window attention")
@@ -92,6 +100,7 @@ class ContextParallelAttention(DotProductAttention):
             cp_comm_type, pg_collection,
         )
         self.config = config
+        self.sdpa = sdpa
         cp_group = getattr(pg_collection, "cp", None)
         self.cp_group = cp_group or parallel_state.get_context_parallel_group(check_initialized=False)
         self._masks: dict[tuple[int, torch.device], Tensor] = {}
@@ -115,11 +124,18 @@ class ContextParallelAttention(DotProductAttention):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
     ) -> Tensor:
+        batch_inputs = (attention_mask, attention_bias, packed_seq_params)
         if self.cp_group is None or self.cp_group.size() == 1:
+            causal = self.attn_mask_type == AttnMaskType.causal
+            # megatron's causal mask is square: its queries and keys are the same positions.
+            if self.sdpa and sdpa_applies(self, *batch_inputs) and (not causal or query.shape[0] == key.shape[0]):
+                return sdpa_attention(query, key, value, self.softmax_scale, causal)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         if attention_mask is not None or packed_seq_params is not None:
             raise ValueError("context parallelism on local layers supports plain causal attention only")
         key = _GatherSequence.apply(key, self.cp_group)
         value = _GatherSequence.apply(value, self.cp_group)
         mask = self._causal_mask(key.shape[0], query.device)
+        if self.sdpa and sdpa_applies(self, *batch_inputs):
+            return sdpa_attention(query, key, value, self.softmax_scale, causal=True, hidden_mask=mask)
         return super().forward(query, key, value, mask, attn_mask_type, attention_bias, packed_seq_params)

@@ -26,6 +26,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     LayerNormImpl,
@@ -43,6 +44,7 @@ from megatron_ext.models.context_parallel import ContextParallelAttention
 from megatron_ext.models.mla import MLACoreAttention
 from megatron_ext.models.moe_layers import megatron_moe_layer_freq
 from megatron_ext.models.norm import LocalNorm
+from megatron_ext.models.sdpa import UNFUSED_BACKENDS
 from megatron_ext.platform import optional
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,6 +222,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, on_cpu: boo
         glu_linear_offset=model.glu_linear_offset,
         activation_func_clamp_value=model.activation_func_clamp_value,
         **_attention_fields(model),
+        # Transformer Engine's kernel choice (megatron exports it as NVTE_* variables for the
+        # process); the local layers take theirs from the spec (`layer_spec`).
+        attention_backend=AttnBackend[model.attention_backend] if use_transformer_engine(model, on_cpu) else AttnBackend.auto,
         mtp_num_layers=model.mtp_num_layers,
         mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
         add_bias_linear=model.add_bias_linear,
@@ -314,7 +319,10 @@ def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
         normalization=model.normalization,
     )
     attention = spec.submodules.self_attention.submodules
-    attention.core_attention = MLACoreAttention if model.multi_latent_attention else ContextParallelAttention
+    attention.core_attention = ModuleSpec(
+        module=MLACoreAttention if model.multi_latent_attention else ContextParallelAttention,
+        params={"sdpa": model.attention_backend not in UNFUSED_BACKENDS},
+    )
     for norm in ("q_layernorm", "k_layernorm", "kv_layernorm"):
         if model.qk_layernorm and hasattr(attention, norm):
             setattr(attention, norm, LocalNorm)

@@ -32,6 +32,7 @@ class MLACoreAttention(ContextParallelAttention):
         v_channels: Optional[int] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection=None,
+        sdpa: bool = False,
     ):
         super().__init__(
             config,
@@ -42,6 +43,7 @@ class MLACoreAttention(ContextParallelAttention):
             softmax_scale,
             cp_comm_type,
             pg_collection,
+            sdpa,
         )
         if v_channels is not None:
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition

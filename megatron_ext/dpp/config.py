@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext.config.batch_sizes import schedule_key
+from megatron_ext.config.capabilities import Capability
 from megatron_ext.config.plugin_sections import PluginSection
 from megatron_ext.config.schema import Config, ModelConfig
 from megatron_ext.config.validate import ConfigError
@@ -133,7 +134,11 @@ def refuse_cost_model(path: Optional[str], cfg: Config) -> None:
     check_calibrated_for(path, cfg.model, cfg.parallel)
 
 
-SECTION = PluginSection("dpp", DppConfig, check=check, check_layout=check_layout, runs_step=True)
+# Chunk attention through the layer spec and a module swap, its own schedule, and the position
+# of its document stream in checkpoints.
+SECTION = PluginSection("dpp", DppConfig, check=check, check_layout=check_layout, capabilities=frozenset({
+    Capability.REWRITES_LAYER_SPECS, Capability.EDITS_BUILT_MODEL, Capability.OWNS_STEP,
+    Capability.ADDS_CHECKPOINT_STATE}))
 
 
 def layer_shape(mc) -> dict:

@@ -245,24 +245,23 @@ def vpp_needs_pipeline(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
-def _standby_workers(cfg: Config) -> bool:
-    """Whether a plugin of the run lets its layout use a part of the world (the other workers
-    wait on standby for the layout to grow)."""
+def _plugin_has(cfg: Config, capability: Capability) -> bool:
+    """Whether a plugin of the run has `capability` (config/capabilities.py)."""
     sections = plugin_sections()
-    return any(Capability.STANDBY_WORKERS in sections[name].capabilities for name in cfg.plugins if name in sections)
+    return any(capability in sections[name].capabilities for name in cfg.plugins if name in sections)
 
 
 def _layout_fits(cfg: Config, world: int) -> bool:
     """An explicit layout uses the whole world, or a part of it where a plugin allows it."""
     p = cfg.parallel
     active = p.tp * p.pp * p.dp * p.cp
-    return active == world or (_standby_workers(cfg) and active < world)
+    return active == world or (_plugin_has(cfg, Capability.STANDBY_WORKERS) and active < world)
 
 
 def world_matches_layout(cfg: Config, world: int, device: str) -> Optional[str]:
     p = cfg.parallel
     if p.dp is not None and not _layout_fits(cfg, world):
-        relation = "be at most" if _standby_workers(cfg) else "equal"
+        relation = "be at most" if _plugin_has(cfg, Capability.STANDBY_WORKERS) else "equal"
         return (
             f"tp * pp * dp * cp ({p.tp} * {p.pp} * {p.dp} * {p.cp} = {p.tp * p.pp * p.dp * p.cp}) "
             f"must {relation} the world size ({world})"
@@ -512,19 +511,12 @@ def sft_data_fits(cfg: Config, world: int, device: str) -> Optional[str]:
     """SFT conversations are the run's one data source, and a packed sample keeps its
     conversations apart only through megatron's local attention with an explicit mask."""
     sft = cfg.data.sft
-    if sft is None:
-        return None
-    if "lora" in cfg.plugins:  # each job names its files; data=sft says how they render
-        if sft.path:
-            return ("lora jobs read their own data: name the files in each job's dataset; with lora, data=sft "
-                    "sets data.sft.prompt_format and overlong only (data.sft.path=[])")
-        return None
+    if sft is None or _plugin_has(cfg, Capability.REPLACES_TRAINER_LOOP):
+        return None  # no Trainer reads the run's data: the plugin that trains reads it, and checks it
     if not sft.path:
         return "data.sft.path is empty: give the files (or folders) of conversations"
     if cfg.data.mock or cfg.data.data_path:
         return "data.sft.path is the run's data: leave data.mock and data.data_path unset"
-    if "dpp" in cfg.plugins:
-        return "dpp plans chunks of pre-training documents: it does not read SFT conversations"
     if sft.overlong not in ("truncate", "skip", "error"):
         return f"data.sft.overlong must be one of truncate, skip, error; got {sft.overlong!r}"
     if not sft.pack:

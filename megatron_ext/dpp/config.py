@@ -57,8 +57,11 @@ def check_settings(own: DppConfig) -> None:
 
 
 def check(own: DppConfig, cfg: Config, world_size: int) -> None:
-    """The section's settings, and a batch-size schedule (dpp plans its own batches), are checked."""
+    """The section's settings, and a batch-size schedule or SFT data (dpp plans its own batches
+    of pre-training documents), are checked."""
     check_settings(own)
+    if cfg.data.sft is not None:
+        raise ConfigError("data.sft.path", "dpp plans chunks of pre-training documents: it does not read SFT conversations")
     if schedule_key(cfg.train):  # dpp's global batches are dpp.docs_per_batch documents
         raise ConfigError(schedule_key(cfg.train), "dpp plans its own global batches of whole documents: "
                                                    "a batch-size schedule is not supported")

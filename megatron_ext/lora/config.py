@@ -89,6 +89,9 @@ def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
     if cfg.model.softmax_type != "vanilla":
         raise ConfigError("model.softmax_type", f"{peft} softmax offsets (softmax_type={cfg.model.softmax_type}): "
                                                 "the adapter would meet another network")
+    if cfg.data.sft is not None and cfg.data.sft.path:  # each job names its files; data=sft says how they render
+        raise ConfigError("data.sft.path", "lora jobs read their own data: name the files in each job's dataset; with "
+                                           "lora, data=sft sets data.sft.prompt_format and overlong only (data.sft.path=[])")
     if cfg.train.skip_train:  # the packed loop has no evaluation-only run: it would train
         raise ConfigError("train.skip_train", "lora runs its own packed loop, which trains its jobs: "
                                               "it has no evaluation-only run")

@@ -26,17 +26,17 @@ from typing import Iterable, Mapping, Optional
 class Capability(str, enum.Enum):
     """One thing a plugin does to a run; its value says it in words."""
 
-    REWRITES_LAYER_SPECS = "swaps layers of every model built through the layer spec (`layer_spec`)"
-    EDITS_BUILT_MODEL = "freezes, wraps or replaces modules of the built model before DDP sees it (`after_model_built`)"
-    OWNS_STEP = "runs each step's forward-backward in place of megatron's schedule (`forward_backward_func`)"
-    OWNS_RUN = "supplies what every worker runs in place of the Trainer's run (`runner`)"
+    REWRITES_LAYER_SPECS = "swaps layers of every model built through the layer spec"
+    EDITS_BUILT_MODEL = "freezes, wraps or replaces modules of the built model before DDP sees it"
+    OWNS_STEP = "runs each step's forward-backward in place of megatron's schedule"
+    OWNS_RUN = "supplies what every worker runs in place of the Trainer's run"
     REPLACES_TRAINER_LOOP = "trains in a loop of its own: no Trainer, so no other plugin's hook runs"
     CHANGES_LAYOUT = "moves the running job to another parallel layout, carrying the Trainer's model chunks and optimizer"
     STANDBY_WORKERS = "lets a run start on a layout smaller than its world: the other workers wait on standby"
     HOLDS_EXTRA_MODULES = "holds modules of its own beside the Trainer's model chunks (e.g. a frozen teacher)"
     CHANGES_LOSS = "computes each step's loss its own way (e.g. distillation)"
     SHARES_BASE = "trains many jobs at once on one shared, frozen base model"
-    ADDS_CHECKPOINT_STATE = "saves state of its own with every checkpoint (`state_dict`)"
+    ADDS_CHECKPOINT_STATE = "saves state of its own with every checkpoint"
 
 
 # The hook whose override means the capability, for every capability a hook says exactly.

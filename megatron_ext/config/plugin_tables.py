@@ -34,7 +34,7 @@ def tables_markdown(declared: Mapping[str, frozenset]) -> str:
         rows.append(f"| `{c.name}` | {c.value} | {_hook_of(c)} | {having} |")
     rows += ["", "| a plugin that has | cannot run beside one that has | because |", "|---|---|---|"]
     for c in CONFLICTS:
-        second = f"`{c.second.name}`" if c.second is not None else "anything (any other plugin)"
+        second = f"`{c.second.name}`" if c.second is not None else "any plugin"
         rows.append(f"| `{c.first.name}` | {second} | {c.reason.format(first='the first', second='the second')} |")
     return "\n".join([BEGIN, *rows, END])
 

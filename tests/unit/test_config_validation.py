@@ -178,7 +178,7 @@ GOOD = [
                          "model.num_query_groups": 3, "model.hidden_size": 576}, 3, "cpu"),
     ("gbs_derived", {"train.global_batch_size": None}, 3, "cpu"),
     ("pool_with_standby", {"parallel.dp": 2, "plugins": ["reshard"]}, 4, "cpu"),
-    ("reshard_with_one_step_plugin", {"plugins": ["reshard", "dpp"]}, 1, "cpu"),
+    ("reshard_beside_a_step_plugin", {"plugins": ["reshard", "dpp"]}, 1, "cpu"),
     ("alltoall_on_cuda", {"model.num_experts": 4, "model.moe_token_dispatcher": "alltoall"},
      1, "cuda"),
     # The platform layer maps the all-to-all dispatcher's CUDA uses (cpu_compat.py).

@@ -188,7 +188,8 @@ def register_plugin(cls: type[Plugin]) -> type[Plugin]:
         return cls
     if cls.name in _REGISTRY:
         raise ValueError(f"two plugins are named {cls.name!r}: {_REGISTRY[cls.name]} and {cls}")
-    undeclared = [(hook, c) for hook, c in HOOKS.items() if c in hook_capabilities(cls) - cls.capabilities]
+    missing = hook_capabilities(cls) - cls.capabilities
+    undeclared = [(hook, c) for hook, c in HOOKS.items() if c in missing]
     if undeclared:  # validation reads the section without the class: it would not know them
         raise ValueError(
             f"plugin {cls.name!r} overrides " + ", ".join(f"{hook} ({c.name})" for hook, c in undeclared)

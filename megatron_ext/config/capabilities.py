@@ -29,7 +29,7 @@ class Capability(str, enum.Enum):
     REWRITES_LAYER_SPECS = "swaps layers of every model built through the layer spec"
     EDITS_BUILT_MODEL = "freezes, wraps or replaces modules of the built model before DDP sees it"
     OWNS_STEP = "runs each step's forward-backward in place of megatron's schedule"
-    OWNS_RUN = "supplies what every worker runs in place of the Trainer's run"
+    OWNS_RUN = "supplies what every worker runs, around the Trainer or instead of it (a worker pool, a loop of its own)"
     REPLACES_TRAINER_LOOP = "trains in a loop of its own: no Trainer, so no other plugin's hook runs"
     CHANGES_LAYOUT = "moves the running job to another parallel layout, carrying the Trainer's model chunks and optimizer"
     STANDBY_WORKERS = "lets a run start on a layout smaller than its world: the other workers wait on standby"
@@ -37,6 +37,9 @@ class Capability(str, enum.Enum):
     CHANGES_LOSS = "computes each step's loss its own way (e.g. distillation)"
     SHARES_BASE = "trains many jobs at once on one shared, frozen base model"
     ADDS_CHECKPOINT_STATE = "saves state of its own with every checkpoint"
+
+
+Capabilities = frozenset[Capability]
 
 
 # The hook whose override means the capability, for every capability a hook says exactly.
@@ -73,9 +76,6 @@ CONFLICTS: tuple[Conflict, ...] = (
              "the Trainer's model chunks and optimizer only, and {second} holds modules of its own beside them "
              "(e.g. a frozen teacher) that the move would leave behind"),
 )
-
-
-Capabilities = frozenset[Capability]
 
 
 def _refusal(a: tuple[str, Capabilities], b: tuple[str, Capabilities]) -> Optional[str]:

@@ -16,11 +16,15 @@ Every hook that runs inside a Trainer receives its `PluginContext` (plugin_conte
 what a plugin may read of the run and the layout changes a step hook may make, never the
 Trainer itself.
 
-The configuration knows a plugin by its section (config/plugin_sections.py): its config class
-and the checks `check` / `check_layout`, which need nothing but the config. A plugin that keeps
-them in a torch-free module (as each builtin one does in its `config.py`) names that module's
-section as its `section`, and takes its name, config class and checks from it; then composing
-and validating a config never imports the plugin's own module.
+The configuration knows a plugin by its section (config/plugin_sections.py): its config class,
+the checks `check` / `check_layout`, which need nothing but the config, and its capabilities
+(config/capabilities.py: what it does to a run, from which the plugins it composes with follow).
+A plugin that keeps them in a torch-free module (as each builtin one does in its `config.py`)
+names that module's section as its `section`, and takes its name, config class, checks and
+capabilities from it; then composing and validating a config never imports the plugin's own
+module. A hook that says a capability exactly (`capabilities.HOOKS`: overriding `layer_spec`
+rewrites the layer specs) declares it: a class without a section gets it, and registering a
+class whose section leaves it out is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from megatron_ext.config.capabilities import HOOKS, Capabilities
 from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, import_external_plugins, no_check, register_section
 from megatron_ext.config.sweep import Sweep
 from megatron_ext.plugin_context import PluginContext
@@ -66,21 +71,22 @@ class Plugin:
 
     name: str = ""
     config_class: Optional[type] = None
-    # Whether the plugin runs the training step (its `forward_backward_func` returns one): a
-    # run may list one such plugin.
-    runs_step: bool = False
+    # What the plugin does to a run (config/capabilities.py), beside what its hooks imply.
+    capabilities: Capabilities = frozenset()
     # Whether the Trainer reads each step's loss before `on_step_end` (else on log steps only,
     # saving a host sync per step): a plugin whose `on_step_end` reads `metrics["loss"]`, or
     # that changes the layout between steps (losses are read in the layout that computed them).
     needs_step_loss: bool = False
     # The plugin's config section and checks, kept in a torch-free module: `name`,
-    # `config_class`, `runs_step` and the checks are then the section's.
+    # `config_class`, `capabilities` and the checks are then the section's.
     section: Optional[PluginSection] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "section" in vars(cls):
-            cls.name, cls.config_class, cls.runs_step = cls.section.name, cls.section.config_class, cls.section.runs_step
+            cls.name, cls.config_class, cls.capabilities = cls.section.name, cls.section.config_class, cls.section.capabilities
+        else:  # the section is made from the class: its hooks declare what they imply
+            cls.capabilities = frozenset(cls.capabilities) | hook_capabilities(cls)
 
     def __init__(self, cfg: Any = None) -> None:
         # The plugin's own config section (an instance of `config_class`), or None.
@@ -182,9 +188,21 @@ def register_plugin(cls: type[Plugin]) -> type[Plugin]:
         return cls
     if cls.name in _REGISTRY:
         raise ValueError(f"two plugins are named {cls.name!r}: {_REGISTRY[cls.name]} and {cls}")
+    missing = hook_capabilities(cls) - cls.capabilities
+    undeclared = [(hook, c) for hook, c in HOOKS.items() if c in missing]
+    if undeclared:  # validation reads the section without the class: it would not know them
+        raise ValueError(
+            f"plugin {cls.name!r} overrides " + ", ".join(f"{hook} ({c.name})" for hook, c in undeclared)
+            + " but its section does not declare " + ", ".join(f"Capability.{c.name}" for _, c in undeclared)
+            + ": add it to the section's capabilities")
     register_section(cls.section or section_of(cls))
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def hook_capabilities(cls: type[Plugin]) -> Capabilities:
+    """The capabilities that the hooks `cls` overrides imply (`capabilities.HOOKS`)."""
+    return frozenset(c for hook, c in HOOKS.items() if getattr(cls, hook) is not getattr(Plugin, hook))
 
 
 def section_of(cls: type[Plugin]) -> PluginSection:
@@ -195,7 +213,7 @@ def section_of(cls: type[Plugin]) -> PluginSection:
         cls.config_class,
         check=_instance_hook(cls, "check"),
         check_layout=_instance_hook(cls, "check_layout"),
-        runs_step=cls.runs_step,
+        capabilities=cls.capabilities,
     )
 
 

@@ -1,5 +1,6 @@
 """What the configuration knows of each plugin, without importing the plugin: its config
-section and the checks that need nothing but the config.
+section, the checks that need nothing but the config, and its capabilities
+(config/capabilities.py), from which the plugins it composes with follow.
 
 A plugin that ships with megatron_ext keeps these in `megatron_ext/<name>/config.py`, a module
 that imports no torch and ends with `SECTION = PluginSection(...)`; composing and validating a
@@ -19,6 +20,8 @@ import os
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Optional
+
+from megatron_ext.config.capabilities import Capabilities
 
 # The plugins that ship with megatron_ext: each one's section is `megatron_ext.<name>.config`'s
 # SECTION, and its class sits in `megatron_ext.<name>.plugin`.
@@ -46,12 +49,9 @@ class PluginSection:
     # For every parallel layout the run trains on (`cfg.parallel`): its first, each one a
     # reshard schedule names, and a live move's target before it moves.
     check_layout: Check = no_check
-    # The plugin runs the training step (its `forward_backward_func` returns one): a run may list
-    # one such plugin.
-    runs_step: bool = False
-    # The plugin lets a run start on a layout smaller than its world: the other workers wait on
-    # standby for the layout to grow.
-    standby_workers: bool = False
+    # What the plugin does to a run (config/capabilities.py): which plugins it composes with
+    # follows from them.
+    capabilities: Capabilities = frozenset()
 
     def own(self, cfg: Any) -> Any:
         """This plugin's section of `cfg`; its defaults where `cfg` has none (a config built

@@ -23,6 +23,7 @@ from megatron_ext.config.batch_sizes import (
     scheduled_batch_sizes,
     step_schedule_problems,
 )
+from megatron_ext.config.capabilities import Capability, refusals
 from megatron_ext.config.moe_pattern import moe_layer_pattern
 from megatron_ext.config.plugin_sections import plugin_sections
 from megatron_ext.config.schema import Config, TrainConfig
@@ -244,24 +245,23 @@ def vpp_needs_pipeline(cfg: Config, world: int, device: str) -> Optional[str]:
     return None
 
 
-def _standby_workers(cfg: Config) -> bool:
-    """Whether a plugin of the run lets its layout use a part of the world (the other workers
-    wait on standby for the layout to grow)."""
+def _plugin_has(cfg: Config, capability: Capability) -> bool:
+    """Whether a plugin of the run has `capability` (config/capabilities.py)."""
     sections = plugin_sections()
-    return any(sections[name].standby_workers for name in cfg.plugins if name in sections)
+    return any(capability in sections[name].capabilities for name in cfg.plugins if name in sections)
 
 
 def _layout_fits(cfg: Config, world: int) -> bool:
     """An explicit layout uses the whole world, or a part of it where a plugin allows it."""
     p = cfg.parallel
     active = p.tp * p.pp * p.dp * p.cp
-    return active == world or (_standby_workers(cfg) and active < world)
+    return active == world or (_plugin_has(cfg, Capability.STANDBY_WORKERS) and active < world)
 
 
 def world_matches_layout(cfg: Config, world: int, device: str) -> Optional[str]:
     p = cfg.parallel
     if p.dp is not None and not _layout_fits(cfg, world):
-        relation = "be at most" if _standby_workers(cfg) else "equal"
+        relation = "be at most" if _plugin_has(cfg, Capability.STANDBY_WORKERS) else "equal"
         return (
             f"tp * pp * dp * cp ({p.tp} * {p.pp} * {p.dp} * {p.cp} = {p.tp * p.pp * p.dp * p.cp}) "
             f"must {relation} the world size ({world})"
@@ -511,19 +511,12 @@ def sft_data_fits(cfg: Config, world: int, device: str) -> Optional[str]:
     """SFT conversations are the run's one data source, and a packed sample keeps its
     conversations apart only through megatron's local attention with an explicit mask."""
     sft = cfg.data.sft
-    if sft is None:
-        return None
-    if "lora" in cfg.plugins:  # each job names its files; data=sft says how they render
-        if sft.path:
-            return ("lora jobs read their own data: name the files in each job's dataset; with lora, data=sft "
-                    "sets data.sft.prompt_format and overlong only (data.sft.path=[])")
-        return None
+    if sft is None or _plugin_has(cfg, Capability.REPLACES_TRAINER_LOOP):
+        return None  # no Trainer reads the run's data: the plugin that trains reads it, and checks it
     if not sft.path:
         return "data.sft.path is empty: give the files (or folders) of conversations"
     if cfg.data.mock or cfg.data.data_path:
         return "data.sft.path is the run's data: leave data.mock and data.data_path unset"
-    if "dpp" in cfg.plugins:
-        return "dpp plans chunks of pre-training documents: it does not read SFT conversations"
     if sft.overlong not in ("truncate", "skip", "error"):
         return f"data.sft.overlong must be one of truncate, skip, error; got {sft.overlong!r}"
     if not sft.pack:
@@ -578,13 +571,10 @@ def plugins_registered(cfg: Config, world: int, device: str) -> list[str]:
     ]
 
 
-def one_step_plugin(cfg: Config, world: int, device: str) -> Optional[str]:
-    """The Trainer runs the first plugin's step function; a second one would be ignored."""
+def plugins_compose(cfg: Config, world: int, device: str) -> list[str]:
+    """The pairs of the run's plugins whose capabilities conflict (config/capabilities.py)."""
     known = plugin_sections()
-    own_step = [n for n in dict.fromkeys(cfg.plugins) if n in known and known[n].runs_step]
-    if len(own_step) > 1:
-        return f"{' and '.join(own_step)} each run the training step (forward_backward_func); a run can use one of them"
-    return None
+    return refusals((name, known[name].capabilities) for name in cfg.plugins if name in known)
 
 
 # --- megatron's GPT model space ------------------------------------------------------------------
@@ -940,7 +930,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
         one_of("model.moe_flex_dispatcher_backend", ("deepep", "hybridep")),
     ),
     ("plugins", plugins_registered),
-    ("plugins", one_step_plugin),
+    ("plugins", plugins_compose),
     ("model.arch", one_of("model.arch", ("gpt", "hybrid"))),
     ("model.hybrid_pattern", hybrid_pattern_fits),
     ("model.mamba_num_groups", mamba_heads_fit),

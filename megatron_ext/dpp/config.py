@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ext.config.batch_sizes import schedule_key
+from megatron_ext.config.capabilities import Capability
 from megatron_ext.config.plugin_sections import PluginSection
 from megatron_ext.config.schema import Config, ModelConfig
 from megatron_ext.config.validate import ConfigError
@@ -56,8 +57,11 @@ def check_settings(own: DppConfig) -> None:
 
 
 def check(own: DppConfig, cfg: Config, world_size: int) -> None:
-    """The section's settings, and a batch-size schedule (dpp plans its own batches), are checked."""
+    """The section's settings, and a batch-size schedule or SFT data (dpp plans its own batches
+    of pre-training documents), are checked."""
     check_settings(own)
+    if cfg.data.sft is not None:
+        raise ConfigError("data.sft.path", "dpp plans chunks of pre-training documents: it does not read SFT conversations")
     if schedule_key(cfg.train):  # dpp's global batches are dpp.docs_per_batch documents
         raise ConfigError(schedule_key(cfg.train), "dpp plans its own global batches of whole documents: "
                                                    "a batch-size schedule is not supported")
@@ -133,7 +137,11 @@ def refuse_cost_model(path: Optional[str], cfg: Config) -> None:
     check_calibrated_for(path, cfg.model, cfg.parallel)
 
 
-SECTION = PluginSection("dpp", DppConfig, check=check, check_layout=check_layout, runs_step=True)
+# Chunk attention through the layer spec and a module swap, its own schedule, and the position
+# of its document stream in checkpoints.
+SECTION = PluginSection("dpp", DppConfig, check=check, check_layout=check_layout, capabilities=frozenset({
+    Capability.REWRITES_LAYER_SPECS, Capability.EDITS_BUILT_MODEL, Capability.OWNS_STEP,
+    Capability.ADDS_CHECKPOINT_STATE}))
 
 
 def layer_shape(mc) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_ext.config.capabilities import Capability
 from megatron_ext.config.plugin_sections import PluginSection
 from megatron_ext.config.schema import Config, ModelConfig
 from megatron_ext.config.validate import ConfigError
@@ -66,10 +67,6 @@ class ElasticConfig:
 ROUTER_STARTS = ("quality", "cost")
 DISTILL_TOKENS = ("loss_mask", "all")
 
-# A live move carries the trainer's model and optimizer only.
-WITH_RESHARD = ("elastic with reshard is not supported: a live move would not carry elastic's frozen teacher (the "
-                "parent) to the new layout")
-
 
 def model_space_refusals(model: ModelConfig) -> list[tuple[str, str]]:
     """(field, what) for the model-space options elastic's axes do not slice: they cut the
@@ -101,9 +98,7 @@ def check_distill_tokens(value: str) -> None:
 
 
 def check(own: ElasticConfig, cfg: Config, world_size: int) -> None:
-    """A run with reshard, or a model with options elastic's axes do not slice, is refused."""
-    if "reshard" in cfg.plugins:
-        raise ConfigError("plugins", WITH_RESHARD)
+    """Settings, or a model with options elastic's axes do not slice, are refused."""
     if own.router_start not in ROUTER_STARTS:
         raise ConfigError("elastic.router_start", f"{own.router_start!r} is not one of {', '.join(ROUTER_STARTS)}")
     check_distill_tokens(own.distill_tokens)
@@ -112,4 +107,8 @@ def check(own: ElasticConfig, cfg: Config, world_size: int) -> None:
         raise ConfigError(*refusals[0], refusals[1:])
 
 
-SECTION = PluginSection("elastic", ElasticConfig, check=check, runs_step=True)
+# Elastic modules swapped in after the model is built, the frozen parent held beside it as the
+# teacher, the distillation step and loss, and the router's state in checkpoints.
+SECTION = PluginSection("elastic", ElasticConfig, check=check, capabilities=frozenset({
+    Capability.EDITS_BUILT_MODEL, Capability.HOLDS_EXTRA_MODULES, Capability.OWNS_STEP, Capability.CHANGES_LOSS,
+    Capability.ADDS_CHECKPOINT_STATE}))

@@ -66,7 +66,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from megatron_ext.elastic.config import SECTION, WITH_RESHARD
+from megatron_ext.elastic.config import SECTION
 from megatron_ext.plugin import Plugin, PluginContext, register_plugin
 
 
@@ -99,8 +99,6 @@ class ElasticPlugin(Plugin):
     needs_step_loss = True
 
     def setup(self, ctx: PluginContext) -> None:
-        if "reshard" in ctx.cfg.plugins:  # a Trainer built without train.run(): check here too
-            raise ValueError(f"plugins: {WITH_RESHARD}")
         p = ctx.cfg.parallel
         if p.cp > 1:  # the distiller's batches and KD loss are whole sequences
             raise ValueError("elastic: context parallelism (parallel.cp) is not supported")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_ext.config.batch_sizes import schedule_key
+from megatron_ext.config.capabilities import Capability
 from megatron_ext.config.plugin_sections import PluginSection
 from megatron_ext.config.schema import Config
 from megatron_ext.config.validate import ConfigError
@@ -69,7 +70,7 @@ class LoraConfig:
 
 
 def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
-    """A model, batch schedule or plugin a packed sweep of PEFT adapters cannot train with is refused."""
+    """A model or batch schedule a packed sweep of PEFT adapters cannot train with is refused."""
     # The adapters wrap linear_qkv / linear_proj and a dense MLP's linear_fc1 / linear_fc2.
     if cfg.model.multi_latent_attention:
         raise ConfigError("model.multi_latent_attention", "lora adapts linear_qkv, which multi-latent attention has not")
@@ -88,16 +89,17 @@ def check(own: LoraConfig, cfg: Config, world_size: int) -> None:
     if cfg.model.softmax_type != "vanilla":
         raise ConfigError("model.softmax_type", f"{peft} softmax offsets (softmax_type={cfg.model.softmax_type}): "
                                                 "the adapter would meet another network")
+    if cfg.data.sft is not None and cfg.data.sft.path:  # each job names its files; data=sft says how they render
+        raise ConfigError("data.sft.path", "lora jobs read their own data: name the files in each job's dataset; with "
+                                           "lora, data=sft sets data.sft.prompt_format and overlong only (data.sft.path=[])")
     if cfg.train.skip_train:  # the packed loop has no evaluation-only run: it would train
         raise ConfigError("train.skip_train", "lora runs its own packed loop, which trains its jobs: "
                                               "it has no evaluation-only run")
     if cfg.train.test_mode:  # set on the Trainer's models
         raise ConfigError("train.test_mode", "lora runs its own packed loop, not the Trainer's: megatron's real-time "
                                              "test would not run; run it without lora")
-    others = [name for name in cfg.plugins if name != "lora"]
-    if others:  # they hook into the Trainer, which a sweep does not run
-        raise ConfigError("plugins", f"lora runs its own packed loop, not the Trainer's: {others} would be ignored; "
-                                     "run them without lora")
 
 
-SECTION = PluginSection("lora", LoraConfig, check=check)
+# The packed sweep is its runner: many jobs on one frozen base, in a loop of its own.
+SECTION = PluginSection("lora", LoraConfig, check=check, capabilities=frozenset({
+    Capability.OWNS_RUN, Capability.REPLACES_TRAINER_LOOP, Capability.SHARES_BASE}))

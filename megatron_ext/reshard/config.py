@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_ext.config.batch_sizes import schedule_key
+from megatron_ext.config.capabilities import Capability
 from megatron_ext.config.plugin_sections import PluginSection
 from megatron_ext.config.schema import Config, ParallelConfig
 from megatron_ext.config.validate import ConfigError, validate_layout
@@ -74,5 +75,7 @@ def check_schedule(cfg: Config, schedule: list, world_size: int) -> None:
         validate_layout(dataclasses.replace(cfg, parallel=parallel), world_size)
 
 
-# The job is launched with as many workers as its largest layout needs: a layout may use fewer.
-SECTION = PluginSection("reshard", ReshardConfig, check=check, standby_workers=True)
+# The job is a worker pool (its runner) launched with as many workers as its largest layout
+# needs: a layout may use fewer.
+SECTION = PluginSection("reshard", ReshardConfig, check=check, capabilities=frozenset({
+    Capability.CHANGES_LAYOUT, Capability.STANDBY_WORKERS, Capability.OWNS_RUN}))

@@ -31,11 +31,15 @@ import torch.distributed as dist
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.platform.megatron_parallel_state import created_groups, install, private_parallel_state, process_groups
 from megatron_ext.platform.torch_worlds import live_groups, thread_gathers_over
-from megatron_ext.plugin import Plugin
+from megatron_ext.config.capabilities import Capability
 from megatron_ext.reshard.state_access import ensure_optimizer_states
 from megatron_ext.parallel.release import built_or_failure, release_in_background, unlink_optimizer
 from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
+
+# What a plugin whose hooks rewrite each model built declares (each overridden hook implies its own).
+_REWRITES_MODEL = frozenset({Capability.REWRITES_LAYER_SPECS, Capability.EDITS_BUILT_MODEL})
+
 
 @dataclasses.dataclass
 class Prebuilt:
@@ -147,7 +151,4 @@ def can_prebuild(trainer) -> bool:
     """Whether the destination may be built in the background. Plugins that rewrite the model
     (`layer_spec`, `after_model_built`) may read megatron's global state, which still describes
     the running layout until the switch; with them the destination is built at the switch."""
-    return all(
-        type(p).layer_spec is Plugin.layer_spec and type(p).after_model_built is Plugin.after_model_built
-        for p in trainer.plugins
-    )
+    return not any(p.capabilities & _REWRITES_MODEL for p in trainer.plugins)

@@ -46,6 +46,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from megatron_ext.config.capabilities import refusals
 from megatron_ext.config.mlm_namespace import RunFacts, megatron_lm_args
 from megatron_ext.config.schema import Config, LoggingConfig, ParallelConfig
 from megatron_ext.config.validate import ConfigError, evaluates
@@ -120,6 +121,9 @@ class Trainer:
     (`megatron_ext.plugin.Plugin`), each with `plugin_context`: what of this Trainer they may use."""
 
     def __init__(self, cfg: Config, plugins: list[Plugin] = ()) -> None:
+        refused = refusals((p.name, p.capabilities) for p in plugins)
+        if refused:  # as validation does, for a Trainer built without train.run()
+            raise ConfigError("plugins", refused[0], [("plugins", r) for r in refused[1:]])
         self.cfg = cfg
         self.plugins = list(plugins)
         # What the plugins' hooks receive, the same object for the whole run: it reads this

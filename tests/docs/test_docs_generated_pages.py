@@ -17,6 +17,13 @@ def test_config_reference_is_current():
     )
 
 
+def test_plugin_tables_are_current():
+    from megatron_ext.config.plugin_tables import PAGE as TABLES_PAGE, builtin_tables, page_with_tables
+
+    page = (REPO / TABLES_PAGE).read_text()
+    assert page == page_with_tables(page, builtin_tables()), f"{TABLES_PAGE} is stale: python -m megatron_ext.config.plugin_tables"
+
+
 def test_field_comments_are_read_from_the_source():
     comments = field_comments(LauncherConfig)
     assert comments["master_port"] == "0: pick a free port."

@@ -37,6 +37,9 @@ CASES = {
     "dpp_cost_model": (["plugins=[dpp]"], "dpp.cost_model"),
     "elastic_layernorm": (["plugins=[elastic]", "model.normalization=LayerNorm"], "model.normalization"),
     "lora_moe": (["plugins=[lora]", "model.num_experts=4", "model.moe_ffn_hidden_size=64"], "model.num_experts"),
+    "lora_sft_path": (["plugins=[lora]", "data=sft", "data.sft.path=[chat.jsonl]"], "data.sft.path"),
+    "lora_sft_rendering": (["plugins=[lora]", "data=sft", "data.sft.path=[]"], None),
+    "dpp_sft": (["plugins=[dpp]", "data=sft", "data.sft.path=[chat.jsonl]"], "data.sft.path"),
     # a plugin registered by its class (SCRIPT's): its own check and check_layout count
     "registered_check": (["plugins=[stride]", "stride.every=0"], "stride.every"),
     "registered_check_layout": (["plugins=[stride]", "parallel.tp=2", "launcher.nproc=2"], "parallel.tp"),

@@ -131,10 +131,13 @@ def test_micro_batch_forward_step_is_the_old_one(world):  # noqa: F811
 
 
 def test_elastic_with_live_reshard_is_refused_before_launch():
-    from megatron_ext.config.validate import ConfigError
+    """The refusal follows from the two plugins' capabilities (config/capabilities.py)."""
+    from megatron_ext.config.validate import ConfigError, validate
+    from megatron_ext.reshard.plugin import ReshardPlugin
+    from megatron_ext.training.trainer import Trainer
 
     with pytest.raises(ConfigError, match="frozen teacher"):
-        ElasticPlugin(ElasticConfig()).check(Config(plugins=["reshard", "elastic"]), 2)
-    ElasticPlugin(ElasticConfig()).check(Config(plugins=["elastic"]), 2)
-    with pytest.raises(ValueError, match="frozen teacher"):  # a Trainer built without train.run()
-        ElasticPlugin(ElasticConfig()).setup(SimpleNamespace(cfg=SimpleNamespace(plugins=["reshard", "elastic"])))
+        validate(Config(plugins=["reshard", "elastic"]), 1, "cpu")
+    validate(Config(plugins=["elastic"]), 1, "cpu")
+    with pytest.raises(ConfigError, match="frozen teacher"):  # a Trainer built without train.run()
+        Trainer(Config(plugins=["reshard", "elastic"]), [ReshardPlugin(), ElasticPlugin(ElasticConfig())])

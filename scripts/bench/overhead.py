@@ -13,8 +13,9 @@ The three ways, each in fresh worker processes (`launch_local`, gloo, one rank p
 - `megatron_ext`: the Trainer's loop as `python -m megatron_ext.train` runs it (its data
   pipeline, logging, checks and hooks), timed between consecutive steps by a plugin.
 
-Each reports tokens per second over the timed steps (after warm-up), the peak resident set of its
-processes, and where a step's time goes: data, forward, backward, grad sync, optimizer and the
+Each way runs `--rounds` times, the ways interleaved, and is reported by its median round (a
+load that drifts during the run reaches every way alike). A run reports tokens per second over the
+timed steps (after warm-up), the peak resident set of its processes, and where a step's time goes: data, forward, backward, grad sync, optimizer and the
 rest (the loop itself: logging, metrics, checks). The megatron loops' phases come from the timers
 megatron-core's schedules and optimizer call (`config.timers`). With `--trace`, the Trainer of
 the row with the lowest ratio to the plain loop is profiled with `torch.profiler` for a few
@@ -269,7 +270,8 @@ def run_megatron_core(row: Row, vocab: int, steps: int, warmup: int) -> dict:
         cross_entropy_loss_fusion=False,
     )
     gpt = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab, row.seq_length,
-                   share_embeddings_and_output_weights=m.tie_embeddings, rotary_base=int(m.rotary_base))
+                   share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type="rope",
+                   rotary_base=int(m.rotary_base))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), gpt)
     clock = PhaseClock()
@@ -388,15 +390,29 @@ def launch(nproc: int, fn, *args) -> dict:
     return {**slowest, "peak_rss_gb": max(r["peak_rss_gb"] for r in ranks.values())}
 
 
-def measure_row(row: Row, steps: int, warmup: int, trace: Optional[str]) -> dict:
-    ways = {"megatron_ext": launch(row.nproc, run_megatron_ext, row, steps, warmup, None)}
-    vocab = ways["megatron_ext"]["vocab_size"]
-    ways["megatron_core"] = launch(row.nproc, run_megatron_core, row, vocab, steps, warmup)
-    ways["plain"] = launch(row.nproc, run_plain, row, vocab, steps, warmup)
+def measure_row(row: Row, steps: int, warmup: int, rounds: int) -> dict:
+    """Every way `rounds` times, interleaved (round r starts at way r, so none always runs first
+    on a machine whose load drifts); each way is reported by its median round, with every
+    round's tokens/s beside it."""
+    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    vocab = None
+    for r in range(rounds):
+        order = list(WAYS[r % len(WAYS):] + WAYS[: r % len(WAYS)])
+        if vocab is None:  # the baselines take the vocabulary the Trainer's tokenizer padded
+            order.remove("megatron_ext")
+            order.insert(0, "megatron_ext")
+        for way in order:
+            if way == "megatron_ext":
+                result = launch(row.nproc, run_megatron_ext, row, steps, warmup, None)
+                vocab = result["vocab_size"]
+            else:
+                result = launch(row.nproc, run_plain if way == "plain" else run_megatron_core, row, vocab, steps, warmup)
+            runs[way].append(result)
+    ways = {way: median_run(runs[way]) for way in WAYS}
     tps = {way: r["tokens_per_s"] for way, r in ways.items()}
     return {
         "row": dataclasses.asdict(row),
-        "ways": {way: ways[way] for way in WAYS},
+        "ways": ways,
         "ratios": {
             "megatron_ext_vs_plain": tps["megatron_ext"] / tps["plain"],
             "megatron_ext_vs_megatron_core": tps["megatron_ext"] / tps["megatron_core"],
@@ -404,6 +420,13 @@ def measure_row(row: Row, steps: int, warmup: int, trace: Optional[str]) -> dict
             "peak_rss_megatron_ext_vs_plain": ways["megatron_ext"]["peak_rss_gb"] / ways["plain"]["peak_rss_gb"],
         },
     }
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count), with every run's
+    tokens/s as `rounds_tokens_per_s`."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 # Issue targets: at least the plain loop's and the bare Megatron-Core loop's tokens/s on every row;
@@ -453,6 +476,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {list(ROWS)}")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per way")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each way, interleaved; the median is reported")
     parser.add_argument("--plot", action="store_true", help="a PNG beside the JSON (matplotlib)")
     parser.add_argument("--trace", help="a torch.profiler trace of the Trainer of the lowest-ratio row")
     args = parser.parse_args(argv)
@@ -461,9 +485,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--rows: unknown {unknown}; known: {list(ROWS)}")
     require(__file__, {"matplotlib": "--plot" if args.plot else None, "transformers": "the plain loop"})
     started = time.perf_counter()
-    result = {"provenance": provenance(__file__), "steps": args.steps, "warmup": args.warmup, "rows": {}}
+    result = {"provenance": provenance(__file__), "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+              "rows": {}}
     for name in args.rows.split(","):
-        result["rows"][name] = measure_row(ROWS[name], args.steps, args.warmup, None)
+        result["rows"][name] = measure_row(ROWS[name], args.steps, args.warmup, args.rounds)
         Path(args.json).write_text(json.dumps(result, indent=1))  # each finished row kept
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in result["rows"][name]["ratios"].items()), flush=True)
     if args.trace:

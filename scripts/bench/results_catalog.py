@@ -217,8 +217,14 @@ def overhead_targets(data: dict) -> list[Target]:
 
 
 def overhead_notes(data: dict) -> list[str]:
-    notes = [f"{data['steps']} timed steps after {data['warmup']} warm-up steps per way; the whole run took "
-             f"{num(data['wall_s'])} s."]
+    rounds = data.get("rounds", 1)
+    notes = [f"{data['steps']} timed steps after {data['warmup']} warm-up steps per run; each way ran {rounds} "
+             f"time(s), interleaved, and is shown by its median run; the whole benchmark took {num(data['wall_s'])} s."]
+    for name, row in data["rows"].items():
+        spread = "; ".join(f"{OVERHEAD_WAYS[way]} " + ", ".join(num(t) for t in w["rounds_tokens_per_s"])
+                           for way, w in row["ways"].items() if "rounds_tokens_per_s" in w)
+        if spread:
+            notes.append(f"{name}, tokens/s of every run: {spread}.")
     if "trace" in data:
         top = ", ".join(f"{op['name']} {num(op['self_cpu_ms'])} ms" for op in data["trace"]["top_ops"][:8])
         notes.append(f"torch.profiler over 3 steps of the Trainer on {data['trace']['row']} (rank 0), the largest "

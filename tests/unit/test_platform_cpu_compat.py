@@ -307,6 +307,26 @@ def scenario_alltoall_split_sizes():
     assert torch.equal(received, tokens)
 
 
+def scenario_single_rank_collectives():
+    """At DP = 1 DDP's gradient reduce-scatter and the distributed optimizer's parameter
+    all-gather run no collective (gloo copies the whole buffer through a temporary for each):
+    the gradients stay as the backward left them and the parameters as the step wrote them
+    (test_megatron_adam_step_equals_torch_adamw checks the step against torch's AdamW)."""
+    ddp, _, optimizer = megatron_adam(tiny_gpt())
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    lm_loss(ddp, batch(0)).backward()
+    grads = [buffer.grad_data.clone() for buffer in ddp.buffers]
+    with torch.profiler.profile() as profile:
+        ddp.finish_grad_sync()
+        assert all(torch.equal(b.grad_data, g) for b, g in zip(ddp.buffers, grads))
+        before = [p.detach().clone() for p in ddp.parameters()]
+        assert optimizer.step()[0]
+    ran = sorted({e.name for e in profile.events() if "gather" in e.name or "scatter" in e.name})
+    assert ran == [], f"collectives over one rank: {ran}"
+    assert all(not torch.equal(p, b) for p, b in zip(ddp.parameters(), before))
+
+
 @dataclass(frozen=True)
 class Case:
     # None: the fix shows only with several ranks (checked in tests/distributed).
@@ -391,6 +411,12 @@ CASES = {
     ),
     "mla_latent_norm_grads": Case(
         None, "megatron/core/distributed/finalize_model_grads.py", 'config.qk_layernorm and ("q_layernorm" in name'
+    ),
+    "single_rank_collectives": Case(
+        scenario_single_rank_collectives,
+        "tests/unit/test_platform_cpu_compat.py",
+        'assert ran == [], f"collectives over one rank: {ran}"',
+        after_other_fixes=True,
     ),
 }
 

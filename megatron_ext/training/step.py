@@ -52,8 +52,8 @@ def step_loss(losses: list[dict]) -> Optional[torch.Tensor]:
 
 class PendingLosses:
     """Step losses kept where the last pipeline stage computed them until they are read: one
-    reduction over the data-parallel group and one broadcast for all the steps since the last
-    read, as Megatron-LM's training_log reads its losses once per log interval. On a GPU each
+    reduction over the data-parallel group (and, with pipeline stages, one broadcast from the
+    last) for all the steps since the last read, as Megatron-LM's training_log reads its losses once per log interval. On a GPU each
     read is a host sync, so the Trainer reads on log steps (and where something needs every
     step's loss, `Trainer._reads_loss_at`)."""
 
@@ -80,7 +80,8 @@ class PendingLosses:
             if dist.get_world_size(dp_group) > 1:
                 dist.all_reduce(totals, group=dp_group)
             values.copy_(totals[:, 0] / totals[:, 1].clamp(min=1))
-        dist.broadcast(values, src=dist.get_world_size() - 1)  # the last rank is on the last stage
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # else every rank is on the last stage
+            dist.broadcast(values, src=dist.get_world_size() - 1)  # the last rank is on the last stage
         self._last_read = dict(self._steps)
         self._steps.clear()
         return dict(zip(iterations, values.tolist()))

@@ -216,6 +216,18 @@ def overhead_targets(data: dict) -> list[Target]:
     return out
 
 
+def phase_gaps(slower: dict, faster: dict) -> str:
+    """The phases where `slower` spends more per step than `faster`, largest first, in ms."""
+    gaps = sorted(((slower["phases_s"][p] - faster["phases_s"][p], p) for p in OVERHEAD_PHASES), reverse=True)
+    return ", ".join(f"{p} +{num(1e3 * g)} ms" for g, p in gaps if g > 0) or "none"
+
+
+def overhead_gaps(ways: dict) -> str:
+    """Which part of the gap to the plain loop is megatron-core's and which is megatron_ext's."""
+    return (f"megatron-core against the plain loop: {phase_gaps(ways['megatron_core'], ways['plain'])}; "
+            f"megatron_ext against the bare Megatron-Core loop: {phase_gaps(ways['megatron_ext'], ways['megatron_core'])}.")
+
+
 def overhead_notes(data: dict) -> list[str]:
     rounds = data.get("rounds", 1)
     notes = [f"{data['steps']} timed steps after {data['warmup']} warm-up steps per run; each way ran {rounds} "
@@ -225,6 +237,7 @@ def overhead_notes(data: dict) -> list[str]:
                            for way, w in row["ways"].items() if "rounds_tokens_per_s" in w)
         if spread:
             notes.append(f"{name}, tokens/s of every run: {spread}.")
+        notes.append(f"{name}: " + overhead_gaps(row["ways"]))
     if "trace" in data:
         top = ", ".join(f"{op['name']} {num(op['self_cpu_ms'])} ms" for op in data["trace"]["top_ops"][:8])
         notes.append(f"torch.profiler over 3 steps of the Trainer on {data['trace']['row']} (rank 0), the largest "

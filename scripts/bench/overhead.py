@@ -7,7 +7,8 @@ The three ways, each in fresh worker processes (`launch_local`, gloo, one rank p
 
 - `plain`: `transformers`' `LlamaForCausalLM` (SDPA attention), torch's DDP where DP > 1 (its
   micro-batches under `no_sync` but the last), AdamW, gradient clipping;
-- `megatron_core`: megatron-core's own `GPTModel` from its local layer spec, its DDP and
+- `megatron_core`: megatron-core's own `GPTModel` from its local layer spec (its unfused
+  `DotProductAttention`, where the Trainer's local layers use torch's SDPA), its DDP and
   distributed optimizer, `get_forward_backward_func()`, on megatron_ext's platform layer, no
   Trainer;
 - `megatron_ext`: the Trainer's loop as `python -m megatron_ext.train` runs it (its data
@@ -387,7 +388,8 @@ def launch(nproc: int, fn, *args) -> dict:
 
     ranks = launch_local(nproc, fn, args, "127.0.0.1", free_port())
     slowest = min(ranks.values(), key=lambda r: r["tokens_per_s"])
-    return {**slowest, "peak_rss_gb": max(r["peak_rss_gb"] for r in ranks.values())}
+    traced = [r["top_ops"] for r in ranks.values() if "top_ops" in r]  # rank 0's, which may not be the slowest
+    return {**slowest, "peak_rss_gb": max(r["peak_rss_gb"] for r in ranks.values()), **({"top_ops": traced[0]} if traced else {})}
 
 
 def measure_row(row: Row, steps: int, warmup: int, rounds: int) -> dict:

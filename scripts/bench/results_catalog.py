@@ -602,8 +602,8 @@ BENCHMARKS = [
               "scripts/bench/elastic.py", ELASTIC_REAL_ABOUT, elastic_real_tables, elastic_real_targets, elastic_real_notes),
     Benchmark("overhead_cpu.json", "Runtime overhead against a plain PyTorch loop", "all", "scripts/bench/overhead.py",
               "The same model shapes, batch and machine trained three ways, each in fresh worker processes: a plain "
-              "PyTorch loop (transformers' LLaMA, torch DDP, AdamW), a bare Megatron-Core loop (its GPTModel, DDP, "
-              "distributed optimizer and schedule, no Trainer) and megatron_ext's Trainer; tokens per second, peak "
+              "PyTorch loop (transformers' LLaMA, torch DDP, AdamW), a bare Megatron-Core loop (its GPTModel from its local "
+              "layer spec, DDP, distributed optimizer and schedule, no Trainer) and megatron_ext's Trainer; tokens per second, peak "
               "memory and where a step's time goes.", overhead_tables, overhead_targets, overhead_notes),
     Benchmark("lora_throughput.json", "lora: packed throughput", "lora", "scripts/bench/lora.py",
               "K LoRA jobs on one frozen base: packed in one model against one job after another and against K "

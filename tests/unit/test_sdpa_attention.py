@@ -61,7 +61,7 @@ def test_sdpa_equals_megatrons_unfused_attention(one_rank_world, name):
     torch.testing.assert_close(fast, reference, **tol)
     assert fast_grads.keys() == grads.keys()
     for n in grads:
-        torch.testing.assert_close(fast_grads[n], grads[n], **tol, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(fast_grads[n], grads[n], **tol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # name -> (ModelConfig fields, whether to train): the cases where SDPA's meaning differs.

@@ -130,6 +130,7 @@ UNCHANGED: dict[str, tuple[dict[str, Any], str]] = {
 RUN_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     "precision": ({"precision": "bf16"}, "the weights are written in fp32 whatever precision trained them"),
     "spec": ({"spec": "local"}, "the layer implementation; Transformer Engine's computes the same function"),
+    "attention_backend": ({"attention_backend": "unfused"}, "the attention kernel; each computes the same function"),
     "pretrained": ({"pretrained": "elsewhere/"}, "where the starting weights came from"),
     "layout_independent_init": ({"layout_independent_init": True}, "how the starting weights were drawn"),
 }

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -40,6 +42,7 @@ from megatron_ext.dpp.runtime.loop import (
     validate_plan,
 )
 from megatron_ext.dpp.runtime.memory import fit_activation_bytes, fit_model_states, state_bytes_per_param
+from megatron_ext.platform.device import current_device
 from megatron_ext.plugin import Plugin, PluginContext, register_plugin
 
 
@@ -229,11 +232,14 @@ class StepPlanner:
 def _agree_across_replicas(lengths: list[int], outcome: Any) -> None:
     """Every data-parallel replica raises if one of them failed to plan, or if they read
     different global batches (they would otherwise train on, or wait in gradient reductions
-    for, different steps)."""
+    for, different steps). One 3-value all-reduce per step says whether all is well; what went
+    wrong is gathered only when something did."""
     group = parallel_state.get_data_parallel_group()
     mine = (tuple(lengths), outcome if isinstance(outcome, PlanFailure) else None)
     views = [mine]
     if dist.get_world_size(group) > 1:
+        if _replicas_agree(mine, group):
+            return
         views = [None] * dist.get_world_size(group)
         dist.all_gather_object(views, mine, group=group)
     for replica, (_, failure) in enumerate(views):
@@ -244,6 +250,18 @@ def _agree_across_replicas(lengths: list[int], outcome: Any) -> None:
             "dpp: data-parallel replicas read different global batches (sequence lengths "
             + "; ".join(f"replica {r}: {list(v[0])}" for r, v in enumerate(views)) + ")"
         )
+
+
+def _replicas_agree(mine: tuple, group) -> bool:
+    """Whether no replica of `group` failed to plan and all read the same global batch: the
+    largest failure flag and the largest and smallest digest of the batch's lengths, in one
+    all-reduce (a digest fits a float64 exactly)."""
+    lengths, failure = mine
+    digest = float(zlib.crc32(repr(lengths).encode()))
+    flags = torch.tensor([float(failure is not None), digest, -digest], dtype=torch.float64, device=current_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    failed, largest, negated_smallest = flags.tolist()
+    return not failed and largest == -negated_smallest
 
 
 def prepare_model(model_chunks: list, context) -> None:
@@ -258,3 +276,4 @@ def prepare_model(model_chunks: list, context) -> None:
 def _prepend(first, rest: Iterator) -> Iterator:
     yield first
     yield from rest
+

@@ -486,6 +486,7 @@ def switch_and_load(trainer: Trainer, parallel: ParallelConfig, root: Path) -> N
     trainer.scheduler = trainer._build_scheduler()
     trainer.scheduler.load_state_dict(common["scheduler"])
     trainer.state = TrainState(common["iteration"], common["consumed_samples"])
+    trainer.layout_controller.commit()  # filled: a live move that fails later rolls back to it
 
 
 # --- the baselines -------------------------------------------------------------------------------
@@ -549,6 +550,7 @@ def gather_and_slice(trainer: Trainer, target: ParallelConfig) -> int:
         received += nbytes
         for piece in wanted.get(key, ()):
             new.write(piece, piece.box, whole[box_slices(piece.box)])
+    trainer.layout_controller.commit()  # filled: a live move that fails later rolls back to it
     return received
 
 

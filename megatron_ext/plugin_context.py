@@ -1,9 +1,11 @@
 """What a plugin's hooks receive: a narrow view of the running Trainer.
 
 Every hook of a plugin gets that plugin's `PluginContext` (one per plugin of a Trainer), not the
-Trainer itself: the members below are all a plugin can reach, so the Trainer's own state (its counters, scheduler, log,
-checkpoint queue, private helpers) stays its own, and the contract between the two is this
-class. Code that owns a run (a plugin's `runner`, a tool) builds and drives a Trainer instead.
+Trainer itself: the members below are all a plugin can reach, so the Trainer's own state (its
+counters, scheduler, log, checkpoint queue, private helpers) stays its own, and the contract
+between the two is this class. What a plugin declares decides what it gets: the layout
+controller only with `Capability.CHANGES_LAYOUT`. Code that owns a run (a plugin's `runner`, a
+tool) builds and drives a Trainer instead.
 """
 
 from __future__ import annotations

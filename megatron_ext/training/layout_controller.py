@@ -90,13 +90,14 @@ class PreparedLayout:
 class LayoutController:
     """Prepares, installs, releases and rolls back the parallel layouts of one Trainer."""
 
-    __slots__ = ("__trainer", "__settled")
+    __slots__ = ("__trainer", "__settled", "__world")
 
     def __init__(self, trainer: Trainer) -> None:
         # Class-private (name-mangled): a plugin given the controller reaches no more of the Trainer.
         self.__trainer = trainer
         # The layout whose state the run holds: where `rollback` returns.
         self.__settled: Optional[ParallelLayout] = trainer.layout
+        self.__world = dist.group.WORLD  # the torch world the layout's groups are in
 
     # --- building ahead -----------------------------------------------------------------------
 
@@ -177,9 +178,9 @@ class LayoutController:
         t.scheduler.load_state_dict(scheduler_state)
         if prepared is not None and prepared.datasets is not None:  # opened in the world entered
             t.train_ds, t.valid_ds = prepared.datasets
-        elif dist.group.WORLD is not t._world:  # opening them is collective: with the ranks that join
+        elif dist.group.WORLD is not self.__world:  # opening them is collective: with the ranks that join
             t.train_ds, t.valid_ds = t.open_datasets()
-        t._world = dist.group.WORLD
+        self.__world = dist.group.WORLD
         t.train_iter = t._iterator(t.train_ds, t.state.consumed_samples)
 
     def release(self, in_background: bool = False) -> None:

@@ -134,7 +134,6 @@ class Trainer:
         self.layout: Optional[ParallelLayout] = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
         # Every change of layout goes through it (layout_controller.py).
         self.layout_controller = LayoutController(self)
-        self._world = dist.group.WORLD  # the torch world the layout's groups are in
         self.batches = self._batch_schedule()
         if cfg.train.train_samples is not None:
             # A sample-based run trains the iterations its samples fill; everything reads them

@@ -158,7 +158,7 @@ def test_note_writes_to_the_trainers_log(run):
 UNREACHABLE = {
     "the trainer": "trainer",
     "the trainer, privately": "_trainer",
-    "a private member": "_world",
+    "a private member": "_contexts",
     "a private method": "_finalize_saves",
     "the counters": "state",
     "the lr scheduler": "scheduler",

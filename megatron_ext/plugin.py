@@ -12,9 +12,9 @@ reach into each other.
 
         def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None: ...
 
-Every hook that runs inside a Trainer receives its `PluginContext` (plugin_context.py):
-what a plugin may read of the run and the layout changes a step hook may make, never the
-Trainer itself.
+Every hook that runs inside a Trainer receives the plugin's `PluginContext` (plugin_context.py):
+what a plugin may read of the run and, for a plugin that declares `Capability.CHANGES_LAYOUT`,
+the Trainer's layout controller, never the Trainer itself.
 
 The configuration knows a plugin by its section (config/plugin_sections.py): its config class,
 the checks `check` / `check_layout`, which need nothing but the config, and its capabilities
@@ -66,7 +66,7 @@ class Plugin:
     `layer_spec` and `after_model_built` while it builds the model (and again for each new layout),
     `load_state_dict` on resume, `forward_backward_func` for each step's passes, `on_step_begin`
     and `on_step_end` around each step, `state_dict` with every checkpoint and `on_train_end` at
-    the end. Those that take a `ctx` receive the Trainer's `PluginContext`.
+    the end. Those that take a `ctx` receive the plugin's `PluginContext`.
     """
 
     name: str = ""
@@ -152,8 +152,9 @@ class Plugin:
 
     def on_step_begin(self, ctx: PluginContext, step: int) -> None:
         """Between steps, before step `step` (1-based) runs: gradients are zero and no pass is in
-        flight, so this is the one hook that may change the layout (`ctx.install`, `ctx.close`),
-        the data or the model, and where building a layout ahead starts. When a hook moves this
+        flight, so this is the one hook that may change the layout (`ctx.layout_controller`:
+        install, release, roll back), the data or the model, and where preparing a layout ahead
+        starts. When a hook moves this
         rank out of the job (`ctx.layout` becomes None), the loop ends on that rank."""
 
     def on_step_end(self, ctx: PluginContext, step: int, metrics: dict) -> None:
@@ -169,7 +170,7 @@ class Plugin:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned: on resume from a checkpoint (not with
         `checkpoint.finetune`), after the model and optimizer are loaded, and when a rank joins a
-        running job (`Trainer.load_common_state`); `state` is empty when the checkpoint was
+        running job (`LayoutController.join`, `catch_up`); `state` is empty when the checkpoint was
         written without this plugin."""
 
     def on_train_end(self, ctx: PluginContext) -> None:

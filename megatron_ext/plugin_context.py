@@ -1,21 +1,26 @@
 """What a plugin's hooks receive: a narrow view of the running Trainer.
 
-Every hook gets the same `PluginContext` (one per Trainer), not the Trainer itself: the members
-below are all a plugin can reach, so the Trainer's own state (its counters, scheduler, log,
-checkpoint queue, private helpers) stays its own, and the contract between the two is this
-class. Code that owns a run (a plugin's `runner`, a tool) builds and drives a Trainer instead.
+Every hook of a plugin gets that plugin's `PluginContext` (one per plugin of a Trainer), not the
+Trainer itself: the members below are all a plugin can reach, so the Trainer's own state (its
+counters, scheduler, log, checkpoint queue, private helpers) stays its own, and the contract
+between the two is this class. What a plugin declares decides what it gets: the layout
+controller only with `Capability.CHANGES_LAYOUT`. Code that owns a run (a plugin's `runner`, a
+tool) builds and drives a Trainer instead.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron_ext.config.capabilities import Capability
+
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_ext.config.schema import Config, ParallelConfig
+    from megatron_ext.config.schema import Config
     from megatron_ext.parallel.layout import ParallelLayout
     from megatron_ext.plugin import Plugin
+    from megatron_ext.training.layout_controller import LayoutController
     from megatron_ext.training.trainer import Trainer
 
 
@@ -30,23 +35,23 @@ class PluginContext:
     and while it builds a model (`layer_spec`, `after_model_built`) the model, optimizer and
     datasets are those before it, if any.
 
-    Changing the layout (a step hook, between two steps: `on_step_begin`): `install()` enters
-    another layout, `close()` leaves this one (on a rank that a move leaves out of the world).
-    Building a layout ahead, beside the running one (from `on_step_begin`, also in a thread it
-    starts that runs while the steps do): `build_model()`, `build_optimizer()`,
-    `open_datasets()` and `common_state()`.
+    Changing the layout: `layout_controller`, for a plugin that declares
+    `Capability.CHANGES_LAYOUT` (PermissionError for any other): the one interface through which
+    the layout changes (prepare ahead, install, release, commit, roll back).
 
-    Every hook receives this same object, `layer_spec` and `after_model_built` included, which
-    read no more than the config: one signature for all hooks reads simpler than a different
-    argument per hook, and a model rewrite may need `on_cpu`, `vocab_size` or `note()` too.
-    Nothing can be set on it, and no member returns the Trainer.
+    Each plugin has its own context, and every hook of that plugin receives the same object,
+    `layer_spec` and `after_model_built` included, which read no more than the config: one
+    signature for all hooks reads simpler than a different argument per hook, and a model
+    rewrite may need `on_cpu`, `vocab_size` or `note()` too. Nothing can be set on it, and no
+    member returns the Trainer.
     """
 
-    __slots__ = ("__trainer",)
+    __slots__ = ("__trainer", "__plugin")
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, plugin: Plugin) -> None:
         # Class-private (name-mangled): plugins reach the Trainer through the members below only.
         self.__trainer = trainer
+        self.__plugin = plugin  # whose hooks receive this context: what it declares decides what it gets
 
     # --- reading the run ---------------------------------------------------------------------
 
@@ -111,36 +116,18 @@ class PluginContext:
         default corpus, tokenized into the cache on first use."""
         return self.__trainer.data_prefixes()
 
-    # --- changing the layout (on_step_begin) ---------------------------------------------------
+    # --- changing the layout (a plugin that declares Capability.CHANGES_LAYOUT) ---------------
 
-    def install(self, layout: ParallelLayout, built: Any = None) -> None:
-        """Leave the running layout and enter `layout` (`built`: its groups, model and optimizer
-        made ahead, reshard/prebuild.py's Prebuilt); only between two steps, in `on_step_begin`.
-        See `Trainer.install`."""
-        self.__trainer.install(layout, built)
-
-    def close(self, in_background: bool = False) -> None:
-        """Leave the running layout without entering another (`layout` becomes None and the
-        loop ends on this rank, unless `install` follows); only in `on_step_begin`."""
-        self.__trainer.close(in_background)
-
-    def build_model(
-        self, parallel: ParallelConfig, groups: Any = None, initialise: bool = True, load_pretrained: bool = False
-    ) -> tuple[list, TransformerConfig]:
-        """Megatron's DDP-wrapped model chunks for `parallel` and their TransformerConfig, in
-        the process groups `groups` (default: megatron's current ones). See `Trainer.build_model`."""
-        return self.__trainer.build_model(parallel, groups, initialise, load_pretrained)
-
-    def build_optimizer(self, model: list, model_config: TransformerConfig, parallel: ParallelConfig, groups: Any = None) -> Any:
-        """Megatron's optimizer over `model`, built by `build_model` for `parallel`."""
-        return self.__trainer.build_optimizer(model, model_config, parallel, groups)
-
-    def open_datasets(self, dp: Optional[int] = None) -> tuple:
-        """(training, validation) datasets sized for `dp` data-parallel ranks (default: the
-        layout's). Collective over the world it is called in."""
-        return self.__trainer.open_datasets(dp)
-
-    def common_state(self) -> dict:
-        """What a checkpoint holds besides tensors (counters, scheduler, plugin states, config):
-        what a rank that joins the job starts from."""
-        return self.__trainer.common_state()
+    @property
+    def layout_controller(self) -> LayoutController:
+        """The Trainer's layout controller (training/layout_controller.py): prepare a layout
+        ahead (from `on_step_begin`, also in a thread it starts that runs while the steps do),
+        install it, release the running one, commit or roll back; installing and releasing only
+        between two steps, in `on_step_begin`. Only for a plugin whose capabilities include
+        `Capability.CHANGES_LAYOUT`: the plugins it composes with are derived from that."""
+        if Capability.CHANGES_LAYOUT not in self.__plugin.capabilities:
+            raise PermissionError(
+                f"plugin {self.__plugin.name!r} uses the layout controller but does not declare "
+                "Capability.CHANGES_LAYOUT: add it to its capabilities (its section's)"
+            )
+        return self.__trainer.layout_controller

@@ -24,8 +24,9 @@ class ParallelLayout:
     """How `world` ranks are cut into tensor- (tp), pipeline- (pp, with `vpp` virtual stages
     each), data- (dp), expert- (ep, inside the data-parallel ranks) and context-parallel (cp)
     groups: the first tp·pp·dp·cp ranks train, the rest stand by and hold no state. A frozen
-    value: the Trainer holds the running one (`Trainer.layout`), `Trainer.install` enters
-    another, and the reshard planner compares two (`megatron_ext.reshard.plan.plan(model, a, b)`).
+    value: the Trainer holds the running one (`Trainer.layout`), its layout controller enters
+    another (`LayoutController.install`), and a planner compares two
+    (`megatron_ext.reshard.plan.plan(model, a, b)`).
     `from_config` resolves dp from a run's `parallel` section once; `check` names the runtime's
     rules a layout breaks for a model or run (ConfigError); `rank_coords`, `ranks_of` and
     `group` map ranks to positions and groups in megatron's rank order. Raises ValueError for

@@ -12,10 +12,9 @@ job with every training state carried over.
                  execute(): one packed message per peer per round
     transport.py how the messages travel: shared memory within a host, else point-to-point
     state_access.py  read/write a piece in megatron's params and distributed-optimizer states
-    prebuild.py  the destination's groups, model, DDP and optimizer, built beside the running
-                 layout (a private copy of megatron's parallel state), installed at the switch
-    live.py      reshard(trainer, layout): prepare (plan and prebuild, in the background),
-                 switch, move, roll back on failure, within the same workers
+    live.py      reshard(trainer, layout): prepare (plan, and build the layout ahead through the
+                 layout controller, in the background), switch, move, roll back on failure,
+                 within the same workers
     pool.py      the worker pool: moves to another number of workers (standby workers join,
                  leaving workers hand over their state and wait)
     request.py   a request file read and checked for its shape; renamed .done or .rejected
@@ -26,6 +25,7 @@ job with every training state carried over.
     from megatron_ext.reshard.plan import plan
     print(plan(model, ParallelLayout(tp=2, pp=2), ParallelLayout(pp=2, dp=2)).summary())
 
-The layouts themselves (megatron_ext/parallel/) are the core's: a move changes the Trainer's
-layout with `Trainer.install`.
+The layouts themselves (megatron_ext/parallel/) are the core's, and so is changing them: a move
+prepares, installs, commits or rolls back the Trainer's layout through its layout controller
+(megatron_ext/training/layout_controller.py), what a plugin that declares CHANGES_LAYOUT gets.
 """

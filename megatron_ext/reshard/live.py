@@ -7,27 +7,29 @@
     report = reshard(trainer, prepared.target, prepared=prepared)
 
 `trainer` is a Trainer or, from a plugin's `on_step_begin`, the PluginContext it receives: this
-module, prebuild.py and pool.py use only the context's members of it.
+module and pool.py use only the context's members of it, and change the layout through its
+`layout_controller` (megatron_ext/training/layout_controller.py).
 
 1. Check the new layout against the model (the runtime's rules) before anything changes.
 2. Prepare: plan this rank's part of the move (`rank_plan`: pure, from the layouts alone); then
    build the new layout's process groups, model, DDP and optimizer beside the
-   running one (prebuild.py). `prepare` runs both in a background thread while the current
-   layout keeps training.
+   running one (`LayoutController.prepare`). `prepare` runs both in a background thread while
+   the current layout keeps training.
 3. The stall: agree (one small all-reduce: every rank planned the same move with the same
    budget, and the byte counts from which each rank cuts its own memory-budgeted rounds;
    execute.py `schedule`), keep the old model and optimizer objects, switch to the new layout
-   (`Trainer.install`: install what was prebuilt, or build it now; scheduler, counters
+   (`LayoutController.install`: the layout prepared, or built now; scheduler, counters
    and data position carried), and move every param, fp32 main param, Adam moment and the step
    from the old objects into the new ones with the point-to-point executor; then drop the old
-   ones.
+   ones and commit the new layout.
 
 Never losing state: the old objects are only read until every rank reports success. Every rank
 reports after the build and after the transfer (one small all-gather each). A local failure
 (an exception while building or while reading or writing a piece) does not leave peers waiting:
 the failing rank keeps sending what the plan says (zeros in place of what it could not read), so
-every round completes. If any rank failed, all ranks move back to the old layout from the
-untouched old objects (a plan with local copies only) and `ReshardFailed` says what happened.
+every round completes. If any rank failed, all ranks roll back to the old layout
+(`LayoutController.rollback`) and fill it from the untouched old objects (a plan with local
+copies only), and `ReshardFailed` says what happened.
 A worker that dies mid-transfer breaks the world itself: the others get a communication error,
 the launcher restarts the job (`launcher.max_restarts`) and it resumes from the last checkpoint.
 
@@ -55,10 +57,10 @@ from megatron_ext.reshard.boxes import Box
 from megatron_ext.reshard.execute import NOTHING_MOVED, Executed, Round, execute, local_rounds, schedule
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.plan import RankPlan, rank_plan
-from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild_or_failure
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.reshard.vps import Piece
 from megatron_ext.parallel.release import collection_deferred, describe, release_in_background
+from megatron_ext.training.layout_controller import PreparedLayout
 
 
 _log = logging.getLogger(__name__)
@@ -116,8 +118,8 @@ class Move:
     model: ModelConfig  # the planner's (the run's padded vocabulary)
     transfer: RankPlan  # this rank's part
     budget_bytes: int
-    seconds: float  # planning (and prebuilding) time
-    prebuilt: Optional[Prebuilt] = None  # the target layout, built beside the running one
+    seconds: float  # planning (and building ahead) time
+    prebuilt: Optional[PreparedLayout] = None  # the target layout, built beside the running one
     build_failure: Optional[str] = None  # why building it beside the running one failed here
     steps: list[Round] = dataclasses.field(default_factory=list)  # this rank's rounds, once agreed
     peak_bound: int = 0  # the largest staging any rank may need in them
@@ -210,7 +212,7 @@ def prepare(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: 
     too, so that the stall is only the switch and the transfer."""
     _layouts(trainer, target)
     planner = functools.partial(plan_move, trainer, target, budget_mb)
-    if prebuild_target and can_prebuild(trainer):
+    if prebuild_target and trainer.layout_controller.can_prepare_ahead:
         planner = functools.partial(_plan_and_build, trainer, planner, current_device())
     return Preparation(target, planner)
 
@@ -218,7 +220,7 @@ def prepare(trainer, target: ParallelConfig, budget_mb: float, prebuild_target: 
 def _plan_and_build(trainer, planner: Callable[[], Move], device: torch.device) -> Move:
     move = planner()
     start = time.perf_counter()
-    built, failure = prebuild_or_failure(trainer, move.target, device)
+    built, failure = trainer.layout_controller.prepare_or_failure(move.target, device)
     seconds = move.seconds + time.perf_counter() - start
     return dataclasses.replace(move, prebuilt=built, build_failure=failure, seconds=seconds)
 
@@ -244,9 +246,12 @@ def reshard(
     source_parallel = trainer.cfg.parallel
     ensure_optimizer_states(trainer.optimizer)  # a job that has not stepped yet has none
     source = MegatronState(trainer.model, trainer.optimizer)
-    errors, executed = _switch_and_move(trainer, move, source, shared_memory, clock)
+    entered = move.prebuilt if move.prebuilt is not None else move.transfer.b  # built now without one
+    install = functools.partial(trainer.layout_controller.install, entered)
+    errors, executed = _switch_and_move(trainer, install, move, source, shared_memory, clock)
     if errors:
         _roll_back(trainer, source_parallel, source, errors)
+    trainer.layout_controller.commit()
     release_in_background(source)  # the left layout: its groups' destructors take tens of ms each
     del source
     return move.report(executed, clock)
@@ -289,13 +294,18 @@ def _layout(parallel: ParallelConfig) -> ParallelLayout:
 
 
 def _switch_and_move(
-    trainer, move: Move, source: MegatronState, shared_memory: bool = False, clock: Optional[StallClock] = None
+    trainer,
+    enter: Callable[[], None],
+    move: Move,
+    source: MegatronState,
+    shared_memory: bool = False,
+    clock: Optional[StallClock] = None,
 ) -> tuple[dict[int, str], Executed]:
-    """Build `move.target` and fill it from `source`. Returns (failures by rank, the transfer);
-    every rank returns the same failures."""
+    """Enter `move.target` (`enter`: through the trainer's layout controller) and fill it from
+    `source`. Returns (failures by rank, the transfer); every rank returns the same failures."""
     clock = clock or StallClock()
     try:
-        trainer.install(move.transfer.b, move.prebuilt)
+        enter()
         ensure_optimizer_states(trainer.optimizer)
         error = None
     except Exception as e:  # noqa: BLE001 - reported to every rank, then rolled back
@@ -314,12 +324,13 @@ def _switch_and_move(
 
 
 def _roll_back(trainer, parallel: ParallelConfig, source: MegatronState, errors: dict[int, str]) -> None:
-    """Back to layout `parallel` from the untouched old objects, then raise ReshardFailed."""
+    """Back to layout `parallel` (the one committed last) from the untouched old objects, then
+    raise ReshardFailed."""
     what = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(errors.items()))
     a, model = _layout(parallel), planner_model(trainer)
     stay = rank_plan(model, a, a, dist.get_rank())  # local copies only: every rank holds its part
     back = Move(parallel, model, stay, 0, 0.0, steps=local_rounds(stay))
-    again, _ = _switch_and_move(trainer, back, source)
+    again, _ = _switch_and_move(trainer, trainer.layout_controller.rollback, back, source)
     if again:
         raise RuntimeError(
             f"reshard: moving back to {a} failed too ({again}) after: {what}; restart from the "

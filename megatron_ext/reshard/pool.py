@@ -10,16 +10,19 @@ All launched processes form the pool; the first tp·pp·dp·cp of them form mega
    old world plans its own part of the move over the pool (`rank_plan`, a pure function; ranks
    past the old or new layout hold nothing there) and pool rank 0 tells the standby workers;
    every rank of the new world then builds it ahead (parallel/world.py): the torch world under a new store prefix, and in it the new layout's
-   groups, model, optimizer and datasets (the ranks that stay, in a background thread), or a
-   whole trainer from the job's common state (the ranks that join, while on standby);
+   groups, model, optimizer and datasets (the ranks that stay, in a background thread:
+   `LayoutController.prepare`), or a whole trainer from the job's common state (the ranks that
+   join, while on standby: `LayoutController.join`);
 2. at the step: pool rank 0 sends the command (new layout, its part of the move, from which a
    joining worker plans its own, the run's config and common state: counters, scheduler,
    plugin states) to every pool rank, standby ones included; the pool ranks agree that they
    planned the same move and cut their rounds (execute.py `schedule`);
-3. the old world's ranks keep their model and optimizer objects as the source and leave the
-   old world; the new world's ranks enter the one built ahead (or, when it was not, form it
-   now and build their layout or trainer);
-4. the state moves over the pool's own gloo group, then leaving ranks go back to standby.
+3. the old world's ranks keep their model and optimizer objects as the source, release their
+   layout and leave the old world; the new world's ranks enter the one built ahead (or, when it
+   was not, form it now and build their layout or trainer), each layout change through the
+   trainer's layout controller;
+4. the state moves over the pool's own gloo group, the new layout is committed, then leaving
+   ranks go back to standby.
 
 When the job ends, pool rank 0 tells the standby ranks to exit. A pre-emption signal to a standby
 worker (which is in no megatron world, so takes no part in the ranks' agreement on a stop) is
@@ -28,11 +31,11 @@ stop at the next step with a checkpoint, then the standby ones exit. Failure pol
 ranks keep their model and optimizer objects untouched until the move succeeded everywhere. An
 exception while building the new world ahead makes the move build it at the switch instead (every
 rank drops what it built: agreed on over the pool); one while building it at the switch or
-during the transfer is agreed on over the pool too; then
-the new world is dissolved, the old one formed again, its ranks rebuild the old layout and copy
-their old state into it (ReshardFailed says what happened, and training goes on), and ranks that
-had joined return to standby. A killed worker breaks the pool itself: the launcher restarts the
-job (`launcher.max_restarts`) and it resumes from the last checkpoint. Transfers go through host
+during the transfer is agreed on over the pool too; then the new world is dissolved, the old one
+formed again, its ranks roll back to the old layout (`LayoutController.rollback`) and copy their
+old state into it (ReshardFailed says what happened, and training goes on), and ranks that had
+joined return to standby. A killed worker breaks the pool itself: the launcher restarts the job
+(`launcher.max_restarts`) and it resumes from the last checkpoint. Transfers go through host
 memory over gloo, on GPU too.
 """
 
@@ -65,9 +68,9 @@ from megatron_ext.parallel.world import FutureWorld, leave_running_world
 from megatron_ext.parallel.layout import ParallelLayout
 from megatron_ext.reshard.live import Guarded, Move, Preparation, ReshardFailed, StallClock, planner_model
 from megatron_ext.reshard.plan import rank_plan
-from megatron_ext.reshard.prebuild import Prebuilt, can_prebuild, prebuild
 from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
 from megatron_ext.parallel.release import collection_deferred, describe, gc_paused, release_in_background
+from megatron_ext.training.layout_controller import PreparedLayout
 from megatron_ext.training.trainer import Trainer
 
 # Standby workers wait for a command this long: the length of a job.
@@ -210,7 +213,7 @@ class Resize:
 
     cfg: Config  # the run's config, in the layout being left
     target: ParallelConfig
-    common: dict  # Trainer.common_state() of the old world
+    common: dict  # LayoutController.common_state() of the old world
     move: Move  # pool rank 0's part of the move over the pool (the others plan their own)
     shared_memory: bool = True  # the executor's transport between processes of one host
     world: Optional[int] = None  # the number of the new world, if built ahead
@@ -224,7 +227,7 @@ class PrepareWorld:
     number: int
     cfg: Config  # the run's config, in the layout being left
     target: ParallelConfig
-    common: dict  # Trainer.common_state() when preparing began
+    common: dict  # LayoutController.common_state() when preparing began
 
 
 @dataclasses.dataclass
@@ -236,7 +239,7 @@ class PreparedResize:
     number: Optional[int] = None
     move: Optional[Move] = None
     world: Optional[FutureWorld] = None  # None where this rank is not in the new world
-    built: Optional[Prebuilt] = None  # a staying rank's new layout
+    built: Optional[PreparedLayout] = None  # a staying rank's new layout
     trainer: Any = None  # a joining rank's trainer
     error: Optional[str] = None  # building ahead failed here: what failed
 
@@ -251,7 +254,7 @@ class PreparedResize:
         if self.built is not None:
             self.built.discard()
         if self.trainer is not None:
-            self.trainer.close(in_background=True)
+            self.trainer.layout_controller.release(in_background=True)
         self.world = self.built = self.trainer = None
 
 
@@ -283,9 +286,9 @@ def prepare_resize(trainer, target: ParallelConfig, budget_mb: float, prebuild_t
     pool = current_pool()
     check_resize(trainer, target, pool)
     number, message = None, None
-    if prebuild_target and can_prebuild(trainer):
+    if prebuild_target and trainer.layout_controller.can_prepare_ahead:
         number = pool.next_world()
-        message = PrepareWorld(number, trainer.cfg, target, trainer.common_state())
+        message = PrepareWorld(number, trainer.cfg, target, trainer.layout_controller.common_state())
     work = functools.partial(_prepare_resize, trainer, target, budget_mb, message, current_device())
     return Preparation(target, work)
 
@@ -299,7 +302,7 @@ def _prepare_resize(trainer, target, budget_mb: float, message: Optional[Prepare
         active = pool_layout(trainer.cfg, target, pool.size).active
         if pool.rank < active:
             prepared.world = pool.future_world(message.number, active)
-            build = functools.partial(prebuild, trainer, target, device, future_world=True)
+            build = functools.partial(trainer.layout_controller.prepare, target, device, future_world=True)
             prepared.built, prepared.error = prepared.world.build(build)
     building_s = time.perf_counter() - start
     move = plan_resize(trainer, target, budget_mb)  # this rank's part; pool rank 0's is sent
@@ -345,7 +348,8 @@ def resize(
         move = mine.move or plan_resize(trainer, target, budget_mb)
         if move.target != target:
             raise ValueError(f"reshard: prepared for {move.target}, asked for {target}")
-        command = Resize(trainer.cfg, target, trainer.common_state(), move, shared_memory, mine.number)
+        common = trainer.layout_controller.common_state()
+        command = Resize(trainer.cfg, target, common, move, shared_memory, mine.number)
     clock.lap("prepare")
     return carry_out(pool, pool.broadcast(command), trainer, clock=clock, prepared=mine)[1]
 
@@ -376,7 +380,7 @@ def carry_out(
     if old is not None:  # its model and optimizer objects are only read from now on
         ensure_optimizer_states(old.optimizer)
         source = MegatronState(old.model, old.optimizer)
-        old.close(in_background=True)
+        old.layout_controller.release(in_background=True)
         release_in_background(leave_running_world())
     clock.lap("leave")
     new, error = None, None
@@ -403,6 +407,8 @@ def carry_out(
         clock.lap("transfer")
     if failures:
         return _roll_back(pool, command, old, new, source, failures)
+    if new is not None:
+        new.layout_controller.commit()
     release_in_background(source)  # the left layout's model and optimizer
     del source
     pool.group.barrier().wait()
@@ -446,11 +452,11 @@ def _enter(command: Resize, old, plugins, prepared: Optional[PreparedResize]):
     joins (built ahead, or now, from the job's common state); its weights and states are
     placeholders until the move."""
     if old is not None:
-        old.install(command.move.transfer.b, prepared.built if prepared else None)
+        old.layout_controller.install(prepared.built if prepared else command.move.transfer.b)
         trainer = old
     elif prepared is not None:
         trainer = prepared.trainer
-        trainer.load_common_state(command.common)
+        trainer.layout_controller.catch_up(command.common)
     else:
         trainer = _joined(dataclasses.replace(command.cfg, parallel=command.target), plugins, command.common)
     ensure_optimizer_states(trainer.optimizer)
@@ -461,25 +467,25 @@ def _joined(cfg: Config, plugins, common: dict):
     """A trainer of layout `cfg` for a rank that joins a job in `common` state."""
     trainer = Trainer(cfg, list(plugins))
     try:
-        trainer.setup(from_state=common)
+        trainer.layout_controller.join(common)
     except Exception:
-        trainer.close()  # megatron's state of the half-built layout: this rank may join again
+        trainer.layout_controller.release()  # megatron's state of the half-built layout: this rank may join again
         raise
     return trainer
 
 
 def _roll_back(pool: WorkerPool, command: Resize, old, new, source, failures: dict[int, str]):
-    """Every pool rank back to the old world: the old world's ranks rebuild the old layout and
-    copy their untouched old state into it, then raise ReshardFailed; others go to standby."""
+    """Every pool rank back to the old world: the old world's ranks roll back to the old layout
+    and copy their untouched old state into it, then raise ReshardFailed; others go to standby."""
     what = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failures.items()))
     if new is not None:
-        new.close()
+        new.layout_controller.release()
     if dist.is_initialized():  # this rank was in the new world
         dist.destroy_process_group()
     a = command.move.transfer.a
     if not pool.form_world(a.active):
         return None, None
-    old.install(a)
+    old.layout_controller.rollback()
     ensure_optimizer_states(old.optimizer)
     stay = rank_plan(planner_model(old), a, a, pool.rank)  # local copies only: every rank holds its part
     write = MegatronState(old.model, old.optimizer).write

@@ -27,7 +27,6 @@ from megatron.core.datasets.utils import Split
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import (
-    destroy_num_microbatches_calculator,
     get_current_global_batch_size,
     get_num_microbatches,
     init_num_microbatches_calculator,
@@ -60,12 +59,10 @@ from megatron_ext.models.gpt import padded_vocab_size
 from megatron_ext.models import pretrained
 from megatron_ext.models.init import init_weights_layout_independent, layout_independent
 from megatron_ext.parallel.ddp import wrap_in_ddp
-from megatron_ext.parallel.groups import destroy_groups, parallel_state_sizes
+from megatron_ext.parallel.groups import parallel_state_sizes
 from megatron_ext.parallel.layout import ParallelLayout
-from megatron_ext.parallel.release import unlink_optimizer
 from megatron_ext.platform.device import current_device
 from megatron_ext.platform.grad_norm_check import NonFiniteGradNorm, refuse_nonfinite_grad_norm, takes_norm_in_step
-from megatron_ext.platform.megatron_parallel_state import created_groups
 from megatron_ext.platform.moe_aux_loss_scale import set_aux_loss_scale
 from megatron_ext.plugin import Plugin
 from megatron_ext.plugin_context import PluginContext
@@ -79,6 +76,7 @@ from megatron_ext.checkpointing.megatron_lm import (
 )
 from megatron_ext.training.batch_schedule import BatchSchedule
 from megatron_ext.training.flops import flops_per_iteration
+from megatron_ext.training.layout_controller import LayoutController
 from megatron_ext.training.manual_gc import ManualGC
 from megatron_ext.training.metrics import MetricsReporter
 from megatron_ext.training.numerics import (
@@ -116,9 +114,10 @@ class Trainer:
     """One run of megatron-core training in an initialised torch.distributed world: `setup()`
     builds the layout's process groups, the data, megatron's model (DDP-wrapped), optimizer and
     lr scheduler, and resumes from checkpoint.load; `train()` runs megatron's schedules step by
-    step, evaluates, saves and stops on a pre-emption signal at a step boundary; `install()`
-    changes the parallel layout between two steps. The plugins' hooks are called in their order
-    (`megatron_ext.plugin.Plugin`), each with `plugin_context`: what of this Trainer they may use."""
+    step, evaluates, saves and stops on a pre-emption signal at a step boundary;
+    `layout_controller` changes the parallel layout between two steps. The plugins' hooks are
+    called in their order (`megatron_ext.plugin.Plugin`), each with that plugin's
+    `plugin_context(plugin)`: what of this Trainer it may use."""
 
     def __init__(self, cfg: Config, plugins: list[Plugin] = ()) -> None:
         refused = refusals((p.name, p.capabilities) for p in plugins)
@@ -126,14 +125,15 @@ class Trainer:
             raise ConfigError("plugins", refused[0], [("plugins", r) for r in refused[1:]])
         self.cfg = cfg
         self.plugins = list(plugins)
-        # What the plugins' hooks receive, the same object for the whole run: it reads this
-        # Trainer live, so it follows a change of layout.
-        self.plugin_context = PluginContext(self)
+        # What each plugin's hooks receive, one object per plugin for the whole run: it reads
+        # this Trainer live, so it follows a change of layout.
+        self._contexts = {id(p): PluginContext(self, p) for p in self.plugins}
         self.state = TrainState()
         self.on_cpu = current_device().type == "cpu"
         # The running layout, dp resolved for this world (None once the trainer left it).
         self.layout: Optional[ParallelLayout] = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
-        self._world = dist.group.WORLD  # the torch world the layout's groups are in
+        # Every change of layout goes through it (layout_controller.py).
+        self.layout_controller = LayoutController(self)
         self.batches = self._batch_schedule()
         if cfg.train.train_samples is not None:
             # A sample-based run trains the iterations its samples fill; everything reads them
@@ -167,11 +167,18 @@ class Trainer:
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def setup(self, from_state: Optional[dict] = None) -> None:
-        """Build everything. `from_state`: start from a running job's common state
-        (`common_state()`, e.g. of the job this rank joins) instead of checkpoint.load; the
-        weights and optimizer states are then left for the caller to fill (the reshard worker
-        pool moves them in)."""
+    def plugin_context(self, plugin: Plugin) -> PluginContext:
+        """What `plugin`'s hooks receive (one of this Trainer's plugins)."""
+        return self._contexts[id(plugin)]
+
+    def setup(self) -> None:
+        """Build everything: the layout's groups, the plugins' set-up, tokenizer, model,
+        optimizer, scheduler and data, resumed from checkpoint.load when it holds a checkpoint."""
+        self._setup()
+
+    def _setup(self, from_state: Optional[dict] = None) -> None:
+        """`setup`; `from_state`: from a running job's common state instead of checkpoint.load
+        (`LayoutController.join`), the weights and optimizer states left for the caller to fill."""
         # Megatron keeps the MoE aux-loss scale process-global, shaped by its first user: a
         # backward outside megatron's schedules earlier in this process leaves a shape the
         # schedules then cannot copy into.
@@ -179,7 +186,7 @@ class Trainer:
         reset_mtp_tracker()
         self._init_layout()
         for p in self.plugins:
-            p.setup(self.plugin_context)
+            p.setup(self.plugin_context(p))
         self.tokenizer_spec = pretrained.run_tokenizer_spec(self.cfg.data.tokenizer, self.cfg.model.pretrained)
         self.tokenizer = build_tokenizer(self.tokenizer_spec)
         resume = self._resume_point() if from_state is None else None
@@ -286,8 +293,8 @@ class Trainer:
         load_pretrained: bool = False,
     ) -> tuple[list, TransformerConfig]:
         """The model chunks of layout `parallel`, DDP-wrapped, and megatron's config for them.
-        `groups`: the layout's process groups, when they are not megatron's current ones (a
-        reshard builds its destination beside the running layout). With `initialise=False`
+        `groups`: the layout's process groups, when they are not megatron's current ones (the
+        layout controller builds a layout beside the running one). With `initialise=False`
         the weights are left as allocated (for a caller that fills every one of them)."""
         cfg = dataclasses.replace(self.cfg, parallel=parallel)
         arch = architecture(cfg.model)
@@ -300,7 +307,7 @@ class Trainer:
             config.embedding_init_method = _leave_as_allocated
         spec = arch.spec(cfg.model, self.on_cpu)
         for p in self.plugins:
-            spec = p.layer_spec(spec, self.plugin_context)
+            spec = p.layer_spec(spec, self.plugin_context(p))
         pp_group = groups.pp if groups is not None else parallel_state.get_pipeline_model_parallel_group()
         chunks = []
         for vp_stage in range(parallel.vpp or 1):
@@ -322,7 +329,7 @@ class Trainer:
         if cfg.model.pretrained and load_pretrained:
             pretrained.load_into(chunks, cfg.model, self.vocab_size)
         for p in self.plugins:
-            chunks = p.after_model_built(chunks, self.plugin_context)
+            chunks = p.after_model_built(chunks, self.plugin_context(p))
         wrapped = wrap_in_ddp(config, parallel, chunks, groups)
         self._wire_schedule_hooks(config, wrapped, parallel)
         return wrapped, config
@@ -488,7 +495,7 @@ class Trainer:
         pipelining, 1F1B or interleaved 1F1B). It takes megatron's schedule arguments and returns
         the losses of the micro-batches on the last pipeline stage."""
         for p in self.plugins:
-            func = p.forward_backward_func(self.plugin_context)
+            func = p.forward_backward_func(self.plugin_context(p))
             if func is not None:
                 return func
         return get_forward_backward_func()
@@ -618,7 +625,7 @@ class Trainer:
         line = f"{fault}: stopped without saving ({kept})"
         reporter.note(line)
         for p in self.plugins:
-            p.on_train_end(self.plugin_context)
+            p.on_train_end(self.plugin_context(p))
         return {**reporter.summary(None, None, None), "fault": line}
 
     def _roll_back(self, fault: Fault) -> bool:
@@ -699,7 +706,7 @@ class Trainer:
             while self.state.iteration < stop_at:
                 self._save_before_batch_change()
                 for p in self.plugins:
-                    p.on_step_begin(self.plugin_context, self.state.iteration + 1)
+                    p.on_step_begin(self.plugin_context(p), self.state.iteration + 1)
                 if self.layout is None:  # a hook moved the job to a layout without this rank
                     return {}
                 start = time.perf_counter()
@@ -717,7 +724,7 @@ class Trainer:
                 if cfg.logging.log_params_norm:
                     metrics["params_norm"] = params_l2_norm(self.model)
                 for p in self.plugins:
-                    p.on_step_end(self.plugin_context, self.state.iteration, metrics)
+                    p.on_step_end(self.plugin_context(p), self.state.iteration, metrics)
                 # A plugin that trains batches of other sizes (dpp) says how many tokens it did.
                 batch = metrics["global_batch_size"]
                 reporter.step(
@@ -748,7 +755,7 @@ class Trainer:
                     eval_loss, test_loss = self._final_evaluation(eval_loss, evaluated_at)
             self._finalize_saves()  # the final save, written while the final evaluation ran
             for p in self.plugins:
-                p.on_train_end(self.plugin_context)
+                p.on_train_end(self.plugin_context(p))
             return reporter.summary(metrics.get("loss"), eval_loss, test_loss)
 
     def _logging(self) -> LoggingConfig:
@@ -931,58 +938,8 @@ class Trainer:
         elif dist.get_rank() == 0:
             print(line, flush=True)
 
-    # --- a new layout ---------------------------------------------------------------------------
+    # --- the end of the run on this rank -----------------------------------------------------
 
-    def install(self, layout: ParallelLayout, built=None) -> None:
-        """Leave the running layout and enter `layout`: process groups, model, DDP, optimizer;
-        the scheduler, counters and data position carry over. `built`: `layout`'s groups, model
-        and optimizer made beforehand beside the running layout (megatron_ext/reshard/
-        prebuild.py's Prebuilt), installed here; without it they are built now. The new model's
-        weights (left uninitialised) and optimizer states are placeholders until the caller
-        fills them (the reshard plugin moves them from the old layout, whose objects it holds
-        on to). Only at a step boundary: the grad buffers are built anew, so no gradient may be
-        mid-accumulation. When torch's world was formed anew meanwhile (a worker pool changed
-        the number of workers), the datasets are opened in it. Step losses not read yet are
-        dropped: they lie on the old layout's last stage (the Trainer's loop reads every step's
-        when a plugin moves the layout, `Plugin.needs_step_loss`)."""
-        self._finalize_saves()  # in the world and groups that started them
-        self.pending_losses.clear()
-        scheduler_state = self.scheduler.state_dict()
-        parallel = layout.to_config(self.cfg.parallel)
-        self.cfg = dataclasses.replace(self.cfg, parallel=parallel)
-        self.close(in_background=True)
-        self.layout = ParallelLayout.from_config(parallel, dist.get_world_size())  # its ranks in this world
-        if built is not None:
-            built.install()
-            self._seed_and_batches()
-            self.model, self.model_config, self.optimizer = built.model, built.model_config, built.optimizer
-        else:
-            self._init_layout()
-            self.model, self.model_config = self.build_model(parallel, initialise=False)
-            self.optimizer = self.build_optimizer(self.model, self.model_config, parallel)
-        self.scheduler = self._build_scheduler()
-        self.scheduler.load_state_dict(scheduler_state)
-        if built is not None and built.datasets is not None:  # opened in the world entered
-            self.train_ds, self.valid_ds = built.datasets
-        elif dist.group.WORLD is not self._world:  # opening them is collective: with the ranks that join
-            self.train_ds, self.valid_ds = self.open_datasets()
-        self._world = dist.group.WORLD
-        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
-
-    def load_common_state(self, common: dict) -> None:
-        """Bring the counters, lr schedule, plugin states and data position to `common`
-        (`common_state()` of this run, e.g. the running job's when this rank joins it)."""
-        self.scheduler = self._build_scheduler()  # megatron's load_state_dict adds the steps loaded
-        self._restore_common(common)
-        self.train_iter = self._iterator(self.train_ds, self.state.consumed_samples)
-
-    def close(self, in_background: bool = False) -> None:
-        """Leave this layout: megatron's globals and the process groups it created (their
-        objects dropped by a background thread with `in_background`, see destroy_groups)."""
-        groups = created_groups()
-        if self.model_config is not None:
-            unlink_optimizer(self.model_config)
-        destroy_num_microbatches_calculator()
-        parallel_state.destroy_model_parallel()
-        destroy_groups(groups, in_background)
-        self.layout = None
+    def close(self) -> None:
+        """End this run on this rank: leave its layout (`LayoutController.release`)."""
+        self.layout_controller.release()

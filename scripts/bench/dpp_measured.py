@@ -64,7 +64,7 @@ def build(args) -> tuple:
                  train=TrainConfig(iters=1, eval_interval=0), plugins=["dpp"])
     trainer = Trainer(cfg, [plugin])
     trainer.setup()
-    return trainer, plugin, open_documents(trainer.plugin_context)
+    return trainer, plugin, open_documents(trainer.plugin_context(plugin))
 
 
 def global_batches(dataset, args, count: int) -> list:

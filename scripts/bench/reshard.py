@@ -17,10 +17,10 @@ transition, measured on every route from the same training state:
   live_built  the live route with B built at the switch instead (no prebuild): its stall only
   live_msgs   the live route with the state sent as gloo messages instead of through shared
               memory (reshard.shared_memory=false): its stall only
-  gather      all-gather then slice: Trainer.install(B), then every state of every logical
+  gather      all-gather then slice: LayoutController.install(B), then every state of every logical
               tensor is all-gathered whole over the world and each rank copies out its pieces of B
   ckpt_tmpfs  trainer.save() in A into /dev/shm (megatron dist_checkpointing, the optimizer fully
-              reshardable), Trainer.install(B), checkpointing/torch_dist.load_checkpoint
+              reshardable), LayoutController.install(B), checkpointing/torch_dist.load_checkpoint
   ckpt_disk   the same through a directory on disk, with os.sync() after the save
   restart     what users do today: the disk save, then a new job of new processes in B that
               resumes from a disk checkpoint of the same state (restart_probe.py) until every
@@ -477,7 +477,7 @@ def trainer_save(trainer: Trainer, root: Path) -> None:
 def switch_and_load(trainer: Trainer, parallel: ParallelConfig, root: Path) -> None:
     """Build `parallel` and load the newest checkpoint of `root` into it, as a resumed run does:
     tensors, scheduler and counters."""
-    trainer.install(ParallelLayout.from_config(parallel, dist.get_world_size()))
+    trainer.layout_controller.install(ParallelLayout.from_config(parallel, dist.get_world_size()))
     gc.collect()  # the old layout's objects, before loading: a restarted job would not hold them
     iteration = ckpt.latest_iteration(root)
     common = ckpt.load_checkpoint(root, iteration, trainer.model, trainer.optimizer, load_rng=False)
@@ -486,6 +486,7 @@ def switch_and_load(trainer: Trainer, parallel: ParallelConfig, root: Path) -> N
     trainer.scheduler = trainer._build_scheduler()
     trainer.scheduler.load_state_dict(common["scheduler"])
     trainer.state = TrainState(common["iteration"], common["consumed_samples"])
+    trainer.layout_controller.commit()  # filled: a live move that fails later rolls back to it
 
 
 # --- the baselines -------------------------------------------------------------------------------
@@ -540,7 +541,7 @@ def gather_and_slice(trainer: Trainer, target: ParallelConfig) -> int:
     wanted = by_tensor(rank_pieces(model, layout(target), dist.get_rank()))
     ensure_optimizer_states(trainer.optimizer)
     old = MegatronState(trainer.model, trainer.optimizer)
-    trainer.install(ParallelLayout.from_config(target, dist.get_world_size()))
+    trainer.layout_controller.install(ParallelLayout.from_config(target, dist.get_world_size()))
     ensure_optimizer_states(trainer.optimizer)
     new = MegatronState(trainer.model, trainer.optimizer)
     received = 0
@@ -549,6 +550,7 @@ def gather_and_slice(trainer: Trainer, target: ParallelConfig) -> int:
         received += nbytes
         for piece in wanted.get(key, ()):
             new.write(piece, piece.box, whole[box_slices(piece.box)])
+    trainer.layout_controller.commit()  # filled: a live move that fails later rolls back to it
     return received
 
 

@@ -20,7 +20,7 @@ One launch of `--nproc` local gloo workers (the reshard benchmark's world):
    each at several sizes and fitted as a fixed part + bytes / bandwidth; one element of each
    piece of a llama_tiny trainer's state read and written back through megatron's state access
    (the cost of a copy apart from its bytes); and the switch's own work on that trainer (a
-   layout built beforehand installed: `Trainer.install`). Cores: the CPUs this process may run
+   layout built beforehand installed: `LayoutController.install`). Cores: the CPUs this process may run
    on.
 2. In the same run, live reshards of the benchmark's transitions (scripts/bench/reshard.py's
    TRANSITIONS, each chain closed into a cycle and run `--live-repeats` times) for each model
@@ -281,14 +281,13 @@ class MicroBench:
         written back through megatron's state access (state_access.py), on ranks below
         `active`; half of a read + write: a network op is a read and a pack on one rank, an
         unpack and a write on another. The switch as a move's is, apart from its success
-        report: the old state's access made, a layout built beforehand (prebuild.py) installed
-        (`Trainer.install`), the new optimizer's states ensured; every rank at once, the max
+        report: the old state's access made, a layout built beforehand installed
+        (`LayoutController.prepare`, `install`), the new optimizer's states ensured; every rank at once, the max
         over ranks, the median of `repeats` switches to the layout the trainer runs."""
         import torch.distributed as dist
 
         from megatron_ext.platform.device import current_device
         from megatron_ext.reshard.live import planner_model
-        from megatron_ext.reshard.prebuild import prebuild
         from megatron_ext.reshard.state_access import MegatronState, ensure_optimizer_states
         from megatron_ext.reshard.vps import rank_pieces
 
@@ -308,12 +307,12 @@ class MicroBench:
             per_copy = self.timed(copies, 5) / max(len(corners), 1) / 2
             switches = []
             for _ in range(self.repeats):
-                built = prebuild(trainer, trainer.cfg.parallel, current_device())
+                built = trainer.layout_controller.prepare(trainer.cfg.parallel, current_device())
                 dist.barrier()
                 start = time.perf_counter()
                 ensure_optimizer_states(trainer.optimizer)
                 MegatronState(trainer.model, trainer.optimizer)
-                trainer.install(layout, built)
+                trainer.layout_controller.install(built)
                 ensure_optimizer_states(trainer.optimizer)
                 switches.append(_max_over_ranks(time.perf_counter() - start))
             return per_copy, statistics.median(switches)

@@ -43,7 +43,10 @@ def _worker() -> dict:
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.platform.launch import prepare_process, rendezvous_store
     from megatron_ext.parallel.world import FutureWorld, leave_running_world
-    from megatron_ext.reshard.prebuild import Prebuilt, initialize
+    from megatron_ext.platform.megatron_parallel_state import private_parallel_state
+    from megatron_ext.parallel.groups import parallel_state_sizes
+    from megatron_ext.parallel.layout import ParallelLayout
+    from megatron_ext.training.layout_controller import PreparedLayout
 
     launch, _ = prepare_process("cpu")
     rank, store = launch.rank, rendezvous_store(launch, TIMEOUT)
@@ -56,7 +59,8 @@ def _worker() -> dict:
         world = FutureWorld(dist.PrefixStore("world2", store), rank, 4, 2, "gloo", TIMEOUT)
         with world.building():
             seen["building"] = (dist.get_world_size(), dist.get_rank())
-            state = initialize(ParallelConfig(tp=2, pp=2))
+            state = private_parallel_state()
+            state.initialize_model_parallel(**parallel_state_sizes(ParallelConfig(tp=2, pp=2)))
             tp = state.get_tensor_model_parallel_group()
             seen["tp_ahead"] = (_sum_over(tp, rank), _expected(tp))
         seen["world"], seen["state"] = world, state
@@ -85,7 +89,7 @@ def _worker() -> dict:
         seen["between_worlds_initialized"] = dist.is_initialized()
 
     seen["world"].enter()
-    Prebuilt(seen.pop("state"), [], None, None).install()  # megatron's globals: TP2×PP2 in world 2
+    PreparedLayout(ParallelLayout(tp=2, pp=2), seen.pop("state"), [], None, None).enter()  # megatron's globals: TP2×PP2 in world 2
     pp = parallel_state.get_pipeline_model_parallel_group()
     seen["entered"] = (dist.get_world_size(), dist.get_rank(), _sum_over(None, rank))
     seen["pp_after"] = (_sum_over(pp, rank), _expected(pp))

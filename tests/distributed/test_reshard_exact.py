@@ -13,7 +13,7 @@ consumed-samples counters.
     from the live one in every entry (so the comparison sees what the load did not write), the
     loaded state must equal the live one.
   - Round trip: A -> B -> A returns the state of A, and A -> B -> A -> B the state of the first
-    B. The moves to B install a layout built beforehand in the background (prebuild.py), while
+    B. The moves to B install a layout built beforehand in the background (`LayoutController.prepare`), while
     A trained a step; the move back to A builds it at the switch: both ways are checked. Two training steps change every entry of A's state, so a reshard that left any tensor as
     a freshly built layout holds it (zero moments, step 0, initial weights) would fail.
   - Loss: the live run and the checkpoint run then train on, with bitwise equal losses. This

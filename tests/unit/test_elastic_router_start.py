@@ -43,7 +43,7 @@ def reference_kd(trainer: Trainer, plugin, sizes: dict[str, int]) -> float:
     vocab = plugin.distiller.vocab
     total = count = 0.0
     with torch.no_grad():
-        for (batch,) in plugin._calibration_rounds(trainer.plugin_context):
+        for (batch,) in plugin._calibration_rounds(trainer.plugin_context(plugin)):
             args = (batch["tokens"], batch["position_ids"], None)
             log_p = F.log_softmax(plugin.distiller.teacher(*args)[..., :vocab].double(), -1)
             log_q = F.log_softmax(sub.eval()(*args)[..., :vocab].double(), -1)
@@ -62,7 +62,7 @@ def started(tmp_path, start: str) -> tuple[list[dict], list[dict[str, float]]]:
     try:
         trainer.setup()
         (plugin,) = trainer.plugins
-        plugin.on_step_begin(trainer.plugin_context, 1)  # calibrates, reorders, builds the teacher, starts the router
+        plugin.on_step_begin(trainer.plugin_context(plugin), 1)  # calibrates, reorders, builds the teacher, starts the router
         chosen = [plugin.router.select(b) for b in range(len(BUDGETS))]
         losses = [
             {str(s): reference_kd(trainer, plugin, s) for s in candidates(plugin.space, plugin.grid, b, TOLERANCE)}

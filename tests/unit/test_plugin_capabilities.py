@@ -110,7 +110,7 @@ def test_the_trainer_refuses_plugins_that_conflict_before_it_starts():
 
 
 def test_a_layout_moves_prebuilt_unless_a_plugin_rewrites_the_model():
-    from megatron_ext.reshard.prebuild import can_prebuild
+    from megatron_ext.training.layout_controller import LayoutController
 
     class Hooks(Plugin):
         def on_step_end(self, ctx, step, metrics):
@@ -119,8 +119,11 @@ def test_a_layout_moves_prebuilt_unless_a_plugin_rewrites_the_model():
     class Edits(Plugin):
         capabilities = frozenset({Capability.EDITS_BUILT_MODEL})
 
-    assert can_prebuild(SimpleNamespace(plugins=[Hooks()]))
-    assert not can_prebuild(SimpleNamespace(plugins=[Hooks(), Edits()]))
+    def can_prepare_ahead(*plugins: Plugin) -> bool:
+        return LayoutController(SimpleNamespace(plugins=list(plugins), layout=None)).can_prepare_ahead
+
+    assert can_prepare_ahead(Hooks())
+    assert not can_prepare_ahead(Hooks(), Edits())
 
 
 def _names_in(path: Path) -> set[str]:

@@ -23,8 +23,9 @@ PLUGIN_CODE = [*sorted((PACKAGE / "reshard").glob("*.py")), *sorted((PACKAGE / "
                *sorted((PACKAGE / "elastic").glob("*.py")), PACKAGE / "lora" / "plugin.py",
                *sorted((TESTS / "plugins").rglob("*.py"))]
 # What code that builds and drives a Trainer of its own (reshard's worker pool, dpp's tools)
-# does with it besides the context's members: it owns that run.
-RUN_OWNER_MEMBERS = {"setup", "train", "save", "load_common_state", "close"}
+# does with it besides the context's members: it owns that run. Its layout changes go through
+# `layout_controller`, a member of the context.
+RUN_OWNER_MEMBERS = {"setup", "train", "save", "close"}
 
 
 def context_members() -> set[str]:

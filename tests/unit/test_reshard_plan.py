@@ -212,12 +212,12 @@ def test_random_models_and_layouts(seed):
 # --- a rank's own plan -------------------------------------------------------------------------
 
 RANDOM_MODELS = 3
-LAYOUTS_PER_MODEL = 5
+LAYOUTS_PER_MODEL = 4
 
 
 def random_moves() -> list:
     """Every move between LAYOUTS_PER_MODEL random layouts of each of RANDOM_MODELS random
-    models: about 75 moves and four hundred ranks, at the cost of one skeleton per
+    models: about 50 moves and three hundred ranks, at the cost of one skeleton per
     (model, layout, stage)."""
     rng = random.Random(27)
     moves = []
@@ -230,7 +230,7 @@ def random_moves() -> list:
 
 
 def test_each_rank_plans_exactly_its_part_of_the_world_plan():
-    """For about a hundred random moves: rank_plan(r) is the world plan's ops of rank r, op for op
+    """For about fifty random moves: rank_plan(r) is the world plan's ops of rank r, op for op
     and in order (same pieces, boxes and bytes), and the ranks' ops together are the world's."""
     from megatron_ext.reshard.plan import rank_plan
     from megatron_ext.reshard.skeleton import standalone_world

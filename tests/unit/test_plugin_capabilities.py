@@ -7,9 +7,7 @@ refused beside dpp before launch, and composes with reshard."""
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +18,7 @@ from megatron_ext.config.plugin_sections import BUILTIN, PluginSection, builtin_
 from megatron_ext.config.schema import Config
 from megatron_ext.config.validate import ConfigError
 from megatron_ext.plugin import Plugin, hook_capabilities, register_plugin, registered_plugins
+from tests.unit._outside_plugin_runs import train_with_plugin
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,15 +150,8 @@ def test_the_core_names_no_plugin(core):
             assert not _names_in(path) & set(BUILTIN), f"{path.relative_to(REPO)} names a plugin"
 
 
-TINY = ["experiment=none", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
-        "model.num_attention_heads=4", "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2",
-        "train.eval_interval=0", "logging.progress_bar=false", "launcher.device=cpu"]
-
-
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MEGATRON_EXT_PLUGINS": "tests.plugins.step_clock", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megatron_ext.train", *TINY, f"data.cache_dir={tmp_path / 'cache'}", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return train_with_plugin("tests.plugins.step_clock", tmp_path, *overrides)
 
 
 def test_an_outside_plugin_that_runs_the_step_is_refused_beside_dpp_before_launch(tmp_path):

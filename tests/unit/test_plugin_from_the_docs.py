@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = ["experiment=none", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
-        "model.num_attention_heads=4", "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2",
-        "train.eval_interval=0", "logging.progress_bar=false", "launcher.nproc=1", "launcher.device=cpu"]
+from tests.unit._outside_plugin_runs import train_with_plugin
 
 
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MEGATRON_EXT_PLUGINS": "tests.plugins.grad_norm", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "megatron_ext.train", *TINY, f"data.cache_dir={tmp_path / 'cache'}", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return train_with_plugin("tests.plugins.grad_norm", tmp_path, "launcher.nproc=1", *overrides)
 
 
 def test_a_plugin_of_its_own_folder_logs_per_layer_grad_norms(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -520,6 +521,7 @@ def reports(tmp_path_factory) -> dict:
     assert patched, built.stdout + built.stderr
     outcomes["patched"] = finish_report(patched)
     assert outcomes["patched"]["megatron_core"].startswith(str(tree))
+    outcomes["check_patches"] = built.stdout
     return outcomes
 
 
@@ -534,6 +536,13 @@ def applied(tmp_path_factory):
     # Other tests start their own worlds (some in forked children of this process).
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def test_every_patch_applies_compiles_and_imports(reports):
+    """scripts/check_patches.py, as the reports fixture ran it to build the patched copy."""
+    for patch in sorted((REPO / "patches").glob("*.diff")):
+        assert f"OK     {patch.name}" in reports["check_patches"]
+    assert re.search(r"OK     import of the \d+ patched modules", reports["check_patches"])
 
 
 def test_every_fix_has_a_case():

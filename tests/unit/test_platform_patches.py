@@ -1,5 +1,6 @@
 """patches/ and scripts/check_patches.py: an upstream diff for every runtime fix of
-megatron_ext.platform.cpu_compat, each applying to megatron-core 0.16.1."""
+megatron_ext.platform.cpu_compat, each applying to megatron-core 0.16.1 (that all of them apply,
+compile and import is checked where test_platform_cpu_compat.py builds the patched copy)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,6 @@ def check_patches(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
     )
-
-
-def test_every_patch_applies_compiles_and_imports():
-    done = check_patches()
-    assert done.returncode == 0, done.stdout + done.stderr
-    for patch in sorted(PATCHES.glob("*.diff")):
-        assert f"OK     {patch.name}" in done.stdout
-    assert re.search(r"OK     import of the \d+ patched modules", done.stdout)
 
 
 def test_every_runtime_fix_has_a_numbered_patch_with_a_header_and_a_readme_row():
